@@ -1,0 +1,101 @@
+"""Per-cell GPU memory ledger, ``%%gpumem`` line-by-line reports and OOM explanations for IPython.
+
+    In [1]: %load_ext ipy_gpumem
+
+Importing this package imports neither IPython, torch nor plotly: the extension's work starts
+in ``load_ipython_extension`` and every heavy import happens inside the function that needs it.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "GpuMemWarning",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+    "history",
+    "last",
+    "history_frame",
+    "parse_oom",
+    "who",
+    "format_bytes",
+    "parse_bytes",
+]
+
+
+class GpuMemWarning(UserWarning):
+    """Something inside ipy_gpumem went wrong; your code and data are unaffected."""
+
+
+def load_ipython_extension(ipython):
+    """Register ``%gpumem``, ``%%gpumem`` and the per-cell hooks on ``ipython``."""
+    from .extension import load  # the only place IPython-aware code is imported
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    """Remove exactly what :func:`load_ipython_extension` added."""
+    from .extension import unload
+
+    unload(ipython)
+
+
+def history():
+    """The recorded cells of the running session, oldest first, as a list of ``CellRecord``.
+
+    Empty when the extension is not loaded. Each record's ``to_dict()`` is JSON-serialisable.
+    """
+    from .extension import current_ledger
+
+    ledger = current_ledger()
+    return [] if ledger is None else ledger.records()
+
+
+def last():
+    """The most recent ``CellRecord``, or None when nothing was recorded yet."""
+    records = history()
+    return records[-1] if records else None
+
+
+def history_frame():
+    """The history as a pandas DataFrame, one row per cell and device (pandas must be installed)."""
+    from .recorder import records_frame
+
+    return records_frame(history())
+
+
+def parse_oom(text):
+    """Parse any known out-of-memory message into an ``OomReport``; None if ``text`` is not one."""
+    from .oom import parse_oom as _parse_oom
+
+    return _parse_oom(text)
+
+
+def who(namespace=None, device=None):
+    """Who holds the memory: parameters, gradients, optimizer state, retained graphs, caches.
+
+    ``namespace`` defaults to the running IPython shell's user namespace.
+    """
+    from .who import who as _who
+
+    if namespace is None:
+        from .extension import user_namespace
+
+        namespace = user_namespace()
+    return _who(namespace, device=device)
+
+
+def format_bytes(size):
+    """Format a byte count as PyTorch does: ``format_bytes(1610612736) == "1.50 GiB"``."""
+    from .units import format_bytes as _format_bytes
+
+    return _format_bytes(size)
+
+
+def parse_bytes(text):
+    """Read a size such as ``"20.00 MiB"`` or ``"0 bytes"`` back into bytes."""
+    from .units import parse_bytes as _parse_bytes
+
+    return _parse_bytes(text)

@@ -1,0 +1,97 @@
+"""Byte quantities in torch's own spelling: ``format_bytes(1610612736) == "1.50 GiB"`` and back.
+
+PyTorch prints sizes with c10's ``format_size``: whole ``bytes`` up to 1024, then KiB, MiB and
+GiB with two decimals and never TiB. Using the same spelling means the numbers we show line up
+character for character with the ones in the user's traceback.
+"""
+from __future__ import annotations
+
+import re
+from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+
+__all__ = ["KiB", "MiB", "GiB", "TiB", "format_bytes", "format_delta", "parse_bytes"]
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+TiB = 1024**4
+
+# Every unit is binary. "KB/MB/GB" are binary too: torch's old MPS allocator and TensorFlow
+# divide by 1024 and print those labels, so reading them as decimal would be wrong by ~7%.
+_UNITS = {
+    "": 1, "b": 1, "byte": 1, "bytes": 1,
+    "k": KiB, "kb": KiB, "kib": KiB,
+    "m": MiB, "mb": MiB, "mib": MiB,
+    "g": GiB, "gb": GiB, "gib": GiB,
+    "t": TiB, "tb": TiB, "tib": TiB,
+    "p": 1024**5, "pb": 1024**5, "pib": 1024**5,
+    "e": 1024**6, "eb": 1024**6, "eib": 1024**6,
+}
+_QUANTITY = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+))\s*([a-zA-Z]*)\s*$")
+
+
+def format_bytes(size: int | None) -> str:
+    """Format a byte count exactly as PyTorch's ``format_size`` does.
+
+    Examples:
+        >>> format_bytes(0), format_bytes(1024), format_bytes(1536), format_bytes(1610612736)
+        ('0 bytes', '1024 bytes', '1.50 KiB', '1.50 GiB')
+        >>> format_bytes(None)
+        'n/a'
+    """
+    if size is None:
+        return "n/a"
+    size = int(size)
+    if size < 0:
+        return "-" + format_bytes(-size)
+    if size <= KiB:
+        return f"{size} bytes"
+    if size <= MiB:
+        return f"{size / KiB:.2f} KiB"
+    if size <= GiB:
+        return f"{size / MiB:.2f} MiB"
+    return f"{size / GiB:.2f} GiB"
+
+
+def format_delta(delta: int | None) -> str:
+    """Format a signed change in bytes: ``+2.81 GiB``, ``-512.00 MiB``, ``+0 bytes``.
+
+    Examples:
+        >>> format_delta(3 * 1024**3), format_delta(-512 * 1024**2), format_delta(0)
+        ('+3.00 GiB', '-512.00 MiB', '+0 bytes')
+    """
+    if delta is None:
+        return "n/a"
+    return ("-" if delta < 0 else "+") + format_bytes(abs(int(delta)))
+
+
+def parse_bytes(text: str | int) -> int:
+    """Read a size such as ``"20.00 MiB"``, ``"0 bytes"``, ``"3.34GiB"``, ``"72GB"`` or ``"16M"``.
+
+    Decimals are rounded half up after exact decimal multiplication, so
+    ``parse_bytes("2.32 GiB") == round(2.32 * 1024**3)`` without float error, and huge values
+    such as torch's ``"17179869184.00 GiB"`` (2**64) stay exact.
+
+    Raises:
+        ValueError: ``text`` is not a size.
+
+    Examples:
+        >>> parse_bytes("1.50 GiB"), parse_bytes("256 bytes"), parse_bytes("16 MiB")
+        (1610612736, 256, 16777216)
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"not a size: {text!r}")
+    if isinstance(text, int):
+        return text
+    match = _QUANTITY.match(str(text))
+    if not match:
+        raise ValueError(f"not a size: {text!r} (try e.g. '16 MiB', '1.5 GiB' or '0 bytes')")
+    number, unit = match.groups()
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise ValueError(f"unknown unit {unit!r} in {text!r} (use bytes, KiB, MiB, GiB or TiB)")
+    try:
+        value = Decimal(number) * factor
+    except InvalidOperation:  # pragma: no cover - the regex admits only valid decimals
+        raise ValueError(f"not a size: {text!r}") from None
+    return int(value.quantize(Decimal(1), rounding=ROUND_HALF_UP))
