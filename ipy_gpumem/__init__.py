@@ -61,7 +61,7 @@ def last():
 
 def history_frame():
     """The history as a pandas DataFrame, one row per cell and device (pandas must be installed)."""
-    from .recorder import records_frame
+    from .records import records_frame
 
     return records_frame(history())
 

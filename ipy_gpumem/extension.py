@@ -1,0 +1,613 @@
+"""The only IPython-aware module: GpuMemMagics (config, ``%gpumem``, ``%%gpumem``), guarded hooks, load/unload.
+
+Load it with ``%load_ext ipy_gpumem`` or ``c.InteractiveShellApp.extensions = ["ipy_gpumem"]``.
+Configure it with ``%config GpuMemMagics.<name> = value`` or in ``ipython_config.py``::
+
+    c.GpuMemMagics.threshold = "16 MiB"   # show the per-cell line when memory moved this much
+    c.GpuMemMagics.track_peaks = True     # per-cell peaks (resets torch's peak counters)
+    c.GpuMemMagics.quiet = False          # record every cell, print nothing
+    c.GpuMemMagics.devices = "all"        # or "0,1": the CUDA devices to watch
+    c.GpuMemMagics.history_size = 10000   # records kept (oldest dropped)
+
+How ``%%gpumem`` runs a cell: an input transformer blanks the ``%%gpumem ...`` line, so the cell
+runs as an ordinary cell (its last expression is displayed, ``await`` works, and its error shows
+exactly as without the magic), while the hooks measure it in detail and show the report after
+it. Called programmatically (``run_cell_magic("gpumem", ...)``), the magic runs its body as a
+nested cell instead, the way ``%%capture`` does.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import warnings
+from typing import TYPE_CHECKING, Optional
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from traitlets import Bool, Int, TraitError, Unicode, Union, validate
+
+from . import GpuMemWarning
+from .linetrace import LineTracer
+from .probes import MemoryProbe
+from .recorder import Ledger, Measurement
+from .render import cell_moved, cell_report_view, cell_view, history_view, status_view
+from .units import parse_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from IPython.core.interactiveshell import InteractiveShell
+
+__all__ = ["GpuMemMagics", "load", "unload", "current_ledger", "user_namespace"]
+
+_MODES = "status, history [N], on, off, clear, export PATH"
+
+
+def _display(obj) -> None:
+    from IPython.display import display
+
+    display(obj)
+
+
+def _exception_marker():
+    """Something that changes whenever IPython records a new error in ``sys.last_value``.
+
+    Exceptions cannot be weakly referenced and we must not keep one alive, so the marker is the
+    object's id and type: a new error replaces the old one while both are alive, so its id differs.
+    """
+    value = getattr(sys, "last_value", None)
+    return None if value is None else (id(value), type(value))
+
+
+class _Plan:
+    """What ``%%gpumem`` asked for, parsed from its line."""
+
+    __slots__ = ("lines", "output", "devices", "host_only", "offset", "source_lines", "device_text")
+
+    def __init__(self, lines=False, output=None, devices=None, host_only=False, device_text=None):
+        self.lines = lines
+        self.output = output
+        self.devices = devices
+        self.host_only = host_only
+        self.device_text = device_text
+        self.offset = 0
+        self.source_lines = None
+
+
+class _Frame:
+    """One ``run_cell`` in flight (cells nest: ``%%capture``, ``%rerun``, ``run_cell`` calls)."""
+
+    __slots__ = ("info", "measurement", "plan", "tracer", "marker", "reported_inside")
+
+    def __init__(self, info, measurement, plan, tracer, marker):
+        self.info = info
+        self.measurement = measurement
+        self.plan = plan
+        self.tracer = tracer
+        self.marker = marker
+        self.reported_inside = False
+
+
+def _parse_device(text: str):
+    """``-d`` value -> (cuda indices or None, host_only). Raises UsageError with the fix."""
+    value = text.strip().lower()
+    if value in ("host", "cpu"):
+        return (), True
+    if value in ("cuda", "all", "gpu"):
+        return None, False
+    if value.startswith("cuda:"):
+        value = value[5:]
+    if value.isdigit():
+        return (int(value),), False
+    raise UsageError(f"unknown device {text!r}: use cuda:N (e.g. -d cuda:0), cuda for all GPUs, or host")
+
+
+@magics_class
+class GpuMemMagics(Magics):
+    """``%gpumem`` and ``%%gpumem``; configure with ``%config GpuMemMagics`` (see the module docstring)."""
+
+    threshold = Union(
+        [Int(), Unicode()],
+        default_value="16 MiB",
+        help=(
+            "Show the one-line summary after a cell when allocated, reserved or the peak moved by at "
+            "least this much (host RSS on a machine without a GPU). A size such as '16 MiB' or bytes."
+        ),
+    ).tag(config=True)
+    track_peaks = Bool(
+        True,
+        help=(
+            "Measure each cell's own peak. To do so ipy_gpumem resets torch's peak counters "
+            "(torch.cuda.reset_peak_memory_stats) before every cell, which also resets the values "
+            "your code reads with torch.cuda.max_memory_allocated(); on Linux it also resets the "
+            "process's peak RSS (VmHWM). Set False to leave all peak counters alone: peaks are then "
+            "the highest values sampled."
+        ),
+    ).tag(config=True)
+    quiet = Bool(False, help="Record every cell but never print the per-cell line.").tag(config=True)
+    devices = Unicode(
+        "all", help="CUDA devices to watch: 'all' (every device your code initialized) or indices like '0,1'."
+    ).tag(config=True)
+    history_size = Int(10_000, help="How many cell records to keep; the oldest are dropped.").tag(config=True)
+
+    def __init__(self, shell=None, probe: Optional[MemoryProbe] = None, **kwargs):
+        super().__init__(shell=shell, **kwargs)
+        self.probe = probe if probe is not None else MemoryProbe()
+        self.ledger = Ledger(self.history_size)
+        self.enabled = True
+        self.broken: Optional[str] = None
+        self._stack: list = []
+        self._armed: Optional[_Plan] = None
+
+    # -- configuration ---------------------------------------------------------------------------
+
+    @validate("threshold")
+    def _check_threshold(self, proposal):
+        try:
+            value = parse_bytes(proposal["value"])
+        except ValueError as exc:
+            raise TraitError(f"GpuMemMagics.threshold: {exc}") from None
+        if value < 0:
+            raise TraitError("GpuMemMagics.threshold must not be negative")
+        return proposal["value"]
+
+    @validate("devices")
+    def _check_devices(self, proposal):
+        self._device_indices(proposal["value"])  # raises TraitError when unreadable
+        return proposal["value"]
+
+    @validate("history_size")
+    def _check_history_size(self, proposal):
+        if proposal["value"] < 1:
+            raise TraitError("GpuMemMagics.history_size must be at least 1")
+        if hasattr(self, "ledger"):
+            self.ledger.resize(proposal["value"])
+        return proposal["value"]
+
+    @staticmethod
+    def _device_indices(text: str):
+        text = (text or "all").strip().lower()
+        if text in ("all", ""):
+            return None
+        try:
+            return tuple(int(part.strip().replace("cuda:", "")) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise TraitError(f"GpuMemMagics.devices: {text!r} is not 'all' or a list like '0,1'") from None
+
+    @property
+    def threshold_bytes(self) -> int:
+        return parse_bytes(self.threshold)
+
+    # -- hooks -----------------------------------------------------------------------------------
+
+    def pre_run_cell(self, info=None) -> None:
+        self._guarded(self._pre, info)
+
+    def post_run_cell(self, result=None) -> None:
+        self._guarded(self._post, result)
+
+    def _guarded(self, step, arg) -> None:
+        if self.broken is not None:
+            return
+        try:
+            step(arg)
+        except Exception as exc:  # noqa: BLE001 - an ipy_gpumem bug must never cost the user a cell
+            self._stop_after_error(exc)
+
+    def _stop_after_error(self, exc: BaseException) -> None:
+        self.broken = f"{type(exc).__name__}: {exc}"
+        for frame in self._stack:
+            if frame.tracer is not None:
+                frame.tracer.stop()
+        self._stack.clear()
+        warnings.warn(
+            f"ipy_gpumem stopped recording after an internal error ({self.broken}). Your cell ran "
+            "normally. Run %gpumem on to resume.",
+            GpuMemWarning,
+            stacklevel=2,
+        )
+
+    def _plan_for(self, raw_cell: str) -> Optional[_Plan]:
+        """The ``%%gpumem`` request in a cell's leading magic lines, or None."""
+        if "%%gpumem" not in raw_cell[:4096]:
+            return None
+        lines = raw_cell.splitlines()
+        blank = 0
+        while blank < len(lines) and not lines[blank].strip():
+            blank += 1
+        magics = []
+        for line in lines[blank:]:
+            if line.startswith("%%"):
+                magics.append(line)
+            else:
+                break
+        for k, line in enumerate(magics):
+            arg = _gpumem_args(line)
+            if arg is None:
+                continue
+            plan = self._parse_plan(arg, strict=False)
+            if plan is None:
+                return None
+            # The traced code starts after the magic lines, except that our transformer blanks
+            # (rather than removes) the %%gpumem line when it is the last one, keeping numbering.
+            plan.offset = blank + len(magics) - (1 if k == len(magics) - 1 else 0)
+            plan.source_lines = lines
+            return plan
+        return None
+
+    def _parse_plan(self, arg: str, strict: bool = True) -> Optional[_Plan]:
+        try:
+            args = parse_argstring(self.gpumem_cell, arg)
+            if args.output is not None and not args.output.isidentifier():
+                raise UsageError(f"-o needs a Python name to store the record in, not {args.output!r}")
+            devices, host_only = (None, False) if args.device is None else _parse_device(args.device)
+        except UsageError:
+            if strict:
+                raise
+            return None
+        return _Plan(args.lines, args.output, devices, host_only, args.device)
+
+    def _pre(self, info) -> None:
+        raw = getattr(info, "raw_cell", "") or ""
+        plan = None
+        if not any(frame.plan is not None for frame in self._stack):
+            plan = self._armed or self._plan_for(raw)
+            self._armed = None
+        outermost = not self._stack
+        measurement = tracer = None
+        if plan is not None or (outermost and self.enabled):
+            devices = self._device_indices(self.devices)
+            if plan is not None and plan.devices is not None:
+                devices = plan.devices
+            host_only = plan is not None and plan.host_only
+            measurement = Measurement(
+                self.probe,
+                cell_id=getattr(info, "cell_id", None),
+                source=raw,
+                devices=() if host_only else devices,
+                track_peaks=self.track_peaks,
+                detailed=plan is not None,
+            )
+            if plan is not None and plan.lines:
+                tracer = LineTracer(self.probe, self.shell.user_global_ns, () if host_only else devices,
+                                    track_peaks=self.track_peaks)
+                if not tracer.start():
+                    pass  # the report says why (tracer.reason)
+        self._stack.append(_Frame(info, measurement, plan, tracer, _exception_marker()))
+
+    def _pop_frame(self, result) -> Optional[_Frame]:
+        if not self._stack:
+            return None  # an empty cell, or the cell that loaded the extension
+        info = getattr(result, "info", None)
+        if info is None or self._stack[-1].info is info:
+            return self._stack.pop()
+        for k in range(len(self._stack) - 1, -1, -1):
+            if self._stack[k].info is info:
+                # Frames above it never got their post_run_cell (an interrupted nested cell).
+                for orphan in self._stack[k + 1:]:
+                    if orphan.tracer is not None:
+                        orphan.tracer.stop()
+                del self._stack[k + 1:]
+                return self._stack.pop()
+        return None  # post_run_cell of a cell whose pre_run_cell we never saw (an empty cell)
+
+    def _post(self, result) -> None:
+        frame = self._pop_frame(result)
+        if frame is None or frame.measurement is None:
+            return
+        if frame.tracer is not None:
+            frame.tracer.stop()
+        error, message = self._cell_error(result, frame.marker)
+        measurement = frame.measurement
+        plan = frame.plan
+        if frame.tracer is not None:
+            tracer = frame.tracer
+            measurement.observe_peaks(tracer.host_peak, tracer.device_peaks)
+            names = {}
+            for index in tracer.device_peaks:
+                try:
+                    names[index] = self.probe.cuda.properties(index)[0]
+                except Exception:  # noqa: BLE001
+                    pass
+            measurement.lines = tracer.records(plan.source_lines or measurement.source.splitlines(), plan.offset, names)
+        outermost = not self._stack
+        count = getattr(result, "execution_count", None) if outermost else None
+        record = measurement.finish(error, message, execution_count=count)
+        if outermost:
+            self.ledger.append(record)
+        if plan is not None:
+            if plan.output:
+                self.shell.user_ns[plan.output] = record
+            note = frame.tracer.reason if frame.tracer is not None else None
+            _display(cell_report_view(record, plan.source_lines, note=note))
+            for parent in self._stack:
+                parent.reported_inside = True
+            return
+        if outermost and not frame.reported_inside and not self.quiet and cell_moved(record, self.threshold_bytes):
+            _display(cell_view(record, self.threshold_bytes))
+
+    @staticmethod
+    def _cell_error(result, marker):
+        """The class name and message of the cell's error, also when ``%%time`` swallowed it."""
+        exc = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
+        if exc is None and _exception_marker() not in (None, marker):
+            exc = getattr(sys, "last_value", None)
+        if exc is None:
+            return None, None
+        try:
+            message = str(exc)
+        except Exception:  # noqa: BLE001 - a user __str__ may raise
+            message = None
+        return type(exc).__name__, message
+
+    # -- magics ----------------------------------------------------------------------------------
+
+    @line_magic("gpumem")
+    def gpumem_line(self, line: str = ""):
+        """Inspect and control ipy_gpumem's per-cell memory ledger.
+
+        Usage::
+
+            %gpumem                 same as %gpumem status
+            %gpumem status          memory now: per device, allocated by PyTorch, reserved but
+                                    unallocated, used outside PyTorch (CUDA context, other
+                                    processes), free and total; and this process's host RSS
+            %gpumem history [N]     a table of the recorded cells (the last N)
+            %gpumem on | off        resume / pause recording (``on`` also recovers after an
+                                    internal error)
+            %gpumem clear           forget the recorded cells
+            %gpumem export PATH     write the records to PATH as .json or .csv
+
+        Example::
+
+            In [3]: %gpumem status
+            device                allocated by PyTorch  reserved but unallocated  ...
+            cuda:0 (Tesla P100)               3.68 GiB                 20.00 MiB  ...
+
+        Configuration: ``%config GpuMemMagics`` (threshold, track_peaks, quiet, devices,
+        history_size). From Python: ``ipy_gpumem.history()``, ``ipy_gpumem.last()``.
+        """
+        try:
+            words = shlex.split(line)
+        except ValueError as exc:
+            raise UsageError(f"%gpumem: {exc}") from None
+        mode = words[0].lower() if words else "status"
+        rest = words[1:]
+        handler = getattr(self, f"_mode_{mode}", None)
+        if handler is None:
+            raise UsageError(f"%gpumem: unknown mode {mode!r}; use one of: {_MODES} (see %gpumem?)")
+        handler(rest)
+
+    def _no_args(self, mode, rest):
+        if rest:
+            raise UsageError(f"%gpumem {mode} takes no arguments (got {' '.join(rest)!r})")
+
+    def _mode_status(self, rest):
+        self._no_args("status", rest)
+        sample = self.probe.sample(self._device_indices(self.devices))
+        names = {}
+        for dev in sample.devices:
+            try:
+                names[dev.index] = self.probe.cuda.properties(dev.index)[0]
+            except Exception:  # noqa: BLE001
+                pass
+        _display(status_view(sample, names))
+
+    def _mode_history(self, rest):
+        limit = None
+        if rest:
+            if len(rest) > 1 or not rest[0].isdigit():
+                raise UsageError("%gpumem history takes an optional number of cells, e.g. %gpumem history 20")
+            limit = int(rest[0])
+        _display(history_view(self.ledger.records(), limit))
+
+    def _mode_on(self, rest):
+        self._no_args("on", rest)
+        self.enabled = True
+        self.broken = None
+        print("ipy_gpumem: recording every cell.")
+
+    def _mode_off(self, rest):
+        self._no_args("off", rest)
+        self.enabled = False
+        print("ipy_gpumem: recording paused (%%gpumem still measures on request). %gpumem on resumes.")
+
+    def _mode_clear(self, rest):
+        self._no_args("clear", rest)
+        count = len(self.ledger)
+        self.ledger.clear()
+        print(f"ipy_gpumem: forgot {count} recorded cell{'s' if count != 1 else ''}.")
+
+    def _mode_export(self, rest):
+        if len(rest) != 1:
+            raise UsageError("%gpumem export needs one path ending in .json or .csv, e.g. %gpumem export cells.json")
+        path = os.path.expanduser(rest[0])
+        suffix = os.path.splitext(path)[1].lower()
+        if suffix not in (".json", ".csv"):
+            raise UsageError(f"%gpumem export: unknown format {suffix or '(none)'!r}; the path must end in .json or .csv")
+        records = self.ledger.records()
+        try:
+            if suffix == ".json":
+                with open(path, "w", encoding="utf-8") as fh:
+                    json.dump([r.to_dict() for r in records], fh, indent=1)
+            else:
+                _write_csv(path, records)
+        except OSError as exc:
+            raise UsageError(f"%gpumem export: cannot write {path!r}: {exc.strerror or exc}") from None
+        print(f"ipy_gpumem: wrote {len(records)} cell record{'s' if len(records) != 1 else ''} to {path}")
+
+    @magic_arguments()
+    @argument("-l", "--lines", action="store_true", help="Also measure every line of the cell: hits, Δallocated, Δreserved, peak within the line, Δhost RSS.")
+    @argument("-o", "--output", metavar="NAME", help="Store the CellRecord in the user namespace as NAME.")
+    @argument("-d", "--device", metavar="DEVICE", help="Measure only this device: cuda:N, cuda (all GPUs) or host.")
+    @cell_magic("gpumem")
+    def gpumem_cell(self, line: str, cell: str):
+        """Measure one cell in detail: before / after / peak per device and host, optionally per line.
+
+        The cell runs exactly as it would without the magic (its output, its last expression and
+        its error are unchanged); the report follows it.
+
+        Example::
+
+            In [4]: %%gpumem --lines -o rec
+               ...: x = torch.ones(2**28, device="cuda")
+               ...: y = x * 2
+               ...: del x
+            %%gpumem [4] · 12 ms
+                                  before     after         Δ      peak     peak Δ
+            cuda:0 allocated     0 bytes  1.00 GiB  +1.00 GiB  2.00 GiB  +2.00 GiB
+            ...
+            line  hits  Δallocated  Δreserved  peak in line  ...  source
+               2     1   +1.00 GiB  +1.00 GiB     +1.00 GiB  ...  x = torch.ones(2**28, device="cuda")
+
+            In [5]: rec.devices[0].peak_increase
+            Out[5]: 2147483648
+
+        Per-line deltas are summed over a line's executions (hits), so a loop body line that
+        keeps memory each iteration shows the total it kept.
+        """
+        # Reached only when the input transformer left the line in place: bad arguments (raise
+        # UsageError here) or a programmatic run_cell_magic call (measure the body as a nested
+        # cell, as %%capture does).
+        plan = self._parse_plan(line, strict=True)
+        plan.source_lines = cell.splitlines()
+        self._armed = plan
+        try:
+            self.shell.run_cell(cell, store_history=False)
+        finally:
+            self._armed = None
+
+
+def _gpumem_args(line: str) -> Optional[str]:
+    """The argument string of a ``%%gpumem ...`` line, or None for any other line."""
+    if not line.startswith("%%gpumem"):
+        return None
+    rest = line[len("%%gpumem"):]
+    if rest and not rest[0].isspace():
+        return None  # %%gpumem? (help) or %%gpumemx
+    return rest.strip()
+
+
+def _write_csv(path: str, records) -> None:
+    import csv
+
+    fields = ["execution_count", "cell_id", "started_at", "duration_s", "error", "device", "name",
+              "allocated_before", "allocated_after", "allocated_peak", "reserved_before", "reserved_after",
+              "reserved_peak", "used_before", "used_after", "total", "rss_before", "rss_after", "rss_peak", "source"]
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for rec in records:
+            base = {"execution_count": rec.execution_count, "cell_id": rec.cell_id, "started_at": rec.started_at,
+                    "duration_s": rec.duration_s, "error": rec.error, "rss_before": rec.host.rss_before,
+                    "rss_after": rec.host.rss_after, "rss_peak": rec.host.rss_peak, "source": rec.source}
+            if not rec.devices:
+                writer.writerow({**base, "device": "host"})
+            for dev in rec.devices:
+                d = dev.to_dict()
+                writer.writerow({**base, **{k: d[k] for k in fields if k in d}, "device": dev.label})
+
+
+# ---------------------------------------------------------------------------------------------
+# The %%gpumem input transformer
+# ---------------------------------------------------------------------------------------------
+
+
+def _make_transformer(magics: GpuMemMagics):
+    def strip_gpumem_line(lines):
+        """Blank a leading ``%%gpumem`` line so the cell runs as an ordinary cell (see module doc)."""
+        try:
+            if not lines or not lines[0].startswith("%%gpumem"):
+                return lines
+            arg = _gpumem_args(lines[0].rstrip("\r\n"))
+            if arg is None or magics._parse_plan(arg, strict=False) is None:
+                return lines  # bad arguments: let the magic itself raise the UsageError
+            if len(lines) > 1 and lines[1].startswith("%%"):
+                return lines[1:]  # another cell magic follows: it must stay first
+            return ["\n"] + lines[1:]
+        except Exception:  # noqa: BLE001 - a raising transformer would cost the user the cell
+            return lines
+
+    strip_gpumem_line.has_side_effects = False
+    return strip_gpumem_line
+
+
+# ---------------------------------------------------------------------------------------------
+# load / unload
+# ---------------------------------------------------------------------------------------------
+
+_ATTR = "_ipy_gpumem_state"
+
+
+def load(shell: "InteractiveShell") -> None:
+    """Register the magics, hooks and transformer once (loading twice changes nothing)."""
+    if getattr(shell, _ATTR, None) is not None:
+        return
+    magics = GpuMemMagics(shell=shell)
+    shell.register_magics(magics)
+    pre, post = magics.pre_run_cell, magics.post_run_cell
+    shell.events.register("pre_run_cell", pre)
+    shell.events.register("post_run_cell", post)
+    transformer = _make_transformer(magics)
+    shell.input_transformers_cleanup.append(transformer)
+    setattr(shell, _ATTR, {"magics": magics, "pre": pre, "post": post, "transformer": transformer})
+
+
+def unload(shell: "InteractiveShell") -> None:
+    """Remove exactly what :func:`load` added: hooks, transformer, magics, configurable."""
+    state = getattr(shell, _ATTR, None)
+    if state is None:
+        return
+    magics = state["magics"]
+    for frame in magics._stack:
+        if frame.tracer is not None:
+            frame.tracer.stop()
+    magics._stack.clear()
+    for event, callback in (("pre_run_cell", state["pre"]), ("post_run_cell", state["post"])):
+        try:
+            shell.events.unregister(event, callback)
+        except ValueError:
+            pass
+    if state["transformer"] in shell.input_transformers_cleanup:
+        shell.input_transformers_cleanup.remove(state["transformer"])
+    manager = shell.magics_manager
+    for kind in ("line", "cell"):
+        table = manager.magics.get(kind, {})
+        bound = table.get("gpumem")
+        if bound is not None and getattr(bound, "__self__", None) is magics:
+            del table["gpumem"]
+    if manager.registry.get("GpuMemMagics") is magics:
+        del manager.registry["GpuMemMagics"]
+    if magics in shell.configurables:
+        shell.configurables.remove(magics)
+    magics.probe.close()
+    delattr(shell, _ATTR)
+
+
+def _running_shell():
+    if "IPython" not in sys.modules:
+        return None
+    from IPython import get_ipython
+
+    return get_ipython()
+
+
+def current_magics() -> Optional[GpuMemMagics]:
+    shell = _running_shell()
+    state = getattr(shell, _ATTR, None) if shell is not None else None
+    return None if state is None else state["magics"]
+
+
+def current_ledger() -> Optional[Ledger]:
+    """The running shell's ledger, or None when the extension is not loaded."""
+    magics = current_magics()
+    return None if magics is None else magics.ledger
+
+
+def user_namespace() -> dict:
+    """The running shell's user namespace (for ``ipy_gpumem.who()``)."""
+    shell = _running_shell()
+    if shell is None:
+        raise RuntimeError("no IPython shell is running: pass the namespace, e.g. who(globals())")
+    return shell.user_ns

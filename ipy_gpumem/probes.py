@@ -1,0 +1,537 @@
+"""Read memory counters (host RSS, torch's CUDA allocator, NVML) without importing torch or initializing CUDA.
+
+Everything here is a cheap read that runs before and after every cell. Unavailability is a value,
+not an exception: a probe that cannot read something returns None and says why in ``reason``.
+The only state a probe ever changes is the peak counters, and only in :meth:`MemoryProbe.reset_peaks`
+(which the extension calls when ``track_peaks`` is on).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import NamedTuple, Sequence
+
+__all__ = [
+    "HostSample",
+    "DeviceSample",
+    "Sample",
+    "HostProbe",
+    "CudaProbe",
+    "NvmlProbe",
+    "MemoryProbe",
+    "parse_visible_devices",
+]
+
+
+class HostSample(NamedTuple):
+    """Process memory at one instant, in bytes (None where the platform cannot tell)."""
+
+    rss: int | None
+    #: Peak RSS since the last :meth:`HostProbe.reset_peak` (or since process start if the
+    #: platform cannot reset it).
+    peak_rss: int | None
+
+
+class DeviceSample(NamedTuple):
+    """One CUDA device at one instant, in bytes; ``index`` is torch's device index."""
+
+    index: int
+    allocated: int | None
+    reserved: int | None
+    peak_allocated: int | None
+    peak_reserved: int | None
+    #: Device-wide memory in use, all processes included (NVML, or cudaMemGetInfo).
+    used: int | None
+    total: int | None
+
+
+class Sample(NamedTuple):
+    """Host and device memory at one instant (``time.perf_counter()`` seconds)."""
+
+    t: float
+    host: HostSample
+    devices: tuple  # of DeviceSample, only devices torch has initialized
+    #: Why ``devices`` is empty, e.g. "torch is not imported", "CUDA not initialized yet".
+    reason: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Host memory
+# --------------------------------------------------------------------------------------------
+
+
+class HostProbe:
+    """Process RSS and its peak: /proc on Linux (about 1 us a read), psutil elsewhere.
+
+    On Linux the per-cell peak comes from the kernel's RSS high-water mark (``VmHWM``, also what
+    ``getrusage().ru_maxrss`` reports): writing ``5`` to ``/proc/self/clear_refs`` resets it to
+    the current RSS, so the peak we read after a cell is the true peak during that cell, not a
+    sampled one. That reset is the one side effect, and it is made only when asked.
+    """
+
+    def __init__(self, psutil_module=None, use_procfs: bool | None = None):
+        self._pid = None
+        self._statm = None  # fd of /proc/self/statm, kept open: a pread is 10x cheaper than open+read
+        self._status = None  # fd of /proc/self/status, only when getrusage cannot give the peak
+        self._clear_refs = None
+        self._resource = None
+        self._page = 4096
+        self._psutil = psutil_module
+        self._process = None
+        self._use_procfs = sys.platform.startswith("linux") if use_procfs is None else use_procfs
+        self.can_reset_peak = False
+        self.backend = None
+        self.reason = None
+        self._open()
+
+    def _open(self) -> None:
+        self.close()
+        self._pid = os.getpid()
+        if self._use_procfs:
+            try:
+                self._statm = os.open("/proc/self/statm", os.O_RDONLY)
+                self._page = os.sysconf("SC_PAGE_SIZE")
+                self.backend = "procfs"
+                self.reason = None
+            except (OSError, ValueError, AttributeError):
+                self._statm = None
+            if self._statm is not None:
+                try:
+                    self._clear_refs = os.open("/proc/self/clear_refs", os.O_WRONLY)
+                    self.can_reset_peak = True
+                    self._choose_peak_source()
+                except OSError:  # some containers forbid it; peaks then come from samples
+                    self._clear_refs = None
+                    self.can_reset_peak = False
+                return
+        try:
+            psutil = self._psutil
+            if psutil is None:
+                import psutil  # an install_requires dependency; only needed off Linux
+            self._process = psutil.Process()
+            self.backend = "psutil"
+            self.reason = None
+        except Exception as exc:  # noqa: BLE001 - any failure just means "unknown"
+            self._process = None
+            self.backend = None
+            self.reason = f"host memory unavailable ({type(exc).__name__})"
+
+    def close(self) -> None:
+        """Release the file descriptors (on unload)."""
+        for fd in (self._statm, self._clear_refs, self._status):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._statm = self._clear_refs = self._status = None
+        self._process = None
+        self.can_reset_peak = False
+
+    def _check_fork(self) -> None:
+        # After fork (DataLoader workers), an inherited /proc/self fd still points at the parent.
+        if self._pid != os.getpid():
+            self._open()
+
+    def rss(self) -> int | None:
+        """Resident set size of this process, in bytes."""
+        self._check_fork()
+        if self._statm is not None:
+            try:
+                return int(os.pread(self._statm, 128, 0).split(None, 2)[1]) * self._page
+            except (OSError, ValueError, IndexError):
+                return None
+        if self._process is not None:
+            try:
+                return int(self._process.memory_info().rss)
+            except Exception:  # noqa: BLE001 - psutil may raise anything from AccessDenied up
+                return None
+        return None
+
+    def peak_rss(self) -> int | None:
+        """Peak RSS since the last reset (Linux, Windows), or None where the OS keeps none."""
+        if self._statm is not None:
+            try:
+                if self._status is not None:
+                    text = os.pread(self._status, 8192, 0)
+                    start = text.index(b"VmHWM:") + 6
+                    return int(text[start:text.index(b"kB", start)]) * 1024
+                return int(self._resource.getrusage(self._resource.RUSAGE_SELF).ru_maxrss) * 1024
+            except (OSError, ValueError, AttributeError):
+                return None
+        if self._process is not None:
+            try:
+                info = self._process.memory_info()
+                peak = getattr(info, "peak_wset", None)  # Windows; macOS keeps no resettable peak
+                return None if peak is None else int(peak)
+            except Exception:  # noqa: BLE001
+                return None
+        return None
+
+    def _choose_peak_source(self) -> None:
+        # getrusage's ru_maxrss is 10x cheaper than parsing /proc/self/status, and after a reset
+        # it equals VmHWM, except that it never drops below the maximum RSS the kernel remembered
+        # at exec (signal->maxrss: a Jupyter kernel inherits its launcher's). Check once that a
+        # reset really brings it down; otherwise read VmHWM itself.
+        try:
+            import resource  # stdlib, Unix only
+
+            self._resource = resource
+            os.write(self._clear_refs, b"5")
+            via_rusage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            status = os.open("/proc/self/status", os.O_RDONLY)
+            text = os.pread(status, 8192, 0)
+            start = text.index(b"VmHWM:") + 6
+            via_status = int(text[start:text.index(b"kB", start)]) * 1024
+            if abs(via_rusage - via_status) > 4 * 2**20:
+                self._status = status
+            else:
+                os.close(status)
+        except (OSError, ValueError, ImportError):
+            self._resource = None
+
+    def reset_peak(self) -> bool:
+        """Reset the kernel's RSS high-water mark to the current RSS; False if unsupported."""
+        self._check_fork()
+        if self._clear_refs is None:
+            return False
+        try:
+            os.write(self._clear_refs, b"5")
+            return True
+        except OSError:
+            self.can_reset_peak = False
+            self._clear_refs = None
+            return False
+
+    def sample(self) -> HostSample:
+        """Current RSS and peak RSS together."""
+        return HostSample(self.rss(), self.peak_rss())
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA devices
+# --------------------------------------------------------------------------------------------
+
+
+def parse_visible_devices(value: str | None) -> list | None:
+    """Read ``CUDA_VISIBLE_DEVICES`` as CUDA does: ints, or ``GPU-``/``MIG-`` UUID prefixes.
+
+    Returns None when the variable is unset (all devices visible, torch index == NVML index).
+
+    Examples:
+        >>> parse_visible_devices("2,0"), parse_visible_devices("GPU-8d1,GPU-77"), parse_visible_devices(None)
+        ([2, 0], ['GPU-8d1', 'GPU-77'], None)
+        >>> parse_visible_devices("1,-1,3")  # a negative index ends the list, as in CUDA
+        [1]
+    """
+    if value is None:
+        return None
+    items = [item.strip() for item in value.split(",")]
+    if items and (items[0].startswith("GPU-") or items[0].startswith("MIG-")):
+        prefix = items[0][:4]
+        out = []
+        for item in items:
+            if not item.startswith(prefix) or item in out:
+                break
+            out.append(item)
+        return out
+    indices: list = []
+    for item in items:
+        digits = ""
+        for ch in item:
+            if ch.isdigit():
+                digits += ch
+            else:
+                break
+        if not digits:
+            break
+        index = int(digits)
+        if index in indices:  # a repeated ordinal makes CUDA see no device at all
+            return []
+        indices.append(index)
+    return indices
+
+
+class NvmlProbe:
+    """Device-wide used/total memory and the process list through NVML (``nvidia-ml-py``).
+
+    NVML is initialized lazily, the first time a CUDA device is sampled, so loading the
+    extension on a machine without a GPU costs nothing. A failure is remembered: NVML is not
+    retried on every cell.
+    """
+
+    def __init__(self, pynvml_module=None, environ=None):
+        self._pynvml = pynvml_module
+        self._environ = os.environ if environ is None else environ
+        self._state = "new"  # new | ok | failed
+        self.reason = None
+        self._handles: dict = {}
+        self._nvml_indices: dict = {}
+
+    def _init(self) -> bool:
+        if self._state == "ok":
+            return True
+        if self._state == "failed":
+            return False
+        try:
+            if self._pynvml is None:
+                import pynvml  # provided by nvidia-ml-py
+
+                self._pynvml = pynvml
+            self._pynvml.nvmlInit()
+            self._state = "ok"
+            return True
+        except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, ImportError, ...
+            self._state = "failed"
+            self.reason = f"NVML unavailable ({type(exc).__name__})"
+            return False
+
+    def handle(self, torch_index: int, uuid: str | None = None):
+        """The NVML handle of torch's device ``torch_index``, through CUDA_VISIBLE_DEVICES."""
+        if torch_index in self._handles:
+            return self._handles[torch_index]
+        handle = None
+        if self._init():
+            nvml = self._pynvml
+            try:
+                if uuid:
+                    handle = nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-")) else "GPU-" + uuid)
+            except Exception:  # noqa: BLE001 - fall back to the index mapping below
+                handle = None
+            if handle is None:
+                try:
+                    handle = self._handle_by_visible_index(torch_index)
+                except Exception:  # noqa: BLE001
+                    handle = None
+        self._handles[torch_index] = handle
+        return handle
+
+    def _handle_by_visible_index(self, torch_index: int):
+        nvml = self._pynvml
+        visible = parse_visible_devices(self._environ.get("CUDA_VISIBLE_DEVICES"))
+        if visible is None:
+            return nvml.nvmlDeviceGetHandleByIndex(torch_index)
+        if torch_index >= len(visible):
+            return None
+        wanted = visible[torch_index]
+        if isinstance(wanted, int):
+            return nvml.nvmlDeviceGetHandleByIndex(wanted)
+        if wanted.startswith("MIG-"):
+            return None  # a MIG slice's memory comes from cudaMemGetInfo instead
+        matches = []
+        for i in range(nvml.nvmlDeviceGetCount()):
+            h = nvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = nvml.nvmlDeviceGetUUID(h)
+            uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+            if uuid.startswith(wanted):
+                matches.append(h)
+        return matches[0] if len(matches) == 1 else None
+
+    def memory(self, torch_index: int, uuid: str | None = None) -> tuple:
+        """``(used, total)`` bytes for the whole device, or ``(None, None)``."""
+        handle = self.handle(torch_index, uuid)
+        if handle is None:
+            return None, None
+        try:
+            info = self._pynvml.nvmlDeviceGetMemoryInfo(handle)
+            return int(info.used), int(info.total)
+        except Exception:  # noqa: BLE001
+            return None, None
+
+    def processes(self, torch_index: int, uuid: str | None = None) -> list:
+        """``[(pid, bytes or None, name or None)]`` of compute processes (slow: ~5 ms; on demand only)."""
+        handle = self.handle(torch_index, uuid)
+        if handle is None:
+            return []
+        nvml = self._pynvml
+        try:
+            procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except Exception:  # noqa: BLE001
+            return []
+        out = []
+        for proc in procs:
+            used = getattr(proc, "usedGpuMemory", None)
+            try:
+                name = nvml.nvmlSystemGetProcessName(proc.pid)
+                name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+            except Exception:  # noqa: BLE001
+                name = None
+            out.append((int(proc.pid), None if used is None else int(used), name))
+        return out
+
+    def shutdown(self) -> None:
+        if self._state == "ok":
+            try:
+                self._pynvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001
+                pass
+        self._state = "new"
+        self._handles.clear()
+
+
+class CudaProbe:
+    """torch's CUDA caching-allocator counters, read through ``sys.modules`` only.
+
+    Never imports torch (it is the user's) and never initializes CUDA: until the user's own code
+    has initialized it, every read returns a reason instead of numbers. ``torch.cuda.mem_get_info``
+    is avoided on devices without a context because it would create one (hundreds of MiB).
+    """
+
+    def __init__(self, nvml: NvmlProbe | None = None, torch_module=None):
+        self._torch_override = torch_module
+        self.nvml = nvml if nvml is not None else NvmlProbe()
+        self._props: dict = {}
+        self._stats_fn = None
+
+    def _torch(self):
+        if self._torch_override is not None:
+            return self._torch_override
+        return sys.modules.get("torch")  # never import torch on the user's behalf
+
+    def status(self):
+        """``(torch.cuda module, None)`` when CUDA is up, else ``(None, reason)``."""
+        torch = self._torch()
+        if torch is None:
+            return None, "torch is not imported"
+        cuda = getattr(torch, "cuda", None)
+        try:
+            if cuda is None or not cuda.is_initialized():
+                return None, "CUDA not initialized yet"
+        except Exception:  # noqa: BLE001 - a broken torch install must not break cells
+            return None, "torch.cuda unavailable"
+        return cuda, None
+
+    def device_indices(self, cuda) -> list:
+        """torch indices of devices with a CUDA context (the ones the user's code touched)."""
+        count = cuda.device_count()
+        has_context = getattr(getattr(self._torch(), "_C", None), "_cuda_hasPrimaryContext", None)
+        if has_context is None:
+            # Older torch: the current device, plus any device whose allocator holds memory.
+            current = cuda.current_device()
+            return [i for i in range(count) if i == current or (self.counters(i)[1] or 0) > 0]
+        return [i for i in range(count) if has_context(i)]
+
+    def _nested_stats(self, index: int) -> dict:
+        # torch._C._cuda_memoryStats returns the nested dict directly (~7x cheaper than the
+        # flattened torch.cuda.memory_stats, which rebuilds ~120 keys on every call).
+        if self._stats_fn is None:
+            torch = self._torch()
+            fn = getattr(getattr(torch, "_C", None), "_cuda_memoryStats", None)
+            self._stats_fn = fn if fn is not None else torch.cuda.memory_stats_as_nested_dict
+        return self._stats_fn(index)
+
+    def counters(self, index: int) -> tuple:
+        """``(allocated, reserved, peak_allocated, peak_reserved)`` from the allocator."""
+        stats = self._nested_stats(index)
+        return counters_from_stats(stats)
+
+    def reset_peak(self, index: int) -> None:
+        self._torch().cuda.reset_peak_memory_stats(index)
+
+    def properties(self, index: int) -> tuple:
+        """``(name, total, uuid)`` for a device, cached (they never change)."""
+        props = self._props.get(index)
+        if props is None:
+            p = self._torch().cuda.get_device_properties(index)
+            uuid = getattr(p, "uuid", None)
+            props = (str(p.name), int(p.total_memory), None if uuid is None else str(uuid))
+            self._props[index] = props
+        return props
+
+    def device_memory(self, index: int) -> tuple:
+        """``(used, total)`` device-wide: NVML first, else cudaMemGetInfo (context exists here)."""
+        name, total, uuid = self.properties(index)
+        used, nvml_total = self.nvml.memory(index, uuid)
+        if used is not None:
+            return used, nvml_total if nvml_total is not None else total
+        try:
+            free, total2 = self._torch().cuda.mem_get_info(index)
+            return int(total2) - int(free), int(total2)
+        except Exception:  # noqa: BLE001
+            return None, total
+
+    def sample(self, indices: Sequence[int] | None = None, with_device_memory: bool = True):
+        """``(tuple of DeviceSample, reason)`` for the initialized devices (or ``indices``)."""
+        cuda, reason = self.status()
+        if cuda is None:
+            return (), reason
+        if indices is None:
+            indices = self.device_indices(cuda)
+        out = []
+        for i in indices:
+            allocated, reserved, peak_a, peak_r = self.counters(i)
+            if with_device_memory:
+                used, total = self.device_memory(i)
+            else:
+                used, total = None, self.properties(i)[1]
+            out.append(DeviceSample(i, allocated, reserved, peak_a, peak_r, used, total))
+        return tuple(out), None
+
+
+def counters_from_stats(stats: dict) -> tuple:
+    """``(allocated, reserved, peak_allocated, peak_reserved)`` from a nested or flat stats dict.
+
+    Accepts both shapes torch produces: ``_cuda_memoryStats``' nested
+    ``{"allocated_bytes": {"all": {"current": ...}}}`` and ``memory_stats()``' flat
+    ``{"allocated_bytes.all.current": ...}``. An empty dict (allocator not initialized) gives Nones.
+    """
+    def get(stat: str, key: str):
+        nested = stats.get(stat)
+        if isinstance(nested, dict):
+            value = nested.get("all", {}).get(key)
+        else:
+            value = stats.get(f"{stat}.all.{key}")
+        return None if value is None else int(value)
+
+    return (
+        get("allocated_bytes", "current"),
+        get("reserved_bytes", "current"),
+        get("allocated_bytes", "peak"),
+        get("reserved_bytes", "peak"),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Both together
+# --------------------------------------------------------------------------------------------
+
+
+class MemoryProbe:
+    """Host and CUDA probes behind one ``sample()``; what the recorder and sampler call."""
+
+    def __init__(self, host: HostProbe | None = None, cuda: CudaProbe | None = None):
+        self.host = host if host is not None else HostProbe()
+        self.cuda = cuda if cuda is not None else CudaProbe()
+
+    def sample(self, devices: Sequence[int] | None = None, with_device_memory: bool = True) -> Sample:
+        """Read everything now. ``devices`` restricts the CUDA devices read (None: all initialized)."""
+        host = HostSample(self.host.rss(), self.host.peak_rss())
+        try:
+            devs, reason = self.cuda.sample(devices, with_device_memory)
+        except Exception as exc:  # noqa: BLE001 - torch raising must never cost the user a cell
+            devs, reason = (), f"CUDA counters unavailable ({type(exc).__name__}: {exc})"
+        return Sample(time.perf_counter(), host, devs, reason)
+
+    def reset_peaks(self, devices: Sequence[int] | None = None) -> None:
+        """Reset the host RSS high-water mark and torch's peak counters; see :meth:`reset_peaks_cuda`."""
+        self.host.reset_peak()
+        self.reset_peaks_cuda(devices)
+
+    def reset_peaks_cuda(self, devices: Sequence[int] | None = None) -> None:
+        """Reset torch's peak counters on each initialized device (or ``devices``).
+
+        torch's ``reset_peak_memory_stats`` resets *every* peak statistic of the device, including
+        the ones the user reads with ``max_memory_allocated()``; callers make that opt-out.
+        """
+        cuda, _ = self.cuda.status()
+        if cuda is None:
+            return
+        if devices is None:
+            devices = self.cuda.device_indices(cuda)
+        for i in devices:
+            self.cuda.reset_peak(i)
+
+    def close(self) -> None:
+        self.host.close()
+        self.cuda.nvml.shutdown()

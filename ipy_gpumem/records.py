@@ -1,0 +1,273 @@
+"""Frozen records of what a cell (and each of its lines) did to memory: numbers and strings only.
+
+A record never holds the exception, the ``ExecutionResult``, a frame or a tensor: holding an OOM
+exception would pin the very tensors being explained. ``to_dict()`` is the stable, JSON-ready
+form that ``export`` writes and other tools read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = ["HostRecord", "DeviceRecord", "LineRecord", "CellRecord", "records_frame"]
+
+
+def _delta(after, before):
+    return None if after is None or before is None else after - before
+
+
+@dataclass(frozen=True)
+class HostRecord:
+    """Process RSS around a cell or line, in bytes (None where unknown)."""
+
+    rss_before: Optional[int] = None
+    rss_after: Optional[int] = None
+    #: Highest RSS during the span: the kernel's high-water mark when it can be reset per
+    #: cell (Linux), else the highest value sampled.
+    rss_peak: Optional[int] = None
+    #: Sum of the changes over every execution of a line (lines only; equals the plain
+    #: after-minus-before for a cell).
+    rss_delta_sum: Optional[int] = None
+
+    @property
+    def rss_delta(self) -> Optional[int]:
+        if self.rss_delta_sum is not None:
+            return self.rss_delta_sum
+        return _delta(self.rss_after, self.rss_before)
+
+    @property
+    def rss_peak_increase(self) -> Optional[int]:
+        """How far RSS rose above its starting value at the worst moment."""
+        return _delta(self.rss_peak, self.rss_before)
+
+    def to_dict(self) -> dict:
+        return {
+            "rss_before": self.rss_before,
+            "rss_after": self.rss_after,
+            "rss_peak": self.rss_peak,
+            "rss_delta": self.rss_delta,
+        }
+
+
+@dataclass(frozen=True)
+class DeviceRecord:
+    """One CUDA device around a cell or line, in bytes; torch's words for torch's counters.
+
+    ``allocated`` is memory held by live tensors, ``reserved`` what torch's caching allocator
+    holds from the driver (allocated plus "reserved but unallocated"), ``used`` what the whole
+    device has in use (this process's CUDA context and other processes included).
+    """
+
+    index: int
+    name: Optional[str] = None
+    allocated_before: Optional[int] = None
+    allocated_after: Optional[int] = None
+    allocated_peak: Optional[int] = None
+    reserved_before: Optional[int] = None
+    reserved_after: Optional[int] = None
+    reserved_peak: Optional[int] = None
+    used_before: Optional[int] = None
+    used_after: Optional[int] = None
+    total: Optional[int] = None
+    #: Lines only: the changes summed over every execution of the line.
+    allocated_delta_sum: Optional[int] = None
+    reserved_delta_sum: Optional[int] = None
+
+    @property
+    def label(self) -> str:
+        return f"cuda:{self.index}"
+
+    @property
+    def allocated_delta(self) -> Optional[int]:
+        if self.allocated_delta_sum is not None:
+            return self.allocated_delta_sum
+        return _delta(self.allocated_after, self.allocated_before)
+
+    @property
+    def reserved_delta(self) -> Optional[int]:
+        if self.reserved_delta_sum is not None:
+            return self.reserved_delta_sum
+        return _delta(self.reserved_after, self.reserved_before)
+
+    @property
+    def peak_increase(self) -> Optional[int]:
+        """How far allocated memory rose above its starting value at the worst moment."""
+        return _delta(self.allocated_peak, self.allocated_before)
+
+    @property
+    def used_delta(self) -> Optional[int]:
+        return _delta(self.used_after, self.used_before)
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "device": self.label,
+            "name": self.name,
+            "allocated_before": self.allocated_before,
+            "allocated_after": self.allocated_after,
+            "allocated_peak": self.allocated_peak,
+            "reserved_before": self.reserved_before,
+            "reserved_after": self.reserved_after,
+            "reserved_peak": self.reserved_peak,
+            "used_before": self.used_before,
+            "used_after": self.used_after,
+            "total": self.total,
+            "allocated_delta": self.allocated_delta,
+            "reserved_delta": self.reserved_delta,
+        }
+
+
+@dataclass(frozen=True)
+class LineRecord:
+    """One source line of a ``%%gpumem --lines`` cell, aggregated over all its executions.
+
+    ``*_before`` is the value when the line first started, ``*_after`` when it last finished,
+    ``*_peak`` the highest value while it ran, and the deltas are summed over its ``hits``, so a
+    loop body line that keeps 10 MiB per iteration shows ``+100.00 MiB`` after ten iterations.
+    """
+
+    lineno: int
+    source: str
+    hits: int
+    host: HostRecord
+    devices: tuple = ()
+    duration_s: float = 0.0
+
+    def device(self, index: int) -> Optional[DeviceRecord]:
+        for dev in self.devices:
+            if dev.index == index:
+                return dev
+        return None
+
+    def to_dict(self) -> dict:
+        return {
+            "lineno": self.lineno,
+            "source": self.source,
+            "hits": self.hits,
+            "duration_s": self.duration_s,
+            "host": self.host.to_dict(),
+            "devices": [d.to_dict() for d in self.devices],
+        }
+
+
+@dataclass(frozen=True)
+class CellRecord:
+    """What one cell did to memory: host RSS and each initialized CUDA device, before/after/peak."""
+
+    execution_count: Optional[int]
+    cell_id: Optional[str]
+    source: str
+    started_at: float  # seconds since the epoch
+    duration_s: float
+    #: Class name of the error the cell raised (also when ``%%time`` swallowed it), else None.
+    error: Optional[str] = None
+    #: The error's message (first 2000 characters), kept as text so OOM messages can be parsed.
+    error_message: Optional[str] = None
+    host: HostRecord = field(default_factory=HostRecord)
+    devices: tuple = ()
+    #: Why ``devices`` is empty: "torch is not imported", "CUDA not initialized yet", ...
+    reason: Optional[str] = None
+    #: Per-line records, for ``%%gpumem --lines`` cells; None otherwise.
+    lines: Optional[tuple] = None
+    #: True when ``%%gpumem`` measured this cell (it then shows its own report).
+    detailed: bool = False
+    #: Whether the peaks are per cell (peak counters reset before it) or only sampled.
+    peaks: str = "sampled"
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @property
+    def label(self) -> str:
+        return f"[{self.execution_count}]" if self.execution_count is not None else "[ ]"
+
+    def device(self, index: int) -> Optional[DeviceRecord]:
+        for dev in self.devices:
+            if dev.index == index:
+                return dev
+        return None
+
+    @property
+    def first_line(self) -> str:
+        for line in self.source.splitlines():
+            if line.strip():
+                return line.strip()
+        return ""
+
+    def to_dict(self) -> dict:
+        out = {
+            "execution_count": self.execution_count,
+            "cell_id": self.cell_id,
+            "source": self.source,
+            "started_at": self.started_at,
+            "duration_s": self.duration_s,
+            "error": self.error,
+            "error_message": self.error_message,
+            "reason": self.reason,
+            "peaks": self.peaks,
+            "host": self.host.to_dict(),
+            "devices": [d.to_dict() for d in self.devices],
+        }
+        if self.lines is not None:
+            out["lines"] = [line.to_dict() for line in self.lines]
+        return out
+
+
+def records_frame(records):
+    """A pandas DataFrame with one row per cell and device (``device`` is "host" for RSS rows).
+
+    Raises:
+        ImportError: pandas is not installed (``pip install pandas``).
+    """
+    try:
+        import pandas as pd
+    except ImportError:  # pragma: no cover - exercised only without pandas
+        raise ImportError("history_frame() needs pandas: pip install pandas") from None
+    rows = []
+    for rec in records:
+        base = {
+            "execution_count": rec.execution_count,
+            "cell_id": rec.cell_id,
+            "first_line": rec.first_line,
+            "started_at": pd.Timestamp(rec.started_at, unit="s"),
+            "duration_s": rec.duration_s,
+            "error": rec.error,
+        }
+        rows.append({
+            **base,
+            "device": "host",
+            "before": rec.host.rss_before,
+            "after": rec.host.rss_after,
+            "peak": rec.host.rss_peak,
+            "delta": rec.host.rss_delta,
+            "reserved_before": None,
+            "reserved_after": None,
+            "reserved_peak": None,
+            "used_after": None,
+            "total": None,
+        })
+        for dev in rec.devices:
+            rows.append({
+                **base,
+                "device": dev.label,
+                "before": dev.allocated_before,
+                "after": dev.allocated_after,
+                "peak": dev.allocated_peak,
+                "delta": dev.allocated_delta,
+                "reserved_before": dev.reserved_before,
+                "reserved_after": dev.reserved_after,
+                "reserved_peak": dev.reserved_peak,
+                "used_after": dev.used_after,
+                "total": dev.total,
+            })
+    columns = [
+        "execution_count", "cell_id", "first_line", "started_at", "duration_s", "error", "device",
+        "before", "after", "peak", "delta", "reserved_before", "reserved_after", "reserved_peak",
+        "used_after", "total",
+    ]
+    frame = pd.DataFrame(rows, columns=columns)
+    for col in ("before", "after", "peak", "delta", "reserved_before", "reserved_after",
+                "reserved_peak", "used_after", "total"):
+        frame[col] = frame[col].astype("Int64")  # nullable: None stays missing, bytes stay exact
+    return frame

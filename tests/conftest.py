@@ -1,0 +1,135 @@
+"""Shared fixtures: a real IPython shell, the loaded extension, and scripted probes.
+
+The scripted probes stand in for a GPU that this machine does not have; they are labelled as
+fakes and used to drive the CUDA branches. Host memory is always real.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from ipy_gpumem.probes import CudaProbe, DeviceSample, HostProbe, HostSample, MemoryProbe, Sample
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURES = os.path.join(HERE, "fixtures")
+
+
+def pytest_collection_modifyitems(config, items):
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            import torch  # noqa: F401 - the tests (not the package) may import torch
+        except ImportError:
+            torch = None
+    has_cuda = bool(torch is not None and torch.cuda.is_available())
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_browser = pytest.mark.skip(reason="browser tests run with IPY_GPUMEM_BROWSER=1")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+        if "browser" in item.keywords and os.environ.get("IPY_GPUMEM_BROWSER") != "1":
+            item.add_marker(skip_browser)
+
+
+@pytest.fixture(scope="session")
+def ip():
+    """The process-wide test InteractiveShell (IPython's own testing shell)."""
+    from IPython.testing.globalipapp import start_ipython
+
+    shell = start_ipython()
+    if shell is None:  # already started by another plugin
+        from IPython.testing.globalipapp import get_ipython
+
+        shell = get_ipython()
+    return shell
+
+
+@pytest.fixture
+def gpumem(ip):
+    """The extension loaded on the test shell; unloaded (and checked clean) afterwards."""
+    ip.run_line_magic("load_ext", "ipy_gpumem")
+    magics = ip.magics_manager.registry["GpuMemMagics"]
+    try:
+        yield magics
+    finally:
+        ip.run_line_magic("unload_ext", "ipy_gpumem")
+        assert "GpuMemMagics" not in ip.magics_manager.registry
+
+
+class FakeCuda:
+    """A scripted stand-in for torch's CUDA counters (no GPU here): a fake, labelled as such.
+
+    ``script`` is a list of ``(allocated, reserved)`` pairs returned by successive reads; peaks
+    follow the values since the last reset, exactly like torch's allocator.
+    """
+
+    def __init__(self, script, total=16 * 2**30, used_extra=512 * 2**20, name="Fake GPU (test)"):
+        self.script = list(script)
+        self.pos = 0
+        self.total = total
+        self.used_extra = used_extra
+        self.name = name
+        self.peak = [0, 0]
+        self.resets = 0
+        self.initialized = True
+
+    def _current(self):
+        return self.script[min(self.pos, len(self.script) - 1)]
+
+    def advance(self, n=1):
+        self.pos += n
+        a, r = self._current()
+        self.peak = [max(self.peak[0], a), max(self.peak[1], r)]
+
+
+class ScriptedCudaProbe(CudaProbe):
+    """CudaProbe reading a FakeCuda instead of torch (fake: no GPU on this machine)."""
+
+    def __init__(self, fake: FakeCuda):
+        super().__init__()
+        self.fake = fake
+
+    def status(self):
+        return (self, None) if self.fake.initialized else (None, "CUDA not initialized yet")
+
+    def device_indices(self, cuda):
+        return [0]
+
+    def counters(self, index):
+        a, r = self.fake._current()
+        self.fake.peak = [max(self.fake.peak[0], a), max(self.fake.peak[1], r)]
+        return a, r, self.fake.peak[0], self.fake.peak[1]
+
+    def reset_peak(self, index):
+        self.fake.resets += 1
+        self.fake.peak = list(self.fake._current())
+
+    def properties(self, index):
+        return (self.fake.name, self.fake.total, None)
+
+    def device_memory(self, index):
+        return self.fake._current()[1] + self.fake.used_extra, self.fake.total
+
+
+@pytest.fixture
+def fake_gpu():
+    """A MemoryProbe whose CUDA side is scripted (fake) and whose host side is real."""
+
+    def make(script, **kwargs):
+        fake = FakeCuda(script, **kwargs)
+        return fake, MemoryProbe(HostProbe(), ScriptedCudaProbe(fake))
+
+    return make
+
+
+def make_sample(t=0.0, rss=None, devices=(), reason=None, peak_rss=None):
+    """A Sample built by hand (for pure recorder/render tests)."""
+    return Sample(t, HostSample(rss, peak_rss), tuple(devices), reason)
+
+
+def dev_sample(index=0, allocated=0, reserved=0, peak_allocated=None, peak_reserved=None, used=None, total=None):
+    return DeviceSample(index, allocated, reserved,
+                        allocated if peak_allocated is None else peak_allocated,
+                        reserved if peak_reserved is None else peak_reserved, used, total)

@@ -1,0 +1,123 @@
+"""Measurement -> CellRecord arithmetic, peaks, the bounded ledger and the JSON/DataFrame forms."""
+import json
+
+import pytest
+
+from ipy_gpumem.recorder import MAX_SOURCE_CHARS, Ledger, Measurement
+from ipy_gpumem.records import CellRecord, DeviceRecord, HostRecord, records_frame
+from ipy_gpumem.units import GiB, MiB
+
+from conftest import dev_sample, make_sample
+
+
+def test_deltas_and_per_cell_peak_from_scripted_allocator(fake_gpu):
+    fake, probe = fake_gpu([(1 * GiB, 2 * GiB), (4 * GiB, 6 * GiB), (2 * GiB, 6 * GiB)])
+    m = Measurement(probe, source="x = big()", track_peaks=True)
+    assert fake.resets == 1  # the peak counters were reset before the cell ran
+    fake.advance()  # the cell allocates 3 GiB...
+    fake.advance()  # ...and frees 2 GiB of it
+    rec = m.finish(execution_count=7)
+    dev = rec.devices[0]
+    assert rec.execution_count == 7
+    assert (dev.allocated_before, dev.allocated_after, dev.allocated_peak) == (1 * GiB, 2 * GiB, 4 * GiB)
+    assert (dev.reserved_before, dev.reserved_after, dev.reserved_peak) == (2 * GiB, 6 * GiB, 6 * GiB)
+    assert dev.allocated_delta == 1 * GiB and dev.peak_increase == 3 * GiB and dev.reserved_delta == 4 * GiB
+    assert dev.used_after == 6 * GiB + 512 * MiB and dev.total == 16 * GiB
+    assert dev.name == "Fake GPU (test)"
+    assert rec.peaks == "per cell"
+
+
+def test_without_peak_reset_peaks_are_sampled_and_counters_untouched(fake_gpu):
+    fake, probe = fake_gpu([(1 * GiB, 2 * GiB), (4 * GiB, 6 * GiB), (2 * GiB, 6 * GiB)])
+    fake.peak = [9 * GiB, 9 * GiB]  # the user's own lifetime peak must survive
+    m = Measurement(probe, track_peaks=False)
+    fake.advance()
+    m.observe(probe.sample())  # what the sampler thread does
+    fake.advance()
+    rec = m.finish()
+    assert fake.resets == 0
+    assert rec.devices[0].allocated_peak == 4 * GiB  # sampled, not the stale 9 GiB lifetime peak
+    assert rec.peaks == "sampled"
+
+
+def test_device_initialized_during_the_cell_starts_at_zero(fake_gpu):
+    fake, probe = fake_gpu([(0, 0), (3 * GiB, 4 * GiB)])
+    fake.initialized = False
+    m = Measurement(probe)
+    assert m.start.reason == "CUDA not initialized yet"
+    fake.initialized = True
+    fake.advance()
+    rec = m.finish()
+    dev = rec.devices[0]
+    assert (dev.allocated_before, dev.allocated_after, dev.allocated_peak) == (0, 3 * GiB, 3 * GiB)
+    assert dev.used_before is None and rec.reason is None
+
+
+def test_cpu_only_record_carries_host_memory(fake_gpu):
+    fake, probe = fake_gpu([(0, 0)])
+    fake.initialized = False
+    m = Measurement(probe, source="buf = bytearray(2**26)")
+    buf = bytearray(64 * MiB)
+    rec = m.finish()
+    assert rec.devices == () and rec.reason == "CUDA not initialized yet"
+    assert 64 * MiB <= rec.host.rss_delta <= 66 * MiB
+    assert rec.host.rss_peak >= rec.host.rss_after
+    del buf
+
+
+def test_records_hold_only_plain_values_and_serialise():
+    rec = CellRecord(3, "cell-1", "x = 1", 1.5e9, 0.25, "ValueError", "bad <value>",
+                     HostRecord(100, 200, 300), (DeviceRecord(0, "GPU", 1, 2, 3, 4, 5, 6, 7, 8, 9),))
+    data = json.loads(json.dumps(rec.to_dict()))
+    assert data["host"] == {"rss_before": 100, "rss_after": 200, "rss_peak": 300, "rss_delta": 100}
+    assert data["devices"][0]["allocated_delta"] == 1 and data["devices"][0]["device"] == "cuda:0"
+    assert set(data) >= {"execution_count", "cell_id", "source", "duration_s", "error", "host", "devices"}
+    assert "lines" not in data
+
+    def leaves(obj):
+        if isinstance(obj, (CellRecord, HostRecord, DeviceRecord)):
+            for v in vars(obj).values():
+                yield from leaves(v)
+        elif isinstance(obj, tuple):
+            for v in obj:
+                yield from leaves(v)
+        else:
+            yield obj
+
+    assert all(v is None or isinstance(v, (int, float, str, bool)) for v in leaves(rec))
+
+
+def test_source_and_message_are_bounded(fake_gpu):
+    _, probe = fake_gpu([(0, 0)])
+    m = Measurement(probe, source="x" * (MAX_SOURCE_CHARS * 3))
+    rec = m.finish(error="E", error_message="y" * 100_000)
+    assert len(rec.source) < MAX_SOURCE_CHARS + 100
+    assert len(rec.error_message) < 2100
+
+
+def test_ledger_is_bounded_and_notifies():
+    ledger = Ledger(maxlen=3)
+    seen = []
+    ledger.subscribe(seen.append)
+    recs = [CellRecord(i, None, "", 0.0, 0.0) for i in range(5)]
+    for r in recs:
+        ledger.append(r)
+    assert [r.execution_count for r in ledger.records()] == [2, 3, 4]
+    assert ledger.last().execution_count == 4 and len(seen) == 5
+    ledger.resize(2)
+    assert [r.execution_count for r in ledger.records()] == [3, 4]
+    ledger.unsubscribe(seen.append)
+    ledger.clear()
+    assert len(ledger) == 0 and ledger.last() is None
+
+
+def test_records_frame_one_row_per_cell_and_device():
+    pd = pytest.importorskip("pandas")
+    recs = [
+        CellRecord(1, None, "import torch", 0.0, 0.1, host=HostRecord(10, 20, 30)),
+        CellRecord(2, None, "x = f()", 0.0, 0.1, host=HostRecord(20, 20, 20),
+                   devices=(DeviceRecord(0, "GPU", 0, 2**40, 2**40, 0, 2**41, 2**41, None, None, None),)),
+    ]
+    frame = records_frame(recs)
+    assert list(frame["device"]) == ["host", "host", "cuda:0"]
+    assert int(frame.loc[2, "delta"]) == 2**40 and pd.isna(frame.loc[2, "used_after"])
