@@ -29,10 +29,10 @@ class _LineStats:
     def __init__(self, device_count: int):
         self.hits = 0
         self.seconds = 0.0
-        # [before(first hit), after(last hit), peak(max), delta sum]
-        self.host = [None, None, None, 0]
-        # per device: [alloc before, after, peak, sum, reserved before, after, peak, sum]
-        self.devices = [[None, None, None, 0, None, None, None, 0] for _ in range(device_count)]
+        # [before(first hit), after(last hit), peak(max), delta sum, max rise within one hit]
+        self.host = [None, None, None, 0, None]
+        # per device: [alloc before, after, peak, sum, reserved before, after, peak, sum, max rise]
+        self.devices = [[None, None, None, 0, None, None, None, 0, None] for _ in range(device_count)]
 
 
 def _mx(a, b):
@@ -115,12 +115,14 @@ class LineTracer:
         if h[0] is None:
             h[0] = rss0
         h[1] = rss1
-        h[2] = _mx(_mx(h[2], hpeak1), _mx(rss0, rss1))
+        hit_peak = _mx(hpeak1, _mx(rss0, rss1))
+        h[2] = _mx(h[2], hit_peak)
         self.host_peak = _mx(self.host_peak, h[2])
         if rss0 is not None and rss1 is not None:
             h[3] += rss1 - rss0
+            h[4] = _mx(h[4], hit_peak - rss0)
         while len(stats.devices) < len(devs1):  # CUDA came up during this line
-            stats.devices.append([None, None, None, 0, None, None, None, 0])
+            stats.devices.append([None, None, None, 0, None, None, None, 0, None])
         for k, (a1, r1, pa1, pr1) in enumerate(devs1):
             a0, r0 = (devs0[k][0], devs0[k][1]) if k < len(devs0) else (0, 0)
             d = stats.devices[k]
@@ -133,6 +135,7 @@ class LineTracer:
             d[6] = _mx(d[6], peak_r)
             if a0 is not None and a1 is not None:
                 d[3] += a1 - a0
+                d[8] = _mx(d[8], peak_a - a0)
             if r0 is not None and r1 is not None:
                 d[7] += r1 - r0
             index = self._devices[k]
@@ -228,7 +231,7 @@ class LineTracer:
             shown = lineno + offset
             text = source_lines[shown - 1] if 0 < shown <= len(source_lines) else ""
             h = stats.host
-            host = HostRecord(h[0], h[1], h[2], h[3]) if self._include_host else HostRecord()
+            host = HostRecord(h[0], h[1], h[2], h[3], h[4]) if self._include_host else HostRecord()
             devs = []
             for k, d in enumerate(stats.devices):
                 if k >= len(devices):
@@ -239,7 +242,7 @@ class LineTracer:
                     name=(names or {}).get(index),
                     allocated_before=d[0], allocated_after=d[1], allocated_peak=d[2],
                     reserved_before=d[4], reserved_after=d[5], reserved_peak=d[6],
-                    allocated_delta_sum=d[3], reserved_delta_sum=d[7],
+                    allocated_delta_sum=d[3], reserved_delta_sum=d[7], peak_increase_max=d[8],
                 ))
             out.append(LineRecord(shown, text, stats.hits, host, tuple(devs), stats.seconds))
         return tuple(out)

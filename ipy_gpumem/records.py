@@ -25,9 +25,10 @@ class HostRecord:
     #: Highest RSS during the span: the kernel's high-water mark when it can be reset per
     #: cell (Linux), else the highest value sampled.
     rss_peak: Optional[int] = None
-    #: Sum of the changes over every execution of a line (lines only; equals the plain
-    #: after-minus-before for a cell).
+    #: Lines only: the changes summed over every execution of the line, and the largest rise
+    #: above the starting value within any single execution.
     rss_delta_sum: Optional[int] = None
+    rss_peak_increase_max: Optional[int] = None
 
     @property
     def rss_delta(self) -> Optional[int]:
@@ -38,6 +39,8 @@ class HostRecord:
     @property
     def rss_peak_increase(self) -> Optional[int]:
         """How far RSS rose above its starting value at the worst moment."""
+        if self.rss_peak_increase_max is not None:
+            return self.rss_peak_increase_max
         return _delta(self.rss_peak, self.rss_before)
 
     def to_dict(self) -> dict:
@@ -46,6 +49,7 @@ class HostRecord:
             "rss_after": self.rss_after,
             "rss_peak": self.rss_peak,
             "rss_delta": self.rss_delta,
+            "rss_peak_increase": self.rss_peak_increase,
         }
 
 
@@ -69,9 +73,11 @@ class DeviceRecord:
     used_before: Optional[int] = None
     used_after: Optional[int] = None
     total: Optional[int] = None
-    #: Lines only: the changes summed over every execution of the line.
+    #: Lines only: the changes summed over every execution of the line, and the largest rise of
+    #: allocated memory above its starting value within any single execution.
     allocated_delta_sum: Optional[int] = None
     reserved_delta_sum: Optional[int] = None
+    peak_increase_max: Optional[int] = None
 
     @property
     def label(self) -> str:
@@ -92,6 +98,8 @@ class DeviceRecord:
     @property
     def peak_increase(self) -> Optional[int]:
         """How far allocated memory rose above its starting value at the worst moment."""
+        if self.peak_increase_max is not None:
+            return self.peak_increase_max
         return _delta(self.allocated_peak, self.allocated_before)
 
     @property
@@ -114,6 +122,7 @@ class DeviceRecord:
             "total": self.total,
             "allocated_delta": self.allocated_delta,
             "reserved_delta": self.reserved_delta,
+            "peak_increase": self.peak_increase,
         }
 
 
@@ -124,6 +133,8 @@ class LineRecord:
     ``*_before`` is the value when the line first started, ``*_after`` when it last finished,
     ``*_peak`` the highest value while it ran, and the deltas are summed over its ``hits``, so a
     loop body line that keeps 10 MiB per iteration shows ``+100.00 MiB`` after ten iterations.
+    The peak increase is the worst single execution: how much more the line needed, at its
+    highest, than it started with.
     """
 
     lineno: int

@@ -77,6 +77,17 @@ def format_seconds(seconds: Optional[float]) -> str:
     return f"{minutes} min {rest} s"
 
 
+def format_of(part: Optional[int], whole: Optional[int]) -> str:
+    """``9.53 / 15.78 GiB`` (one unit when both share it), or just the part without a whole."""
+    if not whole:
+        return format_bytes(part)
+    a, b = format_bytes(part), format_bytes(whole)
+    unit_a, unit_b = a.rsplit(" ", 1)[-1], b.rsplit(" ", 1)[-1]
+    if unit_a == unit_b and unit_a != "bytes":
+        return f"{a.rsplit(' ', 1)[0]} / {b}"
+    return f"{a} / {b}"
+
+
 def _cls(delta: Optional[int]) -> str:
     if not delta:
         return "dim"
@@ -155,9 +166,7 @@ def _device_parts(dev: DeviceRecord):
     peak = dev.peak_increase
     if peak is not None and peak > max(dev.allocated_delta or 0, 0):
         parts.append((f" (peak {format_delta(peak)})", "up"))
-    reserved = format_bytes(dev.reserved_after)
-    total = f" / {format_bytes(dev.total)}" if dev.total else ""
-    parts.append((f" · reserved {reserved}{total}", ""))
+    parts.append((f" · reserved {format_of(dev.reserved_after, dev.total)}", ""))
     return parts
 
 

@@ -36,6 +36,9 @@ def test_scripted_device_lines_loop_hits_and_sums(fake_gpu):
     assert by[4].hits == 2 and by[4].devices[0].allocated_delta == -2 * GiB
     assert by[1].devices[0].reserved_delta == 2 * GiB
     assert by[3].devices[0].allocated_peak == 2 * GiB
+    # a peak increase is per execution: the loop header never needs more than it starts with,
+    # even though memory is higher at its later hits than at its first
+    assert by[2].devices[0].peak_increase == 0 and by[3].devices[0].peak_increase == 1 * GiB
     assert tracer.device_peaks[0] == (2 * GiB, 2 * GiB)
     assert by[3].source == "    fake.advance()"
 

@@ -69,7 +69,7 @@ def test_records_hold_only_plain_values_and_serialise():
     rec = CellRecord(3, "cell-1", "x = 1", 1.5e9, 0.25, "ValueError", "bad <value>",
                      HostRecord(100, 200, 300), (DeviceRecord(0, "GPU", 1, 2, 3, 4, 5, 6, 7, 8, 9),))
     data = json.loads(json.dumps(rec.to_dict()))
-    assert data["host"] == {"rss_before": 100, "rss_after": 200, "rss_peak": 300, "rss_delta": 100}
+    assert data["host"] == {"rss_before": 100, "rss_after": 200, "rss_peak": 300, "rss_delta": 100, "rss_peak_increase": 200}
     assert data["devices"][0]["allocated_delta"] == 1 and data["devices"][0]["device"] == "cuda:0"
     assert set(data) >= {"execution_count", "cell_id", "source", "duration_s", "error", "host", "devices"}
     assert "lines" not in data

@@ -1,0 +1,47 @@
+"""Run cells in a real Jupyter kernel through nbclient and read back what each cell showed."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def execute(cells, extensions=None, timeout=180, allow_errors=True, cwd=None):
+    """Execute ``cells`` (strings) in a fresh python3 kernel; return the executed notebook."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
+    extra = []
+    if extensions:
+        extra.append(f"--InteractiveShellApp.extensions={list(extensions)!r}")
+    env = dict(os.environ, PYTHONWARNINGS="ignore::DeprecationWarning")
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        allow_errors=allow_errors,
+        extra_arguments=extra,
+        resources={"metadata": {"path": cwd or os.getcwd()}},
+    )
+    # Make sure the kernel runs this interpreter (the venv under test), whatever kernelspecs exist.
+    client.km = client.create_kernel_manager()
+    client.km.kernel_spec.argv[0] = sys.executable
+    client.km.kernel_spec.env = env
+    client.execute()
+    return nb
+
+
+def outputs(cell, kind=None):
+    return [o for o in cell.outputs if kind is None or o.output_type == kind]
+
+
+def plain(cell):
+    """The text/plain of every display_data/execute_result, and every stream's text."""
+    out = []
+    for o in cell.outputs:
+        if o.output_type in ("display_data", "execute_result", "update_display_data"):
+            out.append(o.get("data", {}).get("text/plain", ""))
+        elif o.output_type == "stream":
+            out.append(o.text)
+    return out

@@ -1,0 +1,92 @@
+"""Real CUDA: exact allocator deltas through the extension, and fixture capture for the CPU tests.
+
+Marked ``gpu``: skipped without a CUDA device. With ``IPY_GPUMEM_CAPTURE=path`` set they also
+write what they saw (memory_stats dicts, device names, timings) to ``path`` for
+``tests/fixtures/gpu/`` and the CPU tests that replay it (test_gpu_replay.py).
+"""
+import json
+import os
+import time
+
+import pytest
+from IPython.utils.capture import capture_output
+
+import ipy_gpumem
+
+pytestmark = pytest.mark.gpu
+MiB = 2**20
+
+
+def _capture(name, data):
+    where = os.environ.get("IPY_GPUMEM_CAPTURE")
+    if where:
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, name), "w") as fh:
+            json.dump(data, fh, indent=1, default=str)
+
+
+def test_first_cuda_cell_and_exact_allocated_deltas(ip, gpumem):
+    import torch
+
+    ip.user_ns["torch"] = torch
+    with capture_output():
+        ip.run_cell("x = torch.empty(256 * 2**20, dtype=torch.uint8, device='cuda')", store_history=True)
+    rec = ipy_gpumem.last()
+    dev = rec.devices[0]
+    assert dev.allocated_before == 0 and dev.allocated_delta == 256 * MiB
+    assert dev.reserved_after >= 256 * MiB and dev.total == torch.cuda.get_device_properties(0).total_memory
+    assert dev.used_after is not None and dev.used_after >= dev.reserved_after
+    with capture_output() as cap:
+        ip.run_cell("y = torch.empty(512 * 2**20, dtype=torch.uint8, device='cuda'); del y", store_history=True)
+    dev = ipy_gpumem.last().devices[0]
+    assert dev.allocated_delta == 0 and dev.peak_increase == 512 * MiB
+    assert "(peak +512.00 MiB)" in cap.outputs[0].data["text/plain"]
+    _capture("record_first_cuda_cells.json", [r.to_dict() for r in ipy_gpumem.history()[-2:]])
+    _capture("memory_stats_nested.json", torch._C._cuda_memoryStats(0))
+    props = torch.cuda.get_device_properties(0)
+    _capture("device.json", {"name": props.name, "total_memory": props.total_memory, "uuid": str(getattr(props, "uuid", "")),
+                             "torch": torch.__version__, "cuda": torch.version.cuda})
+    ip.user_ns.pop("x")
+
+
+def test_lines_on_cuda_are_exact(ip, gpumem):
+    import torch
+
+    ip.user_ns["torch"] = torch
+    src = ("%%gpumem --lines -o rec\n"
+           "a = torch.empty(64 * 2**20, dtype=torch.uint8, device='cuda')\n"
+           "for i in range(3):\n"
+           "    b = torch.empty(32 * 2**20, dtype=torch.uint8, device='cuda')\n"
+           "    del b\n"
+           "del a\n")
+    with capture_output():
+        ip.run_cell(src, store_history=True)
+    by = {ln.lineno: ln.devices[0] for ln in ip.user_ns["rec"].lines}
+    assert by[2].allocated_delta == 64 * MiB
+    assert by[4].allocated_delta == 3 * 32 * MiB and by[4].peak_increase == 32 * MiB
+    assert by[5].allocated_delta == -3 * 32 * MiB
+    assert by[6].allocated_delta == -64 * MiB
+    _capture("record_lines.json", ip.user_ns["rec"].to_dict())
+
+
+def test_one_sample_per_device_is_cheap():
+    import torch
+
+    from ipy_gpumem.probes import MemoryProbe
+
+    torch.zeros(1, device="cuda")
+    probe = MemoryProbe()
+    for _ in range(100):
+        probe.cuda.counters(0)
+        probe.cuda.device_memory(0)
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        probe.cuda.counters(0)
+    counters_us = (time.perf_counter() - t0) / n * 1e6
+    t0 = time.perf_counter()
+    for _ in range(n):
+        probe.cuda.device_memory(0)
+    nvml_us = (time.perf_counter() - t0) / n * 1e6
+    _capture("timings.json", {"counters_us": counters_us, "device_memory_us": nvml_us, "nvml": probe.cuda.nvml.reason})
+    assert counters_us + nvml_us < 200  # the benchmark reports the real figure; this catches regressions

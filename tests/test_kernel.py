@@ -1,0 +1,72 @@
+"""The extension in a real kernel (nbclient): outputs land in the right cell, nesting, errors."""
+import pytest
+
+from kernel_helpers import execute, outputs, plain
+
+pytest.importorskip("nbclient")
+pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def nb():
+    cells = [
+        "import torch, IPython\nIPython.version_info[0]",                         # 0: loaded by config
+        "x = torch.ones(2**26)",                                                   # 1: +256 MiB line
+        "small = 1",                                                               # 2: silent
+        "",                                                                        # 3: empty (not sent)
+        "%%capture cap\ny = torch.ones(2**25)\nget_ipython().run_cell('z = 1')",  # 4: nested, one line
+        "%%time\nw = torch.ones(2**25)\nraise KeyError('swallowed?')",           # 5: %%time + error
+        "%%gpumem --lines -o rec\na = torch.ones(2**24)\nb = a * 2\n1/0",        # 6: report after error
+        "import ipy_gpumem\n[(r.execution_count, r.error) for r in ipy_gpumem.history()]",  # 7
+        "%gpumem status",                                                          # 8
+        "%gpumem nonsense",                                                        # 9
+    ]
+    return execute(cells, extensions=["ipy_gpumem"])
+
+
+def test_loaded_through_config_and_first_cell_recorded(nb):
+    history = eval(plain(nb.cells[7])[0])
+    assert history[0] == (1, None)  # the very first cell, without %load_ext
+
+
+def test_line_lands_in_its_own_cell(nb):
+    line = [t for t in plain(nb.cells[1]) if t.startswith("[2] host")]
+    assert len(line) == 1 and "+25" in line[0] and "MiB RSS" in line[0]
+    html = outputs(nb.cells[1], "display_data")[0]["data"]["text/html"]
+    assert "ipy-gpumem" in html
+    assert outputs(nb.cells[2]) == [] and outputs(nb.cells[3]) == []
+
+
+def test_nested_run_cell_gives_one_line_in_the_outer_cell(nb):
+    lines = [t for t in plain(nb.cells[4]) if t.startswith("[")]
+    assert len(lines) == 1 and lines[0].startswith("[4] host +12")
+
+
+def test_time_swallowed_error_is_recorded(nb):
+    history = dict(eval(plain(nb.cells[7])[0]))
+    assert history[5] == "KeyError"
+    ipython_major = int(plain(nb.cells[0])[0])
+    errors = outputs(nb.cells[5], "error")
+    assert [e.ename for e in errors] == ["KeyError"]  # 7/8 print it, 9 re-raises it
+    assert "KeyError" in [t for t in plain(nb.cells[5]) if t.startswith("[5]")][0]
+    assert ipython_major >= 7
+
+
+def test_gpumem_report_follows_the_users_unchanged_error(nb):
+    cell = nb.cells[6]
+    kinds = [o.output_type for o in cell.outputs]
+    assert kinds == ["error", "display_data"]
+    assert cell.outputs[0].ename == "ZeroDivisionError"
+    assert not any("ipy_gpumem" in line for line in cell.outputs[0].traceback)
+    report = cell.outputs[1]["data"]["text/plain"]
+    assert report.startswith("%%gpumem [6]") and "ZeroDivisionError" in report.splitlines()[0]
+    assert "b = a * 2" in report
+
+
+def test_status_and_usage_error(nb):
+    assert "host:" in plain(nb.cells[8])[0]
+    # IPython shows a UsageError as one line on stderr, never a traceback
+    streams = outputs(nb.cells[9], "stream")
+    assert [o.name for o in streams] == ["stderr"] and outputs(nb.cells[9], "error") == []
+    assert streams[0].text.startswith("UsageError: %gpumem: unknown mode 'nonsense'")

@@ -1,0 +1,103 @@
+"""Renderers: the compact line in torch's spelling, the report tables, escaping, the MIME bundle."""
+from ipy_gpumem.records import CellRecord, DeviceRecord, HostRecord, LineRecord
+from ipy_gpumem.render import (
+    View, cell_line, cell_moved, cell_report_view, cell_view, history_view, status_view, text_table,
+)
+from ipy_gpumem.units import GiB, MiB, parse_bytes
+
+from conftest import dev_sample, make_sample
+
+
+def gpu_record(**kw):
+    before = 1 * GiB
+    dev = DeviceRecord(
+        0, "Tesla P100-PCIE-16GB",
+        allocated_before=before, allocated_after=before + parse_bytes("2.81 GiB"),
+        allocated_peak=before + parse_bytes("5.62 GiB"),
+        reserved_before=2 * GiB, reserved_after=parse_bytes("9.53 GiB"), reserved_peak=parse_bytes("9.53 GiB"),
+        used_before=3 * GiB, used_after=parse_bytes("10.00 GiB"), total=parse_bytes("15.78 GiB"),
+    )
+    args = dict(execution_count=7, cell_id="c7", source="output = model(input, comb)", started_at=0.0,
+                duration_s=1.2, host=HostRecord(2 * GiB, 2 * GiB + 10 * MiB, 2 * GiB + 20 * MiB), devices=(dev,))
+    args.update(kw)
+    return CellRecord(**args)
+
+
+def test_the_compact_gpu_line_reads_like_the_issue_promised():
+    assert cell_line(gpu_record()) == "[7] cuda:0 +2.81 GiB allocated (peak +5.62 GiB) · reserved 9.53 / 15.78 GiB · 1.2 s"
+
+
+def test_failed_cell_names_its_error_and_no_peak_when_peak_is_the_delta():
+    rec = gpu_record(error="OutOfMemoryError")
+    assert cell_line(rec).endswith("· 1.2 s · OutOfMemoryError")
+    dev = rec.devices[0]
+    flat = DeviceRecord(0, None, 0, GiB, GiB, 0, GiB, GiB, None, None, None)
+    assert "(peak" not in cell_line(gpu_record(devices=(flat,)))
+    assert dev.peak_increase > dev.allocated_delta
+
+
+def test_cpu_line_uses_host_rss():
+    rec = CellRecord(3, None, "x = torch.ones(2**26)", 0.0, 0.4, host=HostRecord(100 * MiB, 356 * MiB, 612 * MiB),
+                     reason="CUDA not initialized yet")
+    assert cell_line(rec) == "[3] host +256.00 MiB RSS (peak +512.00 MiB) · 356.00 MiB resident · 400 ms"
+
+
+def test_threshold_counts_allocated_reserved_and_peak():
+    rec = gpu_record()
+    assert cell_moved(rec, 1 * GiB) and not cell_moved(rec, 8 * GiB)  # the largest move: reserved +7.53 GiB
+    quiet = CellRecord(1, None, "", 0.0, 0.0, host=HostRecord(10, 10 + 5 * MiB, 10 + 5 * MiB))
+    assert not cell_moved(quiet, 16 * MiB) and cell_moved(quiet, 4 * MiB)
+
+
+def test_view_is_a_proper_mimebundle():
+    view = cell_view(gpu_record())
+    bundle = view._repr_mimebundle_()
+    assert set(bundle) == {"text/plain", "text/html"}
+    assert view._repr_mimebundle_(include=["text/plain"]) == {"text/plain": view.text}
+    assert view._repr_mimebundle_(exclude=["text/html"]) == {"text/plain": view.text}
+    assert "+2.81 GiB allocated" in bundle["text/html"]
+
+
+def test_everything_from_the_user_is_escaped():
+    evil = "<script>alert('x')</script>"
+    rec = gpu_record(source=evil, error="<img src=x onerror=alert(1)>")
+    for view in (cell_view(rec), history_view([rec]), cell_report_view(rec)):
+        assert "<script>" not in view.html and "<img" not in view.html
+        assert "&lt;script&gt;" in view.html or "&lt;img" in view.html
+
+
+def test_report_lists_every_source_line_and_the_devices():
+    lines = (
+        LineRecord(2, "a = f()", 1, HostRecord(0, 10, 10, 10), (DeviceRecord(0, None, 0, GiB, GiB, 0, GiB, GiB, allocated_delta_sum=GiB, reserved_delta_sum=GiB),), 0.5),
+        LineRecord(4, "    del a", 3, HostRecord(10, 0, 10, -10), (DeviceRecord(0, None, GiB, 0, GiB, GiB, GiB, GiB, allocated_delta_sum=-GiB, reserved_delta_sum=0),), 0.1),
+    )
+    rec = gpu_record(lines=lines, source="%%gpumem --lines\na = f()\nfor i in range(3):\n    del a")
+    view = cell_report_view(rec, rec.source.splitlines())
+    text = view.text
+    assert text.splitlines()[0] == "%%gpumem [7] · 1.2 s"
+    assert "cuda:0 (Tesla P100-PCIE-16GB) allocated" in text
+    assert "cuda:0: 9.53 GiB reserved of 15.78 GiB total" in text
+    rows = [r for r in text.splitlines() if r.strip().startswith(("1 ", "2 ", "3 ", "4 "))]
+    assert len(rows) == 4  # every line of the cell, hit or not
+    assert "+1024.00 MiB" in rows[1] and "a = f()" in rows[1]
+    assert rows[3].split()[1] == "3" and "-1024.00 MiB" in rows[3]
+
+
+def test_history_and_status_tables():
+    empty = history_view([])
+    assert "No cells recorded yet" in empty.text
+    view = history_view([gpu_record(), gpu_record(execution_count=8, devices=())], limit=1)
+    assert "[8]" in view.text and "[7]" not in view.text
+    sample = make_sample(rss=3 * GiB, devices=[dev_sample(0, allocated=4 * GiB, reserved=5 * GiB, used=6 * GiB, total=16 * GiB)])
+    text = status_view(sample, {0: "H100"}).text
+    row = [r for r in text.splitlines() if r.startswith("cuda:0")][0]
+    assert row.split()[2:] == ["4.00", "GiB", "1024.00", "MiB", "1024.00", "MiB", "10.00", "GiB", "16.00", "GiB"]
+    assert "host: 3.00 GiB resident" in text
+    cpu = status_view(make_sample(rss=GiB, reason="torch is not imported")).text
+    assert cpu.startswith("No CUDA device in use: torch is not imported.")
+
+
+def test_text_table_alignment():
+    out = text_table(["a", "bb"], [["x", "1"], ["yyy", "22"]])
+    assert out.splitlines() == ["a    bb", "---  --", "x     1", "yyy  22"]
+    assert isinstance(View("t", "<b>t</b>").text, str)
