@@ -73,18 +73,20 @@ def parse_oom(text):
     return _parse_oom(text)
 
 
-def who(namespace=None, device=None):
+def who(namespace=None, device=None, allocator_total=None):
     """Who holds the memory: parameters, gradients, optimizer state, retained graphs, caches.
 
-    ``namespace`` defaults to the running IPython shell's user namespace.
+    ``namespace`` defaults to the running IPython shell's user namespace. ``device`` narrows it
+    to one device ("cuda:0", "cpu"); ``allocator_total`` (bytes) lets the report say how much
+    the allocator holds that no variable explains.
     """
-    from .who import who as _who
+    from .attribution import who as _who
 
     if namespace is None:
         from .extension import user_namespace
 
         namespace = user_namespace()
-    return _who(namespace, device=device)
+    return _who(namespace, device=device, allocator_total=allocator_total)
 
 
 def format_bytes(size):

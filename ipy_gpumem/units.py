@@ -7,7 +7,7 @@ character for character with the ones in the user's traceback.
 from __future__ import annotations
 
 import re
-from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+from decimal import ROUND_HALF_UP, Context, Decimal, InvalidOperation
 
 __all__ = ["KiB", "MiB", "GiB", "TiB", "format_bytes", "format_delta", "parse_bytes"]
 
@@ -27,7 +27,10 @@ _UNITS = {
     "p": 1024**5, "pb": 1024**5, "pib": 1024**5,
     "e": 1024**6, "eb": 1024**6, "eib": 1024**6,
 }
-_QUANTITY = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+))\s*([a-zA-Z]*)\s*$")
+# ASCII digits only: \d would also accept other scripts' digits ("٣ GiB").
+_QUANTITY = re.compile(r"^\s*([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))\s*([a-zA-Z]*)\s*$")
+# Enough precision that no size a message can print is rounded before we round it ourselves.
+_EXACT = Context(prec=200)
 
 
 def format_bytes(size: int | None) -> str:
@@ -90,8 +93,10 @@ def parse_bytes(text: str | int) -> int:
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ValueError(f"unknown unit {unit!r} in {text!r} (use bytes, KiB, MiB, GiB or TiB)")
+    if len(number) > 60:
+        raise ValueError(f"not a size: {text!r} (too many digits)")
     try:
-        value = Decimal(number) * factor
-    except InvalidOperation:  # pragma: no cover - the regex admits only valid decimals
+        value = _EXACT.multiply(Decimal(number), Decimal(factor))
+        return int(value.quantize(Decimal(1), rounding=ROUND_HALF_UP, context=_EXACT))
+    except InvalidOperation:
         raise ValueError(f"not a size: {text!r}") from None
-    return int(value.quantize(Decimal(1), rounding=ROUND_HALF_UP))

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ipy_gpumem")
-CORE = ["units", "probes", "records", "recorder", "linetrace", "oom", "who", "render"]
+CORE = ["units", "probes", "records", "recorder", "linetrace", "oom", "attribution", "render"]
 HEAVY = ("IPython", "torch", "plotly", "ipywidgets", "pynvml", "pandas", "psutil")
 
 

@@ -50,7 +50,12 @@ def test_parse_bytes(text, size):
     assert parse_bytes(text) == size
 
 
-@pytest.mark.parametrize("bad", ["", "GiB", "1.2.3 GiB", "12 parsecs", "lots", True, "1e3 MiB"])
+def test_parse_bytes_is_exact_for_long_numbers():
+    assert parse_bytes("12345678901234567890123456.7 bytes") == 12345678901234567890123457
+    assert parse_bytes("99999999999999999999999999999 bytes") == 99999999999999999999999999999
+
+
+@pytest.mark.parametrize("bad", ["", "GiB", "1.2.3 GiB", "12 parsecs", "lots", True, "1e3 MiB", "\u0663 GiB", "9" * 100])
 def test_parse_bytes_rejects_with_a_hint(bad):
     with pytest.raises(ValueError) as err:
         parse_bytes(bad)
