@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Int, TraitError, Unicode, Union, validate
+from traitlets import Bool, Int, TraitError, Unicode, Union, observe, validate
 
 from . import GpuMemWarning
 from .linetrace import LineTracer
@@ -134,6 +134,7 @@ class GpuMemMagics(Magics):
     def __init__(self, shell=None, probe: Optional[MemoryProbe] = None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self.probe = probe if probe is not None else MemoryProbe()
+        self._cache_config()
         self.ledger = Ledger(self.history_size)
         self.enabled = True
         self.broken: Optional[str] = None
@@ -177,7 +178,16 @@ class GpuMemMagics(Magics):
 
     @property
     def threshold_bytes(self) -> int:
-        return parse_bytes(self.threshold)
+        return self._threshold
+
+    @observe("threshold", "devices", "track_peaks", "quiet")
+    def _cache_config(self, change=None) -> None:
+        # The hooks run around every cell: they read these plain attributes, not the traitlets
+        # (a traitlet read costs about as much as one of our syscalls).
+        self._threshold = parse_bytes(self.threshold)
+        self._watch = self._device_indices(self.devices)
+        self._track = self.track_peaks
+        self._quiet = self.quiet
 
     # -- hooks -----------------------------------------------------------------------------------
 
@@ -250,31 +260,34 @@ class GpuMemMagics(Magics):
 
     def _pre(self, info) -> None:
         raw = getattr(info, "raw_cell", "") or ""
+        stack = self._stack
         plan = None
-        if not any(frame.plan is not None for frame in self._stack):
-            plan = self._armed or self._plan_for(raw)
+        if self._armed is not None or "%%gpumem" in raw:
+            if not any(frame.plan is not None for frame in stack):
+                plan = self._armed or self._plan_for(raw)
             self._armed = None
-        outermost = not self._stack
         measurement = tracer = None
-        if plan is not None or (outermost and self.enabled):
-            devices = self._device_indices(self.devices)
-            if plan is not None and plan.devices is not None:
-                devices = plan.devices
-            host_only = plan is not None and plan.host_only
+        if plan is not None or (not stack and self.enabled):
+            devices = self._watch
+            host_only = False
+            if plan is not None:
+                if plan.devices is not None:
+                    devices = plan.devices
+                host_only = plan.host_only
+                if host_only:
+                    devices = ()
             measurement = Measurement(
                 self.probe,
                 cell_id=getattr(info, "cell_id", None),
                 source=raw,
-                devices=() if host_only else devices,
-                track_peaks=self.track_peaks,
+                devices=devices,
+                track_peaks=self._track,
                 detailed=plan is not None,
             )
             if plan is not None and plan.lines:
-                tracer = LineTracer(self.probe, self.shell.user_global_ns, () if host_only else devices,
-                                    track_peaks=self.track_peaks)
-                if not tracer.start():
-                    pass  # the report says why (tracer.reason)
-        self._stack.append(_Frame(info, measurement, plan, tracer, _exception_marker()))
+                tracer = LineTracer(self.probe, self.shell.user_global_ns, devices, track_peaks=self._track)
+                tracer.start()  # when it cannot (a debugger owns settrace), the report says why
+        stack.append(_Frame(info, measurement, plan, tracer, _exception_marker()))
 
     def _pop_frame(self, result) -> Optional[_Frame]:
         if not self._stack:
@@ -324,8 +337,8 @@ class GpuMemMagics(Magics):
             for parent in self._stack:
                 parent.reported_inside = True
             return
-        if outermost and not frame.reported_inside and not self.quiet and cell_moved(record, self.threshold_bytes):
-            _display(cell_view(record, self.threshold_bytes))
+        if outermost and not frame.reported_inside and not self._quiet and cell_moved(record, self._threshold):
+            _display(cell_view(record, self._threshold))
 
     @staticmethod
     def _cell_error(result, marker):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import weakref
 from typing import NamedTuple, Sequence
 
 __all__ = [
@@ -60,6 +61,10 @@ class Sample(NamedTuple):
 # Host memory
 # --------------------------------------------------------------------------------------------
 
+#: A high-water mark within this of the current RSS counts as "at the current RSS": the kernel's
+#: per-CPU RSS counters are only that precise anyway.
+PEAK_SLACK = 256 * 1024
+
 
 class HostProbe:
     """Process RSS and its peak: /proc on Linux (about 1 us a read), psutil elsewhere.
@@ -76,6 +81,10 @@ class HostProbe:
         self._status = None  # fd of /proc/self/status, only when getrusage cannot give the peak
         self._clear_refs = None
         self._resource = None
+        self._rusage_floor = 0  # ru_maxrss never reads below this (see _choose_peak_source)
+        # True when the last paired reading found the high-water mark at the current RSS: then a
+        # new span needs no reset (the costliest call here: it takes the mm write lock).
+        self.peak_is_current = False
         self._page = 4096
         self._psutil = psutil_module
         self._process = None
@@ -84,6 +93,10 @@ class HostProbe:
         self.backend = None
         self.reason = None
         self._open()
+        if hasattr(os, "register_at_fork"):
+            # Checked at fork time rather than with a getpid() on every read (this is the hot path).
+            ref = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: ref() is not None and ref()._after_fork())
 
     def _open(self) -> None:
         self.close()
@@ -119,7 +132,7 @@ class HostProbe:
 
     def close(self) -> None:
         """Release the file descriptors (on unload)."""
-        for fd in (self._statm, self._clear_refs, self._status):
+        for fd in (self._statm, self._clear_refs, self._status):  # noqa: B007
             if fd is not None:
                 try:
                     os.close(fd)
@@ -129,14 +142,13 @@ class HostProbe:
         self._process = None
         self.can_reset_peak = False
 
-    def _check_fork(self) -> None:
-        # After fork (DataLoader workers), an inherited /proc/self fd still points at the parent.
-        if self._pid != os.getpid():
+    def _after_fork(self) -> None:
+        # A child (DataLoader worker) inherits our /proc/self fds, which still describe the parent.
+        if self._pid is not None and self._pid != os.getpid():
             self._open()
 
     def rss(self) -> int | None:
         """Resident set size of this process, in bytes."""
-        self._check_fork()
         if self._statm is not None:
             try:
                 return int(os.pread(self._statm, 128, 0).split(None, 2)[1]) * self._page
@@ -153,11 +165,10 @@ class HostProbe:
         """Peak RSS since the last reset (Linux, Windows), or None where the OS keeps none."""
         if self._statm is not None:
             try:
-                if self._status is not None:
-                    text = os.pread(self._status, 8192, 0)
-                    start = text.index(b"VmHWM:") + 6
-                    return int(text[start:text.index(b"kB", start)]) * 1024
-                return int(self._resource.getrusage(self._resource.RUSAGE_SELF).ru_maxrss) * 1024
+                value = self._resource.getrusage(self._resource.RUSAGE_SELF).ru_maxrss * 1024
+                if value > self._rusage_floor:
+                    return value
+                return self._status_hwm()
             except (OSError, ValueError, AttributeError):
                 return None
         if self._process is not None:
@@ -169,35 +180,50 @@ class HostProbe:
                 return None
         return None
 
+    def rss_after_reset(self) -> int | None:
+        """The RSS right after :meth:`reset_peak`: the reset high-water mark, one cheap syscall.
+
+        A reset sets the high-water mark to the current RSS, so ``getrusage`` (about 1 us) reads
+        the current RSS too, where a ``/proc/self/statm`` read costs 5-10x more in a busy kernel.
+        """
+        try:
+            value = self._resource.getrusage(self._resource.RUSAGE_SELF).ru_maxrss * 1024
+            if value > self._rusage_floor:
+                return value
+        except (OSError, ValueError, AttributeError):
+            pass
+        return self.rss()
+
+    def _status_hwm(self) -> int | None:
+        if self._status is None:
+            self._status = os.open("/proc/self/status", os.O_RDONLY)
+        text = os.pread(self._status, 8192, 0)
+        start = text.index(b"VmHWM:") + 6
+        return int(text[start:text.index(b"kB", start)]) * 1024
+
     def _choose_peak_source(self) -> None:
-        # getrusage's ru_maxrss is 10x cheaper than parsing /proc/self/status, and after a reset
-        # it equals VmHWM, except that it never drops below the maximum RSS the kernel remembered
-        # at exec (signal->maxrss: a Jupyter kernel inherits its launcher's). Check once that a
-        # reset really brings it down; otherwise read VmHWM itself.
+        # getrusage's ru_maxrss is ~10x cheaper than parsing /proc/self/status, and after a reset
+        # it equals VmHWM, except that it never drops below the largest RSS the kernel remembered
+        # at exec (signal->maxrss: a Jupyter kernel inherits its launcher's). That floor is
+        # measured once here: above it getrusage is exact, at it we read VmHWM itself.
         try:
             import resource  # stdlib, Unix only
 
             self._resource = resource
             os.write(self._clear_refs, b"5")
             via_rusage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            status = os.open("/proc/self/status", os.O_RDONLY)
-            text = os.pread(status, 8192, 0)
-            start = text.index(b"VmHWM:") + 6
-            via_status = int(text[start:text.index(b"kB", start)]) * 1024
-            if abs(via_rusage - via_status) > 4 * 2**20:
-                self._status = status
-            else:
-                os.close(status)
+            via_status = self._status_hwm()
+            self._rusage_floor = via_rusage if via_rusage - via_status > 4 * 2**20 else 0
         except (OSError, ValueError, ImportError):
             self._resource = None
 
     def reset_peak(self) -> bool:
         """Reset the kernel's RSS high-water mark to the current RSS; False if unsupported."""
-        self._check_fork()
         if self._clear_refs is None:
             return False
         try:
             os.write(self._clear_refs, b"5")
+            self.peak_is_current = True
             return True
         except OSError:
             self.can_reset_peak = False
@@ -205,8 +231,10 @@ class HostProbe:
             return False
 
     def sample(self) -> HostSample:
-        """Current RSS and peak RSS together."""
-        return HostSample(self.rss(), self.peak_rss())
+        """Current RSS and peak RSS together (and whether the peak is at the current RSS)."""
+        rss, peak = self.rss(), self.peak_rss()
+        self.peak_is_current = rss is not None and peak is not None and peak - rss <= PEAK_SLACK
+        return HostSample(rss, peak)
 
 
 # --------------------------------------------------------------------------------------------
@@ -504,14 +532,48 @@ class MemoryProbe:
         self.host = host if host is not None else HostProbe()
         self.cuda = cuda if cuda is not None else CudaProbe()
 
-    def sample(self, devices: Sequence[int] | None = None, with_device_memory: bool = True) -> Sample:
-        """Read everything now. ``devices`` restricts the CUDA devices read (None: all initialized)."""
-        host = HostSample(self.host.rss(), self.host.peak_rss())
+    def sample(self, devices: Sequence[int] | None = None, with_device_memory: bool = True,
+               with_peak: bool = True) -> Sample:
+        """Read everything now. ``devices`` restricts the CUDA devices read (None: all initialized).
+
+        ``with_peak=False`` skips the host peak (one syscall): a cell's starting sample needs none.
+        """
+        host = self.host
+        sample_host = host.sample() if with_peak else HostSample(host.rss(), None)
         try:
             devs, reason = self.cuda.sample(devices, with_device_memory)
         except Exception as exc:  # noqa: BLE001 - torch raising must never cost the user a cell
             devs, reason = (), f"CUDA counters unavailable ({type(exc).__name__}: {exc})"
-        return Sample(time.perf_counter(), host, devs, reason)
+        return Sample(time.perf_counter(), sample_host, devs, reason)
+
+    def start(self, devices: Sequence[int] | None = None, reset_peaks: bool = True):
+        """The sample that opens a span (a cell, a line), resetting the peak counters if asked.
+
+        Returns ``(sample, host_peak_reset, reset_device_indices)``. Runs before every cell, so
+        it does the fewest reads: the host reset is skipped when the last reading found the
+        high-water mark at the current RSS (the mark then already counts from here, give or take
+        ``PEAK_SLACK``), and after a reset one ``getrusage`` gives the RSS.
+        """
+        host = self.host
+        if reset_peaks and host.peak_is_current:
+            # The last reading left the high-water mark at the RSS: it already measures from here.
+            host_reset, rss = True, host.rss()
+        else:
+            host_reset = reset_peaks and host.reset_peak()
+            rss = host.rss_after_reset() if host_reset else host.rss()
+        try:
+            devs, reason = self.cuda.sample(devices)
+        except Exception as exc:  # noqa: BLE001 - torch raising must never cost the user a cell
+            devs, reason = (), f"CUDA counters unavailable ({type(exc).__name__}: {exc})"
+        reset_devices = frozenset()
+        if reset_peaks and devs:
+            try:
+                for dev in devs:
+                    self.cuda.reset_peak(dev.index)
+                reset_devices = frozenset(dev.index for dev in devs)
+            except Exception:  # noqa: BLE001 - peaks then come from samples
+                reset_devices = frozenset()
+        return Sample(time.perf_counter(), HostSample(rss, None), devs, reason), host_reset, reset_devices
 
     def reset_peaks(self, devices: Sequence[int] | None = None) -> None:
         """Reset the host RSS high-water mark and torch's peak counters; see :meth:`reset_peaks_cuda`."""

@@ -37,6 +37,10 @@ class Measurement:
             by any sample taken during the cell (start, end, line boundaries, the sampler).
     """
 
+    __slots__ = ("probe", "execution_count", "cell_id", "source", "devices", "detailed", "include_host",
+                 "lines", "started_at", "start", "track_peaks", "host_peak_reset", "_reset_devices",
+                 "_seen_host", "_seen_alloc", "_seen_reserved", "_lock", "t0")
+
     def __init__(
         self,
         probe: MemoryProbe,
@@ -49,6 +53,7 @@ class Measurement:
         detailed: bool = False,
         include_host: bool = True,
     ):
+        # This runs before every cell: keep it to the reads and resets it needs.
         self.probe = probe
         self.execution_count = execution_count
         self.cell_id = cell_id
@@ -58,17 +63,8 @@ class Measurement:
         self.include_host = include_host
         self.lines = None  # set by the line tracer when --lines is on
         self.started_at = time.time()
-        self.start = probe.sample(self.devices)
         self.track_peaks = track_peaks
-        self.host_peak_reset = False
-        self._reset_devices = set()
-        if track_peaks:
-            self.host_peak_reset = probe.host.reset_peak()
-            try:
-                probe.reset_peaks_cuda(self.devices)
-                self._reset_devices = {d.index for d in self.start.devices}
-            except Exception:  # noqa: BLE001 - peaks then come from samples
-                self._reset_devices = set()
+        self.start, self.host_peak_reset, self._reset_devices = probe.start(self.devices, track_peaks)
         # Highest values seen by any sample during the cell (sampler thread, line boundaries).
         self._seen_host = None
         self._seen_alloc: dict = {}

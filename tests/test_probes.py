@@ -330,3 +330,29 @@ def test_real_nvml_on_this_machine_fails_cleanly():
     used, total = nvml.memory(0)
     if used is None:
         assert nvml.reason and nvml.reason.startswith("NVML unavailable")
+
+
+@linux
+def test_inherited_maxrss_floor_falls_back_to_vmhwm():
+    """A Jupyter kernel inherits its launcher's max RSS in ru_maxrss; below it we read VmHWM."""
+    probe = HostProbe()
+    if not probe.can_reset_peak:
+        pytest.skip("this kernel/container forbids /proc/self/clear_refs")
+    probe._rusage_floor = 1 << 50  # as if the launcher had been enormous: getrusage is useless
+    assert probe.reset_peak()
+    after_reset = probe.rss_after_reset()
+    assert after_reset == pytest.approx(probe.rss(), abs=2 * MiB)  # fell back to statm
+    buf = _touch(64 * MiB)
+    del buf
+    peak = probe.peak_rss()  # from /proc/self/status VmHWM
+    assert peak >= probe.rss() + 60 * MiB and peak < 1 << 50
+
+
+@linux
+def test_start_sample_resets_then_reads_cheaply():
+    probe = MemoryProbe()
+    sample, host_reset, reset_devices = probe.start(reset_peaks=True)
+    assert host_reset is probe.host.can_reset_peak and reset_devices == frozenset()
+    assert sample.host.rss == pytest.approx(probe.host.rss(), abs=2 * MiB)
+    sample, host_reset, _ = probe.start(reset_peaks=False)
+    assert host_reset is False and sample.host.peak_rss is None
