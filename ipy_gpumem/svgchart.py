@@ -1,0 +1,827 @@
+"""Memory charts as self-contained inline SVG strings: no JavaScript, no external resources.
+
+Two charts, both pure functions from plain data to a string:
+
+* :func:`timeline_svg` draws a :class:`~ipy_gpumem.timeline.TimelineSnapshot`: one line per
+  series (allocated solid, reserved dashed, device-wide used dotted; host RSS solid when no CUDA
+  device is in use), the min-max band of merged points, the device capacity, cell spans as light
+  bands labelled ``[7]`` with their hover text as native ``<title>`` tooltips, the running cell
+  in amber, failed cells in red, byte ticks in torch's spelling and time in s/min/h.
+* :func:`cell_svg` draws one cell. With samples taken during the cell it is the same line chart
+  over the cell's time, plus the exact peak from the record as a dashed line (samples can miss
+  a short spike; the record's peak cannot). Without samples it is a **waterfall**: a ``before``
+  bar, one floating bar per executed source line (or one for the whole cell) going up or down
+  by the line's delta with a whisker up to its peak, and an ``after`` bar. We know before, peak
+  and after but not *when* the peak happened, so we draw no invented time axis; the waterfall
+  shows exactly what was measured and points at the line that moved memory.
+
+Text and axes use ``currentColor`` and fills are semi-transparent, so the charts read in light
+and dark themes. Every piece of text is escaped. Drawing never raises on empty or None data.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from functools import lru_cache
+from typing import Optional, Sequence
+
+from .render import esc
+from .timeline import HOST_KEY, Timeline, TimelineSnapshot
+from .units import GiB, KiB, MiB, format_bytes, format_delta
+
+__all__ = ["timeline_svg", "cell_svg", "empty_svg", "byte_ticks", "time_ticks", "format_time"]
+
+FONT = "-apple-system,BlinkMacSystemFont,'Segoe UI',Helvetica,Arial,sans-serif"
+#: Line colours per CUDA device (mid tones: readable on white and on a dark theme).
+DEVICE_COLORS = ("#3b82f6", "#a855f7", "#14b8a6", "#f97316", "#ec4899", "#84cc16", "#06b6d4", "#eab308")
+HOST_COLOR = "#10b981"
+RUNNING_COLOR = "#f59e0b"
+FAILED_COLOR = "#ef4444"
+UP_COLOR = "#ef4444"
+DOWN_COLOR = "#22c55e"
+#: Dash pattern per series kind: allocated solid, reserved dashed, used dotted.
+DASHES = {"allocated": "", "reserved": "6 3", "used": "1.5 2.5", "rss": ""}
+KIND_ORDER = {"allocated": 0, "reserved": 1, "used": 2}
+#: A capacity line is drawn (and included in the y range) when the data reach this fraction
+#: of it; below that, a 80 GiB line would squash a 2 GiB session into the bottom pixels, so
+#: the capacity is only written in the corner.
+CAPACITY_ON_SCALE = 0.3
+CHAR_W = 5.6  # average glyph width at font-size 10, for layout estimates
+#: Smaller charts are drawn at this size: axis labels alone need about 70 x 60 pixels.
+MIN_WIDTH, MIN_HEIGHT = 240, 120
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
+_TICK_MULTIPLIERS = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 40, 50, 64, 100, 128, 200, 250, 256, 500, 512)
+_TIME_STEPS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300,
+               600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _text(value) -> str:
+    """Escape for XML text and attributes, dropping characters XML 1.0 forbids."""
+    return esc(_CONTROL.sub("", str(value)))
+
+
+def _num(value: float) -> str:
+    return f"{value:.1f}"
+
+
+def _text_width(text: str, size: float = 10) -> float:
+    return len(text) * CHAR_W * size / 10
+
+
+def _svg_open(width: int, height: int, label: str) -> str:
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{int(width)}" height="{int(height)}" '
+        f'viewBox="0 0 {int(width)} {int(height)}" font-family="{FONT}" font-size="10" '
+        f'role="img" aria-label="{_text(label)}" style="color:inherit;overflow:visible">'
+    )
+
+
+def empty_svg(message: str = "no samples yet", width: int = 720, height: int = 40) -> str:
+    """A small placeholder chart with a centred message."""
+    height = max(int(height), 20)
+    return (
+        _svg_open(width, height, message)
+        + f'<rect x="0.5" y="0.5" width="{int(width) - 1}" height="{height - 1}" rx="4" fill="none" '
+        f'stroke="currentColor" stroke-opacity="0.25"/>'
+        + f'<text x="{int(width) / 2:.1f}" y="{height / 2 + 3.5:.1f}" text-anchor="middle" '
+        f'fill="currentColor" fill-opacity="0.6">{_text(message)}</text></svg>'
+    )
+
+
+def byte_ticks(top: float) -> tuple:
+    """``(axis top, [tick values])``: 4-5 ticks from 0 at a binary-friendly step.
+
+    Examples:
+        >>> byte_ticks(15.2 * 2**30)[1][-1] / 2**30, len(byte_ticks(15.2 * 2**30)[1])
+        (16.0, 5)
+    """
+    top = max(float(top or 0), 1.0)
+    for unit in (1, KiB, MiB, GiB, GiB * 1024):
+        for m in _TICK_MULTIPLIERS:
+            step = m * unit
+            count = math.ceil(top / step - 1e-9)
+            if count <= 4:
+                return count * step, [i * step for i in range(count + 1)]
+    step = 2 ** math.ceil(math.log2(top / 4))
+    count = math.ceil(top / step)
+    return count * step, [i * step for i in range(count + 1)]
+
+
+def time_ticks(lo: float, hi: float, max_ticks: int = 6) -> list:
+    """Tick positions (seconds) between ``lo`` and ``hi`` at a round step."""
+    span = max(hi - lo, 1e-9)
+    step = next((s for s in _TIME_STEPS if span / s <= max_ticks), None)
+    if step is None:
+        step = _TIME_STEPS[-1] * math.ceil(span / max_ticks / _TIME_STEPS[-1])
+    first = math.ceil(lo / step - 1e-9) * step
+    ticks, value = [], first
+    while value <= hi + 1e-9 and len(ticks) < 100:
+        ticks.append(value)
+        value = first + len(ticks) * step
+    return ticks
+
+
+def format_time(value: float, step: float, hi: Optional[float] = None) -> str:
+    """An axis label in one unit for the whole axis (chosen from the step and the axis end).
+
+    Examples:
+        >>> [format_time(v, 0.25, 0.75) for v in (0, 0.25)], format_time(1.5, 0.5, 2), format_time(30, 15, 60)
+        (['0 ms', '250 ms'], '1.5 s', '30 s')
+        >>> format_time(150, 30, 300), format_time(600, 300, 1800), format_time(5400, 1800, 14400)
+        ('2:30', '10 min', '1.5 h')
+    """
+    hi = value if hi is None else hi
+    if step >= 3600 or hi >= 3 * 3600:
+        return f"{value / 3600:g} h"
+    if step >= 60:
+        return f"{value / 60:g} min"
+    if step >= 1:
+        if hi < 120:
+            return f"{value:.0f} s"
+        minutes, seconds = divmod(int(round(value)), 60)
+        return f"{minutes}:{seconds:02d}"
+    if hi < 1:
+        return f"{value * 1000:.0f} ms"
+    decimals = max(1, -math.floor(math.log10(step) + 1e-9))
+    return f"{value:.{decimals}f} s"
+
+
+@lru_cache(maxsize=64)
+def _coord_table(origin: float, step: float, count: int, suffix: str) -> tuple:
+    """``count`` pre-formatted coordinates ``origin + i * step`` (cached across redraws)."""
+    return tuple(_num(origin + i * step) + suffix for i in range(count))
+
+
+# --------------------------------------------------------------------------------------------
+# Series keys, colours and the legend
+# --------------------------------------------------------------------------------------------
+
+
+def _split_key(key: str) -> tuple:
+    """``"cuda:1 reserved"`` -> (1, "reserved"); ``"host rss"`` -> (None, "rss")."""
+    if key.startswith("cuda:"):
+        device, _, kind = key[5:].partition(" ")
+        try:
+            return int(device), kind
+        except ValueError:
+            return None, kind
+    return None, "rss"
+
+
+def _drawn_keys(series) -> list:
+    """CUDA series when any device has data (device order, then allocated/reserved/used), else RSS."""
+    cuda = [k for k, v in series.items()
+            if _split_key(k)[0] is not None and any(x is not None for x in v)]
+    if cuda:
+        return sorted(cuda, key=lambda k: (_split_key(k)[0], KIND_ORDER.get(_split_key(k)[1], 9)))
+    return [k for k in series if k == HOST_KEY and any(x is not None for x in series[k])]
+
+
+def _color(key: str) -> str:
+    device, _ = _split_key(key)
+    return HOST_COLOR if device is None else DEVICE_COLORS[device % len(DEVICE_COLORS)]
+
+
+def _legend_items(keys: list) -> list:
+    """``[(label, colour, dash)]``: one entry per series for one device, compact for several."""
+    devices = sorted({_split_key(k)[0] for k in keys if k.startswith("cuda:")})
+    if not devices:
+        return [("host RSS", HOST_COLOR, "")] if keys else []
+    kinds = sorted({_split_key(k)[1] for k in keys}, key=lambda kind: KIND_ORDER.get(kind, 9))
+    names = {"used": "used (all processes)"}
+    if len(devices) == 1:
+        color = DEVICE_COLORS[devices[0] % len(DEVICE_COLORS)]
+        return [(f"cuda:{devices[0]} {names.get(kind, kind)}", color, DASHES.get(kind, "")) for kind in kinds]
+    items = [(names.get(kind, kind), "currentColor", DASHES.get(kind, "")) for kind in kinds]
+    return items + [(f"cuda:{d}", DEVICE_COLORS[d % len(DEVICE_COLORS)], "") for d in devices]
+
+
+def _legend(items: list, x: float, y: float, right: float) -> str:
+    out = []
+    for label, color, dash in items:
+        width = 22 + _text_width(label)
+        if x + width > right:
+            break  # a legend that would overflow the chart is cut, never wrapped over the plot
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        out.append(
+            f'<line x1="{_num(x)}" y1="{_num(y - 3.5)}" x2="{_num(x + 16)}" y2="{_num(y - 3.5)}" '
+            f'stroke="{color}" stroke-width="2"{dash_attr}/>'
+            f'<text x="{_num(x + 20)}" y="{_num(y)}" fill="currentColor">{_text(label)}</text>'
+        )
+        x += width + 10
+    return "".join(out)
+
+
+# --------------------------------------------------------------------------------------------
+# The line chart shared by timeline_svg and cell_svg(samples=...)
+# --------------------------------------------------------------------------------------------
+
+
+class _Frame:
+    """Plot geometry: the data ranges and the pixel rectangle they map to."""
+
+    def __init__(self, width, height, left, top, bottom, x0, x1, ymax, ymin=0):
+        self.width, self.height = width, height
+        self.px0, self.px1 = float(left), float(width - 10)
+        self.py0, self.py1 = float(top), float(height - bottom)
+        self.x0, self.x1 = x0, max(x1, x0 + 1e-6)
+        self.ymin, self.ymax = ymin, max(ymax, ymin + 1)
+        self.sx = (self.px1 - self.px0) / (self.x1 - self.x0)
+        self.sy = (self.py1 - self.py0) / (self.ymax - ymin)
+
+    def x(self, t: float) -> float:
+        return self.px0 + (t - self.x0) * self.sx
+
+    def y(self, v: float) -> float:
+        return self.py1 - (v - self.ymin) * self.sy
+
+
+def _y_axis(frame: _Frame, ticks: list) -> str:
+    out = []
+    for value in ticks:
+        y = frame.y(value)
+        out.append(
+            f'<line x1="{_num(frame.px0)}" y1="{_num(y)}" x2="{_num(frame.px1)}" y2="{_num(y)}" '
+            f'stroke="currentColor" stroke-opacity="{0.35 if value == 0 else 0.12}"/>'
+            f'<text x="{_num(frame.px0 - 4)}" y="{_num(y + 3.5)}" text-anchor="end" fill="currentColor" '
+            f'fill-opacity="0.75">{_text(format_bytes(int(value)))}</text>'
+        )
+    return "".join(out)
+
+
+def _x_axis(frame: _Frame) -> str:
+    ticks = time_ticks(frame.x0, frame.x1, max_ticks=max(2, int((frame.px1 - frame.px0) / 90)))
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else max(frame.x1 - frame.x0, 1e-3)
+    y = frame.py1
+    out = []
+    for value in ticks:
+        x = frame.x(value)
+        out.append(
+            f'<line x1="{_num(x)}" y1="{_num(y)}" x2="{_num(x)}" y2="{_num(y + 3)}" stroke="currentColor" '
+            f'stroke-opacity="0.5"/><text x="{_num(x)}" y="{_num(y + 13)}" text-anchor="middle" '
+            f'fill="currentColor" fill-opacity="0.75">{_text(format_time(value, step, ticks[-1]))}</text>'
+        )
+    return "".join(out)
+
+
+def _max(values: Sequence) -> float:
+    try:
+        return max(values, default=0)
+    except TypeError:  # None among the values (a series that started late)
+        return max((v for v in values if v is not None), default=0)
+
+
+def _runs(values: Sequence) -> list:
+    """``[(start, stop)]`` index ranges of consecutive non-None values."""
+    if None not in values:
+        return [(0, len(values))] if values else []
+    runs, start = [], None
+    for i, v in enumerate(values):
+        if v is None:
+            if start is not None:
+                runs.append((start, i))
+                start = None
+        elif start is None:
+            start = i
+    if start is not None:
+        runs.append((start, len(values)))
+    return runs
+
+
+def _y_table(frame: _Frame) -> tuple:
+    """``(quantum, table)``: ``table[v // quantum]`` is the pre-formatted y of ``v`` bytes plus a space.
+
+    Integer floor division by a byte quantum (about half a pixel) is one C call per point, and
+    the table lookup replaces per-point formatting; together they keep a 2000-point series
+    under a quarter of a millisecond.
+    """
+    height = frame.py1 - frame.py0
+    quantum = max(1, int(frame.ymax / (2 * height)))
+    return quantum, _coord_table(frame.py1, -quantum * frame.sy, int(frame.ymax // quantum) + 3, " ")
+
+
+def _interleave(xs: list, ys) -> str:
+    """``"x0,y0 x1,y1 ..."`` from ``"x,"`` and ``"y "`` strings (slice assignment: C speed)."""
+    out = [""] * (2 * len(xs))
+    out[::2] = xs
+    out[1::2] = ys
+    return "".join(out)
+
+
+def _path_data(xs: list, values: Sequence, frame: _Frame) -> str:
+    """SVG path data through the points (``M x,y x,y ...``); None values break the line.
+
+    This is the hot loop of a redraw (2000 points x 4 series every second), so the common case
+    (no None, int bytes) runs in C, mapping bound methods over the values; anything else takes
+    the per-run path.
+    """
+    quantum, ytab = _y_table(frame)
+    try:
+        return "M" + _interleave(xs, map(ytab.__getitem__, map(quantum.__rfloordiv__, values)))
+    except (TypeError, IndexError):  # a None (gap), a float, or an out-of-range value
+        pass
+    last = len(ytab) - 1
+    parts = []
+    for a, b in _runs(values):
+        ys = [ytab[min(max(int(v) // quantum, 0), last)] for v in values[a:b]]
+        parts.append("M" + _interleave(xs[a:b], ys))
+    return "".join(parts)
+
+
+def _x_coords(times: Sequence[float], frame: _Frame) -> list:
+    """``"x,"`` strings for each time (half-pixel precision), shared by every series."""
+    xtab = _coord_table(frame.px0, 0.5, int(2 * (frame.px1 - frame.px0)) + 3, ",")
+    k = 2 * frame.sx
+    shifted = times if frame.x0 == 0 else map((-frame.x0).__add__, times)  # t[0] is usually 0
+    return list(map(xtab.__getitem__, map(int, map(k.__mul__, shifted))))
+
+
+def _envelope(xs: list, highs: Sequence, lows: Sequence, n: int, frame: _Frame, color: str) -> str:
+    """The min-max band of the first ``n`` (merged) points, when any bucket has a range."""
+    hi, lo = tuple(highs[:n]), tuple(lows[:n])
+    if n < 2 or hi == lo or None in hi or None in lo:
+        return ""
+    top = _path_data(xs[:n], hi, frame)
+    bottom = _path_data(xs[:n][::-1], lo[::-1], frame)
+    return (
+        f'<path d="{top}L{bottom[1:]}Z" fill="{color}" fill-opacity="0.18" stroke="none" '
+        f'pointer-events="none"/>'
+    )
+
+
+def _series_paths(times, series, lows, keys, merged, frame) -> str:
+    xs = _x_coords(times, frame)
+    out = []
+    for key in keys:
+        values = series[key]
+        color = _color(key)
+        kind = _split_key(key)[1]
+        if kind in ("allocated", "rss") and key in lows:
+            # Saw-tooth memory (training loops) merged into buckets keeps its range visible.
+            out.append(_envelope(xs, values, lows[key], merged, frame, color))
+        dash = DASHES.get(kind, "")
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        data = _path_data(xs, values, frame)
+        if data:
+            out.append(
+                f'<path d="{data}" fill="none" stroke="{color}" stroke-width="1.6" '
+                f'stroke-linejoin="round"{dash_attr} pointer-events="none"><title>{_text(key)}</title></path>'
+            )
+    return "".join(out)
+
+
+def _span_fill(span, index: int) -> tuple:
+    if span.end is None:
+        return RUNNING_COLOR, 0.28
+    if span.failed:
+        return FAILED_COLOR, 0.18
+    return "currentColor", (0.06 if index % 2 else 0.11)  # alternate: back-to-back cells stay apart
+
+
+def _label_order(spans: Sequence) -> list:
+    """Indices of spans in labelling priority: running, then by bytes moved, then newest."""
+    return sorted(range(len(spans)), key=lambda i: (spans[i].end is not None, -spans[i].moved, -i))
+
+
+def _place_labels(spans: Sequence, frame: _Frame) -> set:
+    """Indices of spans whose label fits without overlapping a more important one."""
+    starts: list = []  # left edges of placed labels, sorted; placed labels never overlap
+    ends: list = []
+    labelled = set()
+    for i in _label_order(spans):
+        span = spans[i]
+        end = span.end if span.end is not None else frame.x1
+        centre = (frame.x(span.start) + frame.x(end)) / 2
+        half = _text_width(span.label, 9) / 2 + 2
+        lo, hi = centre - half, centre + half
+        if lo < frame.px0 or hi > frame.px1:
+            continue
+        at = bisect.bisect_left(starts, lo)
+        if (at < len(starts) and starts[at] < hi) or (at > 0 and ends[at - 1] > lo):
+            continue
+        starts.insert(at, lo)
+        ends.insert(at, hi)
+        labelled.add(i)
+    return labelled
+
+
+def _spans(spans: Sequence, frame: _Frame) -> str:
+    """Span bands with tooltips; ``[7]`` labels where they do not collide."""
+    if not spans:
+        return ""
+    labelled = _place_labels(spans, frame)
+    out = ['<g class="spans">']
+    height = frame.py1 - frame.py0
+    for i, span in enumerate(spans):
+        end = span.end if span.end is not None else frame.x1
+        x0, x1 = frame.x(span.start), frame.x(end)
+        color, opacity = _span_fill(span, i)
+        label = ""
+        if i in labelled:
+            weight = ' font-weight="600"' if span.end is None else ""
+            label = (
+                f'<text x="{_num((x0 + x1) / 2)}" y="{_num(frame.py0 + 9)}" text-anchor="middle" '
+                f'font-size="9" fill="currentColor" fill-opacity="0.8"{weight}>{_text(span.label)}</text>'
+            )
+        out.append(
+            f'<g><title>{_text(span.hover)}</title><rect x="{_num(x0)}" y="{_num(frame.py0)}" '
+            f'width="{_num(max(x1 - x0, 1.0))}" height="{_num(height)}" fill="{color}" '
+            f'fill-opacity="{opacity}"/>{label}</g>'
+        )
+    out.append("</g>")
+    return "".join(out)
+
+
+def _capacity_layout(capacities, devices: list, data_max: float) -> tuple:
+    """``(on-scale capacities, off-scale capacities)`` as ``[(name, bytes)]`` lists."""
+    on, off = [], []
+    for device in devices:
+        total = capacities.get(f"cuda:{device}")
+        if not total:
+            continue
+        (on if data_max >= CAPACITY_ON_SCALE * total else off).append((f"cuda:{device}", total))
+    return on, off
+
+
+def _label_y(y: float, frame: _Frame) -> float:
+    """Baseline of a label for a horizontal line at ``y``: above it, or below when near the top."""
+    return y - 3 if y - 12 >= frame.py0 else y + 11
+
+
+def _capacities(on: list, off: list, frame: _Frame, several: bool) -> str:
+    out = []
+    for name, total in on:
+        y = frame.y(total)
+        color = DEVICE_COLORS[int(name[5:]) % len(DEVICE_COLORS)]
+        text = f"{name} {format_bytes(total)} total" if several else f"{format_bytes(total)} total"
+        out.append(
+            f'<line x1="{_num(frame.px0)}" y1="{_num(y)}" x2="{_num(frame.px1)}" y2="{_num(y)}" '
+            f'stroke="{color}" stroke-width="1.2" stroke-dasharray="8 3 2 3" stroke-opacity="0.8"/>'
+            f'<text x="{_num(frame.px1 - 3)}" y="{_num(_label_y(y, frame))}" text-anchor="end" fill="currentColor" '
+            f'fill-opacity="0.8">{_text(text)}</text>'
+        )
+    if off:
+        text = " · ".join(
+            f"{name} {format_bytes(total)} total" if several else f"{format_bytes(total)} total" for name, total in off
+        )
+        out.append(
+            f'<text x="{_num(frame.px1 - 3)}" y="{_num(frame.py0 + 10)}" text-anchor="end" fill="currentColor" '
+            f'fill-opacity="0.6">{_text(text)} (off scale)</text>'
+        )
+    return "".join(out)
+
+
+def _peak_line(peak: Optional[int], frame: _Frame, color: str) -> str:
+    if peak is None:
+        return ""
+    y = frame.y(peak)
+    return (
+        f'<line x1="{_num(frame.px0)}" y1="{_num(y)}" x2="{_num(frame.px1)}" y2="{_num(y)}" stroke="{color}" '
+        f'stroke-width="1" stroke-dasharray="3 3"/><text x="{_num(frame.px0 + 3)}" y="{_num(y - 3)}" '
+        f'fill="currentColor" fill-opacity="0.8">{_text("peak " + format_bytes(peak) + " (exact, from the record)")}</text>'
+    )
+
+
+def _line_chart(times, series, lows, keys, *, spans=(), capacities=None, end=None, merged=0, width=720,
+                height=220, title=None, peak=None) -> str:
+    """The shared line chart; ``keys`` are the series to draw (already chosen)."""
+    capacities = capacities or {}
+    data_max = max((_max(series[k]) for k in keys), default=0)
+    devices = sorted({_split_key(k)[0] for k in keys if k.startswith("cuda:")})
+    on_scale, off_scale = _capacity_layout(capacities, devices, data_max)
+    top_value = max([data_max, peak or 0] + [total for _, total in on_scale])
+    axis_top, ticks = byte_ticks(max(top_value * 1.04, MiB))  # all zeros still get a sane axis
+    starts = [times[0]] if times else []
+    starts += [s.start for s in spans]
+    x0 = min(starts, default=0.0)
+    x1 = max([end if end is not None else x0] + list(times[-1:]))
+    left = 8 + max(_text_width(format_bytes(int(t))) for t in ticks)
+    top = 20 if title else 6
+    frame = _Frame(width, height, left, top, 34, x0, x1, axis_top)
+    several = len(devices) > 1
+    parts = [
+        _svg_open(width, height, title or "memory timeline"),
+        _spans(spans, frame),
+        _y_axis(frame, ticks),
+        _x_axis(frame),
+        _capacities(on_scale, off_scale, frame, several),
+        _series_paths(times, series, lows, keys, merged, frame) if times else "",
+        _peak_line(peak, frame, _color(keys[0]) if keys else HOST_COLOR),
+        _legend(_legend_items(keys), frame.px0, height - 5, width - 4),
+    ]
+    if title:
+        parts.append(f'<text x="{_num(frame.px0)}" y="13" font-size="11" font-weight="600" fill="currentColor">'
+                     f'{_text(title)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def timeline_svg(snapshot: Optional[TimelineSnapshot], width: int = 720, height: int = 220,
+                 title: Optional[str] = None) -> str:
+    """The session chart of a :class:`~ipy_gpumem.timeline.TimelineSnapshot` as an SVG string.
+
+    Args:
+        snapshot: from ``Timeline.snapshot()``; None or empty gives a "no samples yet" chart.
+        width: pixels (at least 240 are used).
+        height: pixels (at least 120 are used).
+        title: optional text above the plot.
+
+    Returns:
+        ``<svg ...>...</svg>``, self-contained; safe to embed in HTML as is.
+    """
+    width = max(int(width), MIN_WIDTH)
+    if snapshot is None or snapshot.empty:
+        return empty_svg("no samples yet", width)
+    keys = _drawn_keys(snapshot.series)
+    if not keys and not snapshot.spans:
+        return empty_svg("no memory readings yet", width)
+    return _line_chart(
+        snapshot.t, snapshot.series, snapshot.lows, keys, spans=snapshot.spans, capacities=snapshot.capacities,
+        end=snapshot.end, merged=snapshot.merged, width=width, height=max(int(height), 120), title=title,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# One cell: the samples it saw, or a waterfall from its record
+# --------------------------------------------------------------------------------------------
+
+
+def _subject(record):
+    """The quantity a cell chart shows: the device that moved most, else host RSS.
+
+    Returns ``(name, before, after, peak, (reserved before, after), total, per-line accessor,
+    device index or None)``; the accessor maps a LineRecord to ``(delta, peak increase)``.
+    """
+    devices = [d for d in record.devices if d.allocated_before is not None or d.allocated_after is not None]
+    if devices:
+        dev = max(devices, key=lambda d: max(abs(d.allocated_delta or 0), d.peak_increase or 0))
+
+        def line_values(line):
+            ld = line.device(dev.index)
+            return (None, None) if ld is None else (ld.allocated_delta, ld.peak_increase)
+
+        return (f"{dev.label} allocated", dev.allocated_before, dev.allocated_after, dev.allocated_peak,
+                (dev.reserved_before, dev.reserved_after), dev.total, line_values, dev.index)
+    host = record.host
+
+    def host_line_values(line):
+        return line.host.rss_delta, line.host.rss_peak_increase
+
+    return ("host RSS", host.rss_before, host.rss_after, host.rss_peak, (None, None), None, host_line_values, None)
+
+
+def _record_title(record) -> str:
+    first = record.first_line
+    if len(first) > 60:
+        first = first[:59] + "…"
+    return f"{record.label} {first}".rstrip()
+
+
+class _Slot:
+    """One waterfall column: a level change with an optional peak whisker."""
+
+    def __init__(self, label, tick, delta, peak_increase, hover, kind="step"):
+        self.label, self.tick, self.delta, self.peak_increase = label, tick, delta, peak_increase
+        self.hover, self.kind = hover, kind
+
+
+def _line_slots(record, line_values, subject: str, max_slots: int) -> list:
+    """One slot per executed line (source order), grouped into runs when there are too many."""
+    lines = sorted(record.lines or (), key=lambda ln: ln.lineno)
+    if not lines:
+        return []
+    group = max(1, math.ceil(len(lines) / max_slots))
+    slots = []
+    for i in range(0, len(lines), group):
+        chunk = lines[i:i + group]
+        delta, peak, level, texts = 0, None, 0, []
+        for line in chunk:
+            d, p = line_values(line)
+            if p is not None:
+                peak = max(peak if peak is not None else p, level + p)
+            level += d or 0
+            delta += d or 0
+            src = line.source.strip()
+            src = src if len(src) <= 80 else src[:79] + "…"
+            texts.append(f"line {line.lineno} ×{line.hits}: {src}\n  {subject} {format_delta(d)}"
+                         f"{'' if p is None else ', peak ' + format_delta(p)} · {line.duration_s * 1e3:.0f} ms")
+        first, last = chunk[0].lineno, chunk[-1].lineno
+        tick = str(first) if first == last else f"{first}–{last}"
+        slots.append(_Slot(f"line {tick}", tick, delta, peak, "\n".join(texts[:12])))
+    return slots
+
+
+def _waterfall_levels(before: int, slots: list) -> list:
+    """``[(level at start, level at end, whisker top or None)]`` per slot."""
+    out, level = [], before
+    for slot in slots:
+        start, end = level, level + (slot.delta or 0)
+        whisker = None
+        if slot.peak_increase is not None and start + slot.peak_increase > max(start, end):
+            whisker = start + slot.peak_increase
+        out.append((start, end, whisker))
+        level = end
+    return out
+
+
+def _waterfall_range(low: float, high: float) -> tuple:
+    """``(floor, top, ticks)``: from 0 normally; zoomed when the changes are small next to the base.
+
+    A waterfall is about the changes: +256 MiB on top of 5 GiB would be a hairline on an axis
+    from 0. When everything sits above 40% of the top, the axis starts at a round value below
+    the lowest level instead (the before/after bars then carry a break mark).
+    """
+    if 0 <= low <= 0.4 * high:
+        top, ticks = byte_ticks(high * 1.08)
+        return 0, top, ticks
+    # Zoomed, or below zero when the line deltas of an incomplete record undershoot.
+    _, span_ticks = byte_ticks((high - low) * 1.15)
+    step = span_ticks[1]
+    floor = math.floor((low - 0.05 * (high - low)) / step) * step
+    floor = max(0, floor) if low >= 0 else floor
+    count = max(1, math.ceil((high + 0.08 * (high - low) - floor) / step))
+    return floor, floor + count * step, [floor + i * step for i in range(count + 1)]
+
+
+def _bar(x, w, v0, v1, frame, fill, opacity, hover, extra="") -> str:
+    y0, y1 = frame.y(max(v0, v1)), frame.y(min(v0, v1))
+    return (
+        f'<g><title>{_text(hover)}</title><rect x="{_num(x)}" y="{_num(y0)}" width="{_num(w)}" '
+        f'height="{_num(max(y1 - y0, 1.0))}" fill="{fill}" fill-opacity="{opacity}"/>{extra}</g>'
+    )
+
+
+def _waterfall(record, width: int, height: int, title: Optional[str]) -> str:
+    name, before, after, peak, reserved, total, line_values, _ = _subject(record)
+    if before is None and after is None:
+        return empty_svg(f"{record.label}: no memory readings for this cell", width)
+    before = before if before is not None else 0
+    after = after if after is not None else before
+    max_slots = max(1, int((width - 80) / 6) - 2)
+    slots = _line_slots(record, line_values, name, max_slots) if record.lines else []
+    if not slots:
+        delta = after - before
+        increase = None if peak is None else peak - before
+        hover = (f"{_record_title(record)}\n{name} {format_delta(delta)}"
+                 f"{'' if peak is None else f', peak {format_bytes(peak)} ({format_delta(increase)})'}")
+        slots = [_Slot("cell", "cell", delta, increase, hover, kind="cell")]
+    levels = _waterfall_levels(before, slots)
+    marks = [before, after] + [v for level in levels for v in level if v is not None]
+    marks += [v for v in (peak,) + tuple(reserved) if v is not None]
+    floor, top, ticks = _waterfall_range(min(marks), max(marks))
+    left = 8 + max(_text_width(format_bytes(int(t))) for t in ticks)
+    title = title if title is not None else f"{_record_title(record)} · {name}"
+    frame = _Frame(width, height, left, 20, 34, 0.0, float(len(slots) + 2), top, floor)
+    parts = [_svg_open(width, height, title), _y_axis(frame, ticks)]
+    if total:
+        on = [(name.split(" ")[0], total)]
+        parts.append(_capacities(on, [], frame, False) if total <= top else _capacities([], on, frame, False))
+    parts.append(_end_bar(0, before, reserved[0], "before", frame))
+    parts += _slot_marks(slots, levels, frame)
+    parts.append(_end_bar(len(slots) + 1, after, reserved[1], "after", frame))
+    parts.append(_legend(_waterfall_legend(reserved), frame.px0, height - 5, width - 4))
+    parts.append(f'<text x="{_num(frame.px0)}" y="13" font-size="11" font-weight="600" fill="currentColor">'
+                 f'{_text(title)}</text></svg>')
+    return "".join(parts)
+
+
+def _waterfall_legend(reserved) -> list:
+    items = [("before / after", "currentColor", ""), ("grew", UP_COLOR, ""), ("shrank", DOWN_COLOR, ""),
+             ("peak", "currentColor", "2 2")]
+    if any(r is not None for r in reserved):
+        items.append(("reserved", "currentColor", "4 2"))
+    return items
+
+
+def _end_bar(slot: int, value: int, reserved, label: str, frame: _Frame) -> str:
+    """The before/after column: a neutral bar with its value, and reserved as a dashed tick."""
+    w = frame.sx * 0.7
+    x = frame.x(slot) + frame.sx * 0.15
+    extra = (f'<text x="{_num(x + w / 2)}" y="{_num(frame.y(value) - 3)}" text-anchor="middle" font-size="9" '
+             f'fill="currentColor">{_text(format_bytes(value))}</text>')
+    if reserved is not None:
+        y = frame.y(reserved)
+        extra += (f'<line x1="{_num(x - 2)}" y1="{_num(y)}" x2="{_num(x + w + 2)}" y2="{_num(y)}" '
+                  f'stroke="currentColor" stroke-width="1.2" stroke-dasharray="4 2"/>')
+    if frame.ymin > 0:  # the bar is cut: say so with a break mark at its foot
+        y = frame.py1 - 5
+        extra += (f'<path d="M{_num(x - 2)},{_num(y + 2)} l{_num(w + 4)},-4 m0,4 l{_num(-w - 4)},4" '
+                  f'stroke="currentColor" stroke-opacity="0.6" fill="none"/>')
+    hover = f"{label}: {format_bytes(value)}" + ("" if reserved is None else f" (reserved {format_bytes(reserved)})")
+    tick = (f'<text x="{_num(x + w / 2)}" y="{_num(frame.py1 + 13)}" text-anchor="middle" fill="currentColor" '
+            f'fill-opacity="0.75">{label}</text>')
+    base = max(frame.ymin, 0) if value >= 0 else frame.ymin
+    return _bar(x, w, base, value, frame, "currentColor", 0.3, hover, extra) + tick
+
+
+def _slot_label(slot, start: int, end: int, width: float) -> str:
+    """The delta written over a column (with the peak when it fits), or "" when nothing fits."""
+    text = format_delta(end - start)
+    if slot.peak_increase is not None and slot.peak_increase > max(end - start, 0):
+        longer = f"{text} (peak {format_delta(slot.peak_increase)})"
+        if _text_width(longer, 9) <= width:
+            return longer
+    if end == start or _text_width(text, 9) > width:
+        return ""
+    return text
+
+
+def _whisker(cx: float, w: float, y_from: float, y_top: float) -> str:
+    return (f'<line x1="{_num(cx)}" y1="{_num(y_from)}" x2="{_num(cx)}" y2="{_num(y_top)}" stroke="currentColor" '
+            f'stroke-width="1.2" stroke-dasharray="2 2"/><line x1="{_num(cx - w / 4)}" y1="{_num(y_top)}" '
+            f'x2="{_num(cx + w / 4)}" y2="{_num(y_top)}" stroke="currentColor" stroke-width="1.2"/>')
+
+
+def _slot_marks(slots: list, levels: list, frame: _Frame) -> list:
+    """The floating bars, peak whiskers, connectors and line-number ticks."""
+    out = []
+    slot_w = frame.sx
+    every = max(1, math.ceil(_text_width("00–00", 9) / max(slot_w, 1e-6)))
+    for i, (slot, (start, end, whisker)) in enumerate(zip(slots, levels)):
+        x = frame.x(i + 1) + slot_w * 0.15
+        w = max(slot_w * 0.7, 1.0)
+        color = UP_COLOR if end > start else DOWN_COLOR if end < start else "currentColor"
+        extra = ""
+        if whisker is not None:
+            extra += _whisker(x + w / 2, w, frame.y(max(start, end)), frame.y(whisker))
+        label = _slot_label(slot, start, end, slot_w - 2)
+        if label:
+            extra += (f'<text x="{_num(x + w / 2)}" y="{_num(frame.y(max(end, start, whisker or 0)) - 3)}" '
+                      f'text-anchor="middle" font-size="9" fill="currentColor">{_text(label)}</text>')
+        out.append(_bar(x, w, start, end, frame, color, 0.75 if end != start else 0.3, slot.hover, extra))
+        # A connector from the previous column's level shows where this one starts.
+        out.append(f'<line x1="{_num(frame.x(i + 0.85))}" y1="{_num(frame.y(start))}" x2="{_num(x)}" '
+                   f'y2="{_num(frame.y(start))}" stroke="currentColor" stroke-opacity="0.35"/>')
+        if i % every == 0:
+            out.append(f'<text x="{_num(x + w / 2)}" y="{_num(frame.py1 + 13)}" text-anchor="middle" font-size="9" '
+                       f'fill="currentColor" fill-opacity="0.75">{_text(slot.tick)}</text>')
+    if levels:
+        last, n = levels[-1][1], len(slots)
+        out.append(f'<line x1="{_num(frame.x(n + 0.85))}" y1="{_num(frame.y(last))}" '
+                   f'x2="{_num(frame.x(n + 1.15))}" y2="{_num(frame.y(last))}" stroke="currentColor" '
+                   f'stroke-opacity="0.35"/>')
+    return out
+
+
+def _bytes(value) -> Optional[int]:
+    try:
+        return None if value is None else max(int(value), 0)
+    except (TypeError, ValueError):
+        return None
+
+
+def _samples_series(samples) -> tuple:
+    """``(times, series)`` from Samples or ``(t, {key: bytes})`` pairs; times from the first one."""
+    items = list(samples)
+    if items and hasattr(items[0], "host"):
+        timeline = Timeline(max_points=max(8, 2 * len(items) + 8))
+        for sample in items:
+            timeline.add(sample)
+        snap = timeline.snapshot()
+        return snap.t, dict(snap.series), dict(snap.capacities)
+    items = sorted(((float(t), dict(values or {})) for t, values in items), key=lambda p: p[0])
+    t0 = items[0][0] if items else 0.0
+    keys = []
+    for _, values in items:
+        keys += [k for k in values if k not in keys]
+    series = {k: tuple(_bytes(values.get(k)) for _, values in items) for k in keys}
+    return tuple(t - t0 for t, _ in items), series, {}
+
+
+def cell_svg(record, samples=None, width: int = 480, height: int = 200, title: Optional[str] = None) -> str:
+    """The chart of one cell as an SVG string.
+
+    Args:
+        record: the cell's :class:`~ipy_gpumem.records.CellRecord` (None gives a placeholder).
+        samples: Samples taken during the cell, or ``(t, {series key: bytes})`` pairs (keys as in
+            :class:`~ipy_gpumem.timeline.Timeline`). When given (two or more), the chart is the
+            line chart over the cell's time with the record's exact peak as a dashed line.
+            Otherwise it is the before / per-line / after waterfall described in the module doc.
+        width: pixels (at least 240 are used).
+        height: pixels (at least 120 are used).
+        title: text above the plot; defaults to the cell's label and first line.
+    """
+    width, height = max(int(width), MIN_WIDTH), max(int(height), MIN_HEIGHT)
+    if record is None:
+        return empty_svg("no record", width)
+    try:
+        points = list(samples) if samples is not None else []
+    except TypeError:
+        points = []
+    if len(points) >= 2:
+        times, series, capacities = _samples_series(points)
+        keys = _drawn_keys(series)
+        if keys:
+            name, _, _, peak, _, total, _, index = _subject(record)
+            peak = peak if (index is None) == (keys[0] == HOST_KEY) else None
+            if index is not None and total:
+                capacities.setdefault(f"cuda:{index}", total)
+            return _line_chart(times, series, series, keys, capacities=capacities, end=times[-1] if times else 0.0,
+                               width=width, height=height, title=title or _record_title(record), peak=peak)
+    return _waterfall(record, width, height, title)

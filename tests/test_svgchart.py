@@ -1,0 +1,331 @@
+"""Inline SVG charts: valid XML, torch-spelled ticks, capacity, labelled and escaped spans,
+the running cell, empty data, and one-cell charts from samples, lines or the record alone."""
+import re
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ipy_gpumem.linetrace import LineTracer
+from ipy_gpumem.probes import DeviceSample, HostSample, MemoryProbe, Sample
+from ipy_gpumem.records import CellRecord, DeviceRecord, HostRecord, LineRecord
+from ipy_gpumem.svgchart import (FAILED_COLOR, RUNNING_COLOR, byte_ticks, cell_svg, format_time, time_ticks,
+                                 timeline_svg)
+from ipy_gpumem.timeline import Timeline
+from ipy_gpumem.units import GiB, MiB, format_bytes, parse_bytes
+
+SVG = "{http://www.w3.org/2000/svg}"
+TOTAL = int(15.78 * GiB)
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact RSS needs procfs")
+
+
+def parse(svg: str):
+    root = ET.fromstring(svg)
+    assert root.tag == SVG + "svg"
+    return root
+
+
+def texts(root) -> list:
+    return [el.text for el in root.iter(SVG + "text")]
+
+
+def titles(root) -> list:
+    return [el.text for el in root.iter(SVG + "title")]
+
+
+def gpu(t, allocated, reserved, used=None, total=TOTAL):
+    return Sample(t, HostSample(GiB, None), (DeviceSample(0, allocated, reserved, None, None, used, total),))
+
+
+def record(n, source, a0, a1, peak, r0=None, r1=None, error=None, total=TOTAL, lines=None, duration=1.0):
+    dev = DeviceRecord(0, "GPU", a0, a1, peak, r0, r1, None, None, None, total)
+    return CellRecord(n, None, source, time.time(), duration, error=error, devices=(dev,), lines=lines)
+
+
+@pytest.fixture
+def session():
+    """A GPU-shaped session: 8 cells, the 5th failed with a <script> in its source, the 8th running."""
+    tl = Timeline()
+    t, level = 0.0, 0
+    for n in range(1, 9):
+        source = "x = '<script>alert(1)</script>' & more" if n == 5 else f"step_{n}()"
+        tl.cell_started(t, f"[{n}]", source)
+        for _ in range(20):
+            tl.add(gpu(t, level, level + GiB, level + 2 * GiB))
+            t += 0.5
+        if n == 8:
+            break
+        after = level + GiB
+        tl.cell_finished(t, record(n, source, level, after, after + GiB, error="OutOfMemoryError" if n == 5 else None))
+        level = after
+        t += 3.0
+        tl.add(gpu(t, level, level + GiB, level + 2 * GiB))
+    return tl.snapshot()
+
+
+def test_timeline_chart_is_valid_xml_with_capacity_ticks_spans_and_legend(session):
+    svg = timeline_svg(session, title="cuda:0 · a <test>")
+    root = parse(svg)
+    words = texts(root)
+    assert "15.78 GiB total" in words  # the data reach 30% of it: drawn as a line
+    ticks = [w for w in words if re.fullmatch(r"\d+(\.\d\d)? (bytes|KiB|MiB|GiB)", w or "")]
+    assert 3 <= len(ticks) <= 5 and ticks[0] == "0 bytes"
+    assert all(format_bytes(parse_bytes(w)) == w for w in ticks)  # torch's own spelling
+    assert [f"[{n}]" for n in range(1, 9)] == [w for w in words if w and w.startswith("[")]
+    assert {"cuda:0 allocated", "cuda:0 reserved", "cuda:0 used (all processes)"} <= set(words)
+    assert "cuda:0 · a <test>" in words and "&lt;test&gt;" in svg
+    paths = [p for p in root.iter(SVG + "path") if p.get("fill") == "none"]
+    assert {p.get("stroke-dasharray") for p in paths} == {None, "6 3", "1.5 2.5"}  # solid, dashed, dotted
+    assert "<script" not in svg and "http" not in svg.replace('xmlns="http://www.w3.org/2000/svg"', "")
+
+
+def test_hover_titles_are_escaped_and_carry_the_record(session):
+    svg = timeline_svg(session)
+    root = parse(svg)
+    hovers = [t for t in titles(root) if t and t.startswith("[")]
+    failed = next(t for t in hovers if t.startswith("[5]"))
+    assert failed.splitlines()[0] == "[5] x = '<script>alert(1)</script>' & more"  # after XML unescaping
+    assert "OutOfMemoryError" in failed and "peak" in failed
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&#x27; &amp; more" in svg and "<script>" not in svg
+
+
+def test_running_and_failed_spans_are_highlighted(session):
+    root = parse(timeline_svg(session))
+    groups = [g for g in root.iter(SVG + "g") if g.find(SVG + "title") is not None and g.find(SVG + "rect") is not None]
+    by_label = {g.find(SVG + "title").text.split()[0]: g.find(SVG + "rect") for g in groups}
+    assert by_label["[8]"].get("fill") == RUNNING_COLOR
+    assert by_label["[5]"].get("fill") == FAILED_COLOR
+    assert by_label["[3]"].get("fill") == "currentColor"
+    running_text = [el for el in root.iter(SVG + "text") if el.text == "[8]"][0]
+    assert running_text.get("font-weight") == "600"
+
+
+def test_capacity_far_above_the_data_is_written_not_drawn():
+    tl = Timeline()
+    for i in range(10):
+        tl.add(gpu(float(i), 100 * MiB, 200 * MiB, total=80 * GiB))
+    root = parse(timeline_svg(tl.snapshot()))
+    assert "80.00 GiB total (off scale)" in texts(root)
+    assert max(parse_bytes(w) for w in texts(root) if re.fullmatch(r"[\d.]+ (bytes|KiB|MiB|GiB)", w or "")) < GiB
+
+
+@linux
+def test_cpu_timeline_from_the_real_probe_draws_host_rss():
+    probe, tl = MemoryProbe(), Timeline()
+    tl.cell_started(time.perf_counter(), "[1]", "blob = bytearray(...)")
+    tl.add(probe.sample())
+    blob = bytearray(b"\x01") * (32 * MiB)
+    tl.add(probe.sample())
+    tl.cell_finished(time.perf_counter(), None)
+    root = parse(timeline_svg(tl.snapshot()))
+    assert "host RSS" in texts(root) and "[1]" in texts(root)
+    assert not any("total" in (w or "") for w in texts(root))  # no host capacity is invented
+    del blob
+
+
+@pytest.mark.parametrize("snapshot", [None, Timeline().snapshot()])
+def test_empty_timeline_renders_a_placeholder(snapshot):
+    root = parse(timeline_svg(snapshot))
+    assert texts(root) == ["no samples yet"]
+
+
+def test_spans_without_samples_and_late_keys_and_control_characters():
+    tl = Timeline()
+    tl.cell_started(1.0, "[1]", "print('\x1b[31mred\x00')")
+    root = parse(timeline_svg(tl.snapshot()))  # a running cell, no sample yet
+    assert "[1]" in texts(root)
+    tl.add(Sample(2.0, HostSample(None, None), ()))
+    tl.add(gpu(3.0, None, 5 * MiB))  # allocated unknown, reserved known
+    tl.add(gpu(4.0, 3 * MiB, 5 * MiB))
+    parse(timeline_svg(tl.snapshot(), width=300, height=50))
+
+
+def test_long_sessions_get_minute_and_hour_ticks():
+    assert format_time(150, 30, 300) == "2:30" and format_time(5400, 1800, 14400) == "1.5 h"
+    tl = Timeline()
+    for i in range(0, 7200, 10):
+        tl.add(Sample(float(i), HostSample(GiB, None), ()))
+    words = texts(parse(timeline_svg(tl.snapshot())))
+    assert "0 min" in words and any(w.endswith(" min") and w != "0 min" for w in words)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(min_value=0, max_value=2.0**50, allow_nan=False))
+def test_byte_ticks_are_three_to_five_round_values(top):
+    axis_top, ticks = byte_ticks(top)
+    assert 2 <= len(ticks) <= 5 and ticks[0] == 0 and axis_top == ticks[-1] >= top
+    if top >= 4:
+        assert 3 <= len(ticks)
+    labels = [format_bytes(int(t)) for t in ticks]
+    assert len(set(labels)) == len(labels)
+
+
+def test_time_ticks_are_round_and_inside():
+    ticks = time_ticks(0, 3600)
+    assert ticks[0] == 0 and ticks[-1] <= 3600 and 2 <= len(ticks) <= 7
+    assert len({round(b - a, 6) for a, b in zip(ticks, ticks[1:])}) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "start", "finish"]),
+            st.one_of(st.none(), st.integers(0, 2**44)),
+            st.text(max_size=30),
+        ),
+        max_size=80,
+    ),
+    width=st.integers(40, 900),
+    height=st.integers(10, 400),
+)
+def test_any_timeline_renders_valid_xml(steps, width, height):
+    tl = Timeline(max_points=16, max_spans=8)
+    for i, (kind, value, source) in enumerate(steps):
+        if kind == "add":
+            dev = () if value is None or value % 3 == 0 else (DeviceSample(value % 2, value, None, None, None, None, value * 2),)
+            tl.add(Sample(float(i), HostSample(value, None), dev))
+        elif kind == "start":
+            tl.cell_started(float(i), f"[{i}]", source)
+        else:
+            tl.cell_finished(float(i), record(i, source, value, value, value) if value else None)
+    parse(timeline_svg(tl.snapshot(), width=width, height=height, title=source if steps else None))
+
+
+def test_chart_of_2000_points_by_4_series_is_fast():
+    tl = Timeline(max_points=4000)
+    for i in range(2000):
+        tl.add(Sample(i * 0.25, HostSample(GiB + i * 4096, None),
+                      (DeviceSample(0, (i * 7919) % (8 * GiB), 9 * GiB, None, None, 10 * GiB + i, TOTAL),)))
+    snap = tl.snapshot()
+    assert len(snap.t) == 2000 and len(snap.series) == 4
+    timeline_svg(snap)
+    best = min(_timed(lambda: timeline_svg(snap)) for _ in range(20))
+    # About 1 ms measured (benchmarks/bench_sampler.py); 20 ms only catches a regression to
+    # per-point Python formatting on a slow, loaded machine.
+    assert best < 0.02
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------------
+# One cell
+# --------------------------------------------------------------------------------------------
+
+
+def test_cell_waterfall_without_lines():
+    rec = record(3, "for batch in loader:\n    step()", 2 * GiB, 7 * GiB, 11 * GiB, 2 * GiB, 12 * GiB)
+    root = parse(cell_svg(rec))
+    words = texts(root)
+    assert {"before", "cell", "after"} <= set(words)
+    assert "2.00 GiB" in words and "7.00 GiB" in words
+    assert any(w.startswith("+5.00 GiB (peak +9.00 GiB)") for w in words)
+    assert words[-1] == "[3] for batch in loader: · cuda:0 allocated"
+    assert any("peak 11.00 GiB (+9.00 GiB)" in t for t in titles(root))
+
+
+def test_cell_waterfall_with_lines_has_a_tick_and_hover_per_line():
+    def line(no, src, d, pk, hits=1):
+        dev = DeviceRecord(0, allocated_delta_sum=d, peak_increase_max=pk)
+        return LineRecord(no, src, hits, HostRecord(), (dev,), 0.01)
+
+    lines = (line(1, "a = torch.ones(2**28)", 1 * GiB, 1 * GiB), line(2, "for _ in range(3):", 0, 0, hits=4),
+             line(3, "    b = a * 2  # <b>bold</b>", 3 * GiB, 2 * GiB, hits=3), line(4, "del a", -1 * GiB, 0))
+    rec = record(9, "\n".join(ln.source for ln in lines), 4 * GiB, 7 * GiB, 9 * GiB, lines=lines)
+    svg = cell_svg(rec, width=600)
+    root = parse(svg)
+    assert {"1", "2", "3", "4", "before", "after"} <= set(texts(root))
+    hover = next(t for t in titles(root) if t.startswith("line 3"))
+    assert hover.splitlines() == ["line 3 ×3:     b = a * 2  # <b>bold</b>".replace("    b", "b"),
+                                  "  cuda:0 allocated +3.00 GiB, peak +2.00 GiB · 10 ms"]
+    assert "&lt;b&gt;bold&lt;/b&gt;" in svg
+
+
+@linux
+def test_cell_waterfall_from_real_line_records():
+    probe = MemoryProbe()
+    source = "a = bytearray(b'\\x01') * (48 * 2**20)\nb = bytearray(b'\\x01') * (16 * 2**20)\ndel a\n"
+    measurement_start = probe.sample()
+    ns = {}
+    tracer = LineTracer(probe, ns)
+    assert tracer.start()
+    try:
+        exec(compile(source, "<cell>", "exec"), ns)
+    finally:
+        tracer.stop()
+    end = probe.sample()
+    lines = tracer.records(source.splitlines())
+    rec = CellRecord(4, None, source, time.time(), 0.1, lines=lines,
+                     host=HostRecord(measurement_start.host.rss, end.host.rss, end.host.rss))
+    root = parse(cell_svg(rec))
+    assert {"1", "2", "3"} <= set(texts(root)) and texts(root)[-1].endswith("host RSS")
+    assert any(t.startswith("line 1 ×1: a = bytearray") and "host RSS +4" in t for t in titles(root))
+
+
+def test_many_lines_are_grouped_into_runs():
+    lines = tuple(LineRecord(i, f"x{i} = {i}", 1, HostRecord(rss_delta_sum=i * MiB), (), 0.0) for i in range(1, 301))
+    rec = CellRecord(2, None, "", time.time(), 1.0, host=HostRecord(GiB, GiB + 45150 * MiB, None), lines=lines)
+    root = parse(cell_svg(rec, width=480))
+    assert any(re.fullmatch(r"\d+–\d+", w or "") for w in texts(root))
+
+
+def test_cell_chart_from_samples_draws_the_exact_peak():
+    rec = record(3, "train()", 2 * GiB, 2 * GiB, 7 * GiB, 3 * GiB, 3 * GiB)
+    samples = [(i * 0.1, {"cuda:0 allocated": 2 * GiB + (i % 5) * GiB // 2, "cuda:0 reserved": 3 * GiB})
+               for i in range(30)]
+    root = parse(cell_svg(rec, samples=samples))
+    words = texts(root)
+    assert "peak 7.00 GiB (exact, from the record)" in words and "cuda:0 allocated" in words
+    assert words[-1] == "[3] train()"
+
+
+@linux
+def test_cell_chart_from_real_samples():
+    probe = MemoryProbe()
+    samples = [probe.sample() for _ in range(5)]
+    rec = CellRecord(1, None, "pass", time.time(), 0.01, host=HostRecord(samples[0].host.rss, samples[-1].host.rss,
+                                                                         samples[-1].host.rss))
+    root = parse(cell_svg(rec, samples=samples))
+    assert "host RSS" in texts(root)
+
+
+@pytest.mark.parametrize("rec", [
+    None,
+    CellRecord(None, None, "", 0.0, 0.0),
+    CellRecord(1, None, "x", 0.0, 0.0, devices=(DeviceRecord(0),)),
+    CellRecord(1, None, "x", 0.0, 0.0, host=HostRecord(5, None, None), lines=()),
+])
+@pytest.mark.parametrize("samples", [None, [], [(0.0, {})], [(0.0, {"cuda:0 allocated": 1.5}), (1.0, None)]])
+def test_cell_chart_never_raises_on_missing_data(rec, samples):
+    parse(cell_svg(rec, samples=samples))
+
+
+maybe_bytes = st.one_of(st.none(), st.integers(0, 2**42))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    values=st.lists(maybe_bytes, min_size=7, max_size=7),
+    line_deltas=st.one_of(st.none(), st.lists(st.tuples(st.integers(-2**40, 2**40), st.one_of(st.none(), st.integers(0, 2**40))), max_size=40)),
+    on_device=st.booleans(),
+    width=st.integers(0, 1000),
+)
+def test_any_cell_record_renders_valid_xml(values, line_deltas, on_device, width):
+    a0, a1, peak, r0, r1, total, rss = values
+    lines = None
+    if line_deltas is not None:
+        lines = tuple(
+            LineRecord(i + 1, f"line <{i}>", 1,
+                       HostRecord(rss_delta_sum=d, rss_peak_increase_max=p),
+                       (DeviceRecord(0, allocated_delta_sum=d, peak_increase_max=p),) if on_device else (), 0.001)
+            for i, (d, p) in enumerate(line_deltas))
+    devices = (DeviceRecord(0, None, a0, a1, peak, r0, r1, None, None, None, total),) if on_device else ()
+    rec = CellRecord(1, None, "x", 0.0, 0.1, devices=devices, host=HostRecord(rss, a1, peak), lines=lines)
+    parse(cell_svg(rec, width=width))

@@ -1,0 +1,393 @@
+"""The session timeline: spans and hover texts from real records, peak-preserving downsampling,
+bounded size over a million samples, thread safety, and holding nothing but numbers and strings."""
+import gc
+import random
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from types import MappingProxyType
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ipy_gpumem.probes import DeviceSample, HostSample, MemoryProbe, Sample
+from ipy_gpumem.recorder import Measurement
+from ipy_gpumem.records import CellRecord, DeviceRecord, HostRecord
+from ipy_gpumem.timeline import HOST_KEY, Span, Timeline, TimelineSnapshot, _Points, _Spans, hover_text, moved_bytes
+from ipy_gpumem.units import GiB, MiB
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact RSS needs procfs")
+
+
+def host(t, rss):
+    return Sample(t, HostSample(rss, None), ())
+
+
+def gpu(t, allocated, reserved=None, used=None, total=16 * GiB, index=0, rss=GiB):
+    dev = DeviceSample(index, allocated, reserved, None, None, used, total)
+    return Sample(t, HostSample(rss, None), (dev,))
+
+
+def device_record(n=7, source="y = model(x)\nloss = y.sum()", error=None, duration=1.25):
+    dev = DeviceRecord(0, "GPU", allocated_before=2 * GiB, allocated_after=3 * GiB, allocated_peak=4 * GiB,
+                       reserved_before=2 * GiB, reserved_after=4 * GiB, reserved_peak=4 * GiB, total=16 * GiB)
+    return CellRecord(n, None, source, time.time(), duration, error=error, devices=(dev,),
+                      host=HostRecord(GiB, GiB, GiB))
+
+
+# --------------------------------------------------------------------------------------------
+# Spans, labels and hover texts
+# --------------------------------------------------------------------------------------------
+
+
+def test_span_from_a_device_record_has_label_hover_and_moved_bytes():
+    tl = Timeline()
+    tl.add(gpu(100.0, 2 * GiB))
+    tl.cell_started(100.5, "[7]", "y = model(x)\nloss = y.sum()")
+    tl.add(gpu(101.0, 4 * GiB))
+    tl.cell_finished(101.75, device_record(error="OutOfMemoryError"))
+    snap = tl.snapshot()
+    (span,) = snap.spans
+    assert span.label == "[7]" and span.start == pytest.approx(0.5) and span.end == pytest.approx(1.75)
+    assert span.failed and snap.running is None
+    assert span.moved == 2 * GiB  # the peak increase is the biggest change
+    lines = span.hover.splitlines()
+    assert lines[0] == "[7] y = model(x)"
+    # torch spells exactly 1 GiB "1024.00 MiB" (its format_size compares with <=)
+    assert lines[1] == "cuda:0 allocated +1024.00 MiB, peak 4.00 GiB (+2.00 GiB) · reserved +2.00 GiB"
+    assert lines[2] == "1.2 s · OutOfMemoryError"
+    assert snap.capacities["cuda:0"] == 16 * GiB and snap.capacities["host"] is None
+
+
+@linux
+def test_span_from_a_real_measurement_on_this_machine():
+    probe = MemoryProbe()
+    tl = Timeline()
+    source = "blob = bytearray(b'\\x01') * (64 * 2**20)  # a real 64 MiB"
+    tl.cell_started(time.perf_counter(), "[3]", source)
+    measurement = Measurement(probe, execution_count=3, source=source)
+    tl.add(probe.sample())
+    blob = bytearray(b"\x01") * (64 * MiB)
+    tl.add(probe.sample())
+    record = measurement.finish()
+    tl.cell_finished(time.perf_counter(), record)
+    span = tl.snapshot().spans[0]
+    assert span.label == "[3]" and not span.failed
+    assert span.hover.startswith("[3] blob = bytearray(")
+    assert "host RSS +6" in span.hover  # +64.xx MiB, as measured
+    assert 60 * MiB <= span.moved <= 80 * MiB
+    rss = tl.snapshot().series[HOST_KEY]
+    assert rss[-1] - rss[0] >= 60 * MiB
+    del blob
+
+
+def test_hover_truncates_long_first_lines_and_reports_host_on_cpu():
+    record = CellRecord(4, None, "\n\n   " + "x" * 200, time.time(), 75.0,
+                        host=HostRecord(GiB, GiB + 64 * MiB, GiB + 96 * MiB))
+    text = hover_text(record)
+    first, rss, tail = text.splitlines()
+    assert first.startswith("[4] xxx") and first.endswith("…") and len(first) == len("[4] ") + 80
+    assert rss == "host RSS +64.00 MiB, peak 1.09 GiB (+96.00 MiB)"
+    assert tail == "1 min 15 s"
+    assert moved_bytes(record) == 96 * MiB
+
+
+def test_running_span_then_finished():
+    tl = Timeline()
+    tl.cell_started(10.0, "[1]", "import torch")
+    snap = tl.snapshot()
+    assert snap.running is not None and snap.running.end is None and snap.running.label == "[1]"
+    assert snap.spans == (snap.running,) and "running" in snap.running.hover
+    tl.cell_finished(12.0, None)
+    snap = tl.snapshot()
+    assert snap.running is None and snap.spans[0].end == pytest.approx(2.0)
+    assert snap.spans[0].hover.endswith("(no record)")
+
+
+def test_record_label_wins_and_lone_records_and_restarts_make_spans():
+    tl = Timeline()
+    tl.cell_started(0.0, "[ ]", "a = 1")
+    tl.cell_finished(1.0, device_record(n=5))  # the count is only reliable at the end
+    tl.cell_finished(5.0, device_record(n=6, duration=2.0))  # no running span: t - duration
+    tl.cell_finished(6.0, None)  # nothing running, no record: nothing happens
+    tl.cell_started(7.0, "[7]", "b = 2")
+    tl.cell_started(8.0, "[8]", "c = 3")  # the unfinished [7] is closed at 8.0
+    snap = tl.snapshot()
+    assert [s.label for s in snap.spans] == ["[5]", "[6]", "[7]", "[8]"]
+    assert snap.spans[1].start == pytest.approx(3.0) and snap.spans[1].end == pytest.approx(5.0)
+    assert snap.spans[2].end == pytest.approx(8.0) and snap.running.label == "[8]"
+
+
+def test_spans_stay_bounded_over_10k_cells_by_merging_the_oldest():
+    tl = Timeline(max_spans=100)
+    for n in range(1, 10_001):
+        t = n * 2.0
+        tl.cell_started(t, f"[{n}]", f"step({n})")
+        tl.cell_finished(t + 1.0, device_record(n=n) if n == 17 else None)
+    snap = tl.snapshot()
+    assert len(snap.spans) < 100
+    assert sum(s.cells for s in snap.spans) == 10_000  # merged, not dropped: coverage kept
+    assert snap.spans[-1].label == "[10000]" and snap.spans[-1].cells == 1
+    oldest = snap.spans[0]
+    assert oldest.cells > 1 and oldest.label == f"[1]–[{oldest.cells}]" and oldest.start == 0.0
+    # every fully merged span covers the same number of cells: one resolution for the old part
+    merged = [s.cells for s in snap.spans if s.cells > 1]
+    assert len(set(merged[:-1])) == 1 and merged[0] >= merged[-1]
+    biggest = next(s for s in snap.spans if s.start <= 32.0 <= s.end)  # [17] ran at 34 - 2
+    assert "largest: [17] y = model(x)" in biggest.hover and biggest.moved == 2 * GiB
+    assert all(a.end <= b.start for a, b in zip(snap.spans, snap.spans[1:]))
+
+
+# --------------------------------------------------------------------------------------------
+# Series and downsampling
+# --------------------------------------------------------------------------------------------
+
+
+def test_device_series_keys_capacities_and_late_keys():
+    tl = Timeline()
+    tl.add(host(0.0, GiB))
+    tl.add(gpu(1.0, 100, 200, used=None))
+    tl.add(gpu(2.0, 300, 400, used=900))
+    snap = tl.snapshot()
+    assert snap.keys == (HOST_KEY, "cuda:0 allocated", "cuda:0 reserved", "cuda:0 used")
+    assert snap.series["cuda:0 allocated"] == (None, 100, 300)
+    assert snap.series["cuda:0 used"] == (None, None, 900)
+    assert snap.t == (0.0, 1.0, 2.0) and snap.origin == 0.0
+    assert dict(snap.capacities) == {"cuda:0": 16 * GiB, "host": None}
+
+
+def test_times_are_relative_and_kept_in_order():
+    tl = Timeline()
+    tl.add(host(1000.0, 1))
+    tl.add(host(1000.5, 2))
+    tl.add(host(1000.4, 3))  # two threads can interleave by microseconds: clamped, never reordered
+    assert tl.snapshot().t == (0.0, 0.5, 0.5)
+
+
+def test_a_single_spike_among_100k_flat_points_survives():
+    tl = Timeline(max_points=2000)
+    spike_at = 12_345
+    for i in range(100_000):
+        tl.add(host(i * 0.25, 5 * GiB if i == spike_at else GiB))
+    snap = tl.snapshot()
+    assert len(snap.t) <= 2000 and snap.stride > 1
+    rss = snap.series[HOST_KEY]
+    assert max(rss) == 5 * GiB and rss.count(5 * GiB) == 1
+    at = rss.index(5 * GiB)
+    bucket_start = snap.t[at]
+    bucket_end = snap.t[at + 1]
+    assert bucket_start <= spike_at * 0.25 < bucket_end  # stamped with its bucket's first time
+    assert min(snap.lows[HOST_KEY]) == GiB
+
+
+def test_a_dip_survives_in_the_lows_and_recent_points_are_exact():
+    tl = Timeline(max_points=100)
+    values = [GiB + (i % 5) * MiB for i in range(5000)]
+    values[100] = 1
+    for i, v in enumerate(values):
+        tl.add(host(float(i), v))
+    snap = tl.snapshot()
+    assert min(snap.lows[HOST_KEY]) == 1
+    recent = len(snap.t) - snap.merged
+    assert recent == 50
+    assert snap.series[HOST_KEY][-recent:] == tuple(values[-recent:])
+    assert snap.t[-recent:] == tuple(float(i) for i in range(5000 - recent, 5000))
+    assert snap.added == 5000
+
+
+def test_merged_buckets_have_one_uniform_resolution():
+    tl = Timeline(max_points=64)
+    for i in range(10_000):
+        tl.add(host(float(i), i))
+    snap = tl.snapshot()
+    full = snap.merged - 1  # the last merged point is the bucket being filled
+    gaps = {snap.t[i + 1] - snap.t[i] for i in range(full - 1)}
+    assert gaps == {float(snap.stride)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    max_points=st.integers(8, 40),
+    values=st.lists(st.one_of(st.none(), st.integers(0, 2**40)), min_size=1, max_size=600),
+)
+def test_downsampling_invariants(max_points, values):
+    tl = Timeline(max_points=max_points)
+    for i, v in enumerate(values):
+        tl.add(Sample(float(i), HostSample(v, None), ()))
+    snap = tl.snapshot()
+    assert len(snap.t) <= max_points
+    assert list(snap.t) == sorted(snap.t)
+    present = [v for v in values if v is not None]
+    if present:
+        assert max(v for v in snap.series[HOST_KEY] if v is not None) == max(present)
+        assert min(v for v in snap.lows[HOST_KEY] if v is not None) == min(present)
+        for hi, lo in zip(snap.series[HOST_KEY], snap.lows[HOST_KEY]):
+            assert (hi is None) == (lo is None) and (hi is None or lo <= hi)
+    else:
+        assert HOST_KEY not in snap.series
+
+
+def _deep_size(root) -> int:
+    seen, stack, total = set(), [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, type):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+def test_a_million_adds_stay_bounded_in_memory_and_time():
+    tl = Timeline(max_points=2000)
+    samples = [gpu(0.0, GiB + (i % 97) * MiB, 2 * GiB, 3 * GiB) for i in range(1000)]
+    sizes = {}
+    t0 = time.perf_counter()
+    for i in range(1_000_000):
+        s = samples[i % 1000]
+        tl.add(Sample(i * 0.01, s.host, s.devices))
+        if i + 1 in (100_000, 1_000_000):
+            sizes[i + 1] = (_deep_size(tl), len(tl))
+    elapsed = time.perf_counter() - t0
+    (size_100k, points_100k), (size_1m, points_1m) = sizes[100_000], sizes[1_000_000]
+    assert points_1m <= 2000 and points_100k <= 2000
+    # the same few thousand numbers, whatever the count: bounded, not growing with the session
+    assert size_1m < 1.3 * size_100k and size_1m < 4 * 2**20
+    snap = tl.snapshot()
+    assert len(snap.t) <= 2000 and snap.added == 1_000_000 and snap.stride >= 512
+    # Measured ~2-3 s on a loaded 2-core machine (2-3 us an add); the bound catches O(n) adds.
+    assert elapsed < 60
+
+
+# --------------------------------------------------------------------------------------------
+# Versions, snapshots, threads and references
+# --------------------------------------------------------------------------------------------
+
+
+def test_version_increments_on_every_change_and_snapshots_are_cached():
+    tl = Timeline()
+    versions = [tl.version]
+    for step in (lambda: tl.add(host(0.0, 1)), lambda: tl.cell_started(0.1, "[1]", "x"),
+                 lambda: tl.cell_finished(0.2, None), tl.clear):
+        step()
+        versions.append(tl.version)
+    assert versions == sorted(set(versions)) and len(versions) == 5
+    snap = tl.snapshot()
+    assert tl.snapshot() is snap and snap.version == tl.version and snap.empty
+    tl.cell_finished(1.0, None)  # nothing running, no record: no change
+    assert tl.snapshot() is snap
+
+
+def test_snapshot_is_immutable():
+    tl = Timeline()
+    tl.add(host(0.0, 1))
+    snap = tl.snapshot()
+    with pytest.raises(Exception):
+        snap.t = ()
+    with pytest.raises(TypeError):
+        snap.series[HOST_KEY] = (2,)
+    assert isinstance(snap.series[HOST_KEY], tuple)
+
+
+def test_a_thread_adding_while_the_main_thread_snapshots():
+    tl = Timeline(max_points=256, max_spans=16)
+    done = threading.Event()
+    errors = []
+
+    def feed():
+        try:
+            for i in range(50_000):
+                tl.add(gpu(i * 0.001, i, 2 * i, 3 * i))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=feed)
+    thread.start()
+    last_version, snapshots, n = -1, 0, 0
+    while not done.is_set() or snapshots == 0:
+        n += 1
+        tl.cell_started(n * 0.01, f"[{n}]", "x")
+        tl.cell_finished(n * 0.01 + 0.005, None)
+        snap = tl.snapshot()
+        snapshots += 1
+        assert snap.version > last_version
+        last_version = snap.version
+        assert len(snap.t) <= 256 and list(snap.t) == sorted(snap.t)
+        assert all(len(col) == len(snap.t) for col in snap.series.values())
+        assert all(len(col) == len(snap.t) for col in snap.lows.values())
+        assert len(snap.spans) <= 16
+    thread.join()
+    assert not errors and snapshots > 1
+    assert max(tl.snapshot().series["cuda:0 allocated"]) == 49_999
+
+
+ALLOWED = (int, float, str, bool, type(None), tuple, list, dict, deque, MappingProxyType, Span,
+           TimelineSnapshot, Timeline, _Points, _Spans, type(threading.Lock()))
+
+
+def _walk(root):
+    seen, stack = set(), [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, type):
+            continue
+        seen.add(id(obj))
+        yield obj
+        stack.extend(gc.get_referents(obj))
+
+
+def test_holds_only_numbers_and_strings_never_samples_or_records():
+    tl = Timeline(max_points=16, max_spans=4)
+    record = device_record()
+    ref = weakref.ref(record)
+    for i in range(100):
+        tl.add(gpu(float(i), i, i, i))
+        tl.cell_started(i + 0.1, f"[{i}]", "x = 1")
+        tl.cell_finished(i + 0.2, record)
+    snap = tl.snapshot()
+    for root in (tl, snap):
+        for obj in _walk(root):
+            assert type(obj) in ALLOWED, f"timeline holds a {type(obj).__name__}"
+    del record
+    gc.collect()
+    assert ref() is None
+
+
+def test_clear_forgets_everything():
+    tl = Timeline()
+    tl.add(gpu(5.0, 1))
+    tl.cell_started(5.0, "[1]", "x")
+    tl.clear()
+    snap = tl.snapshot()
+    assert snap.empty and snap.running is None and dict(snap.capacities) == {"host": None}
+    tl.add(host(99.0, 7))
+    assert tl.snapshot().t == (0.0,)  # the session restarts at the next timestamp
+
+
+def test_rejects_tiny_bounds():
+    with pytest.raises(ValueError):
+        Timeline(max_points=4)
+    with pytest.raises(ValueError):
+        Timeline(max_spans=2)
+
+
+def test_random_sessions_keep_spans_ordered():
+    rng = random.Random(5)
+    tl = Timeline(max_points=32, max_spans=8)
+    t = 0.0
+    for n in range(300):
+        tl.cell_started(t, f"[{n}]", "x")
+        for _ in range(rng.randint(0, 5)):
+            t += rng.random()
+            tl.add(host(t, rng.randint(0, GiB)))
+        t += rng.random()
+        tl.cell_finished(t, None)
+    snap = tl.snapshot()
+    assert len(snap.spans) < 8 and sum(s.cells for s in snap.spans) == 300
+    assert all(s.start <= s.end for s in snap.spans)
