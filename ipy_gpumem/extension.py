@@ -8,6 +8,7 @@ Configure it with ``%config GpuMemMagics.<name> = value`` or in ``ipython_config
     c.GpuMemMagics.quiet = False          # record every cell, print nothing
     c.GpuMemMagics.devices = "all"        # or "0,1": the CUDA devices to watch
     c.GpuMemMagics.history_size = 10000   # records kept (oldest dropped)
+    c.GpuMemMagics.sample_rate = 4.0      # live chart: background samples per second (0: cell ends only)
 
 How ``%%gpumem`` runs a cell: an input transformer blanks the ``%%gpumem ...`` line, so the cell
 runs as an ordinary cell (its last expression is displayed, ``await`` works, and its error shows
@@ -27,13 +28,17 @@ from typing import TYPE_CHECKING, Optional
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Int, TraitError, Unicode, Union, observe, validate
+from traitlets import Bool, Float, Int, TraitError, Unicode, Union, observe, validate
 
 from . import GpuMemWarning
+from .chart import TIERS, StatusLineView, WidgetChartView, choose_tier, make_view, sidebar_unavailable
 from .linetrace import LineTracer
 from .probes import MemoryProbe
 from .recorder import Ledger, Measurement
 from .render import cell_moved, cell_report_view, cell_view, history_view, status_view
+from .sampler import Sampler
+from .svgchart import cell_svg
+from .timeline import Timeline, seed_timeline
 from .units import parse_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,7 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["GpuMemMagics", "load", "unload", "current_ledger", "user_namespace"]
 
-_MODES = "status, history [N], on, off, clear, export PATH"
+_MODES = "status, history [N], chart [widget|html|text], sidebar, on, off, clear, export PATH"
 
 
 def _display(obj) -> None:
@@ -130,6 +135,14 @@ class GpuMemMagics(Magics):
         "all", help="CUDA devices to watch: 'all' (every device your code initialized) or indices like '0,1'."
     ).tag(config=True)
     history_size = Int(10_000, help="How many cell records to keep; the oldest are dropped.").tag(config=True)
+    sample_rate = Float(
+        4.0,
+        help=(
+            "While a live chart is open, how many times per second a background thread reads memory "
+            "(about 0.1% of one core at 4). 0 updates the chart at cell boundaries only. The chart "
+            "redraws at most once a second."
+        ),
+    ).tag(config=True)
 
     def __init__(self, shell=None, probe: Optional[MemoryProbe] = None, **kwargs):
         super().__init__(shell=shell, **kwargs)
@@ -140,6 +153,13 @@ class GpuMemMagics(Magics):
         self.broken: Optional[str] = None
         self._stack: list = []
         self._armed: Optional[_Plan] = None
+        # The live chart: created by %gpumem chart / sidebar, fed by the hooks and the sampler.
+        self.timeline = None
+        self.sampler = None
+        self.views: list = []
+        self.sidecar = None
+        self.sampler_error: Optional[str] = None
+        self._sampler_error_shown = False
 
     # -- configuration ---------------------------------------------------------------------------
 
@@ -157,6 +177,18 @@ class GpuMemMagics(Magics):
     def _check_devices(self, proposal):
         self._device_indices(proposal["value"])  # raises TraitError when unreadable
         return proposal["value"]
+
+    @validate("sample_rate")
+    def _check_sample_rate(self, proposal):
+        rate = proposal["value"]
+        if rate < 0 or rate > 100:
+            raise TraitError("GpuMemMagics.sample_rate must be between 0 and 100 samples per second")
+        if getattr(self, "sampler", None) is not None:
+            if rate == 0:
+                self._stop_sampler()
+            else:
+                self.sampler.interval = 1.0 / rate
+        return rate
 
     @validate("history_size")
     def _check_history_size(self, proposal):
@@ -207,6 +239,7 @@ class GpuMemMagics(Magics):
 
     def _stop_after_error(self, exc: BaseException) -> None:
         self.broken = f"{type(exc).__name__}: {exc}"
+        self._stop_sampler()
         for frame in self._stack:
             if frame.tracer is not None:
                 frame.tracer.stop()
@@ -287,6 +320,13 @@ class GpuMemMagics(Magics):
             if plan is not None and plan.lines:
                 tracer = LineTracer(self.probe, self.shell.user_global_ns, devices, track_peaks=self._track)
                 tracer.start()  # when it cannot (a debugger owns settrace), the report says why
+            if plan is not None and self.sampler is not None:
+                measurement.samples = []  # the sampler's readings make the report's cell chart
+            if self.timeline is not None and not stack:
+                # "[*]" like Jupyter's prompt: IPython 7 and 8+ disagree on the count at this point;
+                # the record's label replaces it when the cell ends.
+                self.timeline.cell_started(measurement.start.t, "[*]", raw)
+                self.timeline.add(measurement.start)
         stack.append(_Frame(info, measurement, plan, tracer, _exception_marker()))
 
     def _pop_frame(self, result) -> Optional[_Frame]:
@@ -329,16 +369,90 @@ class GpuMemMagics(Magics):
         record = measurement.finish(error, message, execution_count=count)
         if outermost:
             self.ledger.append(record)
+            if self.timeline is not None:
+                self.timeline.add(measurement.end)
+                self.timeline.cell_finished(measurement.end.t, record)
         if plan is not None:
             if plan.output:
                 self.shell.user_ns[plan.output] = record
             note = frame.tracer.reason if frame.tracer is not None else None
-            _display(cell_report_view(record, plan.source_lines, note=note))
+            chart = cell_svg(record, measurement.samples, width=640, height=200)
+            _display(cell_report_view(record, plan.source_lines, note=note, chart_html=chart))
             for parent in self._stack:
                 parent.reported_inside = True
-            return
-        if outermost and not frame.reported_inside and not self._quiet and cell_moved(record, self._threshold):
+        elif outermost and not frame.reported_inside and not self._quiet and cell_moved(record, self._threshold):
             _display(cell_view(record, self._threshold))
+        if outermost and self.views:
+            self._finalize_views()
+
+    # -- the live chart ---------------------------------------------------------------------------
+
+    def _ensure_timeline(self):
+        """Create the timeline on first use, seeded with the cells recorded so far."""
+        if self.timeline is None:
+            timeline = Timeline(max_points=1000, max_spans=300)
+            seed_timeline(timeline, self.ledger.records())
+            self.timeline = timeline
+        return self.timeline
+
+    def _on_sample(self, sample) -> None:
+        # Sampler thread: feed the timeline and the cell in flight; nothing else.
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.add(sample)
+        try:
+            frame = self._stack[-1] if self._stack else None
+        except IndexError:  # the main thread popped it meanwhile
+            frame = None
+        if frame is not None and frame.measurement is not None:
+            frame.measurement.observe(sample)
+
+    def _on_redraw(self) -> None:
+        # Sampler thread: views only change widget state or update their display handle.
+        for view in list(self.views):
+            view.refresh()
+
+    def _on_sampler_error(self, message: str) -> None:
+        self.sampler_error = message  # reported once, from the main thread, after the next cell
+
+    def _ensure_sampler(self) -> None:
+        if self.sampler is not None or self.sample_rate <= 0 or not self.enabled:
+            return
+        self.sampler = Sampler(self.probe, interval=1.0 / self.sample_rate, on_sample=self._on_sample,
+                               redraw_interval=1.0, on_redraw=self._on_redraw, on_error=self._on_sampler_error)
+        self.sampler.start()
+
+    def _stop_sampler(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+            self.sampler = None
+
+    def _finalize_views(self) -> None:
+        for view in list(self.views):
+            view.finalize()
+        if self.sampler_error and not self._sampler_error_shown:
+            self._sampler_error_shown = True
+            self._stop_sampler()
+            print(f"ipy_gpumem: the live chart's sampler stopped ({self.sampler_error}); the chart now moves "
+                  "at cell ends only. %gpumem chart restarts it.", file=sys.stderr)
+
+    def _show_chart(self, prefer: Optional[str] = None, note: Optional[str] = None) -> None:
+        timeline = self._ensure_timeline()
+        try:
+            tier, why = choose_tier(self.shell, prefer)
+        except ValueError as exc:
+            raise UsageError(f"%gpumem chart: {exc}") from None
+        view = make_view(tier, timeline, note or why)
+        # Asking again re-shows the chart: the previous inline view keeps a static snapshot and
+        # stops moving, so live views never pile up.
+        for old in [v for v in self.views if getattr(v, "inline", True)]:
+            old.freeze()
+            self.views.remove(old)
+        view.display()
+        if view.live:  # a text chart is printed once: nothing to keep moving
+            self.views.append(view)
+            self.sampler_error, self._sampler_error_shown = None, False
+            self._ensure_sampler()
 
     @staticmethod
     def _cell_error(result, marker):
@@ -367,8 +481,16 @@ class GpuMemMagics(Magics):
                                     unallocated, used outside PyTorch (CUDA context, other
                                     processes), free and total; and this process's host RSS
             %gpumem history [N]     a table of the recorded cells (the last N)
+            %gpumem chart [KIND]    a live chart of the session: per device allocated, reserved
+                                    and device used (host RSS without a GPU), each cell marked
+                                    [n] (hover: its first line, deltas, peak), the running cell
+                                    highlighted, the capacity drawn. KIND is widget (plotly,
+                                    default where widgets work), html (updated in place; Colab's
+                                    default) or text (terminal IPython). Asking again moves it.
+            %gpumem sidebar         the live chart in JupyterLab's right sidebar (sidecar), with
+                                    a live line of numbers left inline; elsewhere, shown inline
             %gpumem on | off        resume / pause recording (``on`` also recovers after an
-                                    internal error)
+                                    internal error; ``off`` also stops the chart's sampler)
             %gpumem clear           forget the recorded cells
             %gpumem export PATH     write the records to PATH as .json or .csv
 
@@ -379,7 +501,7 @@ class GpuMemMagics(Magics):
             cuda:0 (Tesla P100)               3.68 GiB                 20.00 MiB  ...
 
         Configuration: ``%config GpuMemMagics`` (threshold, track_peaks, quiet, devices,
-        history_size). From Python: ``ipy_gpumem.history()``, ``ipy_gpumem.last()``.
+        history_size, sample_rate). From Python: ``ipy_gpumem.history()``, ``ipy_gpumem.last()``.
         """
         try:
             words = shlex.split(line)
@@ -415,15 +537,51 @@ class GpuMemMagics(Magics):
             limit = int(rest[0])
         _display(history_view(self.ledger.records(), limit))
 
+    def _mode_chart(self, rest):
+        if len(rest) > 1 or (rest and rest[0].lower() not in TIERS):
+            raise UsageError(f"%gpumem chart takes an optional kind: {', '.join(TIERS)} (e.g. %gpumem chart html)")
+        self._show_chart(rest[0].lower() if rest else None)
+
+    def _mode_sidebar(self, rest):
+        self._no_args("sidebar", rest)
+        reason = sidebar_unavailable(self.shell)
+        if reason is not None:
+            self._show_chart(note=f"{reason}; showing the chart here instead")
+            return
+        from sidecar import Sidecar
+
+        timeline = self._ensure_timeline()
+        for old in [v for v in self.views if not getattr(v, "inline", True)]:
+            old.freeze()
+            self.views.remove(old)
+        if self.sidecar is not None:
+            try:
+                self.sidecar.close()
+            except Exception:  # noqa: BLE001 - a sidebar the user closed already
+                pass
+        self.sidecar = Sidecar(title="GPU memory", anchor="right")
+        view = WidgetChartView(timeline)
+        view.inline = False
+        view.display(target=self.sidecar)
+        # One live line stays here, so the numbers are never lost where the sidebar cannot show.
+        line = StatusLineView(timeline, where="chart in the right sidebar; not there? %gpumem chart shows it here")
+        line.inline = False
+        line.display()
+        self.views += [view, line]
+        self._ensure_sampler()
+
     def _mode_on(self, rest):
         self._no_args("on", rest)
         self.enabled = True
         self.broken = None
+        if self.views:
+            self._ensure_sampler()
         print("ipy_gpumem: recording every cell.")
 
     def _mode_off(self, rest):
         self._no_args("off", rest)
         self.enabled = False
+        self._stop_sampler()
         print("ipy_gpumem: recording paused (%%gpumem still measures on request). %gpumem on resumes.")
 
     def _mode_clear(self, rest):
@@ -573,6 +731,10 @@ def unload(shell: "InteractiveShell") -> None:
     if state is None:
         return
     magics = state["magics"]
+    magics._stop_sampler()
+    for view in magics.views:
+        view.freeze()  # leave a static snapshot where the chart was
+    magics.views.clear()
     for frame in magics._stack:
         if frame.tracer is not None:
             frame.tracer.stop()

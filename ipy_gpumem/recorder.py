@@ -38,8 +38,12 @@ class Measurement:
     """
 
     __slots__ = ("probe", "execution_count", "cell_id", "source", "devices", "detailed", "include_host",
-                 "lines", "started_at", "start", "track_peaks", "host_peak_reset", "_reset_devices",
-                 "_seen_host", "_seen_alloc", "_seen_reserved", "_lock", "t0")
+                 "lines", "started_at", "start", "end", "samples", "track_peaks", "host_peak_reset",
+                 "_reset_devices", "_seen_host", "_seen_alloc", "_seen_reserved", "_lock", "t0")
+
+    #: Most sampler readings a detailed cell keeps for its chart (every other one is dropped
+    #: when full, so a long cell keeps its whole span at a coarser step).
+    MAX_SAMPLES = 2000
 
     def __init__(
         self,
@@ -62,6 +66,8 @@ class Measurement:
         self.detailed = detailed
         self.include_host = include_host
         self.lines = None  # set by the line tracer when --lines is on
+        self.samples = None  # a list when the cell's chart wants the sampler's readings
+        self.end = None
         self.started_at = time.time()
         self.track_peaks = track_peaks
         self.start, self.host_peak_reset, self._reset_devices = probe.start(self.devices, track_peaks)
@@ -75,6 +81,10 @@ class Measurement:
     def observe(self, sample: Sample) -> None:
         """Fold a sample taken during the cell into the peaks (thread-safe, cheap)."""
         with self._lock:
+            if self.samples is not None:
+                self.samples.append(sample)
+                if len(self.samples) > self.MAX_SAMPLES:
+                    del self.samples[1::2]
             self._seen_host = _max(self._seen_host, sample.host.rss)
             for dev in sample.devices:
                 self._seen_alloc[dev.index] = _max(self._seen_alloc.get(dev.index), dev.allocated, dev.peak_allocated if dev.index in self._reset_devices else None)
@@ -96,7 +106,7 @@ class Measurement:
         IPython 8+ before, so the reliable value is the one on the cell's ``ExecutionResult``.
         """
         duration = time.perf_counter() - self.t0
-        end = end if end is not None else self.probe.sample(self.devices)
+        end = self.end = end if end is not None else self.probe.sample(self.devices)
         start = self.start
         host_peak = None
         if self.include_host:

@@ -275,8 +275,13 @@ def _lines_table(record: CellRecord, source_lines: Sequence[str]):
     return headers, rows, classes
 
 
-def cell_report_view(record: CellRecord, source_lines: Optional[Sequence[str]] = None, note: Optional[str] = None) -> View:
-    """The ``%%gpumem`` report: before / after / peak per device and host, then the lines."""
+def cell_report_view(record: CellRecord, source_lines: Optional[Sequence[str]] = None, note: Optional[str] = None,
+                     chart_html: Optional[str] = None) -> View:
+    """The ``%%gpumem`` report: before / after / peak per device and host, then the lines.
+
+    ``chart_html`` (an inline SVG of the cell, from ``svgchart.cell_svg``) goes into the HTML
+    between the summary and the line table.
+    """
     title = f"%%gpumem {record.label} · {format_seconds(record.duration_s)}"
     if record.error:
         title += f" · {record.error}"
@@ -300,6 +305,8 @@ def cell_report_view(record: CellRecord, source_lines: Optional[Sequence[str]] =
         line = f"{dev.label}: {format_bytes(dev.reserved_after)} reserved of {format_bytes(dev.total)} total"
         text_parts.append(line)
         html_parts.append(f'<div class="dim">{esc(line)}</div>')
+    if chart_html:
+        html_parts.append(f'<div style="margin:4px 0">{chart_html}</div>')
     if record.lines is not None:
         lines_src = list(source_lines) if source_lines is not None else record.source.splitlines()
         lh, lrows, lcls = _lines_table(record, lines_src)

@@ -23,7 +23,7 @@ from typing import Mapping, NamedTuple, Optional, Tuple
 
 from .units import format_bytes, format_delta
 
-__all__ = ["Span", "TimelineSnapshot", "Timeline", "hover_text", "moved_bytes", "HOST_KEY"]
+__all__ = ["Span", "TimelineSnapshot", "Timeline", "hover_text", "moved_bytes", "seed_timeline", "HOST_KEY"]
 
 #: Series key of the process's resident set size.
 HOST_KEY = "host rss"
@@ -521,3 +521,30 @@ class Timeline:
             stride=self._points.stride,
             added=self._added,
         )
+
+
+def seed_timeline(timeline: Timeline, records, now_epoch: Optional[float] = None) -> None:
+    """Replay recorded cells into ``timeline``: their before/after readings and their spans.
+
+    The chart can be opened at any time and still show the session so far. Records carry
+    wall-clock start times; they are mapped onto ``time.perf_counter()`` seconds, the timeline's
+    clock. Only what was measured is drawn: a point at each cell's start and end (the peak's
+    moment is unknown, so it lives in the span's hover text, not as an invented point).
+    """
+    import time
+
+    from .probes import DeviceSample, HostSample, Sample
+
+    offset = time.perf_counter() - (time.time() if now_epoch is None else now_epoch)
+    for rec in records:
+        start = rec.started_at + offset
+        end = start + (rec.duration_s or 0.0)
+        for t, which in ((start, "before"), (end, "after")):
+            devices = tuple(
+                DeviceSample(d.index, getattr(d, f"allocated_{which}"), getattr(d, f"reserved_{which}"), None, None,
+                             getattr(d, f"used_{which}"), d.total)
+                for d in rec.devices
+            )
+            timeline.add(Sample(t, HostSample(getattr(rec.host, f"rss_{which}"), None), devices, rec.reason))
+        timeline.cell_started(start, rec.label, rec.source)
+        timeline.cell_finished(end, rec)

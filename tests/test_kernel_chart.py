@@ -1,0 +1,117 @@
+"""The live chart in a real kernel: updates arrive while a cell is busy; saved notebooks keep a snapshot."""
+import os
+import sys
+import time
+
+import pytest
+
+from kernel_helpers import execute, outputs, plain
+
+pytest.importorskip("nbclient")
+pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+GROW = "import time\nbufs = []\nfor i in range(10):\n    bufs.append(bytearray(16 * 2**20))\n    time.sleep(0.4)"
+
+
+@pytest.fixture
+def kernel():
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    km.kernel_spec.argv[0] = sys.executable  # this venv's interpreter
+    km.start_kernel(env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=120)
+    try:
+        yield kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def run(kc, code, timeout=120):
+    """Execute ``code``; return the iopub messages of that request, with arrival times."""
+    msg_id = kc.execute(code)
+    messages, busy = [], None
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id and msg["msg_type"] not in ("comm_msg", "update_display_data"):
+            continue
+        now = time.time()
+        messages.append((now, msg))
+        if msg["msg_type"] == "status" and msg["parent_header"].get("msg_id") == msg_id:
+            if msg["content"]["execution_state"] == "busy":
+                busy = now
+            elif msg["content"]["execution_state"] == "idle":
+                return messages, busy, now
+    raise TimeoutError(f"no idle after {timeout} s")
+
+
+def errors(messages):
+    return [m["content"] for _, m in messages if m["msg_type"] == "error"]
+
+
+@pytest.mark.parametrize("kind, update_type", [("widget", "comm_msg"), ("html", "update_display_data")])
+def test_chart_updates_arrive_while_the_cell_is_busy(kernel, kind, update_type):
+    for code in ("%load_ext ipy_gpumem", "import torch", f"%gpumem chart {kind}"):
+        messages, _, _ = run(kernel, code)
+        assert not errors(messages), errors(messages)
+    messages, busy, idle = run(kernel, GROW)
+    assert not errors(messages)
+    during = [t for t, m in messages if m["msg_type"] == update_type and busy < t < idle - 0.05]
+    # ~4 s of work, redrawn about once a second by the sampler thread: several updates must land
+    # while the kernel is busy, not only at the end of the cell.
+    assert len(during) >= 2, f"{len(during)} {update_type} messages while busy ({idle - busy:.1f} s)"
+    assert during[-1] - during[0] >= 1.0
+    messages, _, _ = run(kernel, "import threading; print([t.name for t in threading.enumerate() if 'ipy_gpumem' in t.name])")
+    assert "ipy_gpumem-sampler" in "".join(m["content"].get("text", "") for _, m in messages)
+    run(kernel, "%gpumem off")
+    messages, _, _ = run(kernel, "print([t.name for t in threading.enumerate() if 'ipy_gpumem' in t.name])")
+    assert "[]" in "".join(m["content"].get("text", "") for _, m in messages)  # off stops the sampler
+
+
+def test_unload_stops_the_sampler(kernel):
+    for code in ("%load_ext ipy_gpumem", "%gpumem chart html", "%unload_ext ipy_gpumem"):
+        run(kernel, code)
+    messages, _, _ = run(kernel, "import threading; print(sum('ipy_gpumem' in t.name for t in threading.enumerate()))")
+    assert "0" in "".join(m["content"].get("text", "") for _, m in messages)
+
+
+def test_saved_notebook_carries_a_static_snapshot():
+    nb = execute(["%load_ext ipy_gpumem", "import torch", "%gpumem chart", GROW, "%%gpumem --lines\nz = bytearray(2**25)"])
+    chart = nb.cells[2]
+    bundles = [o["data"] for o in outputs(chart, "display_data") if "text/html" in o.get("data", {})]
+    assert bundles, chart.outputs
+    html = bundles[0]["text/html"]
+    assert "<svg" in html
+    # the snapshot was rewritten after later cells ran: it shows their spans, not the initial state
+    assert "[4]" in html and "[5]" in html
+    widget_view = bundles[0].get("application/vnd.jupyter.widget-view+json")
+    assert widget_view is None or widget_view["model_id"]
+    report = [o for o in outputs(nb.cells[4], "display_data") if "%%gpumem" in o["data"].get("text/plain", "")]
+    assert "<svg" in report[0]["data"]["text/html"]  # the report's own chart of that cell
+
+
+def test_colab_gets_a_readable_html_chart():
+    """Colab (its module present) gets the HTML tier even when widgets are installed."""
+    fake_colab = "import sys, types\nsys.modules['google.colab'] = types.ModuleType('google.colab')"  # stand-in
+    nb = execute(["%load_ext ipy_gpumem", fake_colab, "%gpumem chart", "x = bytearray(2**25)", "%gpumem sidebar"])
+    chart = outputs(nb.cells[2], "display_data")
+    assert "application/vnd.jupyter.widget-view+json" not in chart[0]["data"]
+    assert "<svg" in chart[0]["data"]["text/html"] and "ipy_gpumem" in chart[0]["data"]["text/plain"]
+    sidebar = "".join(plain(nb.cells[4]))
+    assert "Colab has no side panel" in sidebar and "showing the chart here instead" in sidebar
+
+
+def test_terminal_prints_a_text_chart():
+    import subprocess
+
+    script = "%load_ext ipy_gpumem\nbuf = bytearray(2**26)\n%gpumem chart\n%gpumem sidebar\nexit\n"
+    out = subprocess.run([sys.executable, "-m", "IPython", "--simple-prompt", "--no-banner", "--colors=NoColor",
+                          "--HistoryManager.enabled=False"], input=script, capture_output=True, text=True, timeout=120)
+    assert "ipy_gpumem · host" in out.stdout and "host rss" in out.stdout, out.stdout + out.stderr
+    assert "the sidebar needs JupyterLab (this is terminal IPython)" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
