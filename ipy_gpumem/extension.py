@@ -9,6 +9,7 @@ Configure it with ``%config GpuMemMagics.<name> = value`` or in ``ipython_config
     c.GpuMemMagics.devices = "all"        # or "0,1": the CUDA devices to watch
     c.GpuMemMagics.history_size = 10000   # records kept (oldest dropped)
     c.GpuMemMagics.sample_rate = 4.0      # live chart: background samples per second (0: cell ends only)
+    c.GpuMemMagics.oom_panel = True       # explain out-of-memory errors after the traceback
 
 How ``%%gpumem`` runs a cell: an input transformer blanks the ``%%gpumem ...`` line, so the cell
 runs as an ordinary cell (its last expression is displayed, ``await`` works, and its error shows
@@ -18,6 +19,7 @@ nested cell instead, the way ``%%capture`` does.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shlex
@@ -31,22 +33,28 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from traitlets import Bool, Float, Int, TraitError, Unicode, Union, observe, validate
 
 from . import GpuMemWarning
+from . import observer
+from .attribution import who
 from .chart import TIERS, StatusLineView, WidgetChartView, choose_tier, make_view, sidebar_unavailable
+from .explainer import oom_panel_for
 from .linetrace import LineTracer
+from .oom import parse_oom
+from .panel import who_view
 from .probes import MemoryProbe
 from .recorder import Ledger, Measurement
+from .release import plan_release, release
 from .render import cell_moved, cell_report_view, cell_view, history_view, status_view
 from .sampler import Sampler
 from .svgchart import cell_svg
 from .timeline import Timeline, seed_timeline
-from .units import parse_bytes
+from .units import format_bytes, format_delta, parse_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from IPython.core.interactiveshell import InteractiveShell
 
 __all__ = ["GpuMemMagics", "load", "unload", "current_ledger", "user_namespace"]
 
-_MODES = "status, history [N], chart [widget|html|text], sidebar, on, off, clear, export PATH"
+_MODES = "status, history [N], chart [widget|html|text], sidebar, who [DEVICE], free [--dry-run], on, off, clear, export PATH"
 
 
 def _display(obj) -> None:
@@ -135,6 +143,14 @@ class GpuMemMagics(Magics):
         "all", help="CUDA devices to watch: 'all' (every device your code initialized) or indices like '0,1'."
     ).tag(config=True)
     history_size = Int(10_000, help="How many cell records to keep; the oldest are dropped.").tag(config=True)
+    oom_panel = Bool(
+        True,
+        help=(
+            "When a cell fails with any out-of-memory error, show after its traceback what was asked "
+            "for, the device's memory in layers, who holds it, what earlier cells left behind, and "
+            "the changes that fix it."
+        ),
+    ).tag(config=True)
     sample_rate = Float(
         4.0,
         help=(
@@ -160,6 +176,9 @@ class GpuMemMagics(Magics):
         self.sidecar = None
         self.sampler_error: Optional[str] = None
         self._sampler_error_shown = False
+        # The allocator's state at the last CUDA out-of-memory (torch's OOM observer, once CUDA is up).
+        self._observing = False
+        self.last_capture = None
 
     # -- configuration ---------------------------------------------------------------------------
 
@@ -320,6 +339,8 @@ class GpuMemMagics(Magics):
             if plan is not None and plan.lines:
                 tracer = LineTracer(self.probe, self.shell.user_global_ns, devices, track_peaks=self._track)
                 tracer.start()  # when it cannot (a debugger owns settrace), the report says why
+            if measurement.start.devices and not self._observing:
+                self._observing = observer.attach(self._on_oom)
             if plan is not None and self.sampler is not None:
                 measurement.samples = []  # the sampler's readings make the report's cell chart
             if self.timeline is not None and not stack:
@@ -372,6 +393,8 @@ class GpuMemMagics(Magics):
             if self.timeline is not None:
                 self.timeline.add(measurement.end)
                 self.timeline.cell_finished(measurement.end.t, record)
+        if error is not None and self.oom_panel and (outermost or plan is not None):
+            self._explain_oom(record, message, measurement.t0)
         if plan is not None:
             if plan.output:
                 self.shell.user_ns[plan.output] = record
@@ -384,6 +407,32 @@ class GpuMemMagics(Magics):
             _display(cell_view(record, self._threshold))
         if outermost and self.views:
             self._finalize_views()
+
+    # -- out-of-memory -----------------------------------------------------------------------------
+
+    def _on_oom(self, capture) -> None:
+        # Runs inside torch's allocator (GIL held, allocator lock released): store, nothing more.
+        self.last_capture = capture
+
+    def _explain_oom(self, record, message: Optional[str], started: float) -> None:
+        """Show the OOM panel after the user's traceback, if the cell's error is an out-of-memory."""
+        oom = parse_oom(message) if message else None
+        if oom is None:
+            return
+        capture = self.last_capture
+        if capture is not None and capture.t < started:
+            capture = None  # from an earlier cell
+        self.last_capture = None
+        try:
+            view = oom_panel_for(
+                oom, record, namespace=self.shell.user_ns, records=self.ledger.records()[-50:], probe=self.probe,
+                capture=capture, tb=getattr(sys, "last_traceback", None),
+            )
+        except Exception as exc:  # noqa: BLE001 - the user's own error is already shown; say why not more
+            print(f"ipy_gpumem: could not explain this out-of-memory error ({type(exc).__name__}: {exc})",
+                  file=sys.stderr)
+            return
+        _display(view)
 
     # -- the live chart ---------------------------------------------------------------------------
 
@@ -489,6 +538,13 @@ class GpuMemMagics(Magics):
                                     default) or text (terminal IPython). Asking again moves it.
             %gpumem sidebar         the live chart in JupyterLab's right sidebar (sidecar), with
                                     a live line of numbers left inline; elsewhere, shown inline
+            %gpumem who [DEVICE]    who holds the memory: parameters, gradients, optimizer
+                                    state, graphs kept by your variables, other tensors,
+                                    IPython's caches, and the variables holding them
+            %gpumem free [--dry-run]  release what costs you nothing: IPython's last error and
+                                    its frames, cached outputs holding tensors, then garbage
+                                    collection and the CUDA cache; shows the plan first and
+                                    what was freed after. Never deletes a variable of yours.
             %gpumem on | off        resume / pause recording (``on`` also recovers after an
                                     internal error; ``off`` also stops the chart's sampler)
             %gpumem clear           forget the recorded cells
@@ -501,7 +557,8 @@ class GpuMemMagics(Magics):
             cuda:0 (Tesla P100)               3.68 GiB                 20.00 MiB  ...
 
         Configuration: ``%config GpuMemMagics`` (threshold, track_peaks, quiet, devices,
-        history_size, sample_rate). From Python: ``ipy_gpumem.history()``, ``ipy_gpumem.last()``.
+        history_size, sample_rate, oom_panel). When a cell fails with out-of-memory, a panel
+        after its traceback explains it (``oom_panel``). From Python: ``ipy_gpumem.history()``, ``ipy_gpumem.last()``.
         """
         try:
             words = shlex.split(line)
@@ -569,6 +626,61 @@ class GpuMemMagics(Magics):
         line.display()
         self.views += [view, line]
         self._ensure_sampler()
+
+    def _mode_who(self, rest):
+        if len(rest) > 1:
+            raise UsageError("%gpumem who takes an optional device: cuda:N, cuda or cpu (e.g. %gpumem who cuda:0)")
+        device = rest[0] if rest else None
+        total = None
+        if device is not None:
+            try:
+                indices, host_only = _parse_device(device)
+            except UsageError:
+                raise UsageError(f"%gpumem who: unknown device {device!r}: use cuda:N, cuda or cpu") from None
+            device = "cpu" if host_only else ("cuda" if indices is None else f"cuda:{indices[0]}")
+            if indices:
+                total = self._allocated_now(indices[0])
+        report = who(self.shell.user_ns, device=device, allocator_total=total)
+        _display(who_view(report))
+
+    def _allocated_now(self, index: int) -> Optional[int]:
+        cuda, _ = self.probe.cuda.status()
+        if cuda is None:
+            return None
+        try:
+            return self.probe.cuda.counters(index)[0]
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _mode_free(self, rest):
+        if rest and rest != ["--dry-run"]:
+            raise UsageError("%gpumem free takes only --dry-run (show what would be released, release nothing)")
+        dry = bool(rest)
+        ns = self.shell.user_ns
+        plan = plan_release(ns, who(ns))
+        before = self.probe.sample()
+        lines = plan.lines()
+        cuda, _ = self.probe.cuda.status()
+        steps = ["garbage collection (gc.collect())"]
+        if cuda is not None:
+            unalloc = sum((d.reserved or 0) - (d.allocated or 0) for d in before.devices)
+            steps.append(f"the CUDA allocator's cache (torch.cuda.empty_cache(): {format_bytes(unalloc)} "
+                         "reserved but unallocated now)")
+        print("ipy_gpumem free " + ("would release" if dry else "releases") + " (never a variable of yours):")
+        for line in lines or ["no IPython error or cached output is keeping tensors alive"]:
+            print(f"  - {line}")
+        print("  then: " + "; ".join(steps))
+        if dry:
+            print("(dry run: nothing was released)")
+            return
+        formatters = [f for f in (getattr(self.shell, "InteractiveTB", None),) if f is not None]
+        release(plan, ns, getattr(self.shell, "last_execution_result", None), formatters,
+                getattr(self.shell, "displayhook", None), getattr(self.shell, "user_ns_hidden", None))
+        gc.collect()  # asked for explicitly by %gpumem free
+        if cuda is not None:
+            cuda.empty_cache()
+        after = self.probe.sample()
+        print(_freed_report(before, after))
 
     def _mode_on(self, rest):
         self._no_args("on", rest)
@@ -648,6 +760,24 @@ class GpuMemMagics(Magics):
             self.shell.run_cell(cell, store_history=False)
         finally:
             self._armed = None
+
+
+def _freed_report(before, after) -> str:
+    """What %gpumem free released: per device allocated and reserved, and host RSS."""
+    lines = ["ipy_gpumem free: done."]
+    prior = {d.index: d for d in before.devices}
+    for dev in after.devices:
+        b = prior.get(dev.index)
+        if b is None:
+            continue
+        lines.append(f"  cuda:{dev.index}: allocated {format_bytes(b.allocated)} -> {format_bytes(dev.allocated)} "
+                     f"({format_delta((dev.allocated or 0) - (b.allocated or 0))}), reserved "
+                     f"{format_bytes(b.reserved)} -> {format_bytes(dev.reserved)} "
+                     f"({format_delta((dev.reserved or 0) - (b.reserved or 0))})")
+    if before.host.rss is not None and after.host.rss is not None:
+        lines.append(f"  host RSS: {format_bytes(before.host.rss)} -> {format_bytes(after.host.rss)} "
+                     f"({format_delta(after.host.rss - before.host.rss)})")
+    return "\n".join(lines)
 
 
 def _gpumem_args(line: str) -> Optional[str]:
@@ -731,6 +861,7 @@ def unload(shell: "InteractiveShell") -> None:
     if state is None:
         return
     magics = state["magics"]
+    observer.detach()  # torch's observer cannot be removed: it now forwards to nothing
     magics._stop_sampler()
     for view in magics.views:
         view.freeze()  # leave a static snapshot where the chart was

@@ -16,7 +16,7 @@ from .diagnose import Finding, MemoryState, cell_deltas
 from .render import View, _wrap, esc, html_table, text_table
 from .units import format_bytes, format_delta
 
-__all__ = ["oom_panel_view", "headline", "memory_layers", "Segment", "BAR_WIDTH"]
+__all__ = ["oom_panel_view", "who_view", "headline", "memory_layers", "Segment", "BAR_WIDTH"]
 
 BAR_WIDTH = 60  # characters of the text bar
 _TEXT_WIDTH = 100  # wrap width of the text findings
@@ -300,7 +300,20 @@ def _html_request(requested: int, whole: int, free: Optional[int]) -> str:
 # 3. Who holds it
 
 
-def _who_section(who: Any, max_holders: int) -> Optional[Tuple[str, str]]:
+def who_view(who: Any, max_holders: int = 20) -> View:
+    """``%gpumem who``: the categories and the top holders of a ``WhoReport``, expanded."""
+    section = _who_section(who, max_holders, expanded=True)
+    if section is None:
+        return View("who: nothing to report", _wrap("<div>who: nothing to report</div>"))
+    text, html = section
+    notes = [n for n in (getattr(who, "notes", None) or ())]
+    if notes:
+        text += "\n" + "\n".join(f"  note: {n}" for n in notes)
+        html += "".join(f'<div style="{_DIM}">note: {esc(n)}</div>' for n in notes)
+    return View(text, _wrap(html))
+
+
+def _who_section(who: Any, max_holders: int, expanded: bool = False) -> Optional[Tuple[str, str]]:
     if who is None:
         return None
     cats = dict(who.categories or {})
@@ -330,13 +343,13 @@ def _who_section(who: Any, max_holders: int) -> Optional[Tuple[str, str]]:
     summary = title + (f": {top}" if top else "")
     body = (html_table(["category", "bytes", "share"], rows) if rows else "") + (
         html_table(["holder", "category", "bytes"], hrows, left=(0, 1)) if hrows else "")
-    return "\n".join(text), _details(summary, body)
+    return "\n".join(text), _details(summary, body, expanded)
 
 
-def _details(summary: str, body: str) -> str:
+def _details(summary: str, body: str, expanded: bool = False) -> str:
     """A collapsed section: the summary line stays visible, so the diagnosis fits on one screen."""
-    return (f'<details style="margin:2px 0"><summary style="cursor:pointer">{esc(summary)}</summary>'
-            f'<div style="margin:2px 0 4px 14px">{body}</div></details>')
+    return (f'<details style="margin:2px 0"{" open" if expanded else ""}><summary style="cursor:pointer">'
+            f'{esc(summary)}</summary><div style="margin:2px 0 4px 14px">{body}</div></details>')
 
 
 # --------------------------------------------------------------------------------------------------

@@ -90,3 +90,29 @@ def test_one_sample_per_device_is_cheap():
     nvml_us = (time.perf_counter() - t0) / n * 1e6
     _capture("timings.json", {"counters_us": counters_us, "device_memory_us": nvml_us, "nvml": probe.cuda.nvml.reason})
     assert counters_us + nvml_us < 200  # the benchmark reports the real figure; this catches regressions
+
+
+def test_real_cuda_oom_is_parsed_explained_and_captured(ip, gpumem):
+    import torch
+
+    from ipy_gpumem import parse_oom
+
+    ip.user_ns["torch"] = torch
+    torch.cuda.set_per_process_memory_fraction(0.05, 0)
+    try:
+        src = ("keep = torch.empty(int(torch.cuda.get_device_properties(0).total_memory * 0.03), dtype=torch.uint8, device='cuda')\n"
+               "big = torch.empty(int(torch.cuda.get_device_properties(0).total_memory * 0.04), dtype=torch.uint8, device='cuda')")
+        with capture_output() as cap:
+            result = ip.run_cell(src, store_history=True)
+        err = result.error_in_exec
+        assert isinstance(err, torch.OutOfMemoryError)
+        oom = parse_oom(str(err))
+        assert oom.kind == "cuda_allocator" and oom.allowed is not None and oom.requested is not None
+        panels = [o for o in cap.outputs if o.data.get("text/plain", "").startswith("Out of memory on cuda:0")]
+        assert len(panels) == 1
+        assert "allocator at OOM" in panels[0].data["text/plain"]  # the observer's capture was used
+        _capture("real_cuda_oom.json", {"message": str(err), "parsed": oom.to_dict(),
+                                         "panel": panels[0].data["text/plain"]})
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        ip.user_ns.pop("keep", None)

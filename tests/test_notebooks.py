@@ -1,0 +1,54 @@
+"""The shipped notebooks run top to bottom in a real kernel and show what they promise."""
+import os
+
+import pytest
+
+pytest.importorskip("nbclient")
+pytest.importorskip("nbconvert")
+pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+
+
+def run(name, tmp_path):
+    import nbformat
+
+    from ipy_gpumem.__main__ import run_notebook
+
+    html = run_notebook(os.path.join(NOTEBOOKS, name + ".ipynb"), str(tmp_path))
+    assert os.path.getsize(html) > 10_000
+    return nbformat.read(os.path.join(tmp_path, name + ".ipynb"), as_version=4)
+
+
+def texts(cell):
+    out = []
+    for o in cell.outputs:
+        out.append(o.get("text", "") or o.get("data", {}).get("text/plain", "") or o.get("evalue", ""))
+    return "\n".join(out)
+
+
+def find(nb, start):
+    return next(c for c in nb.cells if c.cell_type == "code" and c.source.startswith(start))
+
+
+def test_quickstart(tmp_path):
+    nb = run("quickstart", tmp_path)
+    assert "host:" in texts(find(nb, "%gpumem status"))
+    report = texts(find(nb, "%%gpumem --lines -o rec"))
+    assert report.startswith("%%gpumem [") and "optimizer.step()" in report
+    assert "cell" in texts(find(nb, "%gpumem history")) and "wrote" in texts(find(nb, "%gpumem export"))
+    assert "UsageError" in texts(find(nb, "%gpumem sideways"))
+
+
+def test_oom_walkthrough_ends_in_a_real_oom_and_its_panel(tmp_path):
+    nb = run("oom_walkthrough", tmp_path)
+    who = texts(find(nb, "%gpumem who"))
+    assert "optimizer state" in who and "retained graphs" in who and "output + loss (shared graph)" in who
+    failing = find(nb, "batch_size = 4096")
+    kinds = [o.output_type for o in failing.outputs]
+    assert kinds[0] == "error"
+    assert any(word in failing.outputs[0].evalue for word in ("DefaultCPUAllocator", "CUDA out of memory"))
+    panel = texts(failing)
+    assert "Out of memory on" in panel and "Diagnosis" in panel and "Who holds it" in panel
+    assert "ipy_gpumem free: done." in texts(find(nb, "%gpumem free"))
