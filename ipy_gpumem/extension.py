@@ -37,7 +37,7 @@ from . import observer
 from .attribution import who
 from .chart import TIERS, StatusLineView, WidgetChartView, choose_tier, make_view, sidebar_unavailable
 from .explainer import oom_panel_for
-from .linetrace import LineTracer
+from .linetrace import LineMarkers, LineTracer
 from .oom import parse_oom
 from .panel import who_view
 from .probes import MemoryProbe
@@ -169,6 +169,7 @@ class GpuMemMagics(Magics):
         self.broken: Optional[str] = None
         self._stack: list = []
         self._armed: Optional[_Plan] = None
+        self._line_markers = LineMarkers()
         # The live chart: created by %gpumem chart / sidebar, fed by the hooks and the sampler.
         self.timeline = None
         self.sampler = None
@@ -259,10 +260,11 @@ class GpuMemMagics(Magics):
     def _stop_after_error(self, exc: BaseException) -> None:
         self.broken = f"{type(exc).__name__}: {exc}"
         self._stop_sampler()
-        for frame in self._stack:
-            if frame.tracer is not None:
-                frame.tracer.stop()
+        frames = list(self._stack)
         self._stack.clear()
+        for frame in frames:
+            if frame.tracer is not None:
+                self._stop_tracer(frame.tracer)
         warnings.warn(
             f"ipy_gpumem stopped recording after an internal error ({self.broken}). Your cell ran "
             "normally. Run %gpumem on to resume.",
@@ -338,7 +340,11 @@ class GpuMemMagics(Magics):
             )
             if plan is not None and plan.lines:
                 tracer = LineTracer(self.probe, self.shell.user_global_ns, devices, track_peaks=self._track)
-                tracer.start()  # when it cannot (a debugger owns settrace), the report says why
+                tracer.start()
+                # Markers go into the cell's syntax tree, which IPython builds after this hook.
+                self._line_markers.armed = True
+                if self._line_markers not in self.shell.ast_transformers:
+                    self.shell.ast_transformers.append(self._line_markers)
             if measurement.start.devices and not self._observing:
                 self._observing = observer.attach(self._on_oom)
             if plan is not None and self.sampler is not None:
@@ -350,6 +356,13 @@ class GpuMemMagics(Magics):
                 self.timeline.add(measurement.start)
         stack.append(_Frame(info, measurement, plan, tracer, _exception_marker()))
 
+    def _stop_tracer(self, tracer) -> None:
+        tracer.stop()
+        if not any(f.tracer is not None for f in self._stack):
+            self._line_markers.armed = False
+            if self._line_markers in self.shell.ast_transformers:
+                self.shell.ast_transformers.remove(self._line_markers)
+
     def _pop_frame(self, result) -> Optional[_Frame]:
         if not self._stack:
             return None  # an empty cell, or the cell that loaded the extension
@@ -359,10 +372,11 @@ class GpuMemMagics(Magics):
         for k in range(len(self._stack) - 1, -1, -1):
             if self._stack[k].info is info:
                 # Frames above it never got their post_run_cell (an interrupted nested cell).
-                for orphan in self._stack[k + 1:]:
-                    if orphan.tracer is not None:
-                        orphan.tracer.stop()
+                orphans = self._stack[k + 1:]
                 del self._stack[k + 1:]
+                for orphan in orphans:
+                    if orphan.tracer is not None:
+                        self._stop_tracer(orphan.tracer)
                 return self._stack.pop()
         return None  # post_run_cell of a cell whose pre_run_cell we never saw (an empty cell)
 
@@ -371,7 +385,7 @@ class GpuMemMagics(Magics):
         if frame is None or frame.measurement is None:
             return
         if frame.tracer is not None:
-            frame.tracer.stop()
+            self._stop_tracer(frame.tracer)
         error, message = self._cell_error(result, frame.marker)
         measurement = frame.measurement
         plan = frame.plan
@@ -866,10 +880,11 @@ def unload(shell: "InteractiveShell") -> None:
     for view in magics.views:
         view.freeze()  # leave a static snapshot where the chart was
     magics.views.clear()
-    for frame in magics._stack:
-        if frame.tracer is not None:
-            frame.tracer.stop()
+    frames = list(magics._stack)
     magics._stack.clear()
+    for frame in frames:
+        if frame.tracer is not None:
+            magics._stop_tracer(frame.tracer)
     for event, callback in (("pre_run_cell", state["pre"]), ("post_run_cell", state["post"])):
         try:
             shell.events.unregister(event, callback)

@@ -1,24 +1,26 @@
 """Measure memory line by line inside one cell: the engine of ``%%gpumem --lines``.
 
-A ``sys.settrace`` hook watches only the cell's own top-level code (found as the first
-``<module>`` frame run in the user's namespace, whatever IPython named the file), so library
-code runs untraced. At every line boundary it reads the counters, folds the change into the
-line that just finished and resets the peak counters, so each line gets its own delta and
-peak. Lines of a loop aggregate over their hits, as in line_profiler.
+The cell's syntax tree gets a marker call before each of its own statements (inside loops, ``if``,
+``with`` and ``try`` blocks too, never inside functions or classes it defines). A marker reads the
+counters, folds the change since the previous marker into the line that just finished and resets
+the peak counters, so each line gets its own delta and peak; lines of a loop aggregate over their
+hits, as in line_profiler. Unlike ``sys.settrace``, markers cost nothing outside the cell's own
+lines (library code runs at full speed: tracing would slow every Python call in a training step)
+and they leave debuggers and coverage tools alone.
 """
 from __future__ import annotations
 
-import inspect
-import sys
+import ast
 import time
 from typing import Optional, Sequence
 
 from .probes import MemoryProbe
 from .records import DeviceRecord, HostRecord, LineRecord
 
-__all__ = ["LineTracer"]
+__all__ = ["LineTracer", "LineMarkers", "HOOK_NAME"]
 
-_CO_ASYNC = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+#: The name the marker calls use; present in the user's namespace only while a cell is measured.
+HOOK_NAME = "__ipy_gpumem_line__"
 
 
 class _LineStats:
@@ -61,7 +63,6 @@ class LineTracer:
         self._devices: Optional[tuple] = None  # fixed once CUDA is up
         self._track_peaks = track_peaks
         self._include_host = include_host
-        self._filename: Optional[str] = None
         self._stats: dict = {}
         self._current = None  # (lineno, reading) of the line now running
         self._active = False
@@ -154,66 +155,34 @@ class LineTracer:
             # next line starts, and its peaks are its own.
             self._current = (next_lineno, reading)
 
-    # -- tracing -----------------------------------------------------------------------------
+    # -- markers -----------------------------------------------------------------------------
 
-    def _global_trace(self, frame, event, arg):
+    def mark(self, lineno: int) -> None:
+        """Called by the marker before each statement of the cell: a line boundary."""
+        if not self._active:
+            return
         try:
-            code = frame.f_code
-            # A cell's top-level code is named "<module>"; IPython 7.34 renames it "<cell line: N>".
-            if code.co_name != "<module>" and not code.co_name.startswith("<cell line"):
-                return None
-            if self._filename is None:
-                if frame.f_globals is not self._globals or "run_cell_magic" in code.co_names:
-                    # Not the user's namespace, or the one-line trampoline IPython makes of a
-                    # leading cell magic (%%capture, %%time); the cell's own code runs inside it.
-                    return None
-                self._filename = code.co_filename  # the first cell chunk names the cell's file
-            elif code.co_filename != self._filename:
-                return None
-            return self._local_trace
-        except Exception as exc:  # noqa: BLE001 - a raising tracer would raise into the cell
-            self._fail(exc)
-            return None
-
-    def _local_trace(self, frame, event, arg):
-        try:
-            if not self._active:
-                return None
-            if event == "line":
-                self._boundary(frame.f_lineno)
-            elif event == "return" and not (frame.f_code.co_flags & _CO_ASYNC):
-                # An awaiting top-level cell "returns" at every suspension: keep its line open.
-                self._boundary(None)
-        except Exception as exc:  # noqa: BLE001
-            self._fail(exc)
-            return None
-        return self._local_trace
-
-    def _fail(self, exc: BaseException) -> None:
-        self._active = False
-        self.reason = f"line tracing stopped: {type(exc).__name__}: {exc}"
-        if sys.gettrace() == self._global_trace:
-            sys.settrace(None)
+            self._boundary(lineno)
+        except Exception as exc:  # noqa: BLE001 - a raising marker would raise into the cell
+            self._active = False
+            self.reason = f"line measurement stopped: {type(exc).__name__}: {exc}"
 
     def start(self) -> bool:
-        """Install the tracer; False (with ``reason``) when another tracer owns ``sys.settrace``."""
-        current = sys.gettrace()
-        if current is not None and current != self._global_trace:
-            self.reason = "line-by-line measurement needs sys.settrace, which a debugger or coverage tool is using"
-            return False
+        """Put the marker hook in the user's namespace (the markers call it by name)."""
         self._active = True
-        sys.settrace(self._global_trace)
+        self._hook = _Hook(self.mark)
+        self._globals[HOOK_NAME] = self._hook
         return True
 
     def stop(self) -> None:
-        """Remove the tracer and close the line still open (an error or an await left it)."""
-        if sys.gettrace() == self._global_trace:
-            sys.settrace(None)
+        """Close the line still open (the cell ended, raised or awaits) and remove the marker hook."""
+        if self._globals.get(HOOK_NAME) is getattr(self, "_hook", None):
+            del self._globals[HOOK_NAME]
         if self._active and self._current is not None:
             try:
                 self._boundary(None)
             except Exception as exc:  # noqa: BLE001
-                self._fail(exc)
+                self.reason = f"line measurement stopped: {type(exc).__name__}: {exc}"
         self._active = False
 
     # -- result ------------------------------------------------------------------------------
@@ -246,3 +215,117 @@ class LineTracer:
                 ))
             out.append(LineRecord(shown, text, stats.hits, host, tuple(devs), stats.seconds))
         return tuple(out)
+
+
+class _Hook:
+    """What the markers call: ``hook(lineno)`` before a statement, and ``hook.each(lineno, iterable)``
+    around a ``for`` loop's iterable so that fetching each item (a DataLoader batch, say) counts
+    for the loop's own line, as it does in line_profiler, not for the body's last line."""
+
+    __slots__ = ("mark",)
+
+    def __init__(self, mark):
+        self.mark = mark
+
+    def __call__(self, lineno: int) -> None:
+        self.mark(lineno)
+
+    def each(self, lineno: int, iterable):
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame if the iterable raises
+        mark = self.mark
+        iterator = iter(iterable)
+        while True:
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            yield item
+            # The statement's own marker opened the first fetch; each later fetch is a new hit.
+            mark(lineno)
+
+    async def each_async(self, lineno: int, iterable):
+        __tracebackhide__ = True  # noqa: F841
+        mark = self.mark
+        iterator = iterable.__aiter__()
+        while True:
+            try:
+                item = await iterator.__anext__()
+            except StopAsyncIteration:
+                return
+            yield item
+            mark(lineno)
+
+
+class LineMarkers(ast.NodeTransformer):
+    """Insert ``__ipy_gpumem_line__(lineno)`` before every statement of a cell's own code.
+
+    An IPython AST transformer (``shell.ast_transformers``), installed only while a ``--lines``
+    cell runs. Compound statements at the cell's level (``for``, ``while``, ``if``, ``with``,
+    ``try``, ``match``) get markers in their bodies too, and loops mark their own line at each
+    iteration (``for`` when it fetches an item, ``while`` when it tests); ``def`` and ``class``
+    bodies do not (their lines run later, inside the calling line). The one-line trampoline IPython makes of a leading
+    cell magic (``get_ipython().run_cell_magic(...)``) is left alone: the body it runs is a cell of
+    its own and gets its markers when it is compiled. It never raises: IPython unregisters a
+    transformer that does.
+    """
+
+    _BODIES = ("body", "orelse", "finalbody")
+
+    def __init__(self):
+        super().__init__()
+        #: Set before the measured cell compiles; cleared once its tree is marked, so code the
+        #: cell itself compiles through IPython (a nested run_cell) is not mixed into its lines.
+        self.armed = False
+
+    def visit_Module(self, node):  # noqa: N802 - ast.NodeTransformer's naming
+        try:
+            if not self.armed or _is_trampoline(node):
+                return node
+            self.armed = False
+            node.body = self._marked(node.body)
+            return ast.fix_missing_locations(node)
+        except Exception:  # noqa: BLE001
+            return node
+
+    def _marked(self, statements: list) -> list:
+        out = []
+        for stmt in statements:
+            if isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__":
+                out.append(stmt)  # must stay first
+                continue
+            self._mark_children(stmt)
+            if not isinstance(stmt, ast.While):  # a while loop marks itself at every test
+                marker = ast.Expr(ast.Call(ast.Name(HOOK_NAME, ast.Load()), [ast.Constant(stmt.lineno)], []))
+                out.append(ast.copy_location(marker, stmt))
+            out.append(stmt)
+        return out
+
+    def _mark_children(self, stmt) -> None:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            return
+        line = ast.Constant(stmt.lineno)
+        if isinstance(stmt, (ast.For, ast.AsyncFor)):
+            # each item is fetched in the loop's own line: for x in hook.each(N, ITER)
+            method = "each_async" if isinstance(stmt, ast.AsyncFor) else "each"
+            func = ast.Attribute(ast.Name(HOOK_NAME, ast.Load()), method, ast.Load())
+            stmt.iter = ast.copy_location(ast.Call(func, [line, stmt.iter], []), stmt.iter)
+        elif isinstance(stmt, ast.While):
+            # and each test of a while loop: while hook(N) or (TEST)  (the hook returns None)
+            stmt.test = ast.copy_location(
+                ast.BoolOp(ast.Or(), [ast.Call(ast.Name(HOOK_NAME, ast.Load()), [line], []), stmt.test]), stmt.test)
+        for name in self._BODIES:
+            body = getattr(stmt, name, None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.stmt):
+                setattr(stmt, name, self._marked(body))
+        for handler in getattr(stmt, "handlers", None) or ():  # try/except
+            handler.body = self._marked(handler.body)
+        for case in getattr(stmt, "cases", None) or ():  # match (3.10+)
+            case.body = self._marked(case.body)
+
+
+def _is_trampoline(module) -> bool:
+    """``get_ipython().run_cell_magic(...)`` alone: how IPython compiles a cell starting with ``%%``."""
+    if len(module.body) != 1 or not isinstance(module.body[0], ast.Expr):
+        return False
+    call = module.body[0].value
+    return isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "run_cell_magic"

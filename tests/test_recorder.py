@@ -60,7 +60,7 @@ def test_cpu_only_record_carries_host_memory(fake_gpu):
     buf = bytearray(64 * MiB)
     rec = m.finish()
     assert rec.devices == () and rec.reason == "CUDA not initialized yet"
-    assert 64 * MiB <= rec.host.rss_delta <= 66 * MiB
+    assert 63 * MiB <= rec.host.rss_delta <= 66 * MiB  # the kernel's per-CPU RSS counters lag a little
     assert rec.host.rss_peak >= rec.host.rss_after
     del buf
 

@@ -1,5 +1,6 @@
 """Inline SVG charts: valid XML, torch-spelled ticks, capacity, labelled and escaped spans,
 the running cell, empty data, and one-cell charts from samples, lines or the record alone."""
+import ast
 import re
 import sys
 import time
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ipy_gpumem.linetrace import LineTracer
+from ipy_gpumem.linetrace import LineMarkers, LineTracer
 from ipy_gpumem.probes import DeviceSample, HostSample, MemoryProbe, Sample
 from ipy_gpumem.records import CellRecord, DeviceRecord, HostRecord, LineRecord
 from ipy_gpumem.svgchart import (FAILED_COLOR, RUNNING_COLOR, byte_ticks, cell_svg, format_time, time_ticks,
@@ -255,9 +256,11 @@ def test_cell_waterfall_from_real_line_records():
     measurement_start = probe.sample()
     ns = {}
     tracer = LineTracer(probe, ns)
+    markers = LineMarkers()  # what the extension installs for a --lines cell
+    markers.armed = True
     assert tracer.start()
     try:
-        exec(compile(source, "<cell>", "exec"), ns)
+        exec(compile(markers.visit(ast.parse(source)), "<cell>", "exec"), ns)
     finally:
         tracer.stop()
     end = probe.sample()
