@@ -297,12 +297,12 @@ class WidgetChartView(_View):
         self.figure = go.FigureWidget(layout=dict(
             height=300, autosize=True, margin=dict(l=70, r=20, t=10, b=40), showlegend=True,
             legend=dict(orientation="h", y=-0.2), hovermode="x unified",
-            xaxis=dict(title="seconds since the first sample", zeroline=False),
+            xaxis=dict(title="seconds", zeroline=False),
             yaxis=dict(title="", rangemode="tozero"),
         ))
         self.header = widgets.HTML(value="ipy_gpumem · no samples yet")
         self.box = widgets.VBox([self.header, self.figure], layout=widgets.Layout(width="100%"))
-        self._keys: list = []
+        self._keys = None  # None: the first draw always builds the traces, even with no samples yet
 
     def display(self, target=None) -> None:
         """Show the chart inline (``target`` None) or inside an Output-like widget (the sidebar)."""

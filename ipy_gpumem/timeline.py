@@ -383,7 +383,11 @@ class Timeline:
             if self._running is None:
                 if record is None:
                     return
-                self._running = (t - float(record.duration_s or 0.0), record.label, _first_line(record.source))
+                start = t - float(record.duration_s or 0.0)
+                # A cell that was already running when the timeline began (the one that opened the
+                # chart): start the time axis at its start rather than draw it at negative times.
+                self._origin = min(self._origin, start) if self._origin is not None else start
+                self._running = (start, record.label, _first_line(record.source))
             self._close(t, record)
             self._changed()
 

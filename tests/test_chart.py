@@ -165,3 +165,19 @@ def test_seeding_replays_recorded_cells():
     assert snap.spans[1].failed
     assert snap.series["host rss"] == (50 * MiB, 250 * MiB, 250 * MiB, 506 * MiB)
     assert snap.t[1] - snap.t[0] == pytest.approx(2.0) and snap.t[2] - snap.t[0] == pytest.approx(3.0)
+
+
+def test_widget_view_first_draw_with_no_samples_yet():
+    """Right after %load_ext the timeline is empty; the first draw must still build the figure."""
+    pytest.importorskip("plotly")
+    if widgets_status() is not None:
+        pytest.skip(widgets_status())
+    from ipy_gpumem.chart import WidgetChartView
+
+    tl = Timeline()
+    view = WidgetChartView(tl)
+    view.refresh(force=True)
+    assert [t.name for t in view.figure.data] == ["cells"]
+    tl.add(Sample(1.0, HostSample(100 * MiB, None), (), None))
+    view.refresh()
+    assert [t.name for t in view.figure.data] == ["host RSS", "cells"]

@@ -10,8 +10,8 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 # The pure core, and the display layer's string renderers: none may import IPython, torch,
 # plotly or ipywidgets at import time (widget views import them inside the functions that draw).
 CORE = ["units", "probes", "records", "recorder", "linetrace", "oom", "attribution", "diagnose", "timeline",
-        "sampler"]
-DISPLAY = ["render", "panel", "svgchart"]
+        "sampler", "observer", "release"]
+DISPLAY = ["render", "panel", "svgchart", "chart", "explainer"]
 HEAVY = ("IPython", "torch", "plotly", "ipywidgets", "pynvml", "pandas", "psutil")
 
 
