@@ -35,19 +35,19 @@ from traitlets import Bool, Float, Int, TraitError, Unicode, Union, observe, val
 from . import GpuMemWarning
 from . import observer
 from .attribution import who
-from .chart import TIERS, StatusLineView, WidgetChartView, choose_tier, make_view, sidebar_unavailable
+from .chart import TIERS, sidebar_unavailable
 from .explainer import oom_panel_for
 from .linetrace import LineMarkers, LineTracer
+from .live import LiveChart
 from .oom import parse_oom
 from .panel import who_view
 from .probes import MemoryProbe
 from .recorder import Ledger, Measurement
+from .records import write_csv
 from .release import plan_release, release
-from .render import cell_moved, cell_report_view, cell_view, history_view, status_view
-from .sampler import Sampler
+from .render import cell_moved, cell_report_view, cell_view, freed_report, history_view, status_view
 from .svgchart import cell_svg
-from .timeline import Timeline, seed_timeline
-from .units import format_bytes, format_delta, parse_bytes
+from .units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from IPython.core.interactiveshell import InteractiveShell
@@ -171,12 +171,8 @@ class GpuMemMagics(Magics):
         self._armed: Optional[_Plan] = None
         self._line_markers = LineMarkers()
         # The live chart: created by %gpumem chart / sidebar, fed by the hooks and the sampler.
-        self.timeline = None
-        self.sampler = None
-        self.views: list = []
-        self.sidecar = None
-        self.sampler_error: Optional[str] = None
-        self._sampler_error_shown = False
+        self.live = LiveChart(self.probe, self.ledger.records, self._measurement_in_flight)
+        self.live.sample_rate = self.sample_rate
         # The allocator's state at the last CUDA out-of-memory (torch's OOM observer, once CUDA is up).
         self._observing = False
         self.last_capture = None
@@ -203,11 +199,8 @@ class GpuMemMagics(Magics):
         rate = proposal["value"]
         if rate < 0 or rate > 100:
             raise TraitError("GpuMemMagics.sample_rate must be between 0 and 100 samples per second")
-        if getattr(self, "sampler", None) is not None:
-            if rate == 0:
-                self._stop_sampler()
-            else:
-                self.sampler.interval = 1.0 / rate
+        if hasattr(self, "live"):
+            self.live.set_rate(rate)
         return rate
 
     @validate("history_size")
@@ -259,7 +252,7 @@ class GpuMemMagics(Magics):
 
     def _stop_after_error(self, exc: BaseException) -> None:
         self.broken = f"{type(exc).__name__}: {exc}"
-        self._stop_sampler()
+        self.live.stop_sampler()
         frames = list(self._stack)
         self._stack.clear()
         for frame in frames:
@@ -347,13 +340,10 @@ class GpuMemMagics(Magics):
                     self.shell.ast_transformers.append(self._line_markers)
             if measurement.start.devices and not self._observing:
                 self._observing = observer.attach(self._on_oom)
-            if plan is not None and self.sampler is not None:
+            if plan is not None and self.live.sampler is not None:
                 measurement.samples = []  # the sampler's readings make the report's cell chart
-            if self.timeline is not None and not stack:
-                # "[*]" like Jupyter's prompt: IPython 7 and 8+ disagree on the count at this point;
-                # the record's label replaces it when the cell ends.
-                self.timeline.cell_started(measurement.start.t, "[*]", raw)
-                self.timeline.add(measurement.start)
+            if self.live.active and not stack:
+                self.live.cell_started(measurement.start, raw)
         stack.append(_Frame(info, measurement, plan, tracer, _exception_marker()))
 
     def _stop_tracer(self, tracer) -> None:
@@ -404,9 +394,6 @@ class GpuMemMagics(Magics):
         record = measurement.finish(error, message, execution_count=count)
         if outermost:
             self.ledger.append(record)
-            if self.timeline is not None:
-                self.timeline.add(measurement.end)
-                self.timeline.cell_finished(measurement.end.t, record)
         if error is not None and self.oom_panel and (outermost or plan is not None):
             self._explain_oom(record, message, measurement.t0)
         if plan is not None:
@@ -419,8 +406,18 @@ class GpuMemMagics(Magics):
                 parent.reported_inside = True
         elif outermost and not frame.reported_inside and not self._quiet and cell_moved(record, self._threshold):
             _display(cell_view(record, self._threshold))
-        if outermost and self.views:
-            self._finalize_views()
+        if outermost and self.live.active:
+            message = self.live.cell_finished(measurement.end, record)
+            if message:
+                print(message, file=sys.stderr)
+
+    def _measurement_in_flight(self):
+        """The measurement of the cell running now (read from the sampler thread)."""
+        try:
+            frame = self._stack[-1] if self._stack else None
+        except IndexError:  # the main thread popped it meanwhile
+            return None
+        return None if frame is None else frame.measurement
 
     # -- out-of-memory -----------------------------------------------------------------------------
 
@@ -447,75 +444,6 @@ class GpuMemMagics(Magics):
                   file=sys.stderr)
             return
         _display(view)
-
-    # -- the live chart ---------------------------------------------------------------------------
-
-    def _ensure_timeline(self):
-        """Create the timeline on first use, seeded with the cells recorded so far."""
-        if self.timeline is None:
-            timeline = Timeline(max_points=1000, max_spans=300)
-            seed_timeline(timeline, self.ledger.records())
-            self.timeline = timeline
-        return self.timeline
-
-    def _on_sample(self, sample) -> None:
-        # Sampler thread: feed the timeline and the cell in flight; nothing else.
-        timeline = self.timeline
-        if timeline is not None:
-            timeline.add(sample)
-        try:
-            frame = self._stack[-1] if self._stack else None
-        except IndexError:  # the main thread popped it meanwhile
-            frame = None
-        if frame is not None and frame.measurement is not None:
-            frame.measurement.observe(sample)
-
-    def _on_redraw(self) -> None:
-        # Sampler thread: views only change widget state or update their display handle.
-        for view in list(self.views):
-            view.refresh()
-
-    def _on_sampler_error(self, message: str) -> None:
-        self.sampler_error = message  # reported once, from the main thread, after the next cell
-
-    def _ensure_sampler(self) -> None:
-        if self.sampler is not None or self.sample_rate <= 0 or not self.enabled:
-            return
-        self.sampler = Sampler(self.probe, interval=1.0 / self.sample_rate, on_sample=self._on_sample,
-                               redraw_interval=1.0, on_redraw=self._on_redraw, on_error=self._on_sampler_error)
-        self.sampler.start()
-
-    def _stop_sampler(self) -> None:
-        if self.sampler is not None:
-            self.sampler.stop()
-            self.sampler = None
-
-    def _finalize_views(self) -> None:
-        for view in list(self.views):
-            view.finalize()
-        if self.sampler_error and not self._sampler_error_shown:
-            self._sampler_error_shown = True
-            self._stop_sampler()
-            print(f"ipy_gpumem: the live chart's sampler stopped ({self.sampler_error}); the chart now moves "
-                  "at cell ends only. %gpumem chart restarts it.", file=sys.stderr)
-
-    def _show_chart(self, prefer: Optional[str] = None, note: Optional[str] = None) -> None:
-        timeline = self._ensure_timeline()
-        try:
-            tier, why = choose_tier(self.shell, prefer)
-        except ValueError as exc:
-            raise UsageError(f"%gpumem chart: {exc}") from None
-        view = make_view(tier, timeline, note or why)
-        # Asking again re-shows the chart: the previous inline view keeps a static snapshot and
-        # stops moving, so live views never pile up.
-        for old in [v for v in self.views if getattr(v, "inline", True)]:
-            old.freeze()
-            self.views.remove(old)
-        view.display()
-        if view.live:  # a text chart is printed once: nothing to keep moving
-            self.views.append(view)
-            self.sampler_error, self._sampler_error_shown = None, False
-            self._ensure_sampler()
 
     @staticmethod
     def _cell_error(result, marker):
@@ -611,35 +539,15 @@ class GpuMemMagics(Magics):
     def _mode_chart(self, rest):
         if len(rest) > 1 or (rest and rest[0].lower() not in TIERS):
             raise UsageError(f"%gpumem chart takes an optional kind: {', '.join(TIERS)} (e.g. %gpumem chart html)")
-        self._show_chart(rest[0].lower() if rest else None)
+        self.live.show(self.shell, rest[0].lower() if rest else None, run=self.enabled)
 
     def _mode_sidebar(self, rest):
         self._no_args("sidebar", rest)
         reason = sidebar_unavailable(self.shell)
         if reason is not None:
-            self._show_chart(note=f"{reason}; showing the chart here instead")
-            return
-        from sidecar import Sidecar
-
-        timeline = self._ensure_timeline()
-        for old in [v for v in self.views if not getattr(v, "inline", True)]:
-            old.freeze()
-            self.views.remove(old)
-        if self.sidecar is not None:
-            try:
-                self.sidecar.close()
-            except Exception:  # noqa: BLE001 - a sidebar the user closed already
-                pass
-        self.sidecar = Sidecar(title="GPU memory", anchor="right")
-        view = WidgetChartView(timeline)
-        view.inline = False
-        view.display(target=self.sidecar)
-        # One live line stays here, so the numbers are never lost where the sidebar cannot show.
-        line = StatusLineView(timeline, where="chart in the right sidebar; not there? %gpumem chart shows it here")
-        line.inline = False
-        line.display()
-        self.views += [view, line]
-        self._ensure_sampler()
+            self.live.show(self.shell, note=f"{reason}; showing the chart here instead", run=self.enabled)
+        else:
+            self.live.show_sidebar(run=self.enabled)
 
     def _mode_who(self, rest):
         if len(rest) > 1:
@@ -694,20 +602,19 @@ class GpuMemMagics(Magics):
         if cuda is not None:
             cuda.empty_cache()
         after = self.probe.sample()
-        print(_freed_report(before, after))
+        print(freed_report(before, after))
 
     def _mode_on(self, rest):
         self._no_args("on", rest)
         self.enabled = True
         self.broken = None
-        if self.views:
-            self._ensure_sampler()
+        self.live.ensure_sampler()
         print("ipy_gpumem: recording every cell.")
 
     def _mode_off(self, rest):
         self._no_args("off", rest)
         self.enabled = False
-        self._stop_sampler()
+        self.live.stop_sampler()
         print("ipy_gpumem: recording paused (%%gpumem still measures on request). %gpumem on resumes.")
 
     def _mode_clear(self, rest):
@@ -729,7 +636,7 @@ class GpuMemMagics(Magics):
                 with open(path, "w", encoding="utf-8") as fh:
                     json.dump([r.to_dict() for r in records], fh, indent=1)
             else:
-                _write_csv(path, records)
+                write_csv(path, records)
         except OSError as exc:
             raise UsageError(f"%gpumem export: cannot write {path!r}: {exc.strerror or exc}") from None
         print(f"ipy_gpumem: wrote {len(records)} cell record{'s' if len(records) != 1 else ''} to {path}")
@@ -776,24 +683,6 @@ class GpuMemMagics(Magics):
             self._armed = None
 
 
-def _freed_report(before, after) -> str:
-    """What %gpumem free released: per device allocated and reserved, and host RSS."""
-    lines = ["ipy_gpumem free: done."]
-    prior = {d.index: d for d in before.devices}
-    for dev in after.devices:
-        b = prior.get(dev.index)
-        if b is None:
-            continue
-        lines.append(f"  cuda:{dev.index}: allocated {format_bytes(b.allocated)} -> {format_bytes(dev.allocated)} "
-                     f"({format_delta((dev.allocated or 0) - (b.allocated or 0))}), reserved "
-                     f"{format_bytes(b.reserved)} -> {format_bytes(dev.reserved)} "
-                     f"({format_delta((dev.reserved or 0) - (b.reserved or 0))})")
-    if before.host.rss is not None and after.host.rss is not None:
-        lines.append(f"  host RSS: {format_bytes(before.host.rss)} -> {format_bytes(after.host.rss)} "
-                     f"({format_delta(after.host.rss - before.host.rss)})")
-    return "\n".join(lines)
-
-
 def _gpumem_args(line: str) -> Optional[str]:
     """The argument string of a ``%%gpumem ...`` line, or None for any other line."""
     if not line.startswith("%%gpumem"):
@@ -802,26 +691,6 @@ def _gpumem_args(line: str) -> Optional[str]:
     if rest and not rest[0].isspace():
         return None  # %%gpumem? (help) or %%gpumemx
     return rest.strip()
-
-
-def _write_csv(path: str, records) -> None:
-    import csv
-
-    fields = ["execution_count", "cell_id", "started_at", "duration_s", "error", "device", "name",
-              "allocated_before", "allocated_after", "allocated_peak", "reserved_before", "reserved_after",
-              "reserved_peak", "used_before", "used_after", "total", "rss_before", "rss_after", "rss_peak", "source"]
-    with open(path, "w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        for rec in records:
-            base = {"execution_count": rec.execution_count, "cell_id": rec.cell_id, "started_at": rec.started_at,
-                    "duration_s": rec.duration_s, "error": rec.error, "rss_before": rec.host.rss_before,
-                    "rss_after": rec.host.rss_after, "rss_peak": rec.host.rss_peak, "source": rec.source}
-            if not rec.devices:
-                writer.writerow({**base, "device": "host"})
-            for dev in rec.devices:
-                d = dev.to_dict()
-                writer.writerow({**base, **{k: d[k] for k in fields if k in d}, "device": dev.label})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -876,10 +745,7 @@ def unload(shell: "InteractiveShell") -> None:
         return
     magics = state["magics"]
     observer.detach()  # torch's observer cannot be removed: it now forwards to nothing
-    magics._stop_sampler()
-    for view in magics.views:
-        view.freeze()  # leave a static snapshot where the chart was
-    magics.views.clear()
+    magics.live.close()  # stops the sampler, leaves a static snapshot where each view was
     frames = list(magics._stack)
     magics._stack.clear()
     for frame in frames:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["HostRecord", "DeviceRecord", "LineRecord", "CellRecord", "records_frame"]
+__all__ = ["HostRecord", "DeviceRecord", "LineRecord", "CellRecord", "records_frame", "write_csv"]
 
 
 def _delta(after, before):
@@ -282,3 +282,24 @@ def records_frame(records):
                 "reserved_peak", "used_after", "total"):
         frame[col] = frame[col].astype("Int64")  # nullable: None stays missing, bytes stay exact
     return frame
+
+
+def write_csv(path: str, records) -> None:
+    """Write records as CSV: one row per cell and device ("host" rows carry RSS only)."""
+    import csv
+
+    fields = ["execution_count", "cell_id", "started_at", "duration_s", "error", "device", "name",
+              "allocated_before", "allocated_after", "allocated_peak", "reserved_before", "reserved_after",
+              "reserved_peak", "used_before", "used_after", "total", "rss_before", "rss_after", "rss_peak", "source"]
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for rec in records:
+            base = {"execution_count": rec.execution_count, "cell_id": rec.cell_id, "started_at": rec.started_at,
+                    "duration_s": rec.duration_s, "error": rec.error, "rss_before": rec.host.rss_before,
+                    "rss_after": rec.host.rss_after, "rss_peak": rec.host.rss_peak, "source": rec.source}
+            if not rec.devices:
+                writer.writerow({**base, "device": "host"})
+            for dev in rec.devices:
+                d = dev.to_dict()
+                writer.writerow({**base, **{k: d[k] for k in fields if k in d}, "device": dev.label})

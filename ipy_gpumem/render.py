@@ -24,6 +24,7 @@ __all__ = [
     "text_table",
     "html_table",
     "format_seconds",
+    "freed_report",
 ]
 
 _CSS = (
@@ -381,3 +382,21 @@ def status_view(sample, names: Optional[dict] = None, host_backend: Optional[str
     text_parts.append(host)
     html_parts.append(f"<div>{esc(host)}</div>")
     return View("\n".join(text_parts), _wrap("".join(html_parts)))
+
+
+def freed_report(before, after) -> str:
+    """What ``%gpumem free`` released, from samples before and after: per device and host RSS."""
+    lines = ["ipy_gpumem free: done."]
+    prior = {d.index: d for d in before.devices}
+    for dev in after.devices:
+        b = prior.get(dev.index)
+        if b is None:
+            continue
+        lines.append(f"  cuda:{dev.index}: allocated {format_bytes(b.allocated)} -> {format_bytes(dev.allocated)} "
+                     f"({format_delta((dev.allocated or 0) - (b.allocated or 0))}), reserved "
+                     f"{format_bytes(b.reserved)} -> {format_bytes(dev.reserved)} "
+                     f"({format_delta((dev.reserved or 0) - (b.reserved or 0))})")
+    if before.host.rss is not None and after.host.rss is not None:
+        lines.append(f"  host RSS: {format_bytes(before.host.rss)} -> {format_bytes(after.host.rss)} "
+                     f"({format_delta(after.host.rss - before.host.rss)})")
+    return "\n".join(lines)

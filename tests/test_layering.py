@@ -11,7 +11,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 # plotly or ipywidgets at import time (widget views import them inside the functions that draw).
 CORE = ["units", "probes", "records", "recorder", "linetrace", "oom", "attribution", "diagnose", "timeline",
         "sampler", "observer", "release"]
-DISPLAY = ["render", "panel", "svgchart", "chart", "explainer"]
+DISPLAY = ["render", "panel", "svgchart", "chart", "explainer", "live"]
 HEAVY = ("IPython", "torch", "plotly", "ipywidgets", "pynvml", "pandas", "psutil")
 
 
