@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .units import format_bytes
 
-__all__ = ["CATEGORIES", "WhoReport", "who"]
+__all__ = ["CATEGORIES", "CATEGORY_LABELS", "WhoReport", "who"]
 
 #: The attributed categories, highest precedence first.
 CATEGORIES = (
@@ -36,7 +36,8 @@ CATEGORIES = (
 )
 _PARAMETERS, _GRADIENTS, _OPTIMIZER, _OTHER, _GRAPHS, _CACHES = range(6)
 
-_LABELS = {
+#: How each category reads in a table (the panel and %gpumem who use the same words).
+CATEGORY_LABELS = {
     "parameters": "parameters",
     "gradients": "gradients",
     "optimizer_state": "optimizer state",
@@ -175,14 +176,14 @@ class WhoReport:
             value = self.categories.get(name)
             if name == "unattributed" and value is None:
                 continue
-            lines.append(f"  {_LABELS[name]:<17}{format_bytes(value):>12}")
+            lines.append(f"  {CATEGORY_LABELS[name]:<17}{format_bytes(value):>12}")
         rows = [row for row in self.holders if row["bytes"]][:top]
         if rows:
             width = min(48, max(len(row["name"]) for row in rows))
             lines.append("Largest holders:")
             for row in rows:
                 lines.append(f"  {_clip(row['name'], width):<{width}}  "
-                             f"{_LABELS.get(row['category'], row['category']):<16}"
+                             f"{CATEGORY_LABELS.get(row['category'], row['category']):<16}"
                              f"{format_bytes(row['bytes']):>12}  {row['device']}")
             hidden = len([row for row in self.holders if row["bytes"]]) - len(rows)
             if hidden > 0:

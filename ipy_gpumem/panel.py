@@ -12,6 +12,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
+from .attribution import CATEGORY_LABELS
 from .diagnose import Finding, MemoryState, cell_deltas
 from .render import View, _wrap, esc, html_table, text_table
 from .units import format_bytes, format_delta
@@ -35,15 +36,6 @@ _REQUEST_COLOUR = "#2f80ed"
 _BORDER = "1px solid rgba(128,128,128,0.55)"
 _DIM = "opacity:0.75"
 _CONFIDENCE_COLOUR = {"certain": "#2e9e58", "likely": "#b7791f", "possible": "rgba(128,128,128,0.9)"}
-_CATEGORY_LABELS = {
-    "parameters": "parameters",
-    "gradients": "gradients",
-    "optimizer_state": "optimizer state",
-    "other_tensors": "other tensors",
-    "retained_graphs": "retained graphs",
-    "ipython_caches": "IPython caches",
-    "unattributed": "unattributed",
-}
 
 
 # ==================================================================================================
@@ -320,13 +312,13 @@ def _who_section(who: Any, max_holders: int, expanded: bool = False) -> Optional
     unattributed = cats.get("unattributed")
     whole = who.allocator_total if getattr(who, "allocator_total", None) else who.total + max(0, unattributed or 0)
     rows = []
-    for key, label in _CATEGORY_LABELS.items():
+    for key, label in CATEGORY_LABELS.items():
         value = cats.get(key)
         if value is None or (value == 0 and key != "unattributed"):
             continue
         rows.append([label, format_bytes(value), f"{100.0 * value / whole:.0f}%" if whole else ""])
     holders = [h for h in (who.holders or ()) if h.get("bytes")][: max(0, max_holders)]
-    hrows = [[h["name"], _CATEGORY_LABELS.get(h.get("category"), str(h.get("category"))), format_bytes(h["bytes"])]
+    hrows = [[h["name"], CATEGORY_LABELS.get(h.get("category"), str(h.get("category"))), format_bytes(h["bytes"])]
              for h in holders]
     where = getattr(who, "device", None) or "all devices"
     title = f"Who holds it ({where}): {format_bytes(who.total)} in {who.tensor_count} tensor storages"
