@@ -23,6 +23,10 @@ import torch
 from torch import nn
 
 from ipy_gpumem.attribution import who
+from ipy_gpumem.explainer import oom_panel_for
+from ipy_gpumem.oom import parse_oom
+from ipy_gpumem.probes import MemoryProbe
+from ipy_gpumem.records import CellRecord, HostRecord
 
 
 class Bottleneck(nn.Module):
@@ -141,6 +145,23 @@ def main() -> None:
         times.append(time.perf_counter() - start)
     median_ms, worst_ms = statistics.median(times) * 1e3, max(times) * 1e3
 
+    # The whole panel, as after a real out-of-memory error: parse the message, read the probe,
+    # who(), the diagnosis and both renderings.
+    try:
+        torch.empty(2**60)
+    except RuntimeError as exc:
+        message, tb = str(exc), exc.__traceback__
+    record = CellRecord(9, None, "x = torch.empty(2**60)", time.time(), 0.1, error="RuntimeError",
+                        error_message=message, host=HostRecord(2**30, 2**30, 2**30))
+    probe = MemoryProbe()
+    panel_times = []
+    for _ in range(args.repeat):
+        start = time.perf_counter()
+        view = oom_panel_for(parse_oom(message), record, namespace=ns, records=[record], probe=probe, tb=tb)
+        panel_times.append(time.perf_counter() - start)
+    panel_median, panel_worst = statistics.median(panel_times) * 1e3, max(panel_times) * 1e3
+    assert view.text.startswith("Out of memory on")
+
     print(report.summary())
     print()
     print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")
@@ -148,13 +169,14 @@ def main() -> None:
           f"Python {platform.python_version()}, {torch.get_num_threads()} threads")
     print()
     print("| namespace objects | model | input | parameters | storages | retained graph "
-          "| who() median | who() worst | runs |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| who() median | who() worst | OOM panel median | OOM panel worst | runs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print(f"| {len(ns):,} | ResNet-50 (hand-written) + Adam "
           f"| {args.batch}x3x{args.size}x{args.size} "
           f"| {n_params / 1e6:.1f}M | {report.tensor_count} "
           f"| {report.categories['retained_graphs'] / 2**20:.1f} MiB "
-          f"| {median_ms:.1f} ms | {worst_ms:.1f} ms | {args.repeat} |")
+          f"| {median_ms:.1f} ms | {worst_ms:.1f} ms | {panel_median:.1f} ms | {panel_worst:.1f} ms "
+          f"| {args.repeat} |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ def kernel():
     kc = km.client()
     kc.start_channels()
     kc.wait_for_ready(timeout=120)
+    kc.manager = km  # for the interrupt test
     try:
         yield kc
     finally:
@@ -71,6 +72,20 @@ def test_chart_updates_arrive_while_the_cell_is_busy(kernel, kind, update_type):
     run(kernel, "%gpumem off")
     messages, _, _ = run(kernel, "print([t.name for t in threading.enumerate() if 'ipy_gpumem' in t.name])")
     assert "[]" in "".join(m["content"].get("text", "") for _, m in messages)  # off stops the sampler
+
+
+def test_the_sampler_survives_an_interrupt(kernel):
+    for code in ("%load_ext ipy_gpumem", "%gpumem chart html"):
+        run(kernel, code)
+    msg_id = kernel.execute("import time\ntime.sleep(30)")
+    time.sleep(2.0)
+    kernel.manager.interrupt_kernel()
+    reply = kernel.get_shell_msg(timeout=60)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kernel.get_shell_msg(timeout=60)
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    messages, busy, idle = run(kernel, GROW)  # the chart still moves while the next cell runs
+    assert len([t for t, m in messages if m["msg_type"] == "update_display_data" and busy < t < idle]) >= 2
 
 
 def test_unload_stops_the_sampler(kernel):
