@@ -24,7 +24,14 @@ import types
 CELLS = {
     "x = 1": "x = 1",
     "small loop": "y = sum(i * i for i in range(200))",
+    # A realistic small cell: one forward pass of a small MLP on the CPU (about a millisecond).
+    "torch forward": "out = mlp(batch)",
 }
+SETUP = (
+    "import torch\n"
+    "mlp = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))\n"
+    "batch = torch.randn(64, 256)\n"
+)
 
 
 class TimedCallback:
@@ -156,7 +163,7 @@ def main():
     import torch  # noqa: F401 - a user's session has torch imported
 
     ip = InteractiveShell.instance()
-    ip.run_cell("import torch", store_history=True)
+    ip.run_cell(SETUP, store_history=True)
     print(f"IPython {IPython.__version__}, Python {sys.version.split()[0]}, {args.cells} cells x {args.repeat} rounds\n")
     print("| cell | tool | time in its hooks per cell | share of a bare cell | run_cell per cell | hook time vs ipy_gpumem |")
     print("|---|---|---:|---:|---:|---:|")

@@ -1,9 +1,10 @@
 """Per-cell hook cost inside a real Jupyter kernel: the kernel's own run_cell, timed from inside.
 
 A first cell wraps the kernel shell's ``run_cell``/``run_cell_async`` and, once the tool is
-loaded, the tool's registered hooks with timers; then nbclient executes the same trivial cell N
-times, and a last cell reads the timings. Reported: the time in the tool's hooks per cell as a
-share of the kernel's bare run_cell (the same cells before the tool was loaded).
+loaded, the tool's registered hooks with timers; then a jupyter_client executes the same trivial
+cell N times without and N times with the extension, and a last cell reads the timings.
+Reported: the time in the tool's hooks per cell as a share of the kernel's bare run_cell (the
+same cells before the tool was loaded), and of the request-to-idle round trip the client sees.
 
     python benchmarks/bench_kernel_hooks.py [--cells 300]
 """
@@ -13,6 +14,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 SETUP = r'''
 import time, functools, statistics
@@ -67,7 +69,6 @@ _before = {ev: list(_ip.events.callbacks[ev]) for ev in ("pre_run_cell", "post_r
 %load_ext ipy_gpumem
 _wrap_hooks(_before)
 _t["phase"] = "loaded"
-_t["loaded"].clear(); _t["hooks"] = 0.0
 '''
 
 REPORT = r'''
@@ -77,31 +78,64 @@ print(json.dumps({"bare": _t["bare"], "loaded": _t["loaded"], "hooks": _t["hooks
 '''
 
 
+def _run(kc, code, timeout=120):
+    """Execute ``code`` and wait for its idle; return (seconds from request to idle, stdout text)."""
+    t0 = time.perf_counter()
+    msg_id = kc.execute(code)
+    out = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return time.perf_counter() - t0, "".join(out)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", type=int, default=300)
     args = parser.parse_args()
-    import nbformat
-    from nbclient import NotebookClient
+    from jupyter_client.manager import KernelManager
 
-    cells = [SETUP, "import torch"] + ["x = 1"] * args.cells + [LOAD] + ["x = 1"] * args.cells + [REPORT]
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    client = NotebookClient(nb, timeout=600, kernel_name="python3")
-    client.km = client.create_kernel_manager()
-    client.km.kernel_spec.argv[0] = sys.executable
-    client.execute()
-    data = json.loads(nb.cells[-1].outputs[0]["text"])
-    bare = data["bare"][20:]  # skip the set-up cells and warm-up
-    loaded = data["loaded"][20:]
+    km = KernelManager(kernel_name="python3")
+    km.kernel_spec.argv[0] = sys.executable
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=120)
+    try:
+        _run(kc, SETUP)
+        _run(kc, "import torch")
+        for _ in range(20):
+            _run(kc, "x = 1")
+        bare_rt = [_run(kc, "x = 1")[0] for _ in range(args.cells)]
+        _run(kc, LOAD)
+        for _ in range(20):
+            _run(kc, "x = 1")
+        _run(kc, '_t["loaded"].clear(); _t["hooks"] = 0.0')
+        loaded_rt = [_run(kc, "x = 1")[0] for _ in range(args.cells)]
+        _, text = _run(kc, REPORT)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    data = json.loads(text)
+    bare = data["bare"][30:]  # the timed bare cells (set-up and warm-up cells are first)
+    loaded = data["loaded"][1:]  # after the clear, minus the clearing cell itself
     hooks_per_cell = data["hooks"] / max(len(data["loaded"]), 1)
     import IPython
     import ipykernel
 
-    print(f"IPython {IPython.__version__}, ipykernel {ipykernel.__version__}, {args.cells} cells each\n")
-    print("| kernel run_cell, bare (median) | with ipy_gpumem (median) | time in ipy_gpumem's hooks per cell | share of a bare cell |")
-    print("|---:|---:|---:|---:|")
     b, l = statistics.median(bare), statistics.median(loaded)
-    print(f"| {b * 1e6:.1f} us | {l * 1e6:.1f} us | {hooks_per_cell * 1e6:.2f} us | {hooks_per_cell / b * 100:.1f}% |")
+    rb, rl = statistics.median(bare_rt), statistics.median(loaded_rt)
+    print(f"IPython {IPython.__version__}, ipykernel {ipykernel.__version__}, {args.cells} cells `x = 1` each\n")
+    print("| measure | bare | with ipy_gpumem | time in ipy_gpumem's hooks per cell | share |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| kernel's run_cell (median) | {b * 1e6:.1f} us | {l * 1e6:.1f} us | {hooks_per_cell * 1e6:.2f} us "
+          f"| {hooks_per_cell / b * 100:.1f}% of a bare run_cell |")
+    print(f"| request to idle, seen by the client (median) | {rb * 1e3:.2f} ms | {rl * 1e3:.2f} ms | "
+          f"{hooks_per_cell * 1e6:.2f} us | {hooks_per_cell / rb * 100:.1f}% of a bare round trip |")
 
 
 if __name__ == "__main__":

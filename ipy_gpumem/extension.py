@@ -32,22 +32,14 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Float, Int, TraitError, Unicode, Union, observe, validate
 
-from . import GpuMemWarning
-from . import observer
-from .attribution import who
-from .chart import TIERS, sidebar_unavailable
-from .explainer import oom_panel_for
-from .linetrace import LineMarkers, LineTracer
-from .live import LiveChart
-from .oom import parse_oom
-from .panel import who_view
+from . import GpuMemWarning, observer
 from .probes import MemoryProbe
 from .recorder import Ledger, Measurement
-from .records import write_csv
-from .release import plan_release, release
 from .render import cell_moved, cell_report_view, cell_view, freed_report, history_view, status_view
-from .svgchart import cell_svg
 from .units import format_bytes, parse_bytes
+
+# Everything else (the line markers, the chart, the OOM parser and panel, who, free) is imported
+# where it is first used: %load_ext must stay fast, and most sessions never need most of it.
 
 if TYPE_CHECKING:  # pragma: no cover
     from IPython.core.interactiveshell import InteractiveShell
@@ -169,10 +161,9 @@ class GpuMemMagics(Magics):
         self.broken: Optional[str] = None
         self._stack: list = []
         self._armed: Optional[_Plan] = None
-        self._line_markers = LineMarkers()
+        self._line_markers = None  # the AST transformer of --lines cells, made on first use
         # The live chart: created by %gpumem chart / sidebar, fed by the hooks and the sampler.
-        self.live = LiveChart(self.probe, self.ledger.records, self._measurement_in_flight)
-        self.live.sample_rate = self.sample_rate
+        self.live = None
         # The allocator's state at the last CUDA out-of-memory (torch's OOM observer, once CUDA is up).
         self._observing = False
         self.last_capture = None
@@ -199,7 +190,7 @@ class GpuMemMagics(Magics):
         rate = proposal["value"]
         if rate < 0 or rate > 100:
             raise TraitError("GpuMemMagics.sample_rate must be between 0 and 100 samples per second")
-        if hasattr(self, "live"):
+        if getattr(self, "live", None) is not None:
             self.live.set_rate(rate)
         return rate
 
@@ -252,7 +243,8 @@ class GpuMemMagics(Magics):
 
     def _stop_after_error(self, exc: BaseException) -> None:
         self.broken = f"{type(exc).__name__}: {exc}"
-        self.live.stop_sampler()
+        if self.live is not None:
+            self.live.stop_sampler()
         frames = list(self._stack)
         self._stack.clear()
         for frame in frames:
@@ -332,6 +324,10 @@ class GpuMemMagics(Magics):
                 detailed=plan is not None,
             )
             if plan is not None and plan.lines:
+                from .linetrace import LineMarkers, LineTracer
+
+                if self._line_markers is None:
+                    self._line_markers = LineMarkers()
                 tracer = LineTracer(self.probe, self.shell.user_global_ns, devices, track_peaks=self._track)
                 tracer.start()
                 # Markers go into the cell's syntax tree, which IPython builds after this hook.
@@ -340,15 +336,17 @@ class GpuMemMagics(Magics):
                     self.shell.ast_transformers.append(self._line_markers)
             if measurement.start.devices and not self._observing:
                 self._observing = observer.attach(self._on_oom)
-            if plan is not None and self.live.sampler is not None:
-                measurement.samples = []  # the sampler's readings make the report's cell chart
-            if self.live.active and not stack:
-                self.live.cell_started(measurement.start, raw)
+            live = self.live
+            if live is not None:
+                if plan is not None and live.sampler is not None:
+                    measurement.samples = []  # the sampler's readings make the report's cell chart
+                if not stack:
+                    live.cell_started(measurement.start, raw)
         stack.append(_Frame(info, measurement, plan, tracer, _exception_marker()))
 
     def _stop_tracer(self, tracer) -> None:
         tracer.stop()
-        if not any(f.tracer is not None for f in self._stack):
+        if not any(f.tracer is not None for f in self._stack) and self._line_markers is not None:
             self._line_markers.armed = False
             if self._line_markers in self.shell.ast_transformers:
                 self.shell.ast_transformers.remove(self._line_markers)
@@ -400,13 +398,15 @@ class GpuMemMagics(Magics):
             if plan.output:
                 self.shell.user_ns[plan.output] = record
             note = frame.tracer.reason if frame.tracer is not None else None
+            from .svgchart import cell_svg
+
             chart = cell_svg(record, measurement.samples, width=640, height=200)
             _display(cell_report_view(record, plan.source_lines, note=note, chart_html=chart))
             for parent in self._stack:
                 parent.reported_inside = True
         elif outermost and not frame.reported_inside and not self._quiet and cell_moved(record, self._threshold):
             _display(cell_view(record, self._threshold))
-        if outermost and self.live.active:
+        if outermost and self.live is not None:
             message = self.live.cell_finished(measurement.end, record)
             if message:
                 print(message, file=sys.stderr)
@@ -427,9 +427,15 @@ class GpuMemMagics(Magics):
 
     def _explain_oom(self, record, message: Optional[str], started: float) -> None:
         """Show the OOM panel after the user's traceback, if the cell's error is an out-of-memory."""
-        oom = parse_oom(message) if message else None
+        if not message:
+            return
+        from .oom import parse_oom
+
+        oom = parse_oom(message)
         if oom is None:
             return
+        from .explainer import oom_panel_for
+
         capture = self.last_capture
         if capture is not None and capture.t < started:
             capture = None  # from an earlier cell
@@ -536,18 +542,31 @@ class GpuMemMagics(Magics):
             limit = int(rest[0])
         _display(history_view(self.ledger.records(), limit))
 
+    def _live(self):
+        """The live-chart controller, made on the first chart request."""
+        if self.live is None:
+            from .live import LiveChart
+
+            self.live = LiveChart(self.probe, self.ledger.records, self._measurement_in_flight)
+            self.live.sample_rate = self.sample_rate
+        return self.live
+
     def _mode_chart(self, rest):
+        from .chart import TIERS
+
         if len(rest) > 1 or (rest and rest[0].lower() not in TIERS):
             raise UsageError(f"%gpumem chart takes an optional kind: {', '.join(TIERS)} (e.g. %gpumem chart html)")
-        self.live.show(self.shell, rest[0].lower() if rest else None, run=self.enabled)
+        self._live().show(self.shell, rest[0].lower() if rest else None, run=self.enabled)
 
     def _mode_sidebar(self, rest):
+        from .chart import sidebar_unavailable
+
         self._no_args("sidebar", rest)
         reason = sidebar_unavailable(self.shell)
         if reason is not None:
-            self.live.show(self.shell, note=f"{reason}; showing the chart here instead", run=self.enabled)
+            self._live().show(self.shell, note=f"{reason}; showing the chart here instead", run=self.enabled)
         else:
-            self.live.show_sidebar(run=self.enabled)
+            self._live().show_sidebar(run=self.enabled)
 
     def _mode_who(self, rest):
         if len(rest) > 1:
@@ -562,6 +581,9 @@ class GpuMemMagics(Magics):
             device = "cpu" if host_only else ("cuda" if indices is None else f"cuda:{indices[0]}")
             if indices:
                 total = self._allocated_now(indices[0])
+        from .attribution import who
+        from .panel import who_view
+
         report = who(self.shell.user_ns, device=device, allocator_total=total)
         _display(who_view(report))
 
@@ -579,6 +601,9 @@ class GpuMemMagics(Magics):
             raise UsageError("%gpumem free takes only --dry-run (show what would be released, release nothing)")
         dry = bool(rest)
         ns = self.shell.user_ns
+        from .attribution import who
+        from .release import plan_release, release
+
         plan = plan_release(ns, who(ns))
         before = self.probe.sample()
         lines = plan.lines()
@@ -608,13 +633,15 @@ class GpuMemMagics(Magics):
         self._no_args("on", rest)
         self.enabled = True
         self.broken = None
-        self.live.ensure_sampler()
+        if self.live is not None:
+            self.live.ensure_sampler()
         print("ipy_gpumem: recording every cell.")
 
     def _mode_off(self, rest):
         self._no_args("off", rest)
         self.enabled = False
-        self.live.stop_sampler()
+        if self.live is not None:
+            self.live.stop_sampler()
         print("ipy_gpumem: recording paused (%%gpumem still measures on request). %gpumem on resumes.")
 
     def _mode_clear(self, rest):
@@ -636,6 +663,8 @@ class GpuMemMagics(Magics):
                 with open(path, "w", encoding="utf-8") as fh:
                     json.dump([r.to_dict() for r in records], fh, indent=1)
             else:
+                from .records import write_csv
+
                 write_csv(path, records)
         except OSError as exc:
             raise UsageError(f"%gpumem export: cannot write {path!r}: {exc.strerror or exc}") from None
@@ -745,7 +774,8 @@ def unload(shell: "InteractiveShell") -> None:
         return
     magics = state["magics"]
     observer.detach()  # torch's observer cannot be removed: it now forwards to nothing
-    magics.live.close()  # stops the sampler, leaves a static snapshot where each view was
+    if magics.live is not None:
+        magics.live.close()  # stops the sampler, leaves a static snapshot where each view was
     frames = list(magics._stack)
     magics._stack.clear()
     for frame in frames:

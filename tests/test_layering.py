@@ -45,3 +45,19 @@ def test_every_module_says_what_it_is_for():
         if name.endswith(".py"):
             doc = ast.get_docstring(ast.parse(open(os.path.join(PKG, name), encoding="utf-8").read()))
             assert doc, f"{name} has no module docstring"
+
+
+def test_load_ext_imports_only_the_per_cell_path():
+    """%load_ext must stay fast: the chart, the OOM panel and who() load when first used."""
+    code = (
+        "import sys\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "ip = InteractiveShell.instance()\n"
+        "ip.run_line_magic('load_ext', 'ipy_gpumem')\n"
+        "ip.run_cell('x = 1', store_history=True)\n"
+        "lazy = ('ipy_gpumem.oom', 'ipy_gpumem.attribution', 'ipy_gpumem.diagnose', 'ipy_gpumem.chart',\n"
+        "        'ipy_gpumem.svgchart', 'ipy_gpumem.live', 'ipy_gpumem.linetrace', 'plotly', 'ipywidgets', 'torch')\n"
+        "print(sorted(m for m in lazy if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
