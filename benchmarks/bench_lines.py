@@ -58,9 +58,11 @@ def main():
         plain, whole, lines = [], [], []
         ip.run_line_magic("load_ext", "ipy_gpumem")
         for _ in range(args.repeat):
-            ip.run_line_magic("gpumem", "off")  # the plain cell: hooks pay nothing measurable
+            with contextlib.redirect_stdout(io.StringIO()):
+                ip.run_line_magic("gpumem", "off")  # the plain cell: hooks pay nothing measurable
             plain.append(timed(ip, body))
-            ip.run_line_magic("gpumem", "on")
+            with contextlib.redirect_stdout(io.StringIO()):
+                ip.run_line_magic("gpumem", "on")
             whole.append(timed(ip, "%%gpumem\n" + body))
             lines.append(timed(ip, "%%gpumem --lines\n" + body))
         ip.run_line_magic("unload_ext", "ipy_gpumem")

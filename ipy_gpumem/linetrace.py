@@ -14,7 +14,7 @@ import ast
 import time
 from typing import Optional, Sequence
 
-from .probes import MemoryProbe
+from .probes import PEAK_SLACK, MemoryProbe
 from .records import DeviceRecord, HostRecord, LineRecord
 
 __all__ = ["LineTracer", "LineMarkers", "HOOK_NAME"]
@@ -95,14 +95,18 @@ class LineTracer:
             devs.append((allocated, reserved, peak_a, peak_r))
         return time.perf_counter(), rss, host_peak, devs
 
-    def _reset(self) -> None:
+    def _reset(self, reading) -> None:
+        """Reset the peak counters that are above their current value (a peak already at the
+        current value measures the next line correctly as it is: one syscall saved per line)."""
         if not self._track_peaks:
             return
-        if self._include_host:
+        _, rss, host_peak, devs = reading
+        if self._include_host and (host_peak is None or rss is None or host_peak - rss > PEAK_SLACK):
             self.probe.host.reset_peak()
         cuda = self.probe.cuda
-        for index in self._resolve_devices():
-            cuda.reset_peak(index)
+        for index, (allocated, reserved, peak_a, peak_r) in zip(self._resolve_devices(), devs):
+            if peak_a != allocated or peak_r != reserved:
+                cuda.reset_peak(index)
 
     def _fold(self, lineno: int, start, end) -> None:
         stats = self._stats.get(lineno)
@@ -150,7 +154,7 @@ class LineTracer:
         if next_lineno is None:
             self._current = None
         else:
-            self._reset()
+            self._reset(reading)
             # Nothing ran between the read and the reset, so the same reading is where the
             # next line starts, and its peaks are its own.
             self._current = (next_lineno, reading)
