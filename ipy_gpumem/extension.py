@@ -239,7 +239,10 @@ class GpuMemMagics(Magics):
         try:
             step(arg)
         except Exception as exc:  # noqa: BLE001 - an ipy_gpumem bug must never cost the user a cell
-            self._stop_after_error(exc)
+            try:
+                self._stop_after_error(exc)
+            except Exception:  # noqa: BLE001 - even the clean-up failing must stay silent here
+                self.broken = self.broken or f"{type(exc).__name__}: {exc}"
 
     def _stop_after_error(self, exc: BaseException) -> None:
         self.broken = f"{type(exc).__name__}: {exc}"
