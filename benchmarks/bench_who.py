@@ -22,11 +22,11 @@ import time
 import torch
 from torch import nn
 
-from ipy_gpumem.attribution import who
-from ipy_gpumem.explainer import oom_panel_for
-from ipy_gpumem.oom import parse_oom
-from ipy_gpumem.probes import MemoryProbe
-from ipy_gpumem.records import CellRecord, HostRecord
+from ipy_gpumem.core.attribution import who
+from ipy_gpumem.display.explainer import oom_panel_for
+from ipy_gpumem.core.oom import parse_oom
+from ipy_gpumem.core.probes import MemoryProbe
+from ipy_gpumem.core.records import CellRecord, HostRecord
 
 
 class Bottleneck(nn.Module):

@@ -61,14 +61,14 @@ def last():
 
 def history_frame():
     """The history as a pandas DataFrame, one row per cell and device (pandas must be installed)."""
-    from .records import records_frame
+    from .core.records import records_frame
 
     return records_frame(history())
 
 
 def parse_oom(text):
     """Parse any known out-of-memory message into an ``OomReport``; None if ``text`` is not one."""
-    from .oom import parse_oom as _parse_oom
+    from .core.oom import parse_oom as _parse_oom
 
     return _parse_oom(text)
 
@@ -80,7 +80,7 @@ def who(namespace=None, device=None, allocator_total=None):
     to one device ("cuda:0", "cpu"); ``allocator_total`` (bytes) lets the report say how much
     the allocator holds that no variable explains.
     """
-    from .attribution import who as _who
+    from .core.attribution import who as _who
 
     if namespace is None:
         from .extension import user_namespace
@@ -91,13 +91,13 @@ def who(namespace=None, device=None, allocator_total=None):
 
 def format_bytes(size):
     """Format a byte count as PyTorch does: ``format_bytes(1610612736) == "1.50 GiB"``."""
-    from .units import format_bytes as _format_bytes
+    from .core.units import format_bytes as _format_bytes
 
     return _format_bytes(size)
 
 
 def parse_bytes(text):
     """Read a size such as ``"20.00 MiB"`` or ``"0 bytes"`` back into bytes."""
-    from .units import parse_bytes as _parse_bytes
+    from .core.units import parse_bytes as _parse_bytes
 
     return _parse_bytes(text)

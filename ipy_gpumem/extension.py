@@ -32,11 +32,12 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Float, Int, TraitError, Unicode, Union, observe, validate
 
-from . import GpuMemWarning, observer
-from .probes import MemoryProbe
-from .recorder import Ledger, Measurement
-from .render import cell_moved, cell_report_view, cell_view, freed_report, history_view, status_view
-from .units import format_bytes, parse_bytes
+from . import GpuMemWarning
+from .core import observer
+from .core.probes import MemoryProbe
+from .core.recorder import Ledger, Measurement
+from .display.render import cell_moved, cell_report_view, cell_view, freed_report, history_view, status_view
+from .core.units import format_bytes, parse_bytes
 
 # Everything else (the line markers, the chart, the OOM parser and panel, who, free) is imported
 # where it is first used: %load_ext must stay fast, and most sessions never need most of it.
@@ -327,7 +328,7 @@ class GpuMemMagics(Magics):
                 detailed=plan is not None,
             )
             if plan is not None and plan.lines:
-                from .linetrace import LineMarkers, LineTracer
+                from .core.linetrace import LineMarkers, LineTracer
 
                 if self._line_markers is None:
                     self._line_markers = LineMarkers()
@@ -401,7 +402,7 @@ class GpuMemMagics(Magics):
             if plan.output:
                 self.shell.user_ns[plan.output] = record
             note = frame.tracer.reason if frame.tracer is not None else None
-            from .svgchart import cell_svg
+            from .display.svgchart import cell_svg
 
             chart = cell_svg(record, measurement.samples, width=640, height=200)
             _display(cell_report_view(record, plan.source_lines, note=note, chart_html=chart))
@@ -432,12 +433,12 @@ class GpuMemMagics(Magics):
         """Show the OOM panel after the user's traceback, if the cell's error is an out-of-memory."""
         if not message:
             return
-        from .oom import parse_oom
+        from .core.oom import parse_oom
 
         oom = parse_oom(message)
         if oom is None:
             return
-        from .explainer import oom_panel_for
+        from .display.explainer import oom_panel_for
 
         capture = self.last_capture
         if capture is not None and capture.t < started:
@@ -548,21 +549,21 @@ class GpuMemMagics(Magics):
     def _live(self):
         """The live-chart controller, made on the first chart request."""
         if self.live is None:
-            from .live import LiveChart
+            from .display.live import LiveChart
 
             self.live = LiveChart(self.probe, self.ledger.records, self._measurement_in_flight)
             self.live.sample_rate = self.sample_rate
         return self.live
 
     def _mode_chart(self, rest):
-        from .chart import TIERS
+        from .display.chart import TIERS
 
         if len(rest) > 1 or (rest and rest[0].lower() not in TIERS):
             raise UsageError(f"%gpumem chart takes an optional kind: {', '.join(TIERS)} (e.g. %gpumem chart html)")
         self._live().show(self.shell, rest[0].lower() if rest else None, run=self.enabled)
 
     def _mode_sidebar(self, rest):
-        from .chart import sidebar_unavailable
+        from .display.chart import sidebar_unavailable
 
         self._no_args("sidebar", rest)
         reason = sidebar_unavailable(self.shell)
@@ -584,8 +585,8 @@ class GpuMemMagics(Magics):
             device = "cpu" if host_only else ("cuda" if indices is None else f"cuda:{indices[0]}")
             if indices:
                 total = self._allocated_now(indices[0])
-        from .attribution import who
-        from .panel import who_view
+        from .core.attribution import who
+        from .display.panel import who_view
 
         report = who(self.shell.user_ns, device=device, allocator_total=total)
         _display(who_view(report))
@@ -604,8 +605,8 @@ class GpuMemMagics(Magics):
             raise UsageError("%gpumem free takes only --dry-run (show what would be released, release nothing)")
         dry = bool(rest)
         ns = self.shell.user_ns
-        from .attribution import who
-        from .release import plan_release, release
+        from .core.attribution import who
+        from .core.release import plan_release, release
 
         plan = plan_release(ns, who(ns))
         before = self.probe.sample()
@@ -666,7 +667,7 @@ class GpuMemMagics(Magics):
                 with open(path, "w", encoding="utf-8") as fh:
                     json.dump([r.to_dict() for r in records], fh, indent=1)
             else:
-                from .records import write_csv
+                from .core.records import write_csv
 
                 write_csv(path, records)
         except OSError as exc:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ipy_gpumem.probes import CudaProbe, DeviceSample, HostProbe, HostSample, MemoryProbe, Sample
+from ipy_gpumem.core.probes import CudaProbe, DeviceSample, HostProbe, HostSample, MemoryProbe, Sample
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "fixtures")

@@ -11,8 +11,8 @@ from IPython.utils.capture import capture_output
 
 import ipy_gpumem
 from ipy_gpumem import GpuMemWarning
-from ipy_gpumem.probes import HostProbe, MemoryProbe
-from ipy_gpumem.units import GiB, MiB
+from ipy_gpumem.core.probes import HostProbe, MemoryProbe
+from ipy_gpumem.core.units import GiB, MiB
 
 torch = pytest.importorskip("torch")
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact RSS needs procfs")

@@ -72,7 +72,7 @@ def test_lines_on_cuda_are_exact(ip, gpumem):
 def test_one_sample_per_device_is_cheap():
     import torch
 
-    from ipy_gpumem.probes import MemoryProbe
+    from ipy_gpumem.core.probes import MemoryProbe
 
     torch.zeros(1, device="cuda")
     probe = MemoryProbe()

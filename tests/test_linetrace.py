@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from ipy_gpumem.linetrace import HOOK_NAME, LineMarkers, LineTracer
-from ipy_gpumem.probes import HostProbe, MemoryProbe
-from ipy_gpumem.units import GiB, MiB
+from ipy_gpumem.core.linetrace import HOOK_NAME, LineMarkers, LineTracer
+from ipy_gpumem.core.probes import HostProbe, MemoryProbe
+from ipy_gpumem.core.units import GiB, MiB
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact RSS needs procfs")
 

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from ipy_gpumem import observer
+from ipy_gpumem.core import observer
 
 
 @pytest.fixture

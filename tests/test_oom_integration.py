@@ -6,7 +6,7 @@ import pytest
 from IPython.utils.capture import capture_output
 
 import ipy_gpumem
-from ipy_gpumem.units import MiB
+from ipy_gpumem.core.units import MiB
 
 torch = pytest.importorskip("torch")
 

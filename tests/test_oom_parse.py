@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ipy_gpumem.oom import KINDS, SIZE_FIELDS, OomReport, parse_oom
+from ipy_gpumem.core.oom import KINDS, SIZE_FIELDS, OomReport, parse_oom
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SAMPLES_PATH = os.path.join(HERE, "fixtures", "oom-samples.jsonl")
@@ -25,7 +25,7 @@ _UNITS = {
 
 
 def B(text: str) -> int:
-    """Bytes as the corpus computes them (independently of ipy_gpumem.units): binary, half up."""
+    """Bytes as the corpus computes them (independently of ipy_gpumem.core.units): binary, half up."""
     number, unit = text.split()
     return int((Decimal(number) * _UNITS[unit]).quantize(Decimal(1), rounding=ROUND_HALF_UP))
 

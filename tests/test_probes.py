@@ -10,10 +10,10 @@ import types
 
 import pytest
 
-from ipy_gpumem.probes import (
+from ipy_gpumem.core.probes import (
     CudaProbe, HostProbe, MemoryProbe, NvmlProbe, counters_from_stats, parse_visible_devices,
 )
-from ipy_gpumem.units import MiB
+from ipy_gpumem.core.units import MiB
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="procfs is Linux-only")
 
@@ -156,7 +156,7 @@ def test_real_cpu_torch_reports_cuda_not_initialized():
 
 def test_without_torch_nothing_is_imported():
     code = (
-        "import sys; from ipy_gpumem.probes import MemoryProbe; s = MemoryProbe().sample();"
+        "import sys; from ipy_gpumem.core.probes import MemoryProbe; s = MemoryProbe().sample();"
         "print(s.reason); print('torch' in sys.modules, 'pynvml' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")

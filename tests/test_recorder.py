@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from ipy_gpumem.recorder import MAX_SOURCE_CHARS, Ledger, Measurement
-from ipy_gpumem.records import CellRecord, DeviceRecord, HostRecord, records_frame
-from ipy_gpumem.units import GiB, MiB
+from ipy_gpumem.core.recorder import MAX_SOURCE_CHARS, Ledger, Measurement
+from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord, records_frame
+from ipy_gpumem.core.units import GiB, MiB
 
 from conftest import dev_sample, make_sample
 

@@ -11,10 +11,10 @@ import weakref
 
 import pytest
 
-from ipy_gpumem.probes import MemoryProbe
-from ipy_gpumem.sampler import Sampler
-from ipy_gpumem.timeline import HOST_KEY, Timeline
-from ipy_gpumem.units import MiB
+from ipy_gpumem.core.probes import MemoryProbe
+from ipy_gpumem.core.sampler import Sampler
+from ipy_gpumem.core.timeline import HOST_KEY, Timeline
+from ipy_gpumem.core.units import MiB
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact RSS needs procfs")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -213,10 +213,10 @@ def test_the_sampler_imports_no_torch_and_no_display_libraries():
     # exercised end to end: sampling, the timeline and the SVG redraw, as the live tier runs them.
     code = (
         "import sys, time\n"
-        "from ipy_gpumem.probes import MemoryProbe\n"
-        "from ipy_gpumem.sampler import Sampler\n"
-        "from ipy_gpumem.timeline import Timeline\n"
-        "from ipy_gpumem.svgchart import timeline_svg\n"
+        "from ipy_gpumem.core.probes import MemoryProbe\n"
+        "from ipy_gpumem.core.sampler import Sampler\n"
+        "from ipy_gpumem.core.timeline import Timeline\n"
+        "from ipy_gpumem.display.svgchart import timeline_svg\n"
         "tl = Timeline()\n"
         "s = Sampler(MemoryProbe(), interval=0.01, on_sample=tl.add, redraw_interval=0.05,\n"
         "            on_redraw=lambda: timeline_svg(tl.snapshot()))\n"
@@ -231,8 +231,8 @@ def test_the_sampler_imports_no_torch_and_no_display_libraries():
 
 def test_interpreter_exit_with_a_running_sampler_is_clean():
     code = (
-        "from ipy_gpumem.probes import MemoryProbe\n"
-        "from ipy_gpumem.sampler import Sampler\n"
+        "from ipy_gpumem.core.probes import MemoryProbe\n"
+        "from ipy_gpumem.core.sampler import Sampler\n"
         "s = Sampler(MemoryProbe(), interval=0.001)\n"
         "s.start()\n"
         "print('bye')\n"

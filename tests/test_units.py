@@ -1,7 +1,7 @@
 """Byte formatting matches c10's format_size exactly, and parsing reads every spelling back."""
 import pytest
 
-from ipy_gpumem.units import GiB, KiB, MiB, format_bytes, format_delta, parse_bytes
+from ipy_gpumem.core.units import GiB, KiB, MiB, format_bytes, format_delta, parse_bytes
 
 
 @pytest.mark.parametrize("size, text", [

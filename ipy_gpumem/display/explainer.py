@@ -13,7 +13,7 @@ import sys
 import traceback as _traceback
 from typing import Any, Optional, Sequence
 
-from .diagnose import MemoryState, explain, host_state
+from ..core.diagnose import MemoryState, explain, host_state
 from .panel import oom_panel_view
 
 __all__ = ["oom_panel_for", "traceback_frames", "state_at_failure"]
@@ -102,7 +102,7 @@ def oom_panel_for(oom, record, *, namespace: Optional[dict], records: Sequence[A
     who_report = None
     if namespace is not None:
         if who_fn is None:
-            from .attribution import who as who_fn
+            from ..core.attribution import who as who_fn
         device = state.device if state.device not in ("", "unknown") else None
         if device is not None and device.split(":")[0] not in ("cuda", "cpu"):
             device = None  # mps/xpu tensors are counted with every device

@@ -10,8 +10,8 @@ import html
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from .records import CellRecord, DeviceRecord
-from .units import format_bytes, format_delta
+from ..core.records import CellRecord, DeviceRecord
+from ..core.units import format_bytes, format_delta
 
 __all__ = [
     "View",

@@ -12,10 +12,10 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from .attribution import CATEGORY_LABELS
-from .diagnose import Finding, MemoryState, cell_deltas
+from ..core.attribution import CATEGORY_LABELS
+from ..core.diagnose import Finding, MemoryState, cell_deltas
 from .render import View, _wrap, esc, html_table, text_table
-from .units import format_bytes, format_delta
+from ..core.units import format_bytes, format_delta
 
 __all__ = ["oom_panel_view", "who_view", "headline", "memory_layers", "Segment", "BAR_WIDTH"]
 
@@ -130,14 +130,14 @@ def oom_panel_view(
     Args:
         oom: The ``OomReport``, or None.
         state: The device's memory at failure.
-        findings: Ranked ``Finding``s from :func:`ipy_gpumem.diagnose.explain`.
+        findings: Ranked ``Finding``s from :func:`ipy_gpumem.core.diagnose.explain`.
         who: A ``WhoReport`` for the device, or None.
         records: Recent ``CellRecord``s, oldest first.
         error_name: The exception's name; ``oom.exception_type`` when empty.
         max_holders: Holder rows shown.
 
     Returns:
-        A :class:`~ipy_gpumem.render.View`.
+        A :class:`~ipy_gpumem.display.render.View`.
     """
     requested = getattr(oom, "requested", None)
     free = oom.free if oom is not None and getattr(oom, "free", None) is not None else state.free

@@ -1,6 +1,6 @@
 """The session's memory over time: sampled series and cell spans, bounded however long it runs.
 
-A :class:`Timeline` is fed :class:`~ipy_gpumem.probes.Sample` objects (from the sampler thread and
+A :class:`Timeline` is fed :class:`~ipy_gpumem.core.probes.Sample` objects (from the sampler thread and
 from the cell hooks) and cell start/finish events, and hands out immutable
 :class:`TimelineSnapshot` copies for drawing. It keeps numbers and strings only: never a sample,
 a record, an exception or a tensor.
@@ -143,7 +143,7 @@ def hover_text(record, label: Optional[str] = None) -> str:
     """The tooltip of a cell's span: first line, per-device deltas and peaks, duration, error.
 
     Args:
-        record: a :class:`~ipy_gpumem.records.CellRecord`.
+        record: a :class:`~ipy_gpumem.core.records.CellRecord`.
         label: the span's label; defaults to the record's (``"[7]"``).
 
     Example::
@@ -353,7 +353,7 @@ class Timeline:
         return self._version
 
     def add(self, sample) -> None:
-        """Append one :class:`~ipy_gpumem.probes.Sample` (any thread)."""
+        """Append one :class:`~ipy_gpumem.core.probes.Sample` (any thread)."""
         with self._lock:
             t = self._clock(float(sample.t))
             self._points.append((t, self._row(sample)))

@@ -2,7 +2,7 @@
 
 Two charts, both pure functions from plain data to a string:
 
-* :func:`timeline_svg` draws a :class:`~ipy_gpumem.timeline.TimelineSnapshot`: one line per
+* :func:`timeline_svg` draws a :class:`~ipy_gpumem.core.timeline.TimelineSnapshot`: one line per
   series (allocated solid, reserved dashed, device-wide used dotted; host RSS solid when no CUDA
   device is in use), the min-max band of merged points, the device capacity, cell spans as light
   bands labelled ``[7]`` with their hover text as native ``<title>`` tooltips, the running cell
@@ -27,8 +27,8 @@ from functools import lru_cache
 from typing import Optional, Sequence
 
 from .render import esc
-from .timeline import HOST_KEY, Timeline, TimelineSnapshot
-from .units import GiB, KiB, MiB, format_bytes, format_delta
+from ..core.timeline import HOST_KEY, Timeline, TimelineSnapshot
+from ..core.units import GiB, KiB, MiB, format_bytes, format_delta
 
 __all__ = ["timeline_svg", "cell_svg", "empty_svg", "byte_ticks", "time_ticks", "format_time"]
 
@@ -524,7 +524,7 @@ def _line_chart(times, series, lows, keys, *, spans=(), capacities=None, end=Non
 
 def timeline_svg(snapshot: Optional[TimelineSnapshot], width: int = 720, height: int = 220,
                  title: Optional[str] = None) -> str:
-    """The session chart of a :class:`~ipy_gpumem.timeline.TimelineSnapshot` as an SVG string.
+    """The session chart of a :class:`~ipy_gpumem.core.timeline.TimelineSnapshot` as an SVG string.
 
     Args:
         snapshot: from ``Timeline.snapshot()``; None or empty gives a "no samples yet" chart.
@@ -798,9 +798,9 @@ def cell_svg(record, samples=None, width: int = 480, height: int = 200, title: O
     """The chart of one cell as an SVG string.
 
     Args:
-        record: the cell's :class:`~ipy_gpumem.records.CellRecord` (None gives a placeholder).
+        record: the cell's :class:`~ipy_gpumem.core.records.CellRecord` (None gives a placeholder).
         samples: Samples taken during the cell, or ``(t, {series key: bytes})`` pairs (keys as in
-            :class:`~ipy_gpumem.timeline.Timeline`). When given (two or more), the chart is the
+            :class:`~ipy_gpumem.core.timeline.Timeline`). When given (two or more), the chart is the
             line chart over the cell's time with the record's exact peak as a dashed line.
             Otherwise it is the before / per-line / after waterfall described in the module doc.
         width: pixels (at least 240 are used).

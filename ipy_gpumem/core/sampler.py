@@ -29,7 +29,7 @@ class Sampler:
 
     Args:
         probe: anything with ``sample(with_device_memory=...)``, usually a
-            :class:`~ipy_gpumem.probes.MemoryProbe`.
+            :class:`~ipy_gpumem.core.probes.MemoryProbe`.
         interval: seconds between samples (settable while running).
         on_sample: called with each sample, on the sampler thread (e.g. ``Timeline.add``).
         redraw_interval: least seconds between two ``on_redraw`` calls (settable while running).
