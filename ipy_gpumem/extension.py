@@ -36,8 +36,8 @@ from . import GpuMemWarning
 from .core import observer
 from .core.probes import MemoryProbe
 from .core.recorder import Ledger, Measurement
-from .display.render import cell_moved, cell_report_view, cell_view, freed_report, history_view, status_view
 from .core.units import format_bytes, parse_bytes
+from .display.render import cell_moved, cell_report_view, cell_view, freed_report, history_view, status_view
 
 # Everything else (the line markers, the chart, the OOM parser and panel, who, free) is imported
 # where it is first used: %load_ext must stay fast, and most sessions never need most of it.
