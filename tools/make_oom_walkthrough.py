@@ -1,6 +1,7 @@
 """Writes notebooks/oom_walkthrough.ipynb (run: python tools/make_oom_walkthrough.py)."""
 import nbformat
 from nbformat.v4 import new_code_cell as code, new_markdown_cell as md, new_notebook
+from seed_model import SEED_MODEL
 
 cells = [
     md("# Why did my notebook run out of memory?\n\n"
@@ -16,14 +17,7 @@ cells = [
     code("import torch\n"
          "device = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
          "torch.manual_seed(0)\n"
-         "model = torch.nn.Sequential(\n"
-         "    torch.nn.Linear(2048, 4096), torch.nn.ReLU(),\n"
-         "    torch.nn.Linear(4096, 4096), torch.nn.ReLU(),\n"
-         "    torch.nn.Linear(4096, 10),\n"
-         ").to(device)\n"
-         "optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)\n"
-         "inputs = torch.randn(512, 2048, device=device)\n"
-         "targets = torch.randint(0, 10, (512,), device=device)"),
+         + SEED_MODEL),
     md("## One training step, line by line\nThe replacement for `check 6` ... `check 11`: each line's own delta and peak."),
     code("%%gpumem --lines\n"
          "output = model(inputs)\n"

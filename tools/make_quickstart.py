@@ -1,5 +1,6 @@
 import nbformat
 from nbformat.v4 import new_code_cell as code, new_markdown_cell as md, new_notebook
+from seed_model import SEED_MODEL
 
 cells = [
     md("# ipy_gpumem quickstart\n\n"
@@ -18,14 +19,7 @@ cells = [
     code("%gpumem status"),
     md("## 3. The per-cell line\nThe seed question: why does the model's forward pass add memory, backward more, "
        "and Adam's step more again? Build a model and watch each cell."),
-    code("model = torch.nn.Sequential(\n"
-         "    torch.nn.Linear(2048, 4096), torch.nn.ReLU(),\n"
-         "    torch.nn.Linear(4096, 4096), torch.nn.ReLU(),\n"
-         "    torch.nn.Linear(4096, 10),\n"
-         ").to(device)\n"
-         "optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)\n"
-         "inputs = torch.randn(512, 2048, device=device)\n"
-         "targets = torch.randint(0, 10, (512,), device=device)"),
+    code(SEED_MODEL),
     code("small = [i * i for i in range(1000)]  # moves nothing worth a line: silent"),
     md("## 4. `%%gpumem --lines`: one row per line\nThis replaces `check 1` ... `check 13`: forward keeps activations "
        "for backward, backward adds gradients as large as the weights, and Adam's first step creates two state "
