@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ipy_gpumem.core.probes import DeviceSample, HostSample, MemoryProbe, Sample  # noqa: E402
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord  # noqa: E402
-from ipy_gpumem.core.sampler import Sampler  # noqa: E402
-from ipy_gpumem.display.svgchart import timeline_svg  # noqa: E402
-from ipy_gpumem.core.timeline import Timeline  # noqa: E402
+from ipy_gpumem.chart.sampler import Sampler  # noqa: E402
+from ipy_gpumem.chart.svg import timeline_svg  # noqa: E402
+from ipy_gpumem.chart.timeline import Timeline  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
 ROWS: list = []  # (measurement, result, notes)

@@ -22,9 +22,10 @@ import time
 import torch
 from torch import nn
 
-from ipy_gpumem.core.attribution import who
-from ipy_gpumem.display.explainer import oom_panel_for
-from ipy_gpumem.core.oom import parse_oom
+from ipy_gpumem.who.attribution import who
+from ipy_gpumem.oom.analysis import analyse
+from ipy_gpumem.oom.panel import oom_panel
+from ipy_gpumem.oom.parse import parse_oom
 from ipy_gpumem.core.probes import MemoryProbe
 from ipy_gpumem.core.records import CellRecord, HostRecord
 
@@ -157,7 +158,7 @@ def main() -> None:
     panel_times = []
     for _ in range(args.repeat):
         start = time.perf_counter()
-        view = oom_panel_for(parse_oom(message), record, namespace=ns, records=[record], probe=probe, tb=tb)
+        view = oom_panel(analyse(parse_oom(message), record, namespace=ns, records=[record], probe=probe, tb=tb))
         panel_times.append(time.perf_counter() - start)
     panel_median, panel_worst = statistics.median(panel_times) * 1e3, max(panel_times) * 1e3
     assert view.text.startswith("Out of memory on")

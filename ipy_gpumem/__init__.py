@@ -68,7 +68,7 @@ def history_frame():
 
 def parse_oom(text):
     """Parse any known out-of-memory message into an ``OomReport``; None if ``text`` is not one."""
-    from .core.oom import parse_oom as _parse_oom
+    from .oom.parse import parse_oom as _parse_oom
 
     return _parse_oom(text)
 
@@ -80,7 +80,7 @@ def who(namespace=None, device=None, allocator_total=None):
     to one device ("cuda:0", "cpu"); ``allocator_total`` (bytes) lets the report say how much
     the allocator holds that no variable explains.
     """
-    from .core.attribution import who as _who
+    from .who.attribution import who as _who
 
     if namespace is None:
         from .extension import user_namespace

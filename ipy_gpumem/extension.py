@@ -33,11 +33,13 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from traitlets import Bool, Float, Int, TraitError, Unicode, Union, observe, validate
 
 from . import GpuMemWarning
-from .core import observer
+from .oom import capture as observer
 from .core.probes import MemoryProbe
-from .core.recorder import Ledger, Measurement
+from .ledger.recorder import Ledger, Measurement
 from .core.units import format_bytes, parse_bytes
-from .display.render import cell_moved, cell_report_view, cell_view, freed_report, history_view, status_view
+from .display.status import status_view
+from .free.view import freed_report
+from .ledger.view import cell_moved, cell_report_view, cell_view, history_view
 
 # Everything else (the line markers, the chart, the OOM parser and panel, who, free) is imported
 # where it is first used: %load_ext must stay fast, and most sessions never need most of it.
@@ -328,7 +330,7 @@ class GpuMemMagics(Magics):
                 detailed=plan is not None,
             )
             if plan is not None and plan.lines:
-                from .core.linetrace import LineMarkers, LineTracer
+                from .ledger.lines import LineMarkers, LineTracer
 
                 if self._line_markers is None:
                     self._line_markers = LineMarkers()
@@ -402,7 +404,7 @@ class GpuMemMagics(Magics):
             if plan.output:
                 self.shell.user_ns[plan.output] = record
             note = frame.tracer.reason if frame.tracer is not None else None
-            from .display.svgchart import cell_svg
+            from .chart.svg import cell_svg
 
             chart = cell_svg(record, measurement.samples, width=640, height=200)
             _display(cell_report_view(record, plan.source_lines, note=note, chart_html=chart))
@@ -433,22 +435,23 @@ class GpuMemMagics(Magics):
         """Show the OOM panel after the user's traceback, if the cell's error is an out-of-memory."""
         if not message:
             return
-        from .core.oom import parse_oom
+        from .oom.parse import parse_oom
 
         oom = parse_oom(message)
         if oom is None:
             return
-        from .display.explainer import oom_panel_for
+        from .oom.analysis import analyse
+        from .oom.panel import oom_panel
 
         capture = self.last_capture
         if capture is not None and capture.t < started:
             capture = None  # from an earlier cell
         self.last_capture = None
         try:
-            view = oom_panel_for(
+            view = oom_panel(analyse(
                 oom, record, namespace=self.shell.user_ns, records=self.ledger.records()[-50:], probe=self.probe,
                 capture=capture, tb=getattr(sys, "last_traceback", None),
-            )
+            ))
         except Exception as exc:  # noqa: BLE001 - the user's own error is already shown; say why not more
             print(f"ipy_gpumem: could not explain this out-of-memory error ({type(exc).__name__}: {exc})",
                   file=sys.stderr)
@@ -549,21 +552,21 @@ class GpuMemMagics(Magics):
     def _live(self):
         """The live-chart controller, made on the first chart request."""
         if self.live is None:
-            from .display.live import LiveChart
+            from .chart.live import LiveChart
 
             self.live = LiveChart(self.probe, self.ledger.records, self._measurement_in_flight)
             self.live.sample_rate = self.sample_rate
         return self.live
 
     def _mode_chart(self, rest):
-        from .display.chart import TIERS
+        from .chart.views import TIERS
 
         if len(rest) > 1 or (rest and rest[0].lower() not in TIERS):
             raise UsageError(f"%gpumem chart takes an optional kind: {', '.join(TIERS)} (e.g. %gpumem chart html)")
         self._live().show(self.shell, rest[0].lower() if rest else None, run=self.enabled)
 
     def _mode_sidebar(self, rest):
-        from .display.chart import sidebar_unavailable
+        from .chart.views import sidebar_unavailable
 
         self._no_args("sidebar", rest)
         reason = sidebar_unavailable(self.shell)
@@ -585,8 +588,8 @@ class GpuMemMagics(Magics):
             device = "cpu" if host_only else ("cuda" if indices is None else f"cuda:{indices[0]}")
             if indices:
                 total = self._allocated_now(indices[0])
-        from .core.attribution import who
-        from .display.panel import who_view
+        from .who.attribution import who
+        from .who.view import who_view
 
         report = who(self.shell.user_ns, device=device, allocator_total=total)
         _display(who_view(report))
@@ -605,8 +608,8 @@ class GpuMemMagics(Magics):
             raise UsageError("%gpumem free takes only --dry-run (show what would be released, release nothing)")
         dry = bool(rest)
         ns = self.shell.user_ns
-        from .core.attribution import who
-        from .core.release import plan_release, release
+        from .who.attribution import who
+        from .free.release import plan_release, release
 
         plan = plan_release(ns, who(ns))
         before = self.probe.sample()

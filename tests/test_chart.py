@@ -3,13 +3,13 @@ import types
 
 import pytest
 
-from ipy_gpumem.display.chart import (
+from ipy_gpumem.chart.views import (
     HtmlChartView, StatusLineView, TextChartView, choose_tier, make_view, sidebar_unavailable, status_line,
     timeline_text, widgets_status,
 )
 from ipy_gpumem.core.probes import DeviceSample, HostSample, Sample
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord
-from ipy_gpumem.core.timeline import Timeline, seed_timeline
+from ipy_gpumem.chart.timeline import Timeline, seed_timeline
 from ipy_gpumem.core.units import GiB, MiB
 
 
@@ -111,7 +111,7 @@ def test_widget_view_maps_the_timeline_onto_traces():
     pytest.importorskip("ipywidgets")
     if widgets_status() is not None:
         pytest.skip(widgets_status())
-    from ipy_gpumem.display.chart import WidgetChartView
+    from ipy_gpumem.chart.views import WidgetChartView
 
     tl = gpu_timeline()
     view = WidgetChartView(tl)
@@ -141,7 +141,7 @@ def test_widget_view_on_cpu_draws_host_rss():
     pytest.importorskip("plotly")
     if widgets_status() is not None:
         pytest.skip(widgets_status())
-    from ipy_gpumem.display.chart import WidgetChartView
+    from ipy_gpumem.chart.views import WidgetChartView
 
     tl = Timeline()
     tl.add(Sample(1.0, HostSample(100 * MiB, None), (), "CUDA not initialized yet"))
@@ -172,7 +172,7 @@ def test_widget_view_first_draw_with_no_samples_yet():
     pytest.importorskip("plotly")
     if widgets_status() is not None:
         pytest.skip(widgets_status())
-    from ipy_gpumem.display.chart import WidgetChartView
+    from ipy_gpumem.chart.views import WidgetChartView
 
     tl = Timeline()
     view = WidgetChartView(tl)

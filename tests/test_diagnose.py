@@ -1,4 +1,4 @@
-"""Tests for ``ipy_gpumem.core.diagnose``: the state at failure and ranked findings, on real messages and real tensors."""
+"""Tests for ``ipy_gpumem.oom.diagnose``: the state at failure and ranked findings, on real messages and real tensors."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from ipy_gpumem.core import diagnose  # noqa: E402
-from ipy_gpumem.core.attribution import who  # noqa: E402
-from ipy_gpumem.core.diagnose import CONFIDENCES, FINDING_KEYS, Finding, MemoryState, explain, host_state  # noqa: E402
-from ipy_gpumem.core.oom import SIZE_FIELDS, parse_oom  # noqa: E402
+from ipy_gpumem.oom import diagnose  # noqa: E402
+from ipy_gpumem.who.attribution import who  # noqa: E402
+from ipy_gpumem.oom.diagnose import CONFIDENCES, FINDING_KEYS, Finding, MemoryState, explain, host_state  # noqa: E402
+from ipy_gpumem.oom.parse import SIZE_FIELDS, parse_oom  # noqa: E402
 from ipy_gpumem.core.records import CellRecord, DeviceRecord  # noqa: E402
 from ipy_gpumem.core.units import GiB, MiB, format_bytes, parse_bytes  # noqa: E402
 
@@ -517,7 +517,7 @@ def test_state_without_a_message():
 
 
 def test_core_module_imports_nothing_heavy():
-    code = ("import sys, ipy_gpumem.core.diagnose, ipy_gpumem.display.panel\n"
+    code = ("import sys, ipy_gpumem.oom.diagnose, ipy_gpumem.oom.panel\n"
             "print(sorted(m for m in ('IPython', 'torch', 'plotly', 'ipywidgets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

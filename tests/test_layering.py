@@ -1,4 +1,18 @@
-"""The core imports neither IPython, torch, plotly nor ipywidgets; importing the package does nothing."""
+"""The rooms of the package import only downward, nothing heavy at import time, and IPython only in extension.py.
+
+The package is a stack of rooms, one folder each (see the README's Develop section):
+
+    extension.py                 the IPython adapter (the only module that imports IPython at module level)
+    ledger/                      per-cell records, %%gpumem (header, lines, watcher) and their views
+    oom/   free/                 out-of-memory diagnosis and panel; %gpumem free
+    who/   chart/                who holds the memory; the live chart
+    display/                     View, tables, the parts that render to text and HTML, the status view
+    core/                        units, devices, the memory model, probes, records
+
+A room may import itself and the rooms below it, never one beside or above it. Inside a room,
+the modules that compute never import the ones that draw (``view``, ``panel``, ``svg``,
+``views``, ``live``), so every room's logic can be used and tested without its display.
+"""
 import ast
 import os
 import subprocess
@@ -8,43 +22,98 @@ import pytest
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ipy_gpumem")
 
+#: Each room and its level; a module may import rooms at a lower level, or its own room.
+LEVELS = {"core": 0, "display": 1, "who": 2, "chart": 2, "free": 3, "oom": 3, "ledger": 4}
+#: Modules that draw: inside a room, no other module imports them.
+DRAWING = {"view", "panel", "svg", "views", "live"}
+HEAVY = ("IPython", "torch", "plotly", "ipywidgets", "pynvml", "pandas", "psutil", "sidecar", "anywidget")
 
-def _modules(layer):
-    folder = os.path.join(PKG, layer)
-    return sorted(f"{layer}.{n[:-3]}" for n in os.listdir(folder) if n.endswith(".py") and n != "__init__.py")
+
+def _modules():
+    out = []
+    for room in LEVELS:
+        folder = os.path.join(PKG, room)
+        for dirpath, _dirs, files in os.walk(folder):
+            for name in files:
+                if name.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(dirpath, name), PKG)[:-3].replace(os.sep, ".")
+                    out.append(rel[: -len(".__init__")] if rel.endswith(".__init__") else rel)
+    return sorted(out)
 
 
-# The pure core, and the display layer's string renderers: none may import IPython, torch,
-# plotly or ipywidgets at import time (widget views import them inside the functions that draw).
-CORE = _modules("core")
-DISPLAY = _modules("display")
-HEAVY = ("IPython", "torch", "plotly", "ipywidgets", "pynvml", "pandas", "psutil")
+MODULES = _modules()
+
+
+def _path(module):
+    base = os.path.join(PKG, *module.split("."))
+    return base + ".py" if os.path.exists(base + ".py") else os.path.join(base, "__init__.py")
 
 
 def _imports(module, top_level_only):
-    """(imported name, level) for each import in ``module`` ('core.units' style)."""
-    path = os.path.join(PKG, *module.split(".")) + ".py"
-    tree = ast.parse(open(path, encoding="utf-8").read())
+    """(absolute module name inside the package or outside it, level) for each import in ``module``."""
+    tree = ast.parse(open(_path(module), encoding="utf-8").read())
     nodes = tree.body if top_level_only else list(ast.walk(tree))
+    package = module.split(".") if _path(module).endswith("__init__.py") else module.split(".")[:-1]
     for node in nodes:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, 0
         elif isinstance(node, ast.ImportFrom):
-            yield node.module or "", node.level
+            if node.level == 0:
+                yield node.module or "", 0
+                continue
+            base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+            target = ".".join(base + ([node.module] if node.module else []))
+            if node.module is None:  # from . import x  /  from .. import x
+                for alias in node.names:
+                    yield ".".join(base + [alias.name]), node.level
+            else:
+                yield target, node.level
 
 
-def test_the_layers_are_where_the_file_tree_says():
-    assert "core.units" in CORE and "core.probes" in CORE and "core.oom" in CORE
-    assert "display.render" in DISPLAY and "display.chart" in DISPLAY
+def test_the_rooms_are_where_the_file_tree_says():
+    rooms = sorted(n for n in os.listdir(PKG) if os.path.isdir(os.path.join(PKG, n)) and not n.startswith("__"))
+    assert rooms == sorted(LEVELS), rooms
     top = sorted(n for n in os.listdir(PKG) if n.endswith(".py"))
     assert top == ["__init__.py", "__main__.py", "extension.py"], top
+    for room in LEVELS:
+        doc = ast.get_docstring(ast.parse(open(os.path.join(PKG, room, "__init__.py"), encoding="utf-8").read()))
+        assert doc, f"{room}/__init__.py needs a docstring saying what the room is for"
 
 
-def test_importing_the_core_imports_nothing_heavy():
+@pytest.mark.parametrize("module", MODULES)
+def test_every_module_says_what_it_is_for(module):
+    assert ast.get_docstring(ast.parse(open(_path(module), encoding="utf-8").read())), module
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_rooms_import_only_downward(module):
+    room = module.split(".")[0]
+    for name, level in _imports(module, top_level_only=False):
+        if level == 0 and not name.startswith("ipy_gpumem"):
+            continue
+        target = name[len("ipy_gpumem."):] if name.startswith("ipy_gpumem") else name
+        other = target.split(".")[0]
+        assert other != "extension", f"{module} imports the IPython adapter"
+        assert other in LEVELS, f"{module} imports {name}, which is in no room"
+        if other != room:
+            assert LEVELS[other] < LEVELS[room], f"{module} ({room}) imports {target}, a room at its level or above"
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m.split(".")[-1] not in DRAWING])
+def test_logic_never_imports_drawing(module):
+    for name, level in _imports(module, top_level_only=False):
+        target = name[len("ipy_gpumem."):] if name.startswith("ipy_gpumem") else name
+        if level == 0 and not name.startswith("ipy_gpumem"):
+            continue
+        if target.split(".")[0] == module.split(".")[0] and module.split(".")[0] != "display":
+            assert target.split(".")[-1] not in DRAWING, f"{module} computes but imports {target}, which draws"
+
+
+def test_importing_any_room_imports_nothing_heavy():
     code = (
         "import sys, importlib\n"
-        f"for m in {CORE + DISPLAY!r}: importlib.import_module('ipy_gpumem.' + m)\n"
+        f"for m in {MODULES!r}: importlib.import_module('ipy_gpumem.' + m)\n"
         "import ipy_gpumem\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     )
@@ -52,37 +121,11 @@ def test_importing_the_core_imports_nothing_heavy():
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("module", CORE + DISPLAY)
-def test_core_modules_do_not_name_ipython_at_module_level(module):
+@pytest.mark.parametrize("module", MODULES)
+def test_no_room_names_a_heavy_package_at_module_level(module):
     for name, level in _imports(module, top_level_only=True):  # lazy imports inside functions are the point
         if level == 0:
             assert name.split(".")[0] not in HEAVY, f"{module} imports {name} at module level"
-
-
-@pytest.mark.parametrize("module", CORE)
-def test_the_core_never_reaches_up_into_display_or_ipython(module):
-    for name, level in _imports(module, top_level_only=False):
-        if level == 0:
-            assert name.split(".")[0] not in ("IPython", "ipywidgets", "plotly"), f"{module} imports {name}"
-            assert not name.startswith("ipy_gpumem."), f"{module} imports {name}: use a relative import"
-        else:
-            assert level == 1, f"{module} imports from outside the core ({'.' * level}{name})"
-
-
-@pytest.mark.parametrize("module", DISPLAY)
-def test_display_never_imports_the_extension(module):
-    for name, level in _imports(module, top_level_only=False):
-        assert not (level >= 2 and name.split(".")[0] == "extension"), f"{module} imports the IPython module"
-        if level >= 2:
-            assert name.split(".")[0] == "core", f"{module} imports {'.' * level}{name}"
-
-
-def test_every_module_says_what_it_is_for():
-    for folder, _, names in os.walk(PKG):
-        for name in sorted(n for n in names if n.endswith(".py")):
-            path = os.path.join(folder, name)
-            doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read()))
-            assert doc, f"{os.path.relpath(path, PKG)} has no module docstring"
 
 
 def test_load_ext_imports_only_the_per_cell_path():
@@ -93,8 +136,8 @@ def test_load_ext_imports_only_the_per_cell_path():
         "ip = InteractiveShell.instance()\n"
         "ip.run_line_magic('load_ext', 'ipy_gpumem')\n"
         "ip.run_cell('x = 1', store_history=True)\n"
-        "lazy = ('ipy_gpumem.core.oom', 'ipy_gpumem.core.attribution', 'ipy_gpumem.core.diagnose', 'ipy_gpumem.display.chart',\n"
-        "        'ipy_gpumem.display.svgchart', 'ipy_gpumem.display.live', 'ipy_gpumem.core.linetrace', 'plotly', 'ipywidgets', 'torch')\n"
+        "lazy = ('ipy_gpumem.oom.parse', 'ipy_gpumem.who.attribution', 'ipy_gpumem.oom.diagnose', 'ipy_gpumem.chart.views',\n"
+        "        'ipy_gpumem.chart.svg', 'ipy_gpumem.chart.live', 'ipy_gpumem.ledger.lines', 'plotly', 'ipywidgets', 'torch')\n"
         "print(sorted(m for m in lazy if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

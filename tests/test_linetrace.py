@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from ipy_gpumem.core.linetrace import HOOK_NAME, LineMarkers, LineTracer
+from ipy_gpumem.ledger.lines import HOOK_NAME, LineMarkers, LineTracer
 from ipy_gpumem.core.probes import HostProbe, MemoryProbe
 from ipy_gpumem.core.units import GiB, MiB
 

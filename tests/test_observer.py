@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from ipy_gpumem.core import observer
+from ipy_gpumem.oom import capture as observer
 
 
 @pytest.fixture

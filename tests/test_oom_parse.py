@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ipy_gpumem.core.oom import KINDS, SIZE_FIELDS, OomReport, parse_oom
+from ipy_gpumem.oom.parse import KINDS, SIZE_FIELDS, OomReport, parse_oom
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SAMPLES_PATH = os.path.join(HERE, "fixtures", "oom-samples.jsonl")

@@ -1,4 +1,4 @@
-"""Tests for ``ipy_gpumem.display.panel``: the OOM panel as text and HTML, on the seed scenario and on partial data."""
+"""Tests for ``ipy_gpumem.oom.panel``: the OOM panel as text and HTML, on the seed scenario and on partial data."""
 from __future__ import annotations
 
 import html
@@ -12,12 +12,12 @@ torch = pytest.importorskip("torch")
 
 from test_diagnose import SEED_SOURCE, Seed  # noqa: E402  (the same real scenario)
 
-from ipy_gpumem.core.attribution import who  # noqa: E402
-from ipy_gpumem.core.diagnose import MemoryState, explain, host_state  # noqa: E402
-from ipy_gpumem.core.oom import parse_oom  # noqa: E402
-from ipy_gpumem.display.panel import BAR_WIDTH, memory_layers, oom_panel_view  # noqa: E402
+from ipy_gpumem.who.attribution import who  # noqa: E402
+from ipy_gpumem.oom.diagnose import MemoryState, explain, host_state  # noqa: E402
+from ipy_gpumem.oom.parse import parse_oom  # noqa: E402
+from ipy_gpumem.oom.panel import BAR_WIDTH, memory_layers, oom_panel_view  # noqa: E402
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord  # noqa: E402
-from ipy_gpumem.display.render import View  # noqa: E402
+from ipy_gpumem.display.view import View  # noqa: E402
 from ipy_gpumem.core.units import GiB, MiB  # noqa: E402
 
 HEADLINE = "Out of memory on cuda:0: tried to allocate 2.32 GiB with 182.75 MiB free (15.78 GiB total)"

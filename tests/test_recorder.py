@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ipy_gpumem.core.recorder import MAX_SOURCE_CHARS, Ledger, Measurement
+from ipy_gpumem.ledger.recorder import MAX_SOURCE_CHARS, Ledger, Measurement
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord, records_frame
 from ipy_gpumem.core.units import GiB, MiB
 

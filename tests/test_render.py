@@ -1,8 +1,8 @@
 """Renderers: the compact line in torch's spelling, the report tables, escaping, the MIME bundle."""
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord, LineRecord
-from ipy_gpumem.display.render import (
-    View, cell_line, cell_moved, cell_report_view, cell_view, history_view, status_view, text_table,
-)
+from ipy_gpumem.display.status import status_view
+from ipy_gpumem.display.view import View, text_table
+from ipy_gpumem.ledger.view import cell_line, cell_moved, cell_report_view, cell_view, history_view
 from ipy_gpumem.core.units import GiB, MiB, parse_bytes
 
 from conftest import dev_sample, make_sample

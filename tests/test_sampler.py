@@ -12,8 +12,8 @@ import weakref
 import pytest
 
 from ipy_gpumem.core.probes import MemoryProbe
-from ipy_gpumem.core.sampler import Sampler
-from ipy_gpumem.core.timeline import HOST_KEY, Timeline
+from ipy_gpumem.chart.sampler import Sampler
+from ipy_gpumem.chart.timeline import HOST_KEY, Timeline
 from ipy_gpumem.core.units import MiB
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact RSS needs procfs")
@@ -214,9 +214,9 @@ def test_the_sampler_imports_no_torch_and_no_display_libraries():
     code = (
         "import sys, time\n"
         "from ipy_gpumem.core.probes import MemoryProbe\n"
-        "from ipy_gpumem.core.sampler import Sampler\n"
-        "from ipy_gpumem.core.timeline import Timeline\n"
-        "from ipy_gpumem.display.svgchart import timeline_svg\n"
+        "from ipy_gpumem.chart.sampler import Sampler\n"
+        "from ipy_gpumem.chart.timeline import Timeline\n"
+        "from ipy_gpumem.chart.svg import timeline_svg\n"
         "tl = Timeline()\n"
         "s = Sampler(MemoryProbe(), interval=0.01, on_sample=tl.add, redraw_interval=0.05,\n"
         "            on_redraw=lambda: timeline_svg(tl.snapshot()))\n"
@@ -232,7 +232,7 @@ def test_the_sampler_imports_no_torch_and_no_display_libraries():
 def test_interpreter_exit_with_a_running_sampler_is_clean():
     code = (
         "from ipy_gpumem.core.probes import MemoryProbe\n"
-        "from ipy_gpumem.core.sampler import Sampler\n"
+        "from ipy_gpumem.chart.sampler import Sampler\n"
         "s = Sampler(MemoryProbe(), interval=0.001)\n"
         "s.start()\n"
         "print('bye')\n"

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ipy_gpumem.core.linetrace import LineMarkers, LineTracer
+from ipy_gpumem.ledger.lines import LineMarkers, LineTracer
 from ipy_gpumem.core.probes import DeviceSample, HostSample, MemoryProbe, Sample
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord, LineRecord
-from ipy_gpumem.display.svgchart import (FAILED_COLOR, RUNNING_COLOR, byte_ticks, cell_svg, format_time, time_ticks,
+from ipy_gpumem.chart.svg import (FAILED_COLOR, RUNNING_COLOR, byte_ticks, cell_svg, format_time, time_ticks,
                                  timeline_svg)
-from ipy_gpumem.core.timeline import Timeline
+from ipy_gpumem.chart.timeline import Timeline
 from ipy_gpumem.core.units import GiB, MiB, format_bytes, parse_bytes
 
 SVG = "{http://www.w3.org/2000/svg}"

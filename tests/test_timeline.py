@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ipy_gpumem.core.probes import DeviceSample, HostSample, MemoryProbe, Sample
-from ipy_gpumem.core.recorder import Measurement
+from ipy_gpumem.ledger.recorder import Measurement
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord
-from ipy_gpumem.core.timeline import HOST_KEY, Span, Timeline, TimelineSnapshot, _Points, _Spans, hover_text, moved_bytes
+from ipy_gpumem.chart.timeline import HOST_KEY, Span, Timeline, TimelineSnapshot, _Points, _Spans, hover_text, moved_bytes
 from ipy_gpumem.core.units import GiB, MiB
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact RSS needs procfs")

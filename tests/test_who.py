@@ -1,4 +1,4 @@
-"""Tests for ``ipy_gpumem.core.attribution`` (``ipy_gpumem.who()``): exact attribution checked against real bytes freed on the CPU."""
+"""Tests for ``ipy_gpumem.who.attribution`` (``ipy_gpumem.who()``): exact attribution checked against real bytes freed on the CPU."""
 from __future__ import annotations
 
 import gc
@@ -19,10 +19,10 @@ from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from ipy_gpumem.core.attribution import CATEGORIES, WhoReport, who  # noqa: E402
+from ipy_gpumem.who.attribution import CATEGORIES, WhoReport, who  # noqa: E402
 
 # ``from ipy_gpumem import who`` is the package's lazy function, not this module.
-who_module = importlib.import_module("ipy_gpumem.core.attribution")
+who_module = importlib.import_module("ipy_gpumem.who.attribution")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -869,7 +869,7 @@ def test_retain_grad_nonleaf_grad_counts():
 
 def test_torch_not_imported_gives_empty_report():
     code = (
-        "import sys, json; from ipy_gpumem.core.attribution import who; "
+        "import sys, json; from ipy_gpumem.who.attribution import who; "
         "r = who({'a': 1, 'b': [1, 2]}, allocator_total=5); "
         "assert 'torch' not in sys.modules, 'who imported torch'; "
         "print(json.dumps(r.to_dict()))"
@@ -883,7 +883,7 @@ def test_torch_not_imported_gives_empty_report():
 
 
 def test_package_import_is_pure():
-    code = ("import sys, ipy_gpumem.core.attribution; "
+    code = ("import sys, ipy_gpumem.who.attribution; "
             "bad = [m for m in ('torch', 'IPython', 'plotly', 'ipywidgets') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

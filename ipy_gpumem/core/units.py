@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from decimal import ROUND_HALF_UP, Context, Decimal, InvalidOperation
 
-__all__ = ["KiB", "MiB", "GiB", "TiB", "format_bytes", "format_delta", "parse_bytes"]
+__all__ = ["KiB", "MiB", "GiB", "TiB", "format_bytes", "format_delta", "format_seconds", "parse_bytes"]
 
 KiB = 1024
 MiB = 1024**2
@@ -100,3 +100,17 @@ def parse_bytes(text: str | int) -> int:
         return int(value.quantize(Decimal(1), rounding=ROUND_HALF_UP, context=_EXACT))
     except InvalidOperation:
         raise ValueError(f"not a size: {text!r}") from None
+
+
+def format_seconds(seconds: Optional[float]) -> str:
+    """``0.4 ms``, ``12 ms``, ``1.2 s``, ``3 min 5 s``."""
+    if seconds is None:
+        return "n/a"
+    if seconds < 0.001:
+        return f"{seconds * 1e3:.2f} ms"
+    if seconds < 1:
+        return f"{seconds * 1e3:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(int(round(seconds)), 60)
+    return f"{minutes} min {rest} s"

@@ -1,5 +1,4 @@
-"""The display layer: turns core records into text, HTML, SVG and live widget views.
+"""What every view shares: the ``View`` (text and HTML of one rendering), tables, and the status view.
 
-String renderers import nothing heavy; the widget views import plotly and ipywidgets inside the
-functions that draw, so they load only when a chart is asked for.
+String renderers only: nothing here imports IPython, plotly or ipywidgets.
 """

@@ -1,22 +1,22 @@
-"""Gather everything known when a cell fails with out-of-memory and turn it into the OOM panel.
+"""Gather everything known when a cell fails with out-of-memory into one ``OomAnalysis`` (data, not display).
 
 The sources, best first: the allocator's own numbers captured at the failing allocation (CUDA's
 OOM observer), the error message, a reading taken now (probe, NVML's process list, host RAM),
 who holds the memory (the user's variables and IPython's caches), the ledger of earlier cells,
 and the failing traceback's frames. Pure assembly: no IPython import; the extension calls
-:func:`oom_panel_for` from its post-cell hook.
+:func:`analyse` from its post-cell hook and shows ``oom.panel.oom_panel(analysis)``.
 """
 from __future__ import annotations
 
 import os
 import sys
 import traceback as _traceback
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Tuple
 
-from ..core.diagnose import MemoryState, explain, host_state
-from .panel import oom_panel_view
+from .diagnose import MemoryState, explain, host_state
 
-__all__ = ["oom_panel_for", "traceback_frames", "state_at_failure"]
+__all__ = ["OomAnalysis", "analyse", "traceback_frames", "state_at_failure"]
 
 #: Frames of the failing traceback handed to the diagnosis (innermost last).
 MAX_FRAMES = 40
@@ -83,9 +83,30 @@ def _device_now(probe, index: int) -> MemoryState:
                        process_used=own, processes=tuple(processes), source="probe after the error")
 
 
-def oom_panel_for(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = (), probe=None,
-                  capture=None, tb=None, env=None, who_fn=None):
-    """The panel ``View`` for a cell that failed with ``oom`` (an ``OomReport``).
+@dataclass(frozen=True)
+class OomAnalysis:
+    """Everything known about one out-of-memory failure: what the panel shows, as data.
+
+    Attributes:
+        oom: the parsed message (``OomReport``).
+        state: the failing device's memory (``MemoryState``), best source first.
+        who: who held the memory on that device (``WhoReport``), or None.
+        findings: the ranked diagnosis (``Finding``s).
+        records: the recent cell records the diagnosis looked at, oldest first.
+        error_name: the exception's class name.
+    """
+
+    oom: Any
+    state: MemoryState
+    who: Any
+    findings: Tuple[Any, ...]
+    records: Tuple[Any, ...]
+    error_name: str = ""
+
+
+def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = (), probe=None,
+            capture=None, tb=None, env=None, who_fn=None) -> OomAnalysis:
+    """Everything known about a cell that failed with ``oom`` (an ``OomReport``).
 
     Args:
         oom: the parsed message.
@@ -102,7 +123,7 @@ def oom_panel_for(oom, record, *, namespace: Optional[dict], records: Sequence[A
     who_report = None
     if namespace is not None:
         if who_fn is None:
-            from ..core.attribution import who as who_fn
+            from ..who.attribution import who as who_fn
         device = state.device if state.device not in ("", "unknown") else None
         if device is not None and device.split(":")[0] not in ("cuda", "cpu"):
             device = None  # mps/xpu tensors are counted with every device
@@ -114,4 +135,5 @@ def oom_panel_for(oom, record, *, namespace: Optional[dict], records: Sequence[A
     findings = explain(oom, state, who_report, records, failing_source=getattr(record, "source", "") or "",
                        traceback_frames=traceback_frames(tb), env=env if env is not None else os.environ,
                        modules=list(sys.modules))
-    return oom_panel_view(oom, state, findings, who_report, records, error_name=getattr(record, "error", "") or "")
+    return OomAnalysis(oom, state, who_report, tuple(findings), tuple(records),
+                       error_name=getattr(record, "error", "") or "")

@@ -14,8 +14,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from .oom import SIZE_FIELDS, OomReport
-from .units import GiB, MiB, format_bytes
+from .parse import SIZE_FIELDS, OomReport
+from ..core.units import GiB, MiB, format_bytes
 
 __all__ = ["MemoryState", "Finding", "FINDING_KEYS", "explain", "host_state"]
 

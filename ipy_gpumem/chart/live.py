@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from .chart import StatusLineView, WidgetChartView, choose_tier, make_view
-from ..core.sampler import Sampler
-from ..core.timeline import Timeline, seed_timeline
+from .views import StatusLineView, WidgetChartView, choose_tier, make_view
+from .sampler import Sampler
+from .timeline import Timeline, seed_timeline
 
 __all__ = ["LiveChart"]
 

@@ -14,8 +14,8 @@ import ast
 import time
 from typing import Optional, Sequence
 
-from .probes import PEAK_SLACK, MemoryProbe
-from .records import DeviceRecord, HostRecord, LineRecord
+from ..core.probes import PEAK_SLACK, MemoryProbe
+from ..core.records import DeviceRecord, HostRecord, LineRecord
 
 __all__ = ["LineTracer", "LineMarkers", "HOOK_NAME"]
 

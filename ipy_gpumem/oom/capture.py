@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Callable, NamedTuple, Optional
 
-from .probes import counters_from_stats
+from ..core.probes import counters_from_stats
 
 __all__ = ["OomCapture", "attach", "detach", "attached"]
 

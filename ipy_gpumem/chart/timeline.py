@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, NamedTuple, Optional, Tuple
 
-from .units import format_bytes, format_delta
+from ..core.units import format_bytes, format_delta
 
 __all__ = ["Span", "TimelineSnapshot", "Timeline", "hover_text", "moved_bytes", "seed_timeline", "HOST_KEY"]
 
@@ -537,7 +537,7 @@ def seed_timeline(timeline: Timeline, records, now_epoch: Optional[float] = None
     """
     import time
 
-    from .probes import DeviceSample, HostSample, Sample
+    from ..core.probes import DeviceSample, HostSample, Sample
 
     offset = time.perf_counter() - (time.time() if now_epoch is None else now_epoch)
     for rec in records:

@@ -15,9 +15,9 @@ import sys
 import threading
 from typing import Optional
 
-from .render import esc
-from .svgchart import DEVICE_COLORS, FAILED_COLOR, HOST_COLOR, RUNNING_COLOR, byte_ticks, timeline_svg
-from ..core.timeline import HOST_KEY, TimelineSnapshot
+from ..display.view import esc
+from .svg import DEVICE_COLORS, FAILED_COLOR, HOST_COLOR, RUNNING_COLOR, byte_ticks, timeline_svg
+from .timeline import HOST_KEY, TimelineSnapshot
 from ..core.units import format_bytes
 
 __all__ = ["WIDGETS_HINT", "TIERS", "choose_tier", "make_view", "timeline_text", "status_line", "sidebar_unavailable",

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from .units import format_bytes
+from ..core.units import format_bytes
 
 __all__ = ["ReleasePlan", "plan_release", "release"]
 

@@ -26,8 +26,8 @@ import re
 from functools import lru_cache
 from typing import Optional, Sequence
 
-from .render import esc
-from ..core.timeline import HOST_KEY, Timeline, TimelineSnapshot
+from ..display.view import esc
+from .timeline import HOST_KEY, Timeline, TimelineSnapshot
 from ..core.units import GiB, KiB, MiB, format_bytes, format_delta
 
 __all__ = ["timeline_svg", "cell_svg", "empty_svg", "byte_ticks", "time_ticks", "format_time"]

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .units import parse_bytes
+from ..core.units import parse_bytes
 
 __all__ = ["KINDS", "SIZE_FIELDS", "OomReport", "parse_oom"]
 

@@ -11,8 +11,8 @@ import time
 from collections import deque
 from typing import Callable, Optional, Sequence
 
-from .probes import MemoryProbe, Sample
-from .records import CellRecord, DeviceRecord, HostRecord
+from ..core.probes import MemoryProbe, Sample
+from ..core.records import CellRecord, DeviceRecord, HostRecord
 
 __all__ = ["Measurement", "Ledger", "MAX_SOURCE_CHARS", "MAX_MESSAGE_CHARS"]
 

@@ -12,12 +12,12 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from ..core.attribution import CATEGORY_LABELS
-from ..core.diagnose import Finding, MemoryState, cell_deltas
-from .render import View, _wrap, esc, html_table, text_table
+from .diagnose import Finding, MemoryState, cell_deltas
+from ..display.view import View, details_html, esc, html_table, text_table, wrap_html as _wrap
+from ..who.view import who_section
 from ..core.units import format_bytes, format_delta
 
-__all__ = ["oom_panel_view", "who_view", "headline", "memory_layers", "Segment", "BAR_WIDTH"]
+__all__ = ["oom_panel", "oom_panel_view", "headline", "memory_layers", "Segment", "BAR_WIDTH"]
 
 BAR_WIDTH = 60  # characters of the text bar
 _TEXT_WIDTH = 100  # wrap width of the text findings
@@ -111,6 +111,12 @@ def _drawable(segments: Sequence[Segment]) -> bool:
 # ==================================================================================================
 
 
+def oom_panel(analysis) -> View:
+    """The panel for an ``OomAnalysis`` (see :func:`ipy_gpumem.oom.analysis.analyse`)."""
+    return oom_panel_view(analysis.oom, analysis.state, analysis.findings, analysis.who, analysis.records,
+                          error_name=analysis.error_name)
+
+
 def oom_panel_view(
     oom: Any,
     state: MemoryState,
@@ -137,14 +143,14 @@ def oom_panel_view(
         max_holders: Holder rows shown.
 
     Returns:
-        A :class:`~ipy_gpumem.display.render.View`.
+        A :class:`~ipy_gpumem.display.view.View`.
     """
     requested = getattr(oom, "requested", None)
     free = oom.free if oom is not None and getattr(oom, "free", None) is not None else state.free
     parts = [
         _headline(oom, state, requested, free, error_name),
         _layers(state, requested, free),
-        _who_section(who, max_holders),
+        who_section(who, max_holders),
         _cells_section(records, state),
         _diagnosis(findings),
     ]
@@ -289,62 +295,6 @@ def _html_request(requested: int, whole: int, free: Optional[int]) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# 3. Who holds it
-
-
-def who_view(who: Any, max_holders: int = 20) -> View:
-    """``%gpumem who``: the categories and the top holders of a ``WhoReport``, expanded."""
-    section = _who_section(who, max_holders, expanded=True)
-    if section is None:
-        return View("who: nothing to report", _wrap("<div>who: nothing to report</div>"))
-    text, html = section
-    notes = [n for n in (getattr(who, "notes", None) or ())]
-    if notes:
-        text += "\n" + "\n".join(f"  note: {n}" for n in notes)
-        html += "".join(f'<div style="{_DIM}">note: {esc(n)}</div>' for n in notes)
-    return View(text, _wrap(html))
-
-
-def _who_section(who: Any, max_holders: int, expanded: bool = False) -> Optional[Tuple[str, str]]:
-    if who is None:
-        return None
-    cats = dict(who.categories or {})
-    unattributed = cats.get("unattributed")
-    whole = who.allocator_total if getattr(who, "allocator_total", None) else who.total + max(0, unattributed or 0)
-    rows = []
-    for key, label in CATEGORY_LABELS.items():
-        value = cats.get(key)
-        if value is None or (value == 0 and key != "unattributed"):
-            continue
-        rows.append([label, format_bytes(value), f"{100.0 * value / whole:.0f}%" if whole else ""])
-    holders = [h for h in (who.holders or ()) if h.get("bytes")][: max(0, max_holders)]
-    hrows = [[h["name"], CATEGORY_LABELS.get(h.get("category"), str(h.get("category"))), format_bytes(h["bytes"])]
-             for h in holders]
-    where = getattr(who, "device", None) or "all devices"
-    title = f"Who holds it ({where}): {format_bytes(who.total)} in {who.tensor_count} tensor storages"
-    if getattr(who, "reason", None):
-        title += f" ({who.reason})"
-    text = [title]
-    if rows:  # one wrapped line: the terminal should still show the diagnosis below
-        ranked = sorted(rows, key=lambda r: r[0] == "unattributed")
-        words = [f"{label} {size}" + (f" ({share})" if share else "") for label, size, share in ranked]
-        text.extend(_wrap_text(" · ".join(words), "  ", "  "))
-    if hrows:
-        text.append(_indent(text_table(["holder", "category", "bytes"], hrows, left=(0, 1))))
-    top = ", ".join(f"{h['name']} {format_bytes(h['bytes'])}" for h in holders[:3])
-    summary = title + (f": {top}" if top else "")
-    body = (html_table(["category", "bytes", "share"], rows) if rows else "") + (
-        html_table(["holder", "category", "bytes"], hrows, left=(0, 1)) if hrows else "")
-    return "\n".join(text), _details(summary, body, expanded)
-
-
-def _details(summary: str, body: str, expanded: bool = False) -> str:
-    """A collapsed section: the summary line stays visible, so the diagnosis fits on one screen."""
-    return (f'<details style="margin:2px 0"{" open" if expanded else ""}><summary style="cursor:pointer">'
-            f'{esc(summary)}</summary><div style="margin:2px 0 4px 14px">{body}</div></details>')
-
-
-# --------------------------------------------------------------------------------------------------
 # 4. Earlier cells
 
 
@@ -362,7 +312,7 @@ def _cells_section(records: Sequence[Any], state: MemoryState) -> Optional[Tuple
     text = title + "\n" + _indent(text_table(["cell", what, "source"], table, left=(0, 2)))
     summary = "What earlier cells left behind: " + ", ".join(f"{r[0]} {r[1]}" for r in table[:3])
     body = html_table(["cell", what, "source"], table, left=(0, 2), src_col=2)
-    return text, _details(summary, body)
+    return text, details_html(summary, body)
 
 
 # --------------------------------------------------------------------------------------------------

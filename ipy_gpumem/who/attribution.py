@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from .units import format_bytes
+from ..core.units import format_bytes
 
 __all__ = ["CATEGORIES", "CATEGORY_LABELS", "WhoReport", "who"]
 
