@@ -24,8 +24,9 @@ __all__ = [
 ]
 
 
-class GpuMemWarning(UserWarning):
-    """Something inside ipy_gpumem went wrong; your code and data are unaffected."""
+# Defined in a submodule: %reload_ext re-executes this module only, and a class defined here would
+# be a new class after each reload (the user's warning filters would stop matching).
+from .core.errors import GpuMemWarning  # noqa: E402
 
 
 def load_ipython_extension(ipython):

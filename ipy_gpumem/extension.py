@@ -32,7 +32,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Float, Int, TraitError, Unicode, Union, observe, validate
 
-from . import GpuMemWarning
+from .core.errors import GpuMemWarning
 from .oom import capture as observer
 from .core.probes import MemoryProbe
 from .ledger.recorder import Ledger, Measurement

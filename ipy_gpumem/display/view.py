@@ -7,7 +7,7 @@ HTML-escaped by the caller through :func:`esc` or by the table helpers.
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 from ..core.units import format_bytes
@@ -31,10 +31,15 @@ _CSS = (
 
 @dataclass(frozen=True)
 class View:
-    """One rendering in two MIME types: what magics return and hooks display."""
+    """One rendering in two MIME types, and the data it shows: what magics return and hooks display.
+
+    ``data`` is the object the view was drawn from (a ``WhoReport``, a list of ``DeviceMemory``,
+    a ``CellRecord``...), so code and tests read numbers from it instead of scraping the text.
+    """
 
     text: str
     html: str
+    data: object = field(default=None, compare=False, repr=False)
 
     def __repr__(self) -> str:
         return self.text
@@ -49,6 +54,7 @@ class View:
 
 
 def esc(value) -> str:
+    """``value`` as text, escaped for HTML (quotes included, for attributes)."""
     return html.escape(str(value), quote=True)
 
 

@@ -1,0 +1,127 @@
+"""Device names, read in one place: ``parse_device("cuda:1") == Device("cuda", 1)`` and ``str()`` back to ``"cuda:1"``.
+
+Every device a user types (``-d cuda:1``, ``%gpumem who cpu``, ``c.GpuMemMagics.devices = "0,1"``),
+every device a message names and every device a record or a chart series belongs to is a
+:class:`Device`; code compares fields, never splits ``"cuda:N"`` strings.
+"""
+from __future__ import annotations
+
+import re
+from typing import NamedTuple, Optional, Tuple
+
+__all__ = ["Device", "HOST", "ALL_CUDA", "cuda", "parse_device", "parse_device_list"]
+
+
+class Device(NamedTuple):
+    """A device as torch names it: ``type`` ("cuda", "cpu", "mps", "xpu", ...) and ``index``.
+
+    ``index`` is None for "every device of that type" (``cuda``) and for the host (``cpu``:
+    CPU tensors carry no index).
+    """
+
+    type: str
+    index: Optional[int] = None
+
+    @property
+    def label(self) -> str:
+        """``"cuda:0"``, ``"cuda"``, ``"cpu"``: torch's own spelling."""
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+    @property
+    def is_host(self) -> bool:
+        return self.type == "cpu"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.type == "cuda"
+
+    def covers(self, other: "Device") -> bool:
+        """True when ``other`` is this device, or one of the devices this one stands for."""
+        return self.type == other.type and (self.index is None or self.index == other.index)
+
+    def __str__(self) -> str:
+        return self.label
+
+
+#: The host: process RSS and CPU tensors.
+HOST = Device("cpu", None)
+#: Every CUDA device.
+ALL_CUDA = Device("cuda", None)
+
+_CUDA = tuple(Device("cuda", i) for i in range(16))
+
+
+def cuda(index: int) -> Device:
+    """``Device("cuda", index)`` (shared instances for the usual indices)."""
+    return _CUDA[index] if 0 <= index < len(_CUDA) else Device("cuda", int(index))
+
+
+_SPEC = re.compile(r"^([a-z_][a-z0-9_]*)(?::([0-9]+))?$", re.ASCII)
+_HOST_WORDS = ("host", "cpu")
+_CUDA_WORDS = ("cuda", "gpu", "all")
+
+
+def parse_device(value) -> Device:
+    """Read a device: ``"cuda:1"``, ``"cuda"`` / ``"gpu"`` / ``"all"`` (every CUDA device), ``"host"`` or
+    ``"cpu"``, ``"mps"``, ``"xpu:0"``, an int ``N`` (``cuda:N``), or a ``torch.device``.
+
+    Raises:
+        ValueError: ``value`` is not a device; the message says what is accepted.
+
+    Examples:
+        >>> parse_device("cuda:1"), parse_device(0), parse_device("host"), parse_device("CUDA")
+        (Device(type='cuda', index=1), Device(type='cuda', index=0), Device(type='cpu', index=None), Device(type='cuda', index=None))
+    """
+    if isinstance(value, Device):
+        return value
+    if isinstance(value, bool):
+        raise ValueError(f"not a device: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"not a device: {value!r} (device indices start at 0)")
+        return cuda(value)
+    text = str(value).strip().lower()  # a torch.device prints as "cuda:0" / "cuda" / "cpu"
+    if text.isdecimal() and text.isascii():
+        return cuda(int(text))
+    match = _SPEC.match(text)
+    if not match:
+        raise ValueError(f"not a device: {value!r} (use cuda:N such as cuda:0, cuda for every GPU, or cpu)")
+    kind, index = match.group(1), match.group(2)
+    if kind in _HOST_WORDS:
+        return HOST  # CPU storages carry no index: "cpu:0" is all of the CPU
+    if kind in _CUDA_WORDS:
+        kind = "cuda"
+    return Device(kind, None if index is None else int(index))
+
+
+def parse_device_list(text) -> Optional[Tuple[int, ...]]:
+    """CUDA device indices from ``"all"`` (None: every device the user's code initialized), ``"0,1"``
+    or ``"cuda:0, cuda:1"``.
+
+    Raises:
+        ValueError: an entry is not a CUDA device index, or one appears twice.
+
+    Examples:
+        >>> parse_device_list("all"), parse_device_list("0, cuda:2")
+        (None, (0, 2))
+    """
+    text = "all" if text is None else str(text).strip().lower()
+    if text in ("all", ""):
+        return None
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            device = parse_device(part)
+        except ValueError:
+            raise ValueError(f"{part!r} is not a CUDA device: use 'all' or indices like '0,1'") from None
+        if not device.is_cuda or device.index is None:
+            raise ValueError(f"{part!r} is not one CUDA device: use 'all' or indices like '0,1'")
+        if device.index in out:
+            raise ValueError(f"cuda:{device.index} is listed twice")
+        out.append(device.index)
+    if not out:
+        raise ValueError(f"{text!r} names no device: use 'all' or indices like '0,1'")
+    return tuple(out)
