@@ -1,4 +1,4 @@
-"""Tests for ``ipy_gpumem.oom.diagnose``: the state at failure and ranked findings, on real messages and real tensors."""
+"""Tests for ``ipy_gpumem.oom.rules``: each rule called on its own, and ``explain`` ranking them, on real messages and real tensors."""
 from __future__ import annotations
 
 import json
@@ -13,12 +13,17 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from ipy_gpumem.oom import diagnose  # noqa: E402
-from ipy_gpumem.who.attribution import who  # noqa: E402
-from ipy_gpumem.oom.diagnose import CONFIDENCES, FINDING_KEYS, Finding, MemoryState, explain, host_state  # noqa: E402
-from ipy_gpumem.oom.parse import SIZE_FIELDS, parse_oom  # noqa: E402
-from ipy_gpumem.core.records import CellRecord, DeviceRecord  # noqa: E402
+from ipy_gpumem.core.devices import HOST, cuda  # noqa: E402
+from ipy_gpumem.core.memory import DeviceMemory  # noqa: E402
+from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord  # noqa: E402
 from ipy_gpumem.core.units import GiB, MiB, format_bytes, parse_bytes  # noqa: E402
+from ipy_gpumem.oom import rules  # noqa: E402
+from ipy_gpumem.oom.parse import parse_oom  # noqa: E402
+from ipy_gpumem.oom.rules import CONFIDENCES, FINDING_KEYS, MAX_FINDINGS, RULES, Finding, explain  # noqa: E402
+from ipy_gpumem.oom.rules import device, runtimes, session, training  # noqa: E402
+from ipy_gpumem.oom.rules.facts import Facts  # noqa: E402
+from ipy_gpumem.who.attribution import WhoReport, who  # noqa: E402
+from ipy_gpumem.who.holders import Holder  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -64,15 +69,23 @@ SMALL = V5.format(req="4.00 MiB", total="64.00 MiB", free="1.00 MiB", procs="", 
 _SIZE_TEXT = re.compile(r"[0-9]+(?:\.[0-9]+)? (?:bytes|KiB|MiB|GiB)")
 
 
-@pytest.fixture(autouse=True)
-def strict_rules(monkeypatch):
-    """A bug in a rule fails the test instead of silently dropping the finding."""
-    monkeypatch.setattr(diagnose, "RAISE_RULE_ERRORS", True)
-
-
 def load_samples():
     with open(os.path.join(HERE, "fixtures", "oom-samples.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def typed_who(ns, expected):
+    """``who(ns)`` with typed holders: the real report, or (until who() returns ``Holder`` rows) the
+    real report's category totals with the holders built directly from the same tensors."""
+    report = who(ns)
+    if all(hasattr(h, "kind") for h in report.holders):
+        return report
+    return WhoReport(categories=report.categories, holders=tuple(expected), device=report.device,
+                     tensor_count=report.tensor_count)
 
 
 class Seed:
@@ -94,16 +107,52 @@ class Seed:
         if keep_graph:
             self.ns["output"] = output = self.model(self.input)
             self.ns["loss"] = output.pow(2).mean()
-        self.who = who(self.ns)
+        self.who = typed_who(self.ns, self._holders())
         self.oom = parse_oom(SEED)
-        self.state = MemoryState.from_oom(self.oom)
+        self.memory = DeviceMemory.from_message(self.oom)
 
-    def explain(self, **kw):
-        kw.setdefault("traceback_frames", SEED_FRAMES)
+    def _holders(self):
+        """What who() finds here, row by row, from the tensors themselves."""
+        params = list(self.model.parameters())
+        cats = who(self.ns).categories
+        rows = [Holder("module", "parameters", HOST, nbytes(*params), ("model",), "model"),
+                Holder("variable", "other_tensors", HOST, nbytes(self.input), ("input",), "input")]
+        if params[0].grad is not None:
+            rows.append(Holder("module_grads", "gradients", HOST, nbytes(*(p.grad for p in params)), ("model",), "model"))
+        if "optimizer" in self.ns and cats["optimizer_state"]:
+            rows.append(Holder("optimizer", "optimizer_state", HOST, cats["optimizer_state"], ("optimizer",),
+                               "optimizer"))
+        if "output" in self.ns:
+            rows += [Holder("shared_graph", "retained_graphs", HOST, cats["retained_graphs"], ("output", "loss")),
+                     Holder("variable", "other_tensors", HOST, nbytes(self.ns["output"]), ("output",), "output"),
+                     Holder("variable", "other_tensors", HOST, nbytes(self.ns["loss"]), ("loss",), "loss")]
+        return sorted(rows, key=lambda h: -h.bytes)
+
+    def facts(self, **kw):
+        kw.setdefault("frames", SEED_FRAMES)
         kw.setdefault("failing_source", SEED_SOURCE)
         kw.setdefault("env", {})
         kw.setdefault("modules", ())
-        return explain(self.oom, self.state, self.who, **kw)
+        return Facts.build(self.oom, self.memory, self.who, **kw)
+
+    def explain(self, **kw):
+        kw.setdefault("frames", SEED_FRAMES)
+        kw.setdefault("failing_source", SEED_SOURCE)
+        kw.setdefault("env", {})
+        kw.setdefault("modules", ())
+        return explain(self.oom, self.memory, self.who, **kw)
+
+
+def facts_for(message, memory=None, who_report=None, **kw):
+    oom = parse_oom(message)
+    kw.setdefault("env", {})
+    kw.setdefault("modules", ())
+    return Facts.build(oom, memory if memory is not None else DeviceMemory.from_message(oom), who_report, **kw)
+
+
+def run_rules(facts):
+    """Every rule called directly: a rule that raises fails the test (explain would skip it)."""
+    return {f.key: f for f in (rule(facts) for rule in RULES) if f is not None}
 
 
 def by_key(findings):
@@ -111,17 +160,16 @@ def by_key(findings):
 
 
 def cites(finding: Finding, code: str = "") -> bool:
-    """The finding quotes a size in torch's spelling, or a line/name from the user's code."""
+    """The finding quotes a size in torch's spelling, a ratio, or a line/name from the user's code."""
     text = finding.title + " " + finding.detail
-    if _SIZE_TEXT.search(text):
+    if _SIZE_TEXT.search(text) or re.search(r"[0-9,.]+x\b", text):
         return True
     return any(line.strip() and line.strip()[:40] in text for line in code.splitlines())
 
 
 def assert_well_formed(findings, code=""):
-    assert len(findings) <= diagnose.MAX_FINDINGS
-    ranks = [(f.key != "request_exceeds_device", CONFIDENCES.index(f.confidence), f.frees is None,
-              -(f.frees or 0)) for f in findings]
+    assert len(findings) <= MAX_FINDINGS
+    ranks = [rules.rank(f) for f in findings]
     assert ranks == sorted(ranks), [(f.key, f.confidence, f.frees) for f in findings]
     for f in findings:
         assert f.key in FINDING_KEYS
@@ -131,65 +179,27 @@ def assert_well_formed(findings, code=""):
         assert cites(f, code), f
 
 
-# ================================================================================ MemoryState
+# ================================================================================ the package
 
 
-def test_seed_message_gives_exact_state():
-    oom = parse_oom(SEED)
-    s = MemoryState.from_oom(oom)
-    assert (s.device, s.source) == ("cuda:0", "OOM message")
-    assert s.total == parse_bytes("15.78 GiB")
-    assert s.allocated == parse_bytes("11.91 GiB")
-    assert s.reserved == parse_bytes("14.26 GiB")
-    assert s.free == parse_bytes("182.75 MiB")
-    assert s.used == s.total - s.free
-    assert s.reserved_unallocated == s.reserved - s.allocated
-    assert s.outside_pytorch == s.used - s.reserved
-    assert s.process_used is None and s.processes == () and s.other_processes_bytes is None
-    # Back in torch's spelling, the numbers read as in the message.
-    assert [format_bytes(v) for v in (s.total, s.allocated, s.reserved, s.free)] == \
-        ["15.78 GiB", "11.91 GiB", "14.26 GiB", "182.75 MiB"]
-    assert format_bytes(s.reserved_unallocated) == "2.35 GiB"
-    assert format_bytes(s.outside_pytorch) == "1.34 GiB"
+def test_every_rule_is_registered_once_and_documented():
+    assert len(set(RULES)) == len(RULES) == 15
+    for rule in RULES + (device.shortfall,):
+        assert rule.__doc__, rule.__name__
+        assert rule.__name__ in FINDING_KEYS
+    for module in (rules, device, training, session, runtimes):
+        assert module.__doc__ and len(module.__doc__.splitlines()[0]) < 140
 
 
-def test_processes_and_this_process_from_a_v5_message():
-    sample = next(d for d in load_samples() if "procinfo=this+other2" in d["variant"])
-    s = MemoryState.from_oom(parse_oom(sample["message"]))
-    assert s.process_used == parse_bytes("9.74 GiB")
-    assert [(pid, b) for pid, b, _ in s.processes] == [(3893521, parse_bytes("618.00 MiB")),
-                                                       (1493972, parse_bytes("1.28 GiB"))]
-    assert s.other_processes_bytes == parse_bytes("618.00 MiB") + parse_bytes("1.28 GiB")
-    assert s.non_pytorch_in_process == s.process_used - s.reserved
+def test_a_broken_rule_costs_only_its_own_finding(monkeypatch):
+    def broken(facts):
+        raise KeyError("boom")
 
-
-def test_this_process_listed_under_its_host_pid_is_recognised():
-    # In a container NVML reports the host pid, so torch prints this process as "Process N".
-    msg = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity "
-           "of 47.53 GiB of which 16.88 MiB is free. Process 3652628 has 47.51 GiB memory in use. Of the allocated "
-           "memory 47.14 GiB is allocated by PyTorch, and 57.79 MiB is reserved by PyTorch but unallocated.")
-    s = MemoryState.from_oom(parse_oom(msg))
-    assert s.process_used == parse_bytes("47.51 GiB")
-    assert s.processes == ()
-    assert "other_processes" not in by_key(explain(parse_oom(msg), s, env={}, modules=()))
-
-
-def test_merged_fills_unknowns_and_keeps_known_numbers():
-    oom_state = MemoryState.from_oom(parse_oom(SEED))
-    probe = MemoryState("cuda:0", total=1, allocated=2, used=3, process_used=15 * GiB,
-                        processes=((4242, 512 * MiB, "python3"),), source="probe")
-    m = oom_state.merged(probe)
-    assert (m.total, m.allocated, m.used) == (oom_state.total, oom_state.allocated, oom_state.used)
-    assert m.process_used == 15 * GiB and m.processes == probe.processes
-    assert m.source == "OOM message + probe"
-    assert oom_state.merged(MemoryState("cuda:0")) is oom_state
-
-
-def test_host_state_reads_this_machine():
-    h = host_state()
-    assert h.device == "cpu" and h.source == "probe"
-    if sys.platform.startswith("linux"):
-        assert h.total > h.used > 0 and h.process_used > 0 and h.free > 0
+    seen = []
+    monkeypatch.setattr(rules, "RULES", (broken,) + RULES)
+    findings = Seed().explain(on_error=lambda name, exc: seen.append((name, type(exc).__name__)))
+    assert seen == [("broken", "KeyError")]
+    assert {"optimizer_state", "graphs_kept"} <= set(by_key(findings))
 
 
 # ================================================================================ the seed scenario
@@ -201,9 +211,13 @@ def test_seed_scenario_ranks_optimizer_state_and_graphs_kept_on_top():
     assert_well_formed(findings, SEED_SOURCE)
     keys = [f.key for f in findings]
     assert {"optimizer_state", "graphs_kept"} <= set(keys[:3]), keys
-    cats = seed.who.categories
+    assert by_key(findings) == {k: f for k, f in run_rules(seed.facts()).items() if k in keys}
 
-    opt = by_key(findings)["optimizer_state"]
+
+def test_optimizer_state_in_adams_step():
+    seed = Seed()
+    cats = seed.who.categories
+    opt = training.optimizer_state(seed.facts())
     assert opt.title == f"Adam keeps two buffers the size of the weights: {format_bytes(cats['optimizer_state'])}"
     assert format_bytes(cats["parameters"]) in opt.detail
     assert "2.0x" in opt.detail  # exp_avg + exp_avg_sq: twice the weights
@@ -213,17 +227,29 @@ def test_seed_scenario_ranks_optimizer_state_and_graphs_kept_on_top():
     assert "Adam8bit(model.parameters(), lr=learning_rate)" in opt.snippet  # the user's own arguments
     assert "foreach=False" in opt.snippet and "foreach" in opt.fix
 
-    graphs = by_key(findings)["graphs_kept"]
+
+def test_graphs_kept_read_from_typed_holders():
+    seed = Seed()
+    cats = seed.who.categories
+    graphs = training.graphs_kept(seed.facts())
     assert graphs.confidence == "certain"
-    assert format_bytes(cats["retained_graphs"]) in graphs.title
+    assert format_bytes(cats["retained_graphs"]) in graphs.title and "output, loss" in graphs.title
     assert "output + loss (shared graph)" in graphs.detail
-    own = sum(t.untyped_storage().nbytes() for t in (seed.ns["output"], seed.ns["loss"]))
-    assert graphs.frees == cats["retained_graphs"] + own
+    assert graphs.frees == cats["retained_graphs"] + nbytes(seed.ns["output"], seed.ns["loss"])
     assert "del output, loss" in graphs.snippet
 
 
+def test_graphs_kept_by_ipython_are_not_deleted_by_name():
+    # A graph only Out[3] keeps: %gpumem free clears it; `del Out` would break IPython.
+    report = WhoReport(categories={"retained_graphs": 8 * MiB, "ipython_caches": 4 * MiB},
+                       holders=(Holder("graph", "retained_graphs", HOST, 8 * MiB, ("Out",), "Out[3]"),
+                                Holder("out_cache", "ipython_caches", HOST, 4 * MiB, ("Out",), "Out[3]")))
+    f = training.graphs_kept(facts_for(SMALL, who_report=report))
+    assert "del Out" not in f.snippet and "Out" not in f.title
+
+
 def test_seed_scenario_also_finds_fragmentation_from_the_message_numbers():
-    frag = by_key(Seed().explain())["fragmentation"]
+    frag = device.fragmentation(Seed().facts())
     # 14.26 GiB reserved - 11.91 GiB allocated = 2.35 GiB cached, more than the 2.32 GiB request.
     assert frag.title == "Fragmentation: 2.35 GiB reserved but unallocated"
     assert "2.32 GiB" in frag.detail and frag.frees == parse_bytes("14.26 GiB") - parse_bytes("11.91 GiB")
@@ -231,22 +257,27 @@ def test_seed_scenario_also_finds_fragmentation_from_the_message_numbers():
 
 
 def test_gradients_needed_by_the_step_are_not_blamed():
-    assert "gradients" not in by_key(Seed().explain())
+    assert training.gradients(Seed().facts()) is None
 
 
-# ================================================================================ each finding
+# ================================================================================ an impossible request
 
 
-def test_request_larger_than_the_device_comes_first():
+def test_request_larger_than_the_device_is_the_only_finding():
+    # The seed's model, optimizer and kept graph are all there: none of it can make 20 GiB fit in 15.78 GiB.
     msg = V5.format(req="20.00 GiB", total="15.78 GiB", free="10.00 GiB", procs="", alloc="4.00 GiB",
                     unalloc="1.50 GiB")
     seed = Seed()
     oom = parse_oom(msg)
-    findings = explain(oom, MemoryState.from_oom(oom), seed.who, traceback_frames=SEED_FRAMES, env={}, modules=())
-    assert_well_formed(findings)
+    memory = DeviceMemory.from_message(oom)
+    every = run_rules(Facts.build(oom, memory, seed.who, frames=SEED_FRAMES, env={}, modules=()))
+    assert {"optimizer_state", "graphs_kept", "request_exceeds_device"} <= set(every)  # all true...
+    findings = explain(oom, memory, seed.who, frames=SEED_FRAMES, env={}, modules=())
+    assert [f.key for f in findings] == ["request_exceeds_device"]  # ...but only one bears on the request
     first = findings[0]
-    assert first.key == "request_exceeds_device" and first.confidence == "certain"
-    assert "20.00 GiB" in first.title and "15.78 GiB" in first.title
+    assert first.confidence == "certain"
+    assert first.title == "No amount of freeing helps: the request alone is 1.3x all 15.78 GiB of cuda:0"
+    assert "20.00 GiB" not in first.title + first.detail  # the headline states the request, once
     assert "chunk(" in first.snippet
 
 
@@ -255,41 +286,67 @@ def test_request_larger_than_the_memory_fraction_cap():
            "15.78 GiB of which 9.00 GiB is free. Including non-PyTorch memory, this process has 6.00 GiB memory in "
            "use. 4.00 GiB allowed; Of the allocated memory 3.00 GiB is allocated by PyTorch, and 1.00 GiB is "
            "reserved by PyTorch but unallocated.")
-    oom = parse_oom(msg)
-    assert oom.allowed == 4 * GiB
-    first = explain(oom, MemoryState.from_oom(oom), env={}, modules=())[0]
-    assert first.key == "request_exceeds_device"
-    assert "set_per_process_memory_fraction" in first.title and "4.00 GiB" in first.title
+    facts = facts_for(msg)
+    assert facts.oom.allowed == 4 * GiB
+    f = device.request_exceeds_device(facts)
+    assert "set_per_process_memory_fraction" in f.title and "4.00 GiB" in f.title
+    assert "raise the cap" in f.fix
+
+
+def test_absurd_request_names_the_failing_line_and_its_clues():
+    with pytest.raises(RuntimeError) as caught:
+        torch.empty(2**60)
+    frames = tuple((fs.filename, fs.name, fs.line or "") for fs in traceback.extract_tb(caught.value.__traceback__))
+    oom = parse_oom(str(caught.value))
+    memory = DeviceMemory.from_message(oom).merged(DeviceMemory(HOST, total=16 * GiB, used=4 * GiB))
+    findings = explain(oom, memory, frames=frames, failing_source="x = torch.empty(2**60)", env={}, modules=())
+    assert [f.key for f in findings] == ["request_exceeds_device"]  # cpu_oom would only say it again
+    f = findings[0]
+    assert f.title == "No amount of freeing helps: the request alone is 268,435,456x all 16.00 GiB of the machine's RAM"
+    assert "bug in the shape arithmetic" in f.detail and "`torch.empty(2**60)`" in f.detail  # this test's real line
+    assert_well_formed(findings)
+
+
+def test_moderate_request_on_the_host_suggests_chunks_and_names_float64():
+    msg = ("RuntimeError: [enforce fail at alloc_cpu.cpp:75] err == 0. DefaultCPUAllocator: can't allocate memory: "
+           "you tried to allocate 80000000000 bytes. Error code 12 (Cannot allocate memory)")
+    source = "points = torch.rand(100000, 3, dtype=torch.float64)\nd = (points[:, None] - points[None, :]).norm(dim=-1)"
+    memory = DeviceMemory.from_message(parse_oom(msg)).merged(DeviceMemory(HOST, total=32 * GiB, used=2 * GiB))
+    f = device.request_exceeds_device(facts_for(msg, memory, failing_source=source))
+    assert "2.3x all 32.00 GiB" in f.title and "x.chunk(6" in f.snippet and "numpy.memmap" in f.fix
+    assert "N×N" in f.detail and "float64 takes twice" in f.detail
+
+
+# ================================================================================ each finding
 
 
 def test_fragmentation_depends_on_the_environment():
-    oom = parse_oom(SEED)
-    state = MemoryState.from_oom(oom)
-    plain = by_key(explain(oom, state, env={}, modules=()))["fragmentation"]
+    plain = device.fragmentation(facts_for(SEED))
     assert "expandable_segments:True" in plain.fix
-    on = by_key(explain(oom, state, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, modules=()))
-    assert "empty_cache" in on["fragmentation"].fix and "os.environ" not in on["fragmentation"].snippet
-    other = by_key(explain(oom, state, env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, modules=()))
-    assert '"max_split_size_mb:128,expandable_segments:True"' in other["fragmentation"].snippet
-    asynchronous = explain(oom, state, env={"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, modules=())
-    assert "fragmentation" not in by_key(asynchronous)
+    on = device.fragmentation(facts_for(SEED, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}))
+    assert "empty_cache" in on.fix and "os.environ" not in on.snippet
+    other = device.fragmentation(facts_for(SEED, env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}))
+    assert '"max_split_size_mb:128,expandable_segments:True"' in other.snippet
+    assert device.fragmentation(facts_for(SEED, env={"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})) is None
 
 
 def test_no_fragmentation_when_little_is_cached():
     msg = V5.format(req="3.31 GiB", total="128.00 GiB", free="780.24 MiB", procs="", alloc="57.70 GiB",
                     unalloc="75.82 MiB")
-    oom = parse_oom(msg)
-    assert "fragmentation" not in by_key(explain(oom, MemoryState.from_oom(oom), env={}, modules=()))
+    assert device.fragmentation(facts_for(msg)) is None
+
+
+def _nvml_memory(message, *processes):
+    """The message's memory, merged with NVML's process list as the probe would read it (a labelled fake)."""
+    oom = parse_oom(message)
+    return DeviceMemory.from_message(oom).merged(DeviceMemory(cuda(0), processes=tuple(processes), source="NVML"))
 
 
 def test_other_processes_are_named_with_their_sizes():
     sample = next(d for d in load_samples() if "procinfo=this+other2" in d["variant"])
-    oom = parse_oom(sample["message"])
-    # NVML's process names, as a probe would add them, merged into what the message says.
-    nvml = MemoryState("cuda:0", processes=((3893521, parse_bytes("618.00 MiB"), "python3 (other kernel)"),
-                                            (1493972, parse_bytes("1.28 GiB"), "ollama")), source="NVML")
-    state = MemoryState.from_oom(oom).merged(nvml)
-    f = by_key(explain(oom, state, env={}, modules=()))["other_processes"]
+    memory = _nvml_memory(sample["message"], (3893521, parse_bytes("618.00 MiB"), "python3 (other kernel)"),
+                          (1493972, parse_bytes("1.28 GiB"), "ollama"))
+    f = device.other_processes(facts_for(sample["message"], memory))
     assert "2 other processes hold 1.88 GiB on cuda:0" == f.title
     assert "PID 3893521 (python3 (other kernel)) 618.00 MiB" in f.detail and "PID 1493972 (ollama) 1.28 GiB" in f.detail
     assert "!kill 3893521" in f.snippet and "nvidia-smi" in f.snippet
@@ -297,46 +354,63 @@ def test_other_processes_are_named_with_their_sizes():
     assert f.frees == parse_bytes("618.00 MiB") + parse_bytes("1.28 GiB")
 
 
+def test_a_process_that_may_be_this_kernel_is_never_offered_for_kill():
+    # A container (labelled fake): NVML lists two python processes under host pids; one is this kernel.
+    msg = V5.format(req="2.00 GiB", total="23.65 GiB", free="100.00 MiB",
+                    procs="Process 4001 has 12.00 GiB memory in use. Process 4002 has 11.50 GiB memory in use. ",
+                    alloc="10.50 GiB", unalloc="500.00 MiB")
+    both = ((4001, 12 * GiB, None), (4002, parse_bytes("11.50 GiB"), None))
+    memory = DeviceMemory(cuda(0), total=parse_bytes("23.65 GiB"), used=parse_bytes("23.55 GiB"),
+                          allocated=parse_bytes("10.50 GiB"), reserved=11 * GiB, processes=both)
+    f = device.other_processes(facts_for(msg, memory, maybe_own=(4001, 4002)))
+    assert "kill" not in f.snippet and "never a PID that may be this kernel" in f.fix
+    assert "PID 4001 12.00 GiB may be this kernel" in f.detail and "PID 4002 11.50 GiB may be this kernel" in f.detail
+    assert f.title == "Other processes hold at least 11.50 GiB on cuda:0"  # all but the largest are others
+    # With a third process that cannot be this kernel, that one (only) may be killed.
+    memory = memory.merged(DeviceMemory(cuda(0), processes=((4003, 300 * MiB, "ollama"),)))
+    g = device.other_processes(facts_for(msg, memory, maybe_own=(4001, 4002)))
+    assert "!kill 4003" in g.snippet and "!kill 4001" not in g.snippet and "!kill 4002" not in g.snippet
+
+
 def test_no_other_processes_without_evidence():
-    assert "other_processes" not in by_key(Seed().explain())
+    assert device.other_processes(Seed().facts()) is None
 
 
 def test_cuda_context_and_libraries_with_jax_imported():
     msg = V5.format(req="1.00 GiB", total="15.78 GiB", free="200.00 MiB",
                     procs="Including non-PyTorch memory, this process has 15.58 GiB memory in use. ",
                     alloc="3.00 GiB", unalloc="500.00 MiB")
-    oom = parse_oom(msg)
-    f = by_key(explain(oom, MemoryState.from_oom(oom), env={}, modules=("jax", "torch")))["cuda_context_and_libraries"]
+    f = device.cuda_context_and_libraries(facts_for(msg, modules=("jax", "torch")))
     inside = parse_bytes("15.58 GiB") - parse_bytes("3.00 GiB") - parse_bytes("500.00 MiB")
     assert f.title.startswith(f"{format_bytes(inside)} of this process's cuda:0 memory")
     assert "XLA_PYTHON_CLIENT_PREALLOCATE" in f.snippet and "jax" in f.detail
     small = V5.format(req="1.00 GiB", total="15.78 GiB", free="200.00 MiB",
                       procs="Including non-PyTorch memory, this process has 12.00 GiB memory in use. ",
                       alloc="11.00 GiB", unalloc="600.00 MiB")
-    oom = parse_oom(small)
-    assert "cuda_context_and_libraries" not in by_key(explain(oom, MemoryState.from_oom(oom), env={}, modules=()))
+    assert device.cuda_context_and_libraries(facts_for(small)) is None
 
 
 def test_checkpoint_loaded_without_map_location():
     source = 'ckpt = torch.load("runs/best.pt")\nmodel.load_state_dict(ckpt["model_state_dict"])\n'
-    f = by_key(Seed().explain(failing_source=source))["checkpoint_on_gpu"]
+    f = session.checkpoint_on_gpu(Seed().facts(failing_source=source))
     assert 'torch.load("runs/best.pt")' in f.detail
     assert 'ckpt = torch.load("runs/best.pt", map_location="cpu")' in f.snippet and "del ckpt" in f.snippet
+    assert "model.load_state_dict(ckpt['model_state_dict'])" in f.snippet  # the key the user's code uses
     with_map = 'ckpt = torch.load("runs/best.pt", map_location="cpu")\n'
-    assert "checkpoint_on_gpu" not in by_key(Seed().explain(failing_source=with_map))
+    assert session.checkpoint_on_gpu(Seed().facts(failing_source=with_map)) is None
 
 
 def test_checkpoint_dict_still_held_is_measured():
     model = nn.Linear(512, 512)
     checkpoint = {"model_state_dict": {k: v.clone() for k, v in model.state_dict().items()}, "epoch": 3}
     model.load_state_dict(checkpoint["model_state_dict"])
-    report = who({"model": model, "checkpoint": checkpoint})
-    held = sum(t.untyped_storage().nbytes() for t in checkpoint["model_state_dict"].values())
+    held = nbytes(*checkpoint["model_state_dict"].values())
+    report = typed_who({"model": model, "checkpoint": checkpoint}, [
+        Holder("module", "parameters", HOST, nbytes(*model.parameters()), ("model",), "model"),
+        Holder("variable", "other_tensors", HOST, held, ("checkpoint",), "checkpoint['model_state_dict']")])
     msg = ("RuntimeError: [enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: not enough memory: "
            "you tried to allocate 2147483648 bytes.")
-    oom = parse_oom(msg)
-    state = MemoryState.from_oom(oom).merged(host_state())
-    f = by_key(explain(oom, state, report, env={}, modules=()))["checkpoint_on_gpu"]
+    f = session.checkpoint_on_gpu(facts_for(msg, who_report=report))
     assert f.frees == held and format_bytes(held) in f.title
     assert "`checkpoint`" in f.detail and "del checkpoint" in f.snippet
 
@@ -344,39 +418,36 @@ def test_checkpoint_dict_still_held_is_measured():
 def test_ipython_caches_are_named():
     seed = Seed(keep_graph=False)
     big = torch.zeros(512, 1024)
-    report = who({**seed.ns, "Out": {7: big}, "_7": big})
-    f = by_key(explain(seed.oom, seed.state, report, env={}, modules=()))["ipython_refs"]
-    assert f.frees == big.untyped_storage().nbytes() and "2.00 MiB" in f.title
+    report = WhoReport(categories={**seed.who.categories, "ipython_caches": nbytes(big)},
+                       holders=seed.who.holders + (Holder("out_cache", "ipython_caches", HOST, nbytes(big), ("Out",),
+                                                          "Out[7]"),))
+    f = session.ipython_refs(facts_for(SEED, who_report=report))
+    assert f.frees == nbytes(big) and "2.00 MiB" in f.title
     assert "Out[7]" in f.detail and "%gpumem free" in f.snippet and "%reset -f out" in f.snippet
 
 
-def test_cpu_oom_from_a_real_allocation():
+def test_cpu_oom_from_a_real_allocation_without_a_known_ram_size():
     with pytest.raises(RuntimeError) as caught:
         torch.empty(2**60)
-    oom = parse_oom(str(caught.value))
-    assert oom.kind == "cpu" and oom.requested == 2**62
-    state = MemoryState.from_oom(oom).merged(host_state())
-    findings = explain(oom, state, failing_source="x = torch.empty(2**60)", env={}, modules=())
-    assert_well_formed(findings, "x = torch.empty(2**60)")
-    found = by_key(findings)
-    assert "4294967296.00 GiB" in found["cpu_oom"].title
-    assert "wrong number" in found["cpu_oom"].detail
-    if state.total:  # RAM known (Linux): no amount of freeing helps
-        assert findings[0].key == "request_exceeds_device"
-        assert "the machine's RAM" in findings[0].title
+    facts = facts_for(str(caught.value), failing_source="x = torch.empty(2**60)")
+    assert facts.oom.kind == "cpu" and facts.requested == 2**62 and facts.memory.total is None
+    f = runtimes.cpu_oom(facts)
+    assert f.title == "`x = torch.empty(2**60)` asks for more RAM than any machine has"
+    assert "wrong number" in f.detail
+    assert device.request_exceeds_device(facts) is None  # no RAM size: no ratio to state
 
 
 def test_cpu_oom_names_broadcasting_and_float64():
     msg = ("RuntimeError: [enforce fail at alloc_cpu.cpp:75] err == 0. DefaultCPUAllocator: can't allocate memory: "
            "you tried to allocate 80000000000 bytes. Error code 12 (Cannot allocate memory)")
     source = "points = torch.rand(100000, 3, dtype=torch.float64)\nd = (points[:, None] - points[None, :]).norm(dim=-1)"
-    oom = parse_oom(msg)
-    f = by_key(explain(oom, MemoryState.from_oom(oom), failing_source=source, env={}, modules=()))["cpu_oom"]
+    f = runtimes.cpu_oom(facts_for(msg, failing_source=source))
+    assert f.title.startswith("A broadcast builds an N×N result: `d = (points[:, None] - points[None, :])")
     assert "points[:, None] - points[None, :]" in f.detail and "N×N" in f.detail
     assert "float64" in f.detail and f.frees == 40000000000
 
 
-def test_activations_in_a_real_forward_pass_suggest_a_batch_size():
+def _real_forward_failure():
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
@@ -393,11 +464,17 @@ def test_activations_in_a_real_forward_pass_suggest_a_batch_size():
         model(batch)
     except RuntimeError as exc:
         frames = tuple((fs.filename, fs.name, fs.line or "") for fs in traceback.extract_tb(exc.__traceback__))
-    report = who({"model": model, "batch": batch, "kept": kept}, allocator_total=None)
-    oom = parse_oom(SMALL)
+    return model, batch, kept, frames
+
+
+def test_activations_in_a_real_forward_pass_suggest_a_batch_size():
+    model, batch, kept, frames = _real_forward_failure()
+    graph = who({"model": model, "batch": batch, "kept": kept}).categories["retained_graphs"]
+    report = typed_who({"model": model, "batch": batch, "kept": kept}, [
+        Holder("graph", "retained_graphs", HOST, graph, ("kept",), "kept"),
+        Holder("module", "parameters", HOST, nbytes(*model.parameters()), ("model",), "model")])
     source = "batch_size = 64\nout = model(batch)\nloss = out.sum()\nloss.backward()"
-    f = by_key(explain(oom, MemoryState.from_oom(oom), report, failing_source=source, traceback_frames=frames,
-                       env={}, modules=()))["activations"]
+    f = training.activations(facts_for(SMALL, who_report=report, failing_source=source, frames=frames))
     acts = report.categories["retained_graphs"]
     assert acts > 0 and f.title == f"Activations of the forward pass: {format_bytes(acts)}"
     assert "test_diagnose.py forward()" in f.detail  # the real innermost frame
@@ -413,111 +490,134 @@ def test_activations_during_evaluation_suggest_inference_mode():
                "return forward_call(*args, **kwargs)"),
               ("/opt/conda/lib/python3.11/site-packages/torch/nn/modules/linear.py", "forward",
                "return F.linear(input, self.weight, self.bias)"))
-    oom = parse_oom(SMALL)
-    f = by_key(explain(oom, MemoryState.from_oom(oom), seed.who, traceback_frames=frames,
-                       failing_source="model.eval()\noutput = model(input)", env={}, modules=()))["activations"]
+    f = training.activations(facts_for(SMALL, who_report=seed.who, frames=frames,
+                                       failing_source="model.eval()\noutput = model(input)"))
     assert "inference_mode" in f.fix and "with torch.inference_mode():" in f.snippet
     assert "output = model(input)" in f.snippet and f.frees == seed.who.categories["retained_graphs"]
+
+
+def test_activations_without_who_read_the_failing_cells_peak():
+    failing = CellRecord(5, None, "out = model(batch)", 0.0, 1.0, error="OutOfMemoryError",
+                         devices=(DeviceRecord(0, allocated_before=10 * MiB, allocated_peak=50 * MiB),))
+    frames = (("/x/torch/nn/modules/linear.py", "forward", "return F.linear(input, self.weight, self.bias)"),)
+    f = training.activations(facts_for(SMALL, failing=failing, frames=frames))
+    assert f.title == "Activations of the forward pass: 40.00 MiB"
+    assert "how far allocated memory rose in the failing cell" in f.detail
 
 
 def test_gradients_held_outside_the_step():
     seed = Seed(optimizer=False, keep_graph=False)
     frames = (("<ipython-input-4-abc>", "<module>", "output = model(input)"),
               ("/x/torch/nn/modules/linear.py", "forward", "return F.linear(input, self.weight, self.bias)"))
-    f = by_key(seed.explain(traceback_frames=frames, failing_source="output = model(input)"))["gradients"]
+    f = training.gradients(seed.facts(frames=frames, failing_source="output = model(input)"))
     grads = seed.who.categories["gradients"]
     assert f.frees == grads and format_bytes(grads) in f.title and "`model (grads)`" in f.detail
     assert "zero_grad(set_to_none=True)" in f.snippet
     source = "optimizer.zero_grad(set_to_none=False)\nloss = model(input).sum()\nloss.backward()\noptimizer.step()"
-    g = by_key(Seed(keep_graph=False).explain(failing_source=source))["gradients"]
+    g = training.gradients(Seed(keep_graph=False).facts(failing_source=source))
     assert "optimizer.zero_grad(set_to_none=False)" in g.detail
 
 
 def test_graphs_accumulated_in_the_source():
     seed = Seed(keep_graph=False)
     source = "for x in loader:\n    loss = model(x).sum()\n    total_loss += loss\n"
-    f = by_key(seed.explain(failing_source=source))["graphs_kept"]
+    f = training.graphs_kept(seed.facts(failing_source=source))
     assert "`total_loss += loss`" in f.detail and "total_loss += loss.item()" in f.snippet
     assert f.confidence == "likely"
     clean = "for x in loader:\n    loss = model(x).sum()\n    total_loss += loss.item()\n    out += residual\n"
-    assert "graphs_kept" not in by_key(seed.explain(failing_source=clean))
+    assert training.graphs_kept(seed.facts(failing_source=clean)) is None
 
 
-def test_earlier_cells_from_the_seed_checkpoints():
+def _seed_steps():
     # The seed's nvidia-smi readings (MiB) around each step, as if each step had been its own cell.
     steps = [(3, "model = model.to(device)", 2, 3769),
              (4, "optimizer = torch.optim.Adam(model.parameters())", 3769, 3769),
              (5, "output = model(input, comb)", 3847, 6725), (6, "loss.backward()", 6725, 9761),
              (7, "optimizer.step()", 9761, 16053)]
-    records = [CellRecord(n, None, src, 0.0, 1.0,
-                          devices=(DeviceRecord(0, "Tesla P100-PCIE-16GB", allocated_before=b * MiB,
-                                                allocated_after=a * MiB, total=16160 * MiB),))
-               for n, src, b, a in steps]
+    return [CellRecord(n, None, src, 0.0, 1.0,
+                       devices=(DeviceRecord(0, "Tesla P100-PCIE-16GB", allocated_before=b * MiB,
+                                             allocated_after=a * MiB, total=16160 * MiB),))
+            for n, src, b, a in steps]
+
+
+def test_earlier_cells_from_the_seed_checkpoints():
     seed = Seed()
-    f = by_key(seed.explain(records=records))["earlier_cells"]
+    f = session.earlier_cells(seed.facts(earlier=_seed_steps()))
     assert "[7] `optimizer.step()` +6.14 GiB" in f.detail and "[3] `model = model.to(device)` +3.68 GiB" in f.detail
     assert f.frees == (6292 + 3767 + 3036) * MiB
     assert f.snippet.startswith("del model   #")  # [3] assigned model; [7] and [6] assigned nothing
 
 
+def test_the_failing_cell_is_never_an_earlier_cell():
+    *earlier, failing = _seed_steps()
+    f = session.earlier_cells(Seed().facts(earlier=earlier, failing=failing))
+    assert "[7]" not in f.detail and "[5] `output = model(input, comb)`" in f.detail
+
+
 def test_cublas_and_mps_messages():
     samples = load_samples()
     cublas = parse_oom(next(d for d in samples if d["variant"].startswith("cublas"))["message"])
-    state = MemoryState("cuda:0", total=16 * GiB, used=15 * GiB + 900 * MiB, reserved=15 * GiB, allocated=12 * GiB)
-    f = by_key(explain(cublas, MemoryState.from_oom(cublas).merged(state), env={}, modules=()))["cublas_cudnn"]
+    memory = DeviceMemory.from_message(cublas).merged(
+        DeviceMemory(cuda(0), total=16 * GiB, used=15 * GiB + 900 * MiB, reserved=15 * GiB, allocated=12 * GiB))
+    f = runtimes.cublas_cudnn(Facts.build(cublas, memory, env={}, modules=()))
     assert "cuBLAS" in f.title and "15.88 GiB of 16.00 GiB in use" in f.title and f.frees == 3 * GiB
     assert "cudnn.benchmark = False" in f.snippet
     mps = parse_oom(next(d for d in samples if d["variant"].startswith("mps_v2"))["message"])
-    m = by_key(explain(mps, MemoryState.from_oom(mps), env={}, modules=()))["mps"]
+    m = runtimes.mps(Facts.build(mps, DeviceMemory.from_message(mps), env={}, modules=()))
     assert "9.57 GiB allocated" in m.title and "27.20 GiB max allowed" in m.title
     assert "PYTORCH_MPS_HIGH_WATERMARK_RATIO" in m.snippet and "freeze" in m.fix
 
 
-def test_no_findings_without_evidence():
+def test_no_findings_without_evidence_but_the_shortfall():
     # No optimizer, no graph, no gradients, no checkpoint, no IPython caches, nothing else running.
     seed = Seed(optimizer=False, step=False, keep_graph=False)
     msg = V5.format(req="26.00 MiB", total="11.66 GiB", free="9.81 MiB",
                     procs="Including non-PyTorch memory, this process has 11.64 GiB memory in use. ",
                     alloc="10.80 GiB", unalloc="10.00 MiB")
-    oom = parse_oom(msg)
-    findings = explain(oom, MemoryState.from_oom(oom), seed.who, failing_source="y = x @ x.T", env={}, modules=())
-    keys = set(by_key(findings))
-    assert not keys & {"optimizer_state", "graphs_kept", "gradients", "checkpoint_on_gpu", "ipython_refs",
-                       "fragmentation", "other_processes", "activations", "earlier_cells"}, keys
-    assert keys == {"shortfall"}  # only the numbers themselves are left to report
+    facts = facts_for(msg, who_report=seed.who, failing_source="y = x @ x.T")
+    assert run_rules(facts) == {}
+    findings = explain(facts.oom, facts.memory, seed.who, failing_source="y = x @ x.T", env={}, modules=())
+    assert [f.key for f in findings] == ["shortfall"]  # only the numbers themselves are left to report
+    assert findings[0].title == "Free at least 16.19 MiB on cuda:0"  # not the headline again
     assert_well_formed(findings)
 
 
-def test_every_sample_message_gets_a_finding_that_quotes_it():
+def test_every_sample_message_gets_well_formed_findings():
     for sample in load_samples():
         oom = parse_oom(sample["message"])
         assert oom is not None, sample["variant"]
-        findings = explain(oom, MemoryState.from_oom(oom), env={}, modules=())
+        facts = Facts.build(oom, DeviceMemory.from_message(oom), env={}, modules=())
+        run_rules(facts)  # no rule raises on any real message
+        findings = explain(oom, DeviceMemory.from_message(oom), env={}, modules=())
         assert findings, sample["variant"]
         # A message without sizes can only be quoted: its first words count as the "code" cited.
         assert_well_formed(findings, oom.message[:30])
-        sizes = [format_bytes(getattr(oom, n)) for n in SIZE_FIELDS if getattr(oom, n) is not None]
-        texts = [f.title + " " + f.detail for f in findings]
-        if sizes:
-            assert any(size in text for size in sizes for text in texts), (sample["variant"], texts)
-        else:
-            assert any(oom.message[:30] in text for text in texts), (sample["variant"], texts)
 
 
 def test_requested_argument_overrides_the_message():
     oom = parse_oom(SEED)
-    findings = explain(oom, MemoryState.from_oom(oom), env={}, modules=(), requested=40 * GiB)
-    assert findings[0].key == "request_exceeds_device" and "40.00 GiB" in findings[0].title
+    findings = explain(oom, DeviceMemory.from_message(oom), env={}, modules=(), requested=40 * GiB)
+    assert [f.key for f in findings] == ["request_exceeds_device"] and "2.5x" in findings[0].title
 
 
-def test_state_without_a_message():
-    state = MemoryState("cuda:0", total=16 * GiB, allocated=10 * GiB, reserved=14 * GiB, used=15 * GiB)
-    findings = explain(None, state, env={}, modules=(), requested=2 * GiB)
+def test_memory_without_a_message():
+    memory = DeviceMemory(cuda(0), total=16 * GiB, allocated=10 * GiB, reserved=14 * GiB, used=15 * GiB)
+    findings = explain(None, memory, env={}, modules=(), requested=2 * GiB)
     assert by_key(findings)["fragmentation"].frees == 4 * GiB
 
 
-def test_core_module_imports_nothing_heavy():
-    code = ("import sys, ipy_gpumem.oom.diagnose, ipy_gpumem.oom.panel\n"
+def test_host_memory_records_read_rss():
+    records = [CellRecord(2, None, "a = torch.rand(8192, 8192)", 0.0, 1.0,
+                          host=HostRecord(rss_before=500 * MiB, rss_after=756 * MiB))]
+    memory = DeviceMemory(HOST, total=16 * GiB, used=15 * GiB, process_used=800 * MiB)
+    msg = ("RuntimeError: [enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: not enough memory: "
+           "you tried to allocate 2147483648 bytes.")
+    f = session.earlier_cells(facts_for(msg, memory, earlier=records))
+    assert "[2] `a = torch.rand(8192, 8192)` +256.00 MiB" in f.detail and "host RSS" in f.title
+
+
+def test_rules_import_nothing_heavy():
+    code = ("import sys, ipy_gpumem.oom.rules, ipy_gpumem.oom.analysis, ipy_gpumem.oom.panel\n"
             "print(sorted(m for m in ('IPython', 'torch', 'plotly', 'ipywidgets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

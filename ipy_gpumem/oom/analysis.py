@@ -2,7 +2,7 @@
 
 The sources, best first: the allocator's own numbers captured at the failing allocation (CUDA's
 OOM observer), the error message, a reading taken now (probe, NVML's process list, host RAM),
-who holds the memory (the user's variables and IPython's caches), the ledger of earlier cells,
+who holds the memory (the user's variables and IPython's caches), the records of earlier cells,
 and the failing traceback's frames. Pure assembly: no IPython import; the extension calls
 :func:`analyse` from its post-cell hook and shows ``oom.panel.oom_panel(analysis)``.
 """
@@ -11,15 +11,113 @@ from __future__ import annotations
 import os
 import sys
 import traceback as _traceback
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple
 
-from .diagnose import MemoryState, explain, host_state
+from ..core.devices import cuda
+from ..core.memory import DeviceMemory, Process
+from ..core.units import MiB
+from .rules import Finding, explain
+from .rules.facts import cell_deltas
 
-__all__ = ["OomAnalysis", "analyse", "traceback_frames", "state_at_failure"]
+__all__ = ["OomAnalysis", "analyse", "memory_at_failure", "find_this_process", "traceback_frames"]
 
 #: Frames of the failing traceback handed to the diagnosis (innermost last).
 MAX_FRAMES = 40
+
+
+@dataclass(frozen=True)
+class OomAnalysis:
+    """Everything known about one out-of-memory failure: what the panel shows, as data.
+
+    Attributes:
+        oom: the parsed message (``OomReport``).
+        memory: the failing device's memory (``DeviceMemory``), best source first; its
+            ``processes`` are other processes (this kernel's line, when recognised, is
+            ``process_used``).
+        who: who held the memory on that device (``WhoReport``), or None.
+        findings: the ranked diagnosis.
+        failing: the failing cell's ``CellRecord``, or None.
+        earlier: ``(record, bytes left behind)`` of the cells before the failing one that grew
+            memory, largest first; never the failing cell.
+        maybe_own: pids in ``memory.processes`` that may be this kernel (a container's NVML
+            reports host pids and several candidates fit).
+        rule_errors: ``"rule: ExceptionType: message"`` for each rule that failed (its finding is
+            missing; the others are complete).
+    """
+
+    oom: Any
+    memory: DeviceMemory
+    who: Any = None
+    findings: Tuple[Finding, ...] = ()
+    failing: Any = None
+    earlier: Tuple[Tuple[Any, int], ...] = ()
+    maybe_own: Tuple[int, ...] = ()
+    rule_errors: Tuple[str, ...] = ()
+
+    @property
+    def impossible(self) -> bool:
+        """True when the request alone is larger than the device: nothing freed can make it fit."""
+        return bool(self.findings) and self.findings[0].key == "request_exceeds_device"
+
+
+def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = (), probe=None,
+            capture=None, tb=None, refs=None, env: Optional[Mapping[str, str]] = None,
+            modules: Optional[Iterable[str]] = None, who_fn: Optional[Callable[..., Any]] = None,
+            pid: Optional[int] = None, executable: Optional[str] = None) -> OomAnalysis:
+    """Everything known about a cell that failed with ``oom`` (an ``OomReport``).
+
+    Args:
+        oom: the parsed message.
+        record: the failing cell's ``CellRecord`` (its source, its deltas), or None.
+        namespace: the user's namespace, for who holds the memory (None skips that section).
+        records: recent records, oldest first; the failing cell among them is left out.
+        probe: the ``MemoryProbe``, for a reading now (device, NVML processes, host RAM).
+        capture: an ``OomCapture`` from the allocator's observer, if one fired in this cell.
+        tb: the failing traceback (``sys.last_traceback``).
+        refs: IPython's own references (``who.holders.ipython_refs``), handed to ``who_fn``.
+        env: environment variables for the diagnosis (default ``os.environ``).
+        modules: imported module names (default ``sys.modules``).
+        who_fn: ``who(namespace, device=..., allocator_total=..., refs=...)``; the who room's by default.
+        pid, executable: this process, as NVML would list it (default ``os.getpid()``, ``sys.executable``).
+    """
+    memory, maybe_own = memory_at_failure(oom, probe, capture, pid=pid, executable=executable)
+    who_report = _who(namespace, memory, refs, who_fn)
+    earlier = tuple(r for r in records if not _same_cell(r, record))
+    errors = []
+    findings = explain(oom, memory, who_report, earlier, failing=record, frames=traceback_frames(tb),
+                       env=os.environ if env is None else env, modules=modules, maybe_own=maybe_own,
+                       on_error=lambda rule, exc: errors.append(f"{rule}: {type(exc).__name__}: {exc}"))
+    return OomAnalysis(oom, memory, who_report, tuple(findings), record, tuple(cell_deltas(earlier, memory)),
+                       maybe_own, tuple(errors))
+
+
+def _same_cell(rec: Any, failing: Any) -> bool:
+    # The extension records the failing cell before it asks for the panel, so the ledger's last
+    # record is usually this very cell; an execution count names one cell of the session.
+    if failing is None:
+        return False
+    if rec is failing:
+        return True
+    count = getattr(failing, "execution_count", None)
+    return count is not None and getattr(rec, "execution_count", None) == count
+
+
+def _who(namespace, memory: DeviceMemory, refs, who_fn):
+    if namespace is None:
+        return None
+    if who_fn is None:
+        from ..who.attribution import who as who_fn
+    device = memory.device
+    if device is not None and device.type not in ("cuda", "cpu"):
+        device = None  # mps/xpu tensors: who() counts every device rather than guess their storages
+    # The allocator's total lets who() say how much no variable explains; only CUDA has one.
+    total = memory.allocated if device is not None and device.is_cuda else None
+    extra = {} if refs is None else {"refs": refs}
+    try:
+        return who_fn(namespace, device=device, allocator_total=total, **extra)
+    except Exception:  # noqa: BLE001 - the panel still explains the message without it
+        return None
 
 
 def traceback_frames(tb) -> tuple:
@@ -33,107 +131,109 @@ def traceback_frames(tb) -> tuple:
         return ()
 
 
-def state_at_failure(oom, probe=None, capture=None) -> MemoryState:
-    """The failing device's memory: the allocator capture, then the message, then a reading now."""
-    state = MemoryState.from_oom(oom)
-    device = state.device
-    if capture is not None and device in (f"cuda:{capture.device}", "cuda", "unknown"):
-        used = None
-        if capture.limit is not None and capture.device_free is not None and oom.allowed is None:
-            used = max(0, capture.limit - capture.device_free)
-        captured = MemoryState(
-            device=f"cuda:{capture.device}",
-            total=capture.limit if oom.allowed is None else None,
-            allocated=capture.allocated,
-            reserved=capture.reserved,
-            used=used,
-            source="allocator at OOM",
-        )
-        # The capture is exact and from the very moment; the message is rounded to 2 decimals.
-        state = captured.merged(state)
-    if state.device_type == "cpu" or oom.kind == "cpu":
+# ==================================================================================================
+# The device's memory at the failure
+# ==================================================================================================
+
+
+def memory_at_failure(oom, probe=None, capture=None, *, pid: Optional[int] = None,
+                      executable: Optional[str] = None) -> Tuple[DeviceMemory, Tuple[int, ...]]:
+    """The failing device's memory, and the pids that may be this kernel.
+
+    The allocator's capture is exact and from the very moment, the message is rounded to two
+    decimals, and a reading now comes after the failing cell's frames were unwound: each source
+    only fills what the better ones left unknown.
+    """
+    memory = DeviceMemory.from_message(oom)
+    if oom.process_in_use is None and oom.other_processes:
+        # Torch did not find this process among NVML's lines (a container's host pids), and the
+        # message's arithmetic keeps the largest line that can hold PyTorch's reservation as this
+        # process, even when several can: every line goes back, and find_this_process decides,
+        # saying "may be this kernel" when it cannot.
+        memory = replace(memory, processes=tuple((pid, n, None) for pid, n in oom.other_processes),
+                         process_used=None)
+    device = memory.device
+    if capture is not None and (device is None or (device.is_cuda and device.index in (None, capture.device))):
+        memory = DeviceMemory.from_capture(capture, capped=oom.allowed is not None).merged(memory)
+    if memory.is_host or oom.kind == "cpu":
         rss = probe.host.rss() if probe is not None else None
-        state = state.merged(host_state(rss))
-    elif probe is not None and state.index is not None:
-        state = state.merged(_device_now(probe, state.index))
-    return state
+        memory = memory.merged(DeviceMemory.host(rss))
+    elif probe is not None and memory.device is not None and memory.device.is_cuda and memory.device.index is not None:
+        memory = memory.merged(_device_now(probe, memory.device.index))
+    return find_this_process(memory, (os.getpid() if pid is None else pid,),
+                             sys.executable if executable is None else executable,
+                             torch_found_it=oom.process_in_use is not None)
 
 
-def _device_now(probe, index: int) -> MemoryState:
-    """A reading of CUDA device ``index`` now, with NVML's process list (slow; only at an OOM)."""
-    cuda, _ = probe.cuda.status()
-    if cuda is None:
-        return MemoryState(device=f"cuda:{index}")
+def _device_now(probe, index: int) -> DeviceMemory:
+    """A reading of CUDA device ``index`` now, with NVML's process list (slow: ~5 ms, so only at an OOM)."""
     try:
-        allocated, reserved, _, _ = probe.cuda.counters(index)
-        used, total = probe.cuda.device_memory(index)
-    except Exception:  # noqa: BLE001
-        allocated = reserved = used = total = None
-    processes, own = [], None
+        samples, _reason = probe.cuda.sample([index])
+    except Exception:  # noqa: BLE001 - a failing probe costs this reading, not the panel
+        samples = ()
+    now = DeviceMemory.from_sample(samples[0], source="probe after the error") if samples else \
+        DeviceMemory(device=cuda(index))
     try:
         uuid = probe.cuda.properties(index)[2]
-        for pid, nbytes, name in probe.cuda.nvml.processes(index, uuid):
-            if pid == os.getpid():
-                own = nbytes
-            else:
-                processes.append((pid, nbytes, name))
-    except Exception:  # noqa: BLE001
-        pass
-    return MemoryState(device=f"cuda:{index}", total=total, allocated=allocated, reserved=reserved, used=used,
-                       process_used=own, processes=tuple(processes), source="probe after the error")
+        processes = tuple(probe.cuda.nvml.processes(index, uuid))
+    except Exception:  # noqa: BLE001 - no NVML: the message's process list, if any, stays
+        processes = ()
+    return replace(now, processes=processes) if processes else now
 
 
-@dataclass(frozen=True)
-class OomAnalysis:
-    """Everything known about one out-of-memory failure: what the panel shows, as data.
+def find_this_process(memory: DeviceMemory, own_pids: Iterable[int], executable: str, *,
+                      torch_found_it: bool = False) -> Tuple[DeviceMemory, Tuple[int, ...]]:
+    """Take this kernel's line out of ``memory.processes``; return the pids that may still be it.
 
-    Attributes:
-        oom: the parsed message (``OomReport``).
-        state: the failing device's memory (``MemoryState``), best source first.
-        who: who held the memory on that device (``WhoReport``), or None.
-        findings: the ranked diagnosis (``Finding``s).
-        records: the recent cell records the diagnosis looked at, oldest first.
-        error_name: the exception's class name.
+    NVML lists every process with a context on the device, this kernel included, but in a
+    container under its host pid, which ``os.getpid()`` never equals. So, in order:
+
+    1. a listed pid in ``own_pids`` (``os.getpid()``) is this kernel;
+    2. when torch itself found this process (``torch_found_it``: the message says "this process
+       has"), every listed process is another one;
+    3. otherwise this kernel is one of the listed processes that can hold PyTorch's reservation
+       (this process holds at least that, plus its CUDA context: no upper bound, since JAX or
+       TensorFlow in the same kernel may hold far more) and runs the same program as
+       ``executable`` (a known name that differs rules a process out). One such candidate is
+       this kernel; several are each "may be this kernel".
+
+    Returns:
+        ``(memory, maybe_own)``: the memory with this kernel's line moved to ``process_used``
+        when recognised, and the pids that may be this kernel otherwise.
     """
+    procs = list(memory.processes)
+    own_pids = set(own_pids)
+    mine = [p for p in procs if p[0] in own_pids]
+    if mine:
+        return _as_own(memory, procs, mine[0]), ()
+    if torch_found_it or not procs or memory.device is None or not memory.device.is_cuda:
+        return memory, ()
+    candidates = [p for p in procs if _could_be_this(p, memory.reserved, executable)]
+    if len(candidates) == 1:
+        return _as_own(memory, procs, candidates[0]), ()
+    return memory, tuple(p[0] for p in candidates)
 
-    oom: Any
-    state: MemoryState
-    who: Any
-    findings: Tuple[Any, ...]
-    records: Tuple[Any, ...]
-    error_name: str = ""
+
+def _as_own(memory: DeviceMemory, procs, own: Process) -> DeviceMemory:
+    rest = tuple(p for p in procs if p[0] != own[0])
+    used = memory.process_used if memory.process_used is not None else own[1]
+    return replace(memory, processes=rest, process_used=used)
 
 
-def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = (), probe=None,
-            capture=None, tb=None, env=None, who_fn=None) -> OomAnalysis:
-    """Everything known about a cell that failed with ``oom`` (an ``OomReport``).
+def _could_be_this(p: Process, reserved: Optional[int], executable: str) -> bool:
+    _pid, nbytes, name = p
+    if reserved is not None and nbytes is not None:
+        slack = 16 * MiB + reserved // 100  # the message's two-decimal rounding
+        if nbytes + slack < reserved:
+            return False  # this kernel holds at least what PyTorch reserved
+    return _same_program(name, executable)
 
-    Args:
-        oom: the parsed message.
-        record: the failing cell's ``CellRecord`` (its source, error name).
-        namespace: the user's namespace, for who holds the memory (None skips that section).
-        records: earlier records, oldest first.
-        probe: the ``MemoryProbe``, for a reading now (device, NVML processes, host RAM).
-        capture: an ``OomCapture`` from the allocator's observer, if one fired in this cell.
-        tb: the failing traceback (``sys.last_traceback``).
-        env: environment variables for the diagnosis (default ``os.environ``).
-        who_fn: ``who(namespace, device=..., allocator_total=...)``; the attribution module's by default.
-    """
-    state = state_at_failure(oom, probe, capture)
-    who_report = None
-    if namespace is not None:
-        if who_fn is None:
-            from ..who.attribution import who as who_fn
-        device = state.device if state.device not in ("", "unknown") else None
-        if device is not None and device.split(":")[0] not in ("cuda", "cpu"):
-            device = None  # mps/xpu tensors are counted with every device
-        total = state.allocated if device is not None and device.startswith("cuda") else None
-        try:
-            who_report = who_fn(namespace, device=device, allocator_total=total)
-        except Exception:  # noqa: BLE001 - the panel still explains the message without it
-            who_report = None
-    findings = explain(oom, state, who_report, records, failing_source=getattr(record, "source", "") or "",
-                       traceback_frames=traceback_frames(tb), env=env if env is not None else os.environ,
-                       modules=list(sys.modules))
-    return OomAnalysis(oom, state, who_report, tuple(findings), tuple(records),
-                       error_name=getattr(record, "error", "") or "")
+
+def _same_program(name: Optional[str], executable: str) -> bool:
+    """Whether NVML's process name can be this interpreter (an unknown name can be anything)."""
+    if not name or not name.strip() or name.strip().startswith("["):  # "[Not Found]": no name
+        return True
+    theirs = os.path.basename(name.strip().split()[0]).lower()
+    ours = {os.path.basename(executable).lower(), os.path.basename(os.path.realpath(executable)).lower()}
+    # python, python3, python3.11: a venv's symlink and the binary NVML names are one interpreter.
+    return theirs in ours or (theirs.startswith("python") and any(o.startswith("python") for o in ours))

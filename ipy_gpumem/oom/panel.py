@@ -1,27 +1,27 @@
-"""The out-of-memory panel: headline, the device's memory in layers, who holds it, earlier cells and the diagnosis.
+"""The out-of-memory panel: the request against the device's memory in layers, who holds it, earlier cells, and the diagnosis.
 
-``oom_panel_view()`` turns plain data (an ``OomReport``, a ``MemoryState``, ``Finding``s, a
-``WhoReport``, ``CellRecord``s) into a ``View``: aligned text for terminal IPython and
-self-contained HTML (inline styles, no script, no external resource) for notebooks. Colours are
-mid-tone with the text colour inherited, so the panel reads in light and dark themes alike.
-Everything that comes from the user or the message is HTML-escaped.
+:func:`oom_panel` turns an ``OomAnalysis`` into one list of parts (``display.parts``) that renders
+to aligned text for terminal IPython and to self-contained HTML (inline styles, no script, no
+external resource) for notebooks, so the two cannot disagree. The panel sits right under the
+user's traceback, so it never repeats the error message: its headline states the request once,
+in torch's spelling. Colours are mid-tones with the text colour inherited, so the panel reads in
+light and dark themes alike; ``parts`` escapes everything that came from the user or the message.
 """
 from __future__ import annotations
 
-import textwrap
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from .diagnose import Finding, MemoryState, cell_deltas
-from ..display.view import View, details_html, esc, html_table, text_table, wrap_html as _wrap
-from ..who.view import who_section
+from ..core.memory import DeviceMemory
+from ..core.text import first_line
 from ..core.units import format_bytes, format_delta
+from ..display.parts import Block, Code, Details, Heading, Line, Numbered, Para, Raw, Span, Table, render
+from ..display.view import View, esc
+from ..who.view import who_section
 
-__all__ = ["oom_panel", "oom_panel_view", "headline", "memory_layers", "Segment", "BAR_WIDTH"]
+__all__ = ["oom_panel", "headline", "memory_layers", "Segment", "BAR_WIDTH"]
 
 BAR_WIDTH = 60  # characters of the text bar
-_TEXT_WIDTH = 100  # wrap width of the text findings
-_MESSAGE_CHARS = 300  # the message is in the traceback above; the panel shows its start
 
 # Layer key -> (bar character, colour). Colours are mid-tones readable on white and on
 # JupyterLab's dark grey; "free" is a translucent grey that takes the theme's background.
@@ -34,12 +34,58 @@ _STYLE = {
 }
 _REQUEST_COLOUR = "#2f80ed"
 _BORDER = "1px solid rgba(128,128,128,0.55)"
-_DIM = "opacity:0.75"
 _CONFIDENCE_COLOUR = {"certain": "#2e9e58", "likely": "#b7791f", "possible": "rgba(128,128,128,0.9)"}
+_PANEL_STYLE = f"border-left:3px solid {_STYLE['allocated'][1]};padding:4px 10px;max-width:980px"
+
+
+def oom_panel(analysis, *, max_holders: int = 8, max_cells: int = 5) -> View:
+    """The panel for an ``OomAnalysis`` (see :func:`ipy_gpumem.oom.analysis.analyse`).
+
+    Sections, in order: the headline (the request against free), the device's memory in layers
+    with the request drawn against the free part, who holds it, what earlier cells left behind,
+    and the numbered diagnosis. ``View.data`` is the analysis itself.
+    """
+    parts = [
+        _headline(analysis),
+        _layers(analysis),
+        _who(analysis.who, max_holders),
+        _earlier(analysis, max_cells),
+        _diagnosis(analysis),
+    ]
+    return render(parts, gap="\n\n", style=_PANEL_STYLE, data=analysis)
 
 
 # ==================================================================================================
-# The layers
+# 1. The headline
+# ==================================================================================================
+
+
+def headline(memory: DeviceMemory, requested: Optional[int], free: Optional[int]) -> str:
+    """``Out of memory on cuda:0: tried to allocate 2.32 GiB with 182.75 MiB free (15.78 GiB total)``."""
+    kind = memory.device.type if memory.device is not None else ""
+    where = "the host (cpu)" if memory.is_host else ("an unknown device" if memory.device is None else memory.label)
+    free_word, total_word = {"cpu": ("available", "RAM"), "mps": ("free below the limit", "max allowed")}.get(
+        kind, ("free", "total"))
+    what = f"tried to allocate {format_bytes(requested)}" if requested is not None \
+        else "an allocation of unknown size failed"
+    have = f" with {format_bytes(free)} {free_word}" if free is not None else f" with unknown {free_word} memory"
+    total = f" ({format_bytes(memory.total)} {total_word})" if memory.total is not None else f" ({total_word} unknown)"
+    return f"Out of memory on {where}: {what}{have}{total}"
+
+
+def _free(analysis) -> Optional[int]:
+    # The message's own "free" is what the allocator saw; a later reading may differ.
+    free = getattr(analysis.oom, "free", None)
+    return free if free is not None else analysis.memory.free
+
+
+def _headline(analysis) -> Line:
+    text = headline(analysis.memory, getattr(analysis.oom, "requested", None), _free(analysis))
+    return Line(Span(text, "font-size:13px;font-weight:700"))
+
+
+# ==================================================================================================
+# 2. The layers
 # ==================================================================================================
 
 
@@ -48,9 +94,9 @@ class Segment:
     """One drawn part of the device: a layer, or adjacent layers whose split is unknown.
 
     Attributes:
-        keys: Layer keys it covers (``("allocated",)``, or ``("unallocated", "outside")``).
-        label: Legend text, e.g. ``"reserved but unallocated"``.
-        size: Bytes, or None when unknown.
+        keys: layer keys it covers (``("allocated",)``, or ``("unallocated", "outside")``).
+        label: legend text, e.g. ``"reserved but unallocated"``.
+        size: bytes, or None when unknown.
     """
 
     keys: Tuple[str, ...]
@@ -62,24 +108,24 @@ class Segment:
         return self.keys[0]
 
 
-def _layer_bounds(state: MemoryState) -> List[Tuple[str, str, Optional[int]]]:
+def _layer_bounds(memory: DeviceMemory) -> List[Tuple[str, str, Optional[int]]]:
     """``(key, label, upper boundary in bytes)`` from the bottom of the device to its total."""
-    kind = state.device_type
-    if kind == "cpu":
-        return [("process", "this process (RSS)", state.process_used),
-                ("outside", "other processes and the OS", state.used),
-                ("free", "available", state.total)]
+    kind = memory.device.type if memory.device is not None else ""
+    if memory.is_host:
+        return [("process", "this process (RSS)", memory.process_used),
+                ("outside", "other processes and the OS", memory.used),
+                ("free", "available", memory.total)]
     if kind == "mps":
-        return [("allocated", "allocated by PyTorch", state.allocated),
-                ("outside", "other allocations", state.used),
-                ("free", "free below the limit", state.total)]
-    return [("allocated", "allocated by PyTorch", state.allocated),
-            ("unallocated", "reserved but unallocated", state.reserved),
-            ("outside", "outside PyTorch (CUDA context, other processes)", state.used),
-            ("free", "free", state.total)]
+        return [("allocated", "allocated by PyTorch", memory.allocated),
+                ("outside", "other allocations", memory.used),
+                ("free", "free below the limit", memory.total)]
+    return [("allocated", "allocated by PyTorch", memory.allocated),
+            ("unallocated", "reserved but unallocated", memory.reserved),
+            ("outside", "outside PyTorch (CUDA context, other processes)", memory.used),
+            ("free", "free", memory.total)]
 
 
-def memory_layers(state: MemoryState) -> List[Segment]:
+def memory_layers(memory: DeviceMemory) -> List[Segment]:
     """The device from bottom to top as segments; a layer whose boundary is unknown merges upward.
 
     With ``allocated`` and ``used`` known but ``reserved`` unknown, "reserved but unallocated" and
@@ -89,7 +135,7 @@ def memory_layers(state: MemoryState) -> List[Segment]:
     out: List[Segment] = []
     prev = 0
     pending: List[Tuple[str, str]] = []
-    for key, label, bound in _layer_bounds(state):
+    for key, label, bound in _layer_bounds(memory):
         pending.append((key, label))
         if bound is None:
             continue
@@ -102,134 +148,45 @@ def memory_layers(state: MemoryState) -> List[Segment]:
     return out
 
 
-def _drawable(segments: Sequence[Segment]) -> bool:
-    return bool(segments) and segments[-1].size is not None and sum(s.size or 0 for s in segments) > 0
-
-
-# ==================================================================================================
-# The view
-# ==================================================================================================
-
-
-def oom_panel(analysis) -> View:
-    """The panel for an ``OomAnalysis`` (see :func:`ipy_gpumem.oom.analysis.analyse`)."""
-    return oom_panel_view(analysis.oom, analysis.state, analysis.findings, analysis.who, analysis.records,
-                          error_name=analysis.error_name)
-
-
-def oom_panel_view(
-    oom: Any,
-    state: MemoryState,
-    findings: Sequence[Finding],
-    who: Any = None,
-    records: Sequence[Any] = (),
-    *,
-    error_name: str = "",
-    max_holders: int = 8,
-) -> View:
-    """The out-of-memory panel as text and HTML.
-
-    Sections, in order: the headline (request against free), the device's memory in layers with
-    the request drawn against the free part, who holds it (when ``who`` is given), what earlier
-    cells left behind (when ``records`` show growth), and the numbered diagnosis.
-
-    Args:
-        oom: The ``OomReport``, or None.
-        state: The device's memory at failure.
-        findings: Ranked ``Finding``s from :func:`ipy_gpumem.core.diagnose.explain`.
-        who: A ``WhoReport`` for the device, or None.
-        records: Recent ``CellRecord``s, oldest first.
-        error_name: The exception's name; ``oom.exception_type`` when empty.
-        max_holders: Holder rows shown.
-
-    Returns:
-        A :class:`~ipy_gpumem.display.view.View`.
-    """
-    requested = getattr(oom, "requested", None)
-    free = oom.free if oom is not None and getattr(oom, "free", None) is not None else state.free
-    parts = [
-        _headline(oom, state, requested, free, error_name),
-        _layers(state, requested, free),
-        who_section(who, max_holders),
-        _cells_section(records, state),
-        _diagnosis(findings),
-    ]
-    parts = [p for p in parts if p is not None]
-    text = "\n\n".join(t for t, _ in parts)
-    inner = "".join(h for _, h in parts)
-    html = _wrap(f'<div class="gm-oom" style="border-left:3px solid {_STYLE["allocated"][1]};'
-                 f'padding:4px 10px;max-width:980px">{inner}</div>')
-    return View(text, html)
-
-
-# --------------------------------------------------------------------------------------------------
-# 1. Headline
-
-
-def headline(state: MemoryState, requested: Optional[int], free: Optional[int]) -> str:
-    """``Out of memory on cuda:0: tried to allocate 2.32 GiB with 182.75 MiB free (15.78 GiB total)``."""
-    kind = state.device_type
-    where = "the host (cpu)" if kind == "cpu" else (state.device or "an unknown device")
-    free_word, total_word = {"cpu": ("available", "RAM"), "mps": ("free below the limit", "max allowed")}.get(
-        kind, ("free", "total"))
-    what = f"tried to allocate {format_bytes(requested)}" if requested is not None \
-        else "an allocation of unknown size failed"
-    have = f" with {format_bytes(free)} {free_word}" if free is not None else f" with unknown {free_word} memory"
-    total = f" ({format_bytes(state.total)} {total_word})" if state.total is not None else f" ({total_word} unknown)"
-    return f"Out of memory on {where}: {what}{have}{total}"
-
-
-def _headline(oom, state, requested, free, error_name) -> Tuple[str, str]:
-    line = headline(state, requested, free)
-    name = error_name or getattr(oom, "exception_type", None) or ""
-    message = getattr(oom, "message", "") or ""
-    if len(message) > _MESSAGE_CHARS:
-        message = message[: _MESSAGE_CHARS - 1] + "…"
-    said = f"{name}: {message}" if name and message else (name or message)
-    text = line + (f"\n{said}" if said else "")
-    html = (f'<div style="font-size:13px;font-weight:700;margin:2px 0">{esc(line)}</div>'
-            + (f'<div style="{_DIM};white-space:pre-wrap;margin-bottom:4px">{esc(said)}</div>' if said else ""))
-    return text, html
-
-
-# --------------------------------------------------------------------------------------------------
-# 2. The bar
-
-
-def _layers(state: MemoryState, requested: Optional[int], free: Optional[int]) -> Tuple[str, str]:
-    segments = memory_layers(state)
-    drawable = _drawable(segments)
+def _layers(analysis) -> Raw:
+    """The bar, the request marker and the legend, both renderings from one list of segments."""
+    memory = analysis.memory
+    requested = getattr(analysis.oom, "requested", None)
+    free = _free(analysis)
+    segments = memory_layers(memory)
+    drawable = bool(segments) and segments[-1].size is not None and sum(s.size or 0 for s in segments) > 0
     whole = sum(s.size or 0 for s in segments) if drawable else None
-    text_lines, legend_html = [], []
+    # A request larger than the whole bar cannot be drawn to scale; the headline states it and
+    # the diagnosis says what that means, so the bar does not say it a third time.
+    marker = drawable and requested and requested <= whole
+    text, html = [], []
     if drawable:
-        text_lines.append("[" + _text_bar(segments, whole) + "]")
-        if requested:
-            text_lines.append(_text_request(requested, whole, free))
+        text.append("[" + _text_bar(segments, whole) + "]")
+        html.append(_html_bar(segments, whole))
+        if marker:
+            note = _request_note(requested, free)
+            n = min(BAR_WIDTH, max(1, round(BAR_WIDTH * requested / whole)))
+            text.append(" " + " " * (BAR_WIDTH - n) + "^" * n + f" {note}")
+            html.append(_html_request(requested, whole, note))
     else:
-        text_lines.append(f"{state.device}: no bar (total capacity unknown)")
+        no_bar = f"{memory.label}: no bar (total capacity unknown)"
+        text.append(no_bar)
+        html.append(f'<div style="opacity:0.75">{esc(no_bar)}</div>')
+    legend = []
     for seg in segments:
         char, colour = _seg_style(seg)
         size = format_bytes(seg.size) if seg.size is not None else "unknown"
         share = f"{100.0 * seg.size / whole:5.1f}%" if whole and seg.size is not None else ""
-        text_lines.append(f"  {char} {seg.label:<52}{size:>12}  {share}".rstrip())
-        legend_html.append(
+        text.append(f"  {char} {seg.label:<52}{size:>12}  {share}".rstrip())
+        legend.append(
             f'<span style="white-space:nowrap;margin-right:14px"><span style="display:inline-block;width:10px;'
             f'height:10px;background:{colour};border:{_BORDER};vertical-align:middle;margin-right:4px"></span>'
             f"{esc(seg.label)}: <b>{esc(size)}</b>" + (f" ({share.strip()})" if share else "") + "</span>")
-    if state.source:
-        text_lines.append(f"  (numbers from: {state.source})")
-    html = ""
-    if drawable:
-        html += _html_bar(segments, whole)
-        if requested:
-            html += _html_request(requested, whole, free)
-    else:
-        html += f'<div style="{_DIM}">{esc(state.device)}: no bar (total capacity unknown)</div>'
-    html += f'<div style="margin:3px 0 6px 0;line-height:1.7">{"".join(legend_html)}'
-    if state.source:
-        html += f'<span style="{_DIM}">numbers from: {esc(state.source)}</span>'
-    html += "</div>"
-    return "\n".join(text_lines), html
+    if memory.source:
+        text.append(f"  (numbers from: {memory.source})")
+        legend.append(f'<span style="opacity:0.75">numbers from: {esc(memory.source)}</span>')
+    html.append(f'<div style="margin:3px 0 6px 0;line-height:1.7">{"".join(legend)}</div>')
+    return Raw("\n".join(text), "".join(html))
 
 
 def _seg_style(seg: Segment) -> Tuple[str, str]:
@@ -254,104 +211,78 @@ def _text_bar(segments: Sequence[Segment], whole: int) -> str:
     return "".join(_seg_style(s)[0] * n for s, n in zip(segments, counts))
 
 
-def _request_note(requested: int, free: Optional[int], whole: Optional[int] = None) -> str:
-    note = f"requested {format_bytes(requested)}"
-    if whole and requested > whole:
-        note += f" (more than the whole {format_bytes(whole)})"
-    elif free is not None and requested > free:
-        note += f" ({format_bytes(requested - free)} more than free)"
-    elif free is not None:
-        note += f" (fits in the {format_bytes(free)} free: not a question of total size)"
-    return note
-
-
-def _text_request(requested: int, whole: int, free: Optional[int]) -> str:
-    n = min(BAR_WIDTH, max(1, round(BAR_WIDTH * requested / whole)))
-    return " " + " " * (BAR_WIDTH - n) + "^" * n + f" {_request_note(requested, free, whole)}"
-
-
-def _widths(segments: Sequence[Segment], whole: int) -> List[float]:
-    return [100.0 * (s.size or 0) / whole for s in segments]
+def _request_note(requested: int, free: Optional[int]) -> str:
+    """What the marker under the bar means; the request's size is in the headline already."""
+    if free is None:
+        return "the request"
+    if requested > free:
+        return f"the request: {format_bytes(requested - free)} more than free"
+    return f"the request fits in the {format_bytes(free)} free: not a question of total size"
 
 
 def _html_bar(segments: Sequence[Segment], whole: int) -> str:
     cells = []
-    for seg, width in zip(segments, _widths(segments, whole)):
+    for seg in segments:
         _char, colour = _seg_style(seg)
-        size = format_bytes(seg.size)
-        cells.append(f'<div class="gm-seg" title="{esc(seg.label)}: {esc(size)}" '
+        width = 100.0 * (seg.size or 0) / whole
+        cells.append(f'<div class="gm-seg" title="{esc(seg.label)}: {esc(format_bytes(seg.size))}" '
                      f'style="width:{width:.3f}%;background:{colour};height:100%"></div>')
     return (f'<div class="gm-bar" style="display:flex;width:100%;height:16px;border:{_BORDER};'
             f'border-radius:2px;overflow:hidden;box-sizing:border-box">{"".join(cells)}</div>')
 
 
-def _html_request(requested: int, whole: int, free: Optional[int]) -> str:
+def _html_request(requested: int, whole: int, note: str) -> str:
     width = min(100.0, 100.0 * requested / whole)
-    note = esc(_request_note(requested, free, whole))
     return (f'<div style="display:flex;justify-content:flex-end;width:100%;margin-top:2px">'
-            f'<div class="gm-request" title="{note}" style="width:{width:.3f}%;min-width:3px;height:8px;'
+            f'<div class="gm-request" title="{esc(note)}" style="width:{width:.3f}%;min-width:3px;height:8px;'
             f'border:1.5px dashed {_REQUEST_COLOUR};box-sizing:border-box"></div></div>'
-            f'<div style="text-align:right;color:{_REQUEST_COLOUR};font-weight:600">{note}</div>')
+            f'<div style="text-align:right;color:{_REQUEST_COLOUR};font-weight:600">{esc(note)}</div>')
 
 
-# --------------------------------------------------------------------------------------------------
-# 4. Earlier cells
+# ==================================================================================================
+# 3. Who holds it, 4. earlier cells
+# ==================================================================================================
 
 
-def _cells_section(records: Sequence[Any], state: MemoryState) -> Optional[Tuple[str, str]]:
-    rows = cell_deltas(records or (), state)[:5]
+def _who(who: Any, max_holders: int):
+    try:
+        section = who_section(who, max_holders)
+    except Exception as exc:  # noqa: BLE001 - a section that cannot be drawn must not cost the panel
+        return Para(f"(who holds it: not shown, {type(exc).__name__}: {exc})", "dim")
+    if isinstance(section, tuple):  # who/view.py before it returned parts: its own two renderings
+        return Raw(*section)
+    return section
+
+
+def _earlier(analysis, max_cells: int) -> Optional[Details]:
+    rows = analysis.earlier[:max_cells]
     if not rows:
         return None
-    what = "Δhost RSS" if state.device_type == "cpu" else "Δallocated"
-    table = []
-    for rec, delta in rows:
-        first = rec.first_line if len(rec.first_line) <= 60 else rec.first_line[:59] + "…"
-        note = f" ({rec.error})" if getattr(rec, "error", None) else ""
-        table.append([rec.label + note, format_delta(delta), first])
-    title = f"What earlier cells left behind ({what}, largest first)"
-    text = title + "\n" + _indent(text_table(["cell", what, "source"], table, left=(0, 2)))
+    what = "Δhost RSS" if analysis.memory.is_host else "Δallocated"
+    table = [[rec.label + (f" ({rec.error})" if getattr(rec, "error", None) else ""), format_delta(delta),
+              first_line(rec.source, 60)] for rec, delta in rows]
     summary = "What earlier cells left behind: " + ", ".join(f"{r[0]} {r[1]}" for r in table[:3])
-    body = html_table(["cell", what, "source"], table, left=(0, 2), src_col=2)
-    return text, details_html(summary, body)
+    return Details(summary, (Table(["cell", what, "source"], table, left=(0, 2), src_col=2, indent="  "),),
+                   title=f"What earlier cells left behind ({what}, largest first)")
 
 
-# --------------------------------------------------------------------------------------------------
-# 5. Diagnosis
+# ==================================================================================================
+# 5. The diagnosis
+# ==================================================================================================
 
 
-def _diagnosis(findings: Sequence[Finding]) -> Tuple[str, str]:
-    if not findings:
-        msg = "Diagnosis: nothing specific found in the numbers given."
-        return msg, f'<div style="{_DIM}">{esc(msg)}</div>'
-    text = ["Diagnosis"]
+def _diagnosis(analysis) -> Block:
+    notes = [Para(f"(not shown: the {error})", "dim") for error in analysis.rule_errors]
+    if not analysis.findings:
+        return Block([Para("Diagnosis: nothing specific found in the numbers given.", "dim")] + notes)
     items = []
-    for n, f in enumerate(findings, 1):
-        text.append(f"{n}. {f.title}  [{f.confidence}]")
-        text.extend(_wrap_text(f.detail, "   ", "   "))
-        text.extend(_wrap_text("Fix: " + f.fix, "   ", "        "))
-        if f.snippet:
-            text.extend("       " + line for line in f.snippet.splitlines())
+    for f in analysis.findings:
         colour = _CONFIDENCE_COLOUR.get(f.confidence, _CONFIDENCE_COLOUR["possible"])
-        snippet = (f'<pre style="margin:3px 0;padding:4px 6px;background:rgba(128,128,128,0.12);border:{_BORDER};'
-                   f'border-radius:3px;white-space:pre;overflow-x:auto;color:inherit">{esc(f.snippet)}</pre>'
-                   if f.snippet else "")
-        items.append(
-            f'<li class="gm-finding" data-key="{esc(f.key)}" style="margin:4px 0">'
-            f"<b>{esc(f.title)}</b> "
-            f'<span style="font-size:10px;border:1px solid {colour};color:{colour};border-radius:3px;'
-            f'padding:0 4px">{esc(f.confidence)}</span>'
-            f'<div style="white-space:normal">{esc(f.detail)}</div>'
-            f'<div style="white-space:normal"><b>Fix:</b> {esc(f.fix)}</div>{snippet}</li>')
-    html = ('<div style="font-weight:700;margin-top:6px">Diagnosis</div>'
-            f'<ol style="margin:2px 0;padding-left:22px">{"".join(items)}</ol>')
-    return "\n".join(text), html
-
-
-def _wrap_text(text: str, first: str, rest: str) -> List[str]:
-    # Break at spaces only: hyphenated words and long code spans stay whole.
-    return textwrap.wrap(text, _TEXT_WIDTH, initial_indent=first, subsequent_indent=rest,
-                         break_on_hyphens=False, break_long_words=False)
-
-
-def _indent(block: str) -> str:
-    return "\n".join("  " + line for line in block.splitlines())
+        badge = f"font-size:10px;border:1px solid {colour};color:{colour};border-radius:3px;padding:0 4px"
+        item = [Line(Span(f.title, "bold"), "  ", Span(f"[{f.confidence}]", badge)),
+                Para(f.detail),
+                Para("Fix: " + f.fix, hanging="     ")]
+        if f.snippet:
+            item.append(Code(f.snippet))
+        items.append(item)
+    return Block([Heading("Diagnosis"), Numbered(items)] + notes)

@@ -1,0 +1,128 @@
+"""Turn an out-of-memory failure into a few ranked, concrete fixes, each citing a number or a line of the user's code.
+
+:func:`explain` reads plain inputs (an ``OomReport``, the device's ``DeviceMemory``, a ``WhoReport``
+with typed holders, the cells' records, the traceback's frames as strings, the environment) and
+runs every rule over the same :class:`~.facts.Facts`. The rules live by subject: ``device``
+(the request against the device, fragmentation, other processes, the CUDA context),
+``training`` (activations, graphs kept, optimizer state, gradients), ``session`` (IPython's
+references, earlier cells, checkpoints), and ``runtimes`` (host RAM, cuBLAS/cuDNN, MPS, other
+runtimes). Each rule is a plain function of the facts that returns a :class:`Finding` or None,
+so tests call them one by one. Nothing here imports IPython or torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
+
+from ...core.memory import DeviceMemory
+
+__all__ = ["Finding", "FINDING_KEYS", "CONFIDENCES", "MAX_FINDINGS", "RULES", "explain"]
+
+#: Every key ``explain()`` can return, roughly in the order they usually rank.
+FINDING_KEYS = (
+    "request_exceeds_device", "activations", "graphs_kept", "optimizer_state", "gradients",
+    "fragmentation", "other_processes", "cuda_context_and_libraries", "checkpoint_on_gpu",
+    "ipython_refs", "earlier_cells", "cpu_oom", "cublas_cudnn", "mps", "other_runtime", "shortfall",
+)
+CONFIDENCES = ("certain", "likely", "possible")
+MAX_FINDINGS = 6
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One cause of the failure and the change that addresses it.
+
+    Attributes:
+        key: stable id, one of :data:`FINDING_KEYS`.
+        title: one line with the number, e.g. "Adam keeps two buffers the size of the weights: 1.50 GiB".
+        detail: why, with numbers, in torch's vocabulary; 1-3 sentences.
+        fix: the concrete change, one sentence.
+        snippet: code the user can paste (may be "").
+        frees: bytes the change would free or avoid, for ranking; None if unknown.
+        confidence: ``"certain"``, ``"likely"`` or ``"possible"``.
+    """
+
+    key: str
+    title: str
+    detail: str
+    fix: str
+    snippet: str = ""
+    frees: Optional[int] = None
+    confidence: str = "likely"
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-serialisable copy."""
+        return {"key": self.key, "title": self.title, "detail": self.detail, "fix": self.fix,
+                "snippet": self.snippet, "frees": self.frees, "confidence": self.confidence}
+
+
+# Imported after Finding: the rule modules build Findings.
+from . import device, runtimes, session, training  # noqa: E402
+from .facts import Facts  # noqa: E402
+
+#: Every rule, in the order they run (the order only breaks ties in the ranking).
+RULES = device.RULES + training.RULES + session.RULES + runtimes.RULES
+
+
+def explain(
+    oom: Any,
+    memory: DeviceMemory,
+    who: Any = None,
+    earlier: Sequence[Any] = (),
+    *,
+    failing: Any = None,
+    failing_source: Optional[str] = None,
+    frames: Sequence[Sequence[str]] = (),
+    env: Optional[Mapping[str, str]] = None,
+    requested: Optional[int] = None,
+    modules: Optional[Iterable[str]] = None,
+    maybe_own: Iterable[int] = (),
+    on_error: Optional[Callable[[str, BaseException], None]] = None,
+) -> List[Finding]:
+    """Ranked findings, most useful first: certain before likely before possible, then by bytes freed.
+
+    Args:
+        oom: the parsed message, or None (a state probed without an error).
+        memory: the failing device's memory (see ``DeviceMemory.from_message`` and ``merged``).
+        who: a ``WhoReport`` for the failing device, or None.
+        earlier: the cells before the failing one, oldest first.
+        failing: the failing cell's ``CellRecord`` (its source, its peak), or None.
+        failing_source: the failing cell's source; ``failing.source`` when None.
+        frames: ``(filename, function, source line)`` of the failing traceback, innermost last.
+        env: environment variables (``PYTORCH_CUDA_ALLOC_CONF`` ...); ``os.environ`` when None.
+        requested: bytes that failed; overrides ``oom.requested``.
+        modules: names of imported modules (to recognise TensorFlow or JAX sharing the GPU);
+            ``sys.modules`` when None.
+        maybe_own: pids in ``memory.processes`` that may be this kernel: never offered for ``kill``.
+        on_error: called with a rule's name and its exception when the rule fails; the other
+            findings are returned all the same.
+
+    Returns:
+        At most :data:`MAX_FINDINGS` findings; never empty when ``oom`` is given. When the request
+        alone is larger than the device, only what bears on the request's size is returned:
+        nothing that frees memory can make it fit, so no such finding may look "likely".
+    """
+    facts = Facts.build(oom, memory, who, earlier, failing=failing, failing_source=failing_source, frames=frames,
+                        env=env, requested=requested, modules=modules, maybe_own=maybe_own)
+    found: List[Finding] = []
+    for rule in RULES:
+        try:
+            finding = rule(facts)
+        except Exception as exc:  # one broken rule must not cost the user the other findings
+            if on_error is not None:
+                on_error(rule.__name__, exc)
+            continue
+        if finding is not None:
+            found.append(finding)
+    impossible = [f for f in found if f.key == "request_exceeds_device"]
+    if impossible:
+        found = impossible
+    if not found and oom is not None:
+        found.append(device.shortfall(facts))
+    found.sort(key=rank)
+    return found[:MAX_FINDINGS]
+
+
+def rank(f: Finding) -> tuple:
+    """The sort key: an impossible request first, then confidence, then bytes freed (known before unknown)."""
+    return (f.key != "request_exceeds_device", CONFIDENCES.index(f.confidence), f.frees is None, -(f.frees or 0))

@@ -1,0 +1,278 @@
+"""Rules about the device itself: a request larger than it, fragmentation, other processes, the CUDA context, and the shortfall fallback."""
+from __future__ import annotations
+
+import math
+import re
+from typing import Mapping, Optional
+
+from ...core.text import clip
+from ...core.units import GiB, MiB
+from . import Finding
+from .facts import BATCH, Facts, size_clues
+from .words import b, pct, times
+
+__all__ = ["RULES", "request_exceeds_device", "fragmentation", "other_processes", "cuda_context_and_libraries",
+           "shortfall"]
+
+#: A ratio past which nobody meant the size: the number itself is the bug.
+ABSURD_RATIO = 1000
+_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+_IN_PROCESS = ("the CUDA context, cuBLAS/cuDNN handles, NCCL buffers and other GPU libraries "
+               "(TensorFlow, JAX, CuPy)")
+
+
+def request_exceeds_device(x: Facts) -> Optional[Finding]:
+    """The one tensor is larger than the device (or the per-process cap): only its size can change.
+
+    The headline above already states the request and the total, so this finding states the
+    consequence and the ratio, never the request again.
+    """
+    req = x.requested
+    if req is None:
+        return None
+    allowed = x.oom.allowed if x.oom is not None else None
+    total = x.memory.total
+    if allowed and req > allowed and (total is None or allowed < total):
+        limit, what = allowed, f"the {b(allowed)} this process is allowed (set_per_process_memory_fraction)"
+    elif total and req > total:
+        limit = total
+        what = f"all {b(total)} of the machine's RAM" if x.is_host else f"all {b(total)} of {x.memory.label}"
+    else:
+        return None
+    ratio = req / limit
+    line = x.user_line()
+    clues, _dtype64 = size_clues(x)
+    if ratio > ABSURD_RATIO:  # nobody meant to allocate this: the size itself is the bug
+        detail = ("A size this far off is a bug in the shape arithmetic (an overflow, a wrong dimension, a "
+                  "broadcast)" + (f": `{clip(line, 70)}`." if line else "."))
+        fix = "Find the shape that produced this size and fix it: print the shapes of the operands of the failing line."
+        snippet = "print(a.shape, a.dtype, b.shape, b.dtype)   # the operands of the failing line"
+    else:
+        pieces = max(2, 2 * math.ceil(ratio))  # each piece at most about half the limit
+        detail = ("Check the shape that produced it" + (f" (`{clip(line, 60)}`)" if line else "")
+                  + "; if it is right, the work must be split.")
+        batch = x.find(BATCH)
+        if batch is not None and x.phase in ("forward", "backward"):
+            detail += (f" If it grows with the batch, batch_size={batch[2].group(1)} must shrink more than "
+                       f"{times(ratio)}.")
+        elsewhere = "memory-map the data (numpy.memmap)" if x.is_host else \
+            "shard it across devices, or keep it on the CPU and move only slices to the GPU"
+        fix = f"Make the tensor smaller: process it in {pieces} chunks, or {elsewhere}."
+        if limit == allowed:
+            fix += " Or raise the cap set with torch.cuda.set_per_process_memory_fraction."
+        snippet = f"out = torch.cat([f(piece) for piece in x.chunk({pieces}, dim=0)])   # {pieces} pieces"
+    if clues:
+        detail += " " + " ".join(clues)
+    return Finding("request_exceeds_device", f"No amount of freeing helps: the request alone is {times(ratio)} {what}",
+                   detail, fix, snippet, None, "certain")
+
+
+def fragmentation(x: Facts) -> Optional[Finding]:
+    """PyTorch holds "reserved but unallocated" memory it cannot hand out in one piece."""
+    if not x.is_cuda or x.kind not in ("", "cuda_allocator", "hip"):
+        return None
+    if (x.oom is not None and x.oom.backend == "cudaMallocAsync") or _conf_has(x.env, "backend", "cudamallocasync"):
+        return None  # the async allocator has no "reserved but unallocated" to defragment
+    ru, reserved, req = x.memory.reserved_unallocated, x.memory.reserved, x.requested
+    if ru is None or ru < 16 * MiB:
+        return None
+    fits = req is not None and ru >= req
+    if not fits and not (reserved and ru > reserved // 5):
+        return None
+    var = _conf_var(x)
+    detail = (f"PyTorch has {b(ru)} reserved but unallocated"
+              + (f" ({pct(ru, reserved)} of {b(reserved)} reserved)" if reserved else "")
+              + (f", more than the {b(req)} it tried to allocate: the free pieces are split across "
+                 "segments and none is large enough." if fits else ": cached blocks that are too small to reuse."))
+    if _conf_has(x.env, "expandable_segments", "true"):
+        fix = ("expandable_segments is already on: call torch.cuda.empty_cache() between phases (after "
+               "evaluation, before training) or cap block splitting with max_split_size_mb.")
+        snippet = "torch.cuda.empty_cache()   # return cached blocks to the driver between phases"
+        conf = "possible"
+    else:
+        current = _conf_value(x.env)
+        value = f"{current},expandable_segments:True" if current else "expandable_segments:True"
+        # The allocator reads the variable once, when CUDA initializes: hence the restart.
+        fix = (f"Set {var}=expandable_segments:True (torch >= 2.1; older: max_split_size_mb:128) in the first "
+               "cell, before CUDA initializes: restart the kernel first.")
+        snippet = f'import os\nos.environ["{var}"] = "{value}"   # first cell, before torch uses the GPU\nimport torch'
+        conf = "likely" if fits else "possible"
+    return Finding("fragmentation", f"Fragmentation: {b(ru)} reserved but unallocated", detail, fix, snippet,
+                   ru, conf)
+
+
+def _conf_var(x: Facts) -> str:
+    if x.oom is not None:
+        m = re.search(r"(PYTORCH_\w*ALLOC_CONF)=expandable", x.oom.message)
+        if m:
+            return m.group(1)
+    return "PYTORCH_HIP_ALLOC_CONF" if x.kind == "hip" else "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def _conf_value(env: Mapping[str, str]) -> str:
+    for var in _CONF_VARS:
+        value = env.get(var)
+        if value:
+            return value
+    return ""
+
+
+def _conf_has(env: Mapping[str, str], key: str, value: str) -> bool:
+    for var in _CONF_VARS:
+        for item in (env.get(var) or "").split(","):
+            k, _, v = item.partition(":")
+            if k.strip().lower() == key and v.strip().lower() == value:
+                return True
+    return False
+
+
+def other_processes(x: Facts) -> Optional[Finding]:
+    """Other processes hold memory on the device; a process that may be this kernel is never offered for kill."""
+    if x.is_host:
+        return None
+    listed = [(pid, n, name) for pid, n, name in x.memory.processes if n]
+    mine = [p for p in listed if p[0] in x.maybe_own]
+    theirs = [p for p in listed if p[0] not in x.maybe_own]
+    if listed:
+        others = sum(n for _pid, n, _name in theirs)
+        if mine:  # exactly one of these is this kernel; the others hold at least all but the largest
+            others += sum(n for _pid, n, _name in mine) - max(n for _pid, n, _name in mine)
+    else:
+        others = x.memory.other_processes_bytes
+    if not others or others < 64 * MiB:
+        return None
+    label = x.memory.label
+    if listed:
+        named = [_process(p) for p in theirs[:4]] + [f"{_process(p)} may be this kernel" for p in mine[:4]]
+        count = len(theirs) + max(0, len(mine) - 1)
+        title = (f"{count} other process{'es' if count > 1 else ''} hold {b(others)} on {label}" if not mine
+                 else f"Other processes hold at least {b(others)} on {label}")
+        detail = "; ".join(named) + "."
+    else:
+        detail = f"{b(others)} is in use beyond this process's {b(x.memory.process_used)}."
+        title = f"Other processes hold {b(others)} on {label}"
+    detail += " That memory is not PyTorch's to free"
+    if x.requested and others >= (x.shortfall or 0):
+        detail += f"; stopping them would leave room for the {b(x.requested)} request."
+    else:
+        detail += "."
+    if mine:
+        # In a container NVML reports host pids: os.getpid() matches none of them, so the
+        # kernel's own line cannot be told from another kernel of the same size and program.
+        detail += (" This container sees host PIDs, so which listed process is this kernel cannot be told; "
+                   "stopping it would lose every variable of this session.")
+    else:
+        detail += " In containers NVML reports host PIDs, which `kill` inside the container may not see."
+    snippet = "!nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv"
+    if theirs:
+        snippet += f"\n!kill {theirs[0][0]}   # check the name first"
+    fix = ("Stop what you do not need: another notebook's kernel (Jupyter: Kernel > Shut Down in that notebook), "
+           "or a stale process after checking nvidia-smi"
+           + (", never a PID that may be this kernel." if mine else " (`kill PID`)."))
+    return Finding("other_processes", title, detail, fix, snippet, others, "likely")
+
+
+def _process(p) -> str:
+    pid, nbytes, name = p
+    return f"PID {pid}" + (f" ({name})" if name else "") + f" {b(nbytes)}"
+
+
+def cuda_context_and_libraries(x: Facts) -> Optional[Finding]:
+    """More than a CUDA context's worth of this process's device memory is outside PyTorch's allocator."""
+    m = x.memory
+    if x.is_host or x.kind == "mps" or m.total is None:
+        return None
+    total = m.total
+    inside = m.non_pytorch_in_process
+    split_known = inside is not None
+    if inside is None and m.processes and m.outside_pytorch is not None and not x.maybe_own:
+        # Every process is listed and none is this one: the rest of "outside PyTorch" is ours.
+        inside = max(0, m.outside_pytorch - (m.other_processes_bytes or 0))
+        split_known = True
+    amount = inside if split_known else m.outside_pytorch
+    # A CUDA context alone takes a few hundred MiB: only more than that is worth a finding.
+    if amount is None or not (amount >= GiB or (amount >= 512 * MiB and amount >= total // 10)):
+        return None
+    mostly_others = not split_known and amount > total // 2
+    xla = sorted(name for name in ("tensorflow", "jax") if name in x.modules)
+    if split_known:
+        title = f"{b(amount)} of this process's {m.label} memory is outside PyTorch's allocator"
+        if m.process_used is not None:
+            detail = (f"This process uses {b(m.process_used)} but PyTorch reserved {b(m.reserved)}: "
+                      f"the rest is {_IN_PROCESS}.")
+        else:
+            detail = (f"{b(m.used)} is in use; PyTorch reserved {b(m.reserved)} and other processes "
+                      f"hold {b(m.other_processes_bytes)}: the rest is {_IN_PROCESS}.")
+    elif mostly_others:
+        title = f"{b(amount)} of {m.label} is used outside PyTorch's allocator"
+        detail = (f"{b(m.used)} is in use but PyTorch reserved only {b(m.reserved)}: "
+                  f"{pct(amount, total)} of the device is held by another process or another framework in this "
+                  "kernel (a CUDA context alone is a few hundred MiB).")
+    else:
+        title = f"{b(amount)} of {m.label} is used outside PyTorch's allocator"
+        detail = (f"{b(m.used)} is in use but PyTorch reserved {b(m.reserved)}: the rest is the CUDA "
+                  "context, other libraries or other processes (the message does not say which).")
+    if xla:
+        detail += (f" {' and '.join(xla)} is imported in this kernel: JAX preallocates 75% of the GPU by default "
+                   "(90% in older versions) and TensorFlow maps nearly all of it.")
+        fix = ("Stop TensorFlow/JAX from preallocating (set the variables before importing them), or use one "
+               "framework per kernel.")
+        snippet = ('import os\nos.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"   # JAX, before import jax\n'
+                   "import tensorflow as tf\n"
+                   "for gpu in tf.config.list_physical_devices('GPU'):\n"
+                   "    tf.config.experimental.set_memory_growth(gpu, True)")
+    else:
+        fix = ("Check nvidia-smi and the imported GPU libraries for what holds it: move TensorFlow, JAX or CuPy work "
+               "to its own process or stop it preallocating (the CUDA context itself cannot be freed).")
+        snippet = ("!nvidia-smi\n"
+                   "import sys; print([m for m in ('tensorflow', 'jax', 'cupy', 'tensorrt') if m in sys.modules])")
+    return Finding("cuda_context_and_libraries", title, detail, fix, snippet, amount if xla else None,
+                   "likely" if split_known or mostly_others else "possible")
+
+
+def shortfall(x: Facts) -> Finding:
+    """The fallback when no rule found a cause: how far short the request fell, and which layers hold the memory.
+
+    The headline already says what was asked and what was free, so the title says what to free.
+    """
+    m, req, free = x.memory, x.requested, x.free
+    where = x.device_label
+    if req is not None and free is not None and req <= free:
+        title = f"The request fits in the {b(free)} free on {where}: the total is not the problem"
+        detail = ("The request is smaller than the free memory the driver reported, so the failure is not about the "
+                  "total: a per-allocation size limit of the driver (Intel GPUs cap single allocations), fragmentation "
+                  "of the driver's free memory, or another process taking memory between the check and the allocation.")
+        fix = "Split the tensor into smaller pieces (x.chunk(...)) and retry after torch.cuda.empty_cache()."
+        return Finding("shortfall", title, detail, fix, "", None, "possible")
+    if x.shortfall is not None:
+        title = f"Free at least {b(x.shortfall)} on {where}"
+    elif m.total:
+        title = f"Out of memory on {where} ({b(m.total)} total)"
+    else:
+        title = f"Out of memory on {where}"
+    layers = _layer_words(x)
+    detail = ("Of the memory: " + ", ".join(layers) + ". ") if layers else ""
+    said = (x.oom.message or x.oom.exception_type or x.oom.kind) if x.oom is not None else ""
+    if said and (req is None or not layers):
+        detail += f'The error says: "{clip(said, 80)}".'
+    fix = ("Free at least the shortfall: `del` tensors you no longer need (ipy_gpumem.who() shows which), lower the "
+           "batch size, then torch.cuda.empty_cache()." if not x.is_host else
+           "Free what you no longer need (`del` large arrays, then gc.collect()), process the data in chunks, "
+           "or use a machine with more RAM.")
+    return Finding("shortfall", title, detail.strip() or title, fix, "", None, "possible")
+
+
+def _layer_words(x: Facts):
+    """``["11.91 GiB allocated by PyTorch", ...]`` for the layers the memory model knows."""
+    m = x.memory
+    if x.is_host:
+        pairs = ((m.process_used, "used by this process (RSS)"),
+                 (m.used - m.process_used if m.used is not None and m.process_used is not None else None,
+                  "by other processes and the OS"))
+    else:
+        pairs = ((m.allocated, "allocated by PyTorch"), (m.reserved_unallocated, "reserved but unallocated"),
+                 (m.outside_pytorch, "used outside PyTorch"))
+    return [f"{b(max(0, v))} {label}" for v, label in pairs if v is not None]
+
+
+RULES = (request_exceeds_device, fragmentation, other_processes, cuda_context_and_libraries)

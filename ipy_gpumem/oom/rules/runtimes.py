@@ -1,0 +1,162 @@
+"""Rules for failures outside CUDA's caching allocator: host RAM, cuBLAS and cuDNN, Apple's MPS, and other runtimes."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ...core.text import clip
+from . import Finding
+from .facts import BROADCAST, FLOAT64, Facts, message_shape, size_clues
+from .words import b, pct
+
+__all__ = ["RULES", "cpu_oom", "cublas_cudnn", "mps", "other_runtime"]
+
+#: Past this no tensor is meant: 1 PiB.
+_ABSURD_BYTES = 2 ** 50
+
+
+def cpu_oom(x: Facts) -> Optional[Finding]:
+    """The host ran out of RAM: what made the request large (a shape, a broadcast, float64), and chunks."""
+    if not x.is_host or x.kind not in ("cpu", ""):
+        return None
+    req, ram = x.requested, x.memory.total
+    shape = message_shape(x.oom)
+    if req is None and shape is None:
+        return None
+    if req is None:
+        req = shape[2]
+    clues, dtype64 = size_clues(x)
+    bcast, f64 = x.find(BROADCAST), x.find(FLOAT64)
+    parts = list(clues)
+    if ram:
+        parts.insert(0, f"The request is {pct(req, ram)} of the machine's {b(ram)} of RAM"
+                     + (f", {b(x.shortfall)} more than was available." if x.shortfall else "."))
+    line = x.user_line()
+    if req >= _ABSURD_BYTES:
+        # Without the user's line, the size itself is the only thing to point at.
+        parts.append("A size this large is almost always a wrong number: an overflowed or mixed-up shape"
+                     + (f" in `{clip(line, 60)}`." if line else f" ({b(req)})."))
+    # The title names the strongest clue; the headline above already says what was asked.
+    if bcast is not None:
+        title = f"A broadcast builds an N×N result: `{clip(bcast[1], 50)}`"
+    elif dtype64:
+        title = "float64 doubles the request" + (f": `{clip(f64[1], 50)}`" if f64 else "")
+    elif shape is not None:
+        title = f"The array the message names: shape ({clip(shape[0], 40)}) of {shape[1]}, {b(shape[2])}"
+    elif req >= _ABSURD_BYTES:
+        title = (f"`{clip(line, 40)}` asks" if line else "The request asks") + " for more RAM than any machine has"
+    elif x.shortfall:
+        title = f"Host RAM: {b(x.shortfall)} more than was available"
+    else:
+        title = "Host RAM ran out" + (f" ({b(ram)} in all)" if ram else "")
+    fix = ("Check the shape and dtype before the big op; use torch.float32 or bfloat16 instead of float64, "
+           "process the data in chunks, and memory-map large datasets instead of loading them whole.")
+    snippet = ("print(x.shape, x.dtype)            # is this the size you meant?\n"
+               "x = x.to(torch.float32)            # float64 doubles memory\n"
+               "out = torch.cat([f(c) for c in x.split(4096)])   # in chunks\n"
+               "data = np.load(path, mmap_mode=\"r\")   # memory-mapped, read on demand")
+    detail = " ".join(parts) or f"The CPU allocator could not provide {b(req)}."
+    return Finding("cpu_oom", title, detail, fix, snippet, req // 2 if dtype64 else None,
+                   "likely" if (bcast or dtype64 or shape or (ram and req > ram)) else "possible")
+
+
+def cublas_cudnn(x: Facts) -> Optional[Finding]:
+    """cuBLAS, cuDNN or the CUDA runtime could not allocate: the device was nearly full before PyTorch's cache gave back."""
+    if x.kind not in ("cublas", "cudnn", "cuda_error"):
+        return None
+    name = clip(x.oom.message, 60) if x.oom is not None else x.kind
+    lib = {"cublas": "cuBLAS", "cudnn": "cuDNN"}.get(x.kind, "The CUDA runtime")
+    numbers = _device_fullness(x)
+    ru = x.memory.reserved_unallocated
+    detail = (f'"{name}": {lib} needed memory of its own (handles, workspaces) outside PyTorch\'s caching allocator. '
+              "These errors fire when the device is already nearly full" + (f": {numbers}." if numbers else "."))
+    if ru:
+        detail += (f" PyTorch's cache holds {b(ru)} reserved but unallocated that {lib} cannot use until "
+                   "empty_cache() returns it.")
+    if x.kind == "cuda_error":
+        detail += " Kernel errors are reported asynchronously: run with CUDA_LAUNCH_BLOCKING=1 to see the real line."
+    return Finding(
+        key="cublas_cudnn",
+        title=f"{lib} could not allocate: the device was nearly full" + (f" ({numbers})" if numbers else ""),
+        detail=detail,
+        fix=("Treat it like a regular OOM (smaller batch, free tensors, check other processes with nvidia-smi); "
+             "torch.cuda.empty_cache() before the failing op gives the cache back, and "
+             "torch.backends.cudnn.benchmark = False avoids large workspaces."),
+        snippet=("torch.cuda.empty_cache()                  # return PyTorch's cache to the driver\n"
+                 "torch.backends.cudnn.benchmark = False     # no workspace-hungry autotuning\n"
+                 "# last resort, before CUDA starts (slower): os.environ[\"CUBLAS_WORKSPACE_CONFIG\"] = \":0:0\""),
+        frees=ru or None,
+        confidence="likely",
+    )
+
+
+def _device_fullness(x: Facts) -> str:
+    """``"15.60 GiB of 15.78 GiB in use"`` from the memory model, else from the latest record, else ""."""
+    m = x.memory
+    if m.used is not None and m.total:
+        return f"{b(m.used)} of {b(m.total)} in use"
+    if m.reserved is not None and m.total:
+        return f"PyTorch reserved {b(m.reserved)} of {b(m.total)}"
+    for rec, dev in x.device_records():
+        if dev.total:
+            used = dev.used_after if dev.used_after is not None else dev.reserved_after
+            if used is not None:
+                return f"{b(used)} of {b(dev.total)} in use after {rec.label}"
+    return ""
+
+
+def mps(x: Facts) -> Optional[Finding]:
+    """Apple's MPS allocator hit its high watermark: allocated + other + requested > max allowed."""
+    if x.kind != "mps" or x.oom is None:
+        return None
+    o = x.oom
+    parts = [p for p in (o.allocated_by_pytorch, o.other_allocations, x.requested) if p is not None]
+    if not parts:
+        return None
+    need = sum(parts)
+    title = (f"MPS limit: {b(o.allocated_by_pytorch)} allocated + {b(o.other_allocations)} other + "
+             f"{b(x.requested)} requested > {b(o.max_allowed)} max allowed")
+    return Finding(
+        key="mps",
+        title=title,
+        detail=(f"The MPS allocator caps memory at the high watermark ({b(o.max_allowed)}); this allocation would "
+                f"bring it to {b(need)}. Unified memory is shared with macOS and every other app."),
+        fix=("Free tensors and call torch.mps.empty_cache(), lower the batch size; only as a last resort raise the "
+             "limit with PYTORCH_MPS_HIGH_WATERMARK_RATIO (0.0 removes it and can freeze the system)."),
+        snippet=("torch.mps.empty_cache()\n"
+                 "# last resort, before import torch (0.0 = no limit: macOS may swap hard or freeze):\n"
+                 "# os.environ[\"PYTORCH_MPS_HIGH_WATERMARK_RATIO\"] = \"0.0\""),
+        frees=None,
+        confidence="likely",
+    )
+
+
+def other_runtime(x: Facts) -> Optional[Finding]:
+    """TensorFlow or another runtime with its own buffers (NCCL, llama.cpp, an extension) ran out."""
+    if x.oom is None or x.kind not in ("tensorflow", "other"):
+        return None
+    o = x.oom
+    shape = message_shape(o)
+    quoted = clip(o.message, 80)
+    if x.kind == "tensorflow":
+        what = f'"{quoted}": TensorFlow\'s allocator failed' + (
+            f" on a tensor of shape [{shape[0]}] ({shape[1]}), {b(shape[2])}." if shape else ".")
+        return Finding(
+            key="other_runtime",
+            title="TensorFlow ran out of memory" + (f": a {b(shape[2])} tensor" if shape else ""),
+            detail=what + " TensorFlow maps nearly all GPU memory at start unless memory growth is on.",
+            fix="Lower the batch size, and turn on memory growth so TensorFlow leaves room for other work.",
+            snippet=("for gpu in tf.config.list_physical_devices('GPU'):\n"
+                     "    tf.config.experimental.set_memory_growth(gpu, True)   # before any op"),
+            frees=None, confidence="possible")
+    return Finding(
+        key="other_runtime",
+        title=f'A library outside PyTorch ran out of device memory: "{clip(o.message, 50)}"',
+        detail=(f'"{quoted}" comes from a runtime with its own buffers (NCCL, llama.cpp, a CUDA extension). It fails '
+                "when PyTorch's cache and tensors already fill the device."),
+        fix=("Give memory back before that call: free tensors, torch.cuda.empty_cache(), or a smaller batch; "
+             "check nvidia-smi for other processes."),
+        snippet="torch.cuda.empty_cache()   # return PyTorch's unused cache to the driver\n!nvidia-smi",
+        frees=x.memory.reserved_unallocated or None, confidence="possible")
+
+
+RULES = (cpu_oom, cublas_cudnn, mps, other_runtime)
