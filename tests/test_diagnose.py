@@ -245,7 +245,12 @@ def test_graphs_kept_by_ipython_are_not_deleted_by_name():
                        holders=(Holder("graph", "retained_graphs", HOST, 8 * MiB, ("Out",), "Out[3]"),
                                 Holder("out_cache", "ipython_caches", HOST, 4 * MiB, ("Out",), "Out[3]")))
     f = training.graphs_kept(facts_for(SMALL, who_report=report))
-    assert "del Out" not in f.snippet and "Out" not in f.title
+    assert "del Out" not in f.snippet and "%gpumem free" in f.snippet
+    assert f.title == "Graphs kept alive by IPython's output cache: 8.00 MiB"
+    # A graph that only the last traceback's local `out` keeps.
+    kept = Holder("graph", "retained_graphs", HOST, 8 * MiB, (), "out", frame="forward")
+    g = training.graphs_kept(facts_for(SMALL, who_report=WhoReport({"retained_graphs": 8 * MiB}, (kept,))))
+    assert g.title == "Graphs kept alive by the last traceback: 8.00 MiB" and "del " not in g.snippet
 
 
 def test_seed_scenario_also_finds_fragmentation_from_the_message_numbers():

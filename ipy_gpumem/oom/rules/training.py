@@ -145,17 +145,25 @@ def graphs_kept(x: Facts) -> Optional[Finding]:
                      "iteration's graph alive.")
     target = accum[1] if accum else None
     fixed = _detached(target) if target else None
-    del_names = ", ".join(names) if names else "output, loss"
     snippet = f"{fixed}    # a Python number: no graph\n" if fixed else ""
-    snippet += f"del {del_names}    # before the next forward pass"
-    title = (f"Graphs kept alive by {', '.join(names) or 'IPython'}: {b(graph_bytes)}" if graphs
+    if graphs and not names:
+        # Only IPython keeps them (Out[N], the last traceback's locals): no variable of the user's to delete.
+        keepers = "the last traceback" if any(h.frame for h in graphs) else "IPython's output cache"
+        snippet += "%gpumem free    # drops the last traceback and the Out entries that hold tensors"
+        fix = f"Take numbers with .item() (or .detach()) when you keep them, and run %gpumem free to release {keepers}."
+    else:
+        del_names = ", ".join(names) if names else "output, loss"  # accumulation only: the usual names
+        keepers = ", ".join(names)
+        snippet += f"del {del_names}    # before the next forward pass"
+        fix = (f"Take numbers with .item() (or .detach()) when you keep them, and `del {del_names}` before "
+               "the next forward pass.")
+    title = (f"Graphs kept alive by {keepers}: {b(graph_bytes)}" if graphs
              else f"A graph accumulates across iterations: `{clip(target or '', 50)}`")
     return Finding(
         key="graphs_kept",
         title=title,
         detail=" ".join(parts),
-        fix=(f"Take numbers with .item() (or .detach()) when you keep them, and `del {del_names}` before "
-             "the next forward pass."),
+        fix=fix,
         snippet=snippet,
         frees=(graph_bytes + own) if graphs else None,
         confidence="certain" if graphs else "likely",
