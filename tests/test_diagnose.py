@@ -369,7 +369,7 @@ def test_a_process_that_may_be_this_kernel_is_never_offered_for_kill():
                           allocated=parse_bytes("10.50 GiB"), reserved=11 * GiB, processes=both)
     f = device.other_processes(facts_for(msg, memory, maybe_own=(4001, 4002)))
     assert "kill" not in f.snippet and "never a PID that may be this kernel" in f.fix
-    assert "PID 4001 12.00 GiB may be this kernel" in f.detail and "PID 4002 11.50 GiB may be this kernel" in f.detail
+    assert "PID 4001 12.00 GiB and PID 4002 11.50 GiB: one of these is this kernel" in f.detail
     assert f.title == "Other processes hold at least 11.50 GiB on cuda:0"  # all but the largest are others
     # With a third process that cannot be this kernel, that one (only) may be killed.
     memory = memory.merged(DeviceMemory(cuda(0), processes=((4003, 300 * MiB, "ollama"),)))

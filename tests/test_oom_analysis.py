@@ -20,7 +20,7 @@ from test_diagnose import SEED, V5, Seed, typed_who  # noqa: E402
 from ipy_gpumem.core.devices import HOST, cuda  # noqa: E402
 from ipy_gpumem.core.memory import DeviceMemory  # noqa: E402
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord  # noqa: E402
-from ipy_gpumem.core.units import GiB, MiB, parse_bytes  # noqa: E402
+from ipy_gpumem.core.units import GiB, MiB, format_bytes, parse_bytes  # noqa: E402
 from ipy_gpumem.oom import rules  # noqa: E402
 from ipy_gpumem.oom.analysis import OomAnalysis, analyse, find_this_process, memory_at_failure, traceback_frames  # noqa: E402
 from ipy_gpumem.oom.capture import OomCapture  # noqa: E402
@@ -153,8 +153,14 @@ def test_in_a_container_two_kernels_that_fit_are_each_maybe_this_kernel():
     assert DeviceMemory.from_message(oom).process_used == 12 * GiB  # core's guess: the largest line
     memory, maybe_own = memory_at_failure(oom, pid=12, executable=PYTHON)
     assert sorted(maybe_own) == [4001, 4002] and memory.process_used is None
-    f = rules.device.other_processes(rules.Facts.build(oom, memory, env={}, modules=(), maybe_own=maybe_own))
-    assert "kill" not in f.snippet and "may be this kernel" in f.detail
+    facts = rules.Facts.build(oom, memory, env={}, modules=(), maybe_own=maybe_own)
+    f = rules.device.other_processes(facts)
+    assert "kill" not in f.snippet and "one of these is this kernel" in f.detail
+    # This kernel's own share outside PyTorch is only bounded: by the larger line less the reservation.
+    g = rules.device.cuda_context_and_libraries(facts)
+    bound = format_bytes(12 * GiB - parse_bytes("10.50 GiB") - 500 * MiB)
+    assert g.title == f"Up to {bound} of this process's cuda:0 memory is outside PyTorch's allocator"
+    assert g.confidence == "possible"
 
 
 def test_when_torch_found_this_process_every_listed_line_is_another():

@@ -143,7 +143,9 @@ def other_processes(x: Facts) -> Optional[Finding]:
         return None
     label = x.memory.label
     if listed:
-        named = [_process(p) for p in theirs[:4]] + [f"{_process(p)} may be this kernel" for p in mine[:4]]
+        named = [_process(p) for p in theirs[:4]]
+        if mine:
+            named.append(" and ".join(_process(p) for p in mine[:4]) + ": one of these is this kernel")
         count = len(theirs) + max(0, len(mine) - 1)
         title = (f"{count} other process{'es' if count > 1 else ''} hold {b(others)} on {label}" if not mine
                  else f"Other processes hold at least {b(others)} on {label}")
@@ -159,8 +161,8 @@ def other_processes(x: Facts) -> Optional[Finding]:
     if mine:
         # In a container NVML reports host pids: os.getpid() matches none of them, so the
         # kernel's own line cannot be told from another kernel of the same size and program.
-        detail += (" This container sees host PIDs, so which listed process is this kernel cannot be told; "
-                   "stopping it would lose every variable of this session.")
+        detail += (" This container sees host PIDs, so which one cannot be told, and stopping this kernel would "
+                   "lose every variable of the session.")
     else:
         detail += " In containers NVML reports host PIDs, which `kill` inside the container may not see."
     snippet = "!nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv"
@@ -185,10 +187,15 @@ def cuda_context_and_libraries(x: Facts) -> Optional[Finding]:
     total = m.total
     inside = m.non_pytorch_in_process
     split_known = inside is not None
-    if inside is None and m.processes and m.outside_pytorch is not None and not x.maybe_own:
-        # Every process is listed and none is this one: the rest of "outside PyTorch" is ours.
-        inside = max(0, m.outside_pytorch - (m.other_processes_bytes or 0))
-        split_known = True
+    upto = False
+    if inside is None and m.processes and m.outside_pytorch is not None:
+        mine = [n for pid, n, _name in m.processes if pid in x.maybe_own and n is not None]
+        if mine and m.reserved is not None:
+            # This kernel is one of these lines: its share outside PyTorch is at most the largest's.
+            inside, split_known, upto = max(0, max(mine) - m.reserved), True, True
+        elif not x.maybe_own:
+            # Every other process is listed: the rest of "outside PyTorch" is this one's.
+            inside, split_known = max(0, m.outside_pytorch - (m.other_processes_bytes or 0)), True
     amount = inside if split_known else m.outside_pytorch
     # A CUDA context alone takes a few hundred MiB: only more than that is worth a finding.
     if amount is None or not (amount >= GiB or (amount >= 512 * MiB and amount >= total // 10)):
@@ -196,8 +203,11 @@ def cuda_context_and_libraries(x: Facts) -> Optional[Finding]:
     mostly_others = not split_known and amount > total // 2
     xla = sorted(name for name in ("tensorflow", "jax") if name in x.modules)
     if split_known:
-        title = f"{b(amount)} of this process's {m.label} memory is outside PyTorch's allocator"
-        if m.process_used is not None:
+        title = f"{'Up to ' if upto else ''}{b(amount)} of this process's {m.label} memory is outside PyTorch's allocator"
+        if upto:
+            detail = (f"This kernel is one of the listed processes and PyTorch reserved {b(m.reserved)}: the rest of "
+                      f"its line, {_IN_PROCESS}, is at most {b(amount)}.")
+        elif m.process_used is not None:
             detail = (f"This process uses {b(m.process_used)} but PyTorch reserved {b(m.reserved)}: "
                       f"the rest is {_IN_PROCESS}.")
         else:
@@ -227,7 +237,7 @@ def cuda_context_and_libraries(x: Facts) -> Optional[Finding]:
         snippet = ("!nvidia-smi\n"
                    "import sys; print([m for m in ('tensorflow', 'jax', 'cupy', 'tensorrt') if m in sys.modules])")
     return Finding("cuda_context_and_libraries", title, detail, fix, snippet, amount if xla else None,
-                   "likely" if split_known or mostly_others else "possible")
+                   "likely" if (split_known and not upto) or mostly_others else "possible")
 
 
 def shortfall(x: Facts) -> Finding:
