@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from ...core.memory import DeviceMemory
 
-__all__ = ["Finding", "FINDING_KEYS", "CONFIDENCES", "MAX_FINDINGS", "RULES", "explain"]
+__all__ = ["Finding", "FINDING_KEYS", "CONFIDENCES", "MAX_FINDINGS", "RULES", "Facts", "explain", "rank"]
 
 #: Every key ``explain()`` can return, roughly in the order they usually rank.
 FINDING_KEYS = (
