@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import html
 import re
+import types
 
 import pytest
 from hypothesis import given, settings
@@ -148,6 +149,15 @@ def test_unknown_numbers_render_as_unknown():
     assert "no bar (total capacity unknown)" in view.text and "unknown" in view.html
     assert 'class="gm-seg"' not in view.html
     assert "nothing specific found" in view.text
+
+
+def test_a_message_that_is_only_probably_an_oom_says_so():
+    # The parser's OomReport.confidence (a stand-in report: only the fields the headline reads).
+    unsure = types.SimpleNamespace(requested=None, free=None, confidence="likely")
+    view = oom_panel(OomAnalysis(unsure, DeviceMemory(cuda(0), total=16 * GiB)))
+    assert view.text.startswith("Probably out of memory on cuda:0: an allocation of unknown size failed")
+    sure = types.SimpleNamespace(requested=None, free=None, confidence="certain")
+    assert oom_panel(OomAnalysis(sure, DeviceMemory(cuda(0)))).text.startswith("Out of memory on cuda:0")
 
 
 def test_a_layer_with_unknown_bounds_merges_with_the_next():

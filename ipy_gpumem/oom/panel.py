@@ -60,8 +60,12 @@ def oom_panel(analysis, *, max_holders: int = 8, max_cells: int = 5) -> View:
 # ==================================================================================================
 
 
-def headline(memory: DeviceMemory, requested: Optional[int], free: Optional[int]) -> str:
-    """``Out of memory on cuda:0: tried to allocate 2.32 GiB with 182.75 MiB free (15.78 GiB total)``."""
+def headline(memory: DeviceMemory, requested: Optional[int], free: Optional[int], sure: bool = True) -> str:
+    """``Out of memory on cuda:0: tried to allocate 2.32 GiB with 182.75 MiB free (15.78 GiB total)``.
+
+    ``sure=False`` (a message that is out-of-memory only in most reports, such as cuDNN finding no
+    algorithm) starts it with "Probably out of memory".
+    """
     kind = memory.device.type if memory.device is not None else ""
     where = "the host (cpu)" if memory.is_host else ("an unknown device" if memory.device is None else memory.label)
     free_word, total_word = {"cpu": ("available", "RAM"), "mps": ("free below the limit", "max allowed")}.get(
@@ -70,7 +74,7 @@ def headline(memory: DeviceMemory, requested: Optional[int], free: Optional[int]
         else "an allocation of unknown size failed"
     have = f" with {format_bytes(free)} {free_word}" if free is not None else f" with unknown {free_word} memory"
     total = f" ({format_bytes(memory.total)} {total_word})" if memory.total is not None else f" ({total_word} unknown)"
-    return f"Out of memory on {where}: {what}{have}{total}"
+    return f"{'Out' if sure else 'Probably out'} of memory on {where}: {what}{have}{total}"
 
 
 def _free(analysis) -> Optional[int]:
@@ -79,8 +83,17 @@ def _free(analysis) -> Optional[int]:
     return free if free is not None else analysis.memory.free
 
 
+def _sure(oom) -> bool:
+    # The parser says how sure it is that the message is an out-of-memory (OomReport.confidence);
+    # a report without the field, or a certain one, is.
+    confidence = getattr(oom, "confidence", None)
+    if confidence is None or confidence == "certain":
+        return True
+    return isinstance(confidence, (int, float)) and not isinstance(confidence, bool) and confidence >= 1
+
+
 def _headline(analysis) -> Line:
-    text = headline(analysis.memory, getattr(analysis.oom, "requested", None), _free(analysis))
+    text = headline(analysis.memory, getattr(analysis.oom, "requested", None), _free(analysis), _sure(analysis.oom))
     return Line(Span(text, "font-size:13px;font-weight:700"))
 
 
