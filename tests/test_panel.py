@@ -227,6 +227,7 @@ def test_absurd_request_ranks_nothing_unrelated():
     assert a.impossible and [f.key for f in a.findings] == ["request_exceeds_device"]
     assert "[likely]" not in view.text and "[possible]" not in view.text
     assert "No amount of freeing helps: the request alone is 149x all 15.78 GiB of cuda:0" in view.text
+    assert "batch_size=4096 must shrink more than 149x" in " ".join(view.text.split())  # the failing line uses it
     assert "Adam" not in view.text.split("Diagnosis")[1]  # true, but it cannot make this request fit
 
 

@@ -52,7 +52,8 @@ def request_exceeds_device(x: Facts) -> Optional[Finding]:
         detail = ("Check the shape that produced it" + (f" (`{clip(line, 60)}`)" if line else "")
                   + "; if it is right, the work must be split.")
         batch = x.find(BATCH)
-        if batch is not None and x.phase in ("forward", "backward"):
+        # The request grows with the batch in a forward or backward pass, or when the failing line uses it.
+        if batch is not None and (x.phase in ("forward", "backward") or "batch_size" in line):
             detail += (f" If it grows with the batch, batch_size={batch[2].group(1)} must shrink more than "
                        f"{times(ratio)}.")
         elsewhere = "memory-map the data (numpy.memmap)" if x.is_host else \

@@ -1,4 +1,4 @@
-"""What the rules read, derived once from the raw inputs: the numbers, the holders by kind, the phase that failed and the user's code."""
+"""What the rules read, derived once: the numbers, the holders by kind, the phase that failed and the user's code."""
 from __future__ import annotations
 
 import math
@@ -12,8 +12,8 @@ from ...core.memory import DeviceMemory
 from ...core.text import clip
 from .words import b, cap
 
-__all__ = ["Facts", "Frame", "cell_deltas", "device_record", "call_args", "message_shape", "size_clues", "OPTIM_FILE", "BACKWARD_CALL",
-           "BROADCAST", "FLOAT64", "BATCH"]
+__all__ = ["Facts", "Frame", "cell_deltas", "device_record", "call_args", "message_shape", "size_clues",
+           "OPTIM_FILE", "BACKWARD_CALL", "BROADCAST", "FLOAT64", "BATCH"]
 
 #: ``(filename, function, source line)`` of one traceback frame.
 Frame = Tuple[str, str, str]
