@@ -309,7 +309,17 @@ def test_absurd_request_names_the_failing_line_and_its_clues():
     f = findings[0]
     assert f.title == "No amount of freeing helps: the request alone is 268,435,456x all 16.00 GiB of the machine's RAM"
     assert "bug in the shape arithmetic" in f.detail and "`torch.empty(2**60)`" in f.detail  # this test's real line
+    assert f.snippet == ""  # nothing but a literal sizes that line: no placeholder code to paste
     assert_well_formed(findings)
+
+
+def test_absurd_request_prints_what_sizes_the_failing_line():
+    msg = V5.format(req="2352.00 TiB", total="79.10 GiB", free="10.00 GiB", procs="", alloc="60.00 GiB",
+                    unalloc="1.00 GiB")
+    frames = (("/tmp/ipykernel_7/1.py", "<module>", "attn = q @ k.transpose(-1, -2) * scale  # (B, H, T, T)"),)
+    f = device.request_exceeds_device(facts_for(msg, frames=frames))
+    assert f.snippet.startswith("print([getattr(v, 'shape', v) for v in (q, k, scale,)])")
+    assert "`attn = q @ k.transpose(-1, -2) * scale # (B, H, T, T)`" in f.detail
 
 
 def test_moderate_request_on_the_host_suggests_chunks_and_names_float64():

@@ -1,6 +1,7 @@
 """Rules about the device itself: a request larger than it, fragmentation, other processes, the CUDA context, and the shortfall fallback."""
 from __future__ import annotations
 
+import keyword
 import math
 import re
 from typing import Mapping, Optional
@@ -45,8 +46,10 @@ def request_exceeds_device(x: Facts) -> Optional[Finding]:
     if ratio > ABSURD_RATIO:  # nobody meant to allocate this: the size itself is the bug
         detail = ("A size this far off is a bug in the shape arithmetic (an overflow, a wrong dimension, a "
                   "broadcast)" + (f": `{clip(line, 70)}`." if line else "."))
-        fix = "Find the shape that produced this size and fix it: print the shapes of the operands of the failing line."
-        snippet = "print(a.shape, a.dtype, b.shape, b.dtype)   # the operands of the failing line"
+        fix = "Find the shape that produced this size and fix it: print what sizes the failing line."
+        names = _operands(line)
+        snippet = (f"print([getattr(v, 'shape', v) for v in ({', '.join(names)},)])   # what sizes the failing line"
+                   if names else "")
     else:
         pieces = max(2, 2 * math.ceil(ratio))  # each piece at most about half the limit
         detail = ("Check the shape that produced it" + (f" (`{clip(line, 60)}`)" if line else "")
@@ -66,6 +69,20 @@ def request_exceeds_device(x: Facts) -> Optional[Finding]:
         detail += " " + " ".join(clues)
     return Finding("request_exceeds_device", f"No amount of freeing helps: the request alone is {times(ratio)} {what}",
                    detail, fix, snippet, None, "certain")
+
+
+_NAME = re.compile(r"(?<![\w.])([A-Za-z_]\w*)(?![\w(]|\s*=(?!=)|\s*\()")
+# Modules and keywords a line names are not what sizes it.
+_NOT_OPERANDS = frozenset(keyword.kwlist) | {"torch", "np", "numpy", "math", "F", "nn", "device", "dtype"}
+
+
+def _operands(line: str) -> list:
+    """The plain names a line computes with (``batch_size``, ``x``): not calls, modules, keyword
+    arguments or the assigned name."""
+    _target, eq, rest = line.partition("=")
+    body = rest if eq and not rest.startswith("=") and re.fullmatch(r"\s*[\w.\[\], ]+\s*", _target) else line
+    body = body.split("#", 1)[0]
+    return list(dict.fromkeys(n for n in _NAME.findall(body) if n not in _NOT_OPERANDS))[:4]
 
 
 def fragmentation(x: Facts) -> Optional[Finding]:
