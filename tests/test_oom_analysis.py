@@ -198,7 +198,7 @@ def test_analyse_a_real_cpu_failure_with_real_records_and_who():
                          host=HostRecord(236 * MiB, 242 * MiB))
     a = analyse(parse_oom(str(exc)), failing, namespace={"keep": keep}, records=records + [failing],
                 tb=exc.__traceback__, env={}, modules=())
-    assert isinstance(a, OomAnalysis) and a.failing is failing and a.rule_errors == ()
+    assert isinstance(a, OomAnalysis) and a.failing is failing and a.errors == ()
     assert a.who.total == keep.untyped_storage().nbytes()
     assert [rec.execution_count for rec, _d in a.earlier] == [1, 2]  # never the failing cell
     assert a.earlier[0][1] == 202 * MiB
@@ -244,7 +244,8 @@ def test_a_failing_who_or_rule_costs_only_its_own_part(monkeypatch):
     monkeypatch.setattr(rules, "RULES", (broken_rule,) + rules.RULES)
     seed = Seed()
     a = analyse(seed.oom, None, namespace=seed.ns, who_fn=broken_who, env={}, modules=(), pid=1, executable=PYTHON)
-    assert a.who is None and a.rule_errors == ("broken_rule: ValueError: rule broke",)
+    assert a.who is None
+    assert a.errors == ("who(): RuntimeError: who broke", "the broken_rule rule: ValueError: rule broke")
     assert "fragmentation" in [f.key for f in a.findings]
 
 

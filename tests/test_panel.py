@@ -237,10 +237,10 @@ def test_absurd_request_never_lists_the_failing_cell_as_earlier():
     assert "[5]" not in view.text
 
 
-def test_rule_errors_are_said_not_hidden():
+def test_what_failed_is_said_not_hidden():
     _, a, _ = seed_panel()
-    view = oom_panel(OomAnalysis(a.oom, a.memory, findings=a.findings, rule_errors=("fragmentation: KeyError: 'x'",)))
-    assert "(not shown: the fragmentation: KeyError: 'x')" in view.text
+    view = oom_panel(OomAnalysis(a.oom, a.memory, findings=a.findings, errors=("the fragmentation rule: KeyError: 'x'",)))
+    assert "(ipy_gpumem could not use the fragmentation rule: KeyError: 'x'; the rest is complete)" in view.text
 
 
 def test_a_process_that_may_be_this_kernel_is_never_offered_for_kill_in_the_panel():

@@ -12,7 +12,7 @@ import os
 import sys
 import traceback as _traceback
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from ..core.devices import cuda
 from ..core.memory import DeviceMemory, Process
@@ -42,8 +42,8 @@ class OomAnalysis:
             memory, largest first; never the failing cell.
         maybe_own: pids in ``memory.processes`` that may be this kernel (a container's NVML
             reports host pids and several candidates fit).
-        rule_errors: ``"rule: ExceptionType: message"`` for each rule that failed (its finding is
-            missing; the others are complete).
+        errors: what failed while gathering, in words (``"the fragmentation rule: KeyError: 'x'"``,
+            ``"who(): RuntimeError: ..."``): that part is missing, the rest is complete.
     """
 
     oom: Any
@@ -53,7 +53,7 @@ class OomAnalysis:
     failing: Any = None
     earlier: Tuple[Tuple[Any, int], ...] = ()
     maybe_own: Tuple[int, ...] = ()
-    rule_errors: Tuple[str, ...] = ()
+    errors: Tuple[str, ...] = ()
 
     @property
     def impossible(self) -> bool:
@@ -81,13 +81,13 @@ def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = 
         who_fn: ``who(namespace, device=..., allocator_total=..., refs=...)``; the who room's by default.
         pid, executable: this process, as NVML would list it (default ``os.getpid()``, ``sys.executable``).
     """
+    errors: List[str] = []
     memory, maybe_own = memory_at_failure(oom, probe, capture, pid=pid, executable=executable)
-    who_report = _who(namespace, memory, refs, who_fn)
+    who_report = _who(namespace, memory, refs, who_fn, errors)
     earlier = tuple(r for r in records if not _same_cell(r, record))
-    errors = []
     findings = explain(oom, memory, who_report, earlier, failing=record, frames=traceback_frames(tb),
                        env=os.environ if env is None else env, modules=modules, maybe_own=maybe_own,
-                       on_error=lambda rule, exc: errors.append(f"{rule}: {type(exc).__name__}: {exc}"))
+                       on_error=lambda rule, exc: errors.append(f"the {rule} rule: {type(exc).__name__}: {exc}"))
     return OomAnalysis(oom, memory, who_report, tuple(findings), record, tuple(cell_deltas(earlier, memory)),
                        maybe_own, tuple(errors))
 
@@ -103,7 +103,7 @@ def _same_cell(rec: Any, failing: Any) -> bool:
     return count is not None and getattr(rec, "execution_count", None) == count
 
 
-def _who(namespace, memory: DeviceMemory, refs, who_fn):
+def _who(namespace, memory: DeviceMemory, refs, who_fn, errors: List[str]):
     if namespace is None:
         return None
     if who_fn is None:
@@ -116,7 +116,8 @@ def _who(namespace, memory: DeviceMemory, refs, who_fn):
     extra = {} if refs is None else {"refs": refs}
     try:
         return who_fn(namespace, device=device, allocator_total=total, **extra)
-    except Exception:  # noqa: BLE001 - the panel still explains the message without it
+    except Exception as exc:  # noqa: BLE001 - the panel still explains the message without it
+        errors.append(f"who(): {type(exc).__name__}: {exc}")
         return None
 
 

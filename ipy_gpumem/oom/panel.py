@@ -285,7 +285,7 @@ def _earlier(analysis, max_cells: int) -> Optional[Details]:
 
 
 def _diagnosis(analysis) -> Block:
-    notes = [Para(f"(not shown: the {error})", "dim") for error in analysis.rule_errors]
+    notes = [Para(f"(ipy_gpumem could not use {error}; the rest is complete)", "dim") for error in analysis.errors]
     if not analysis.findings:
         return Block([Para("Diagnosis: nothing specific found in the numbers given.", "dim")] + notes)
     items = []
