@@ -7,6 +7,8 @@ in ``load_ipython_extension`` and every heavy import happens inside the function
 """
 from __future__ import annotations
 
+import sys
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -79,15 +81,24 @@ def who(namespace=None, device=None, allocator_total=None):
 
     ``namespace`` defaults to the running IPython shell's user namespace. ``device`` narrows it
     to one device ("cuda:0", "cpu"); ``allocator_total`` (bytes) lets the report say how much
-    the allocator holds that no variable explains.
+    the allocator holds that no variable explains. In the shell's own namespace a name counts as
+    IPython's cache only while it holds what IPython put there (``x, _ = f()`` makes ``_`` yours).
     """
     from .who.attribution import who as _who
 
-    if namespace is None:
+    refs = None
+    if namespace is None or "IPython" in sys.modules:
         from .extension import user_namespace
 
-        namespace = user_namespace()
-    return _who(namespace, device=device, allocator_total=allocator_total)
+        try:
+            shell_ns, shell_refs = user_namespace()
+        except RuntimeError:  # no shell: a plain namespace has no IPython caches
+            if namespace is None:
+                raise
+        else:
+            if namespace is None or namespace is shell_ns:
+                namespace, refs = shell_ns, shell_refs
+    return _who(namespace, device=device, allocator_total=allocator_total, refs=refs)
 
 
 def format_bytes(size):

@@ -133,3 +133,22 @@ def dev_sample(index=0, allocated=0, reserved=0, peak_allocated=None, peak_reser
     return DeviceSample(index, allocated, reserved,
                         allocated if peak_allocated is None else peak_allocated,
                         reserved if peak_reserved is None else peak_reserved, used, total)
+
+
+def run(ip, source, store_history=True):
+    """Run ``source`` as a real cell of the test shell; return (ExecutionResult, captured output)."""
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as cap:
+        result = ip.run_cell(source, store_history=store_history)
+    return result, cap
+
+
+def texts(cap):
+    """The text/plain of every display in a ``capture_output`` result."""
+    return [o.data.get("text/plain", "") for o in cap.outputs]
+
+
+def htmls(cap):
+    """The text/html of every display in a ``capture_output`` result."""
+    return [o.data.get("text/html", "") for o in cap.outputs]

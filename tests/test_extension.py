@@ -14,8 +14,12 @@ from ipy_gpumem import GpuMemWarning
 from ipy_gpumem.core.probes import HostProbe, MemoryProbe
 from ipy_gpumem.core.units import GiB, MiB
 
+from conftest import htmls, run, texts
+
 torch = pytest.importorskip("torch")
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact RSS needs procfs")
+#: What a record says about CUDA on this machine's CPU-only torch (a CUDA build says "not initialized yet").
+NO_CUDA = "this torch build has no CUDA (a CPU-only build)" if torch.version.cuda is None else "CUDA not initialized yet"
 
 
 # The kernel keeps RSS in per-CPU counters that are summed lazily, so a reading can lag the
@@ -29,21 +33,6 @@ SLACK = 1 * MiB
 def _torch_in_namespace(ip):
     ip.user_ns["torch"] = torch
     gc.collect()  # (the test's own doing) garbage from earlier tests must not be freed mid-cell
-
-
-def run(ip, source):
-    """Run ``source`` as a real cell; return (ExecutionResult, captured output)."""
-    with capture_output() as cap:
-        result = ip.run_cell(source, store_history=True)
-    return result, cap
-
-
-def texts(cap):
-    return [o.data.get("text/plain", "") for o in cap.outputs]
-
-
-def htmls(cap):
-    return [o.data.get("text/html", "") for o in cap.outputs]
 
 
 def _state(ip):
@@ -120,7 +109,7 @@ def test_every_cell_is_recorded_with_exact_host_deltas(ip, gpumem):
     assert rec.execution_count == res.execution_count
     assert rec.source == "x = torch.ones(2**26)"
     assert 256 * MiB - SLACK <= rec.host.rss_delta <= 256 * MiB + 2 * SLACK
-    assert rec.devices == () and rec.reason == "CUDA not initialized yet"
+    assert rec.devices == () and rec.reason == NO_CUDA
     assert len(cap.outputs) == 1
     line = texts(cap)[0]
     assert line.startswith(f"[{res.execution_count}] host +25")
@@ -242,7 +231,7 @@ def test_status_history_on_off_clear(ip, gpumem):
     with capture_output() as cap:
         ip.run_line_magic("gpumem", "")
         ip.run_line_magic("gpumem", "status")
-    assert all("No CUDA device in use: CUDA not initialized yet." in t for t in texts(cap))
+    assert all(f"No CUDA device in use: {NO_CUDA}." in t for t in texts(cap))
     assert all("host:" in t and "resident" in t for t in texts(cap))
     run(ip, "h = 1")
     with capture_output() as cap:
@@ -384,8 +373,13 @@ def test_cell_magic_called_programmatically(ip, gpumem):
 def test_cell_magic_device_selection(ip, gpumem):
     run(ip, "%%gpumem -d host -o r\nx2 = 1")
     assert ip.user_ns["r"].devices == ()
-    _, cap = run(ip, "%%gpumem -d cuda:0 -o r\nx2 = 1")
-    assert "No CUDA device measured: CUDA not initialized yet" in texts(cap)[0]
+    if torch.version.cuda is None:  # a CPU-only torch has no cuda:0 to measure: one line, the cell not run
+        res, cap = run(ip, "%%gpumem -d cuda:0 -o r2\nx3 = 1")
+        assert "cuda:0 does not exist: this process sees 0 CUDA devices" in str(res.error_in_exec)
+        assert "x3" not in ip.user_ns and "r2" not in ip.user_ns
+    else:
+        _, cap = run(ip, "%%gpumem -d cuda:0 -o r\nx2 = 1")
+        assert f"No CUDA device measured: {NO_CUDA}" in texts(cap)[0]
 
 
 def test_cell_magic_top_level_await(ip, gpumem):

@@ -4,7 +4,9 @@ import sys
 
 import pytest
 
-from ipy_gpumem.ledger.lines import HOOK_NAME, LineMarkers, LineTracer
+import builtins
+
+from ipy_gpumem.ledger.lines import HOOK_NAME, LineMarkers, LineTracer, remove_hook
 from ipy_gpumem.core.probes import HostProbe, MemoryProbe
 from ipy_gpumem.core.units import GiB, MiB
 
@@ -14,17 +16,20 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact R
 def run_traced(source, probe, ns=None, **kwargs):
     """Mark ``source`` like the IPython transformer does, run it, return (tracer, line records)."""
     ns = {} if ns is None else ns
+    tracer = LineTracer(probe, **kwargs)
     markers = LineMarkers()
     markers.armed = True
+    markers.tracer = tracer
     tree = markers.visit(ast.parse(source))
     code = compile(tree, "<cell-under-test>", "exec")
-    tracer = LineTracer(probe, ns, **kwargs)
     assert tracer.start()
     try:
         exec(code, ns)
     finally:
         tracer.stop()
-    assert HOOK_NAME not in ns  # the marker function is gone after the cell
+        remove_hook()
+    assert HOOK_NAME not in ns  # the user's namespace is never touched
+    assert not hasattr(builtins, HOOK_NAME)  # and the hook is gone after the cell
     return tracer, tracer.records(source.splitlines())
 
 
@@ -106,7 +111,8 @@ def test_markers_leave_functions_classes_and_the_future_alone():
                     if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)
                     and isinstance(n.value.func, ast.Name) and n.value.func.id == HOOK_NAME})
     loop = [n for n in ast.walk(tree) if isinstance(n, ast.For)][0]
-    assert ast.unparse(loop.iter) == f"{HOOK_NAME}.each(7, range(2))"
+    assert ast.unparse(loop.iter) == "range(2)"  # the loop iterates the user's own iterable
+    assert ast.unparse(loop.body[-1]) == f"{HOOK_NAME}(7)"  # the next fetch is the loop line's
     assert lines == [2, 5, 7, 8, 9, 11, 12, 13, 15, 17]  # not 1 (__future__), 3-4 (def), 6 (class)
     assert isinstance(tree.body[0], ast.ImportFrom)  # __future__ stays first
     assert not markers.armed  # one cell per arming
@@ -136,8 +142,66 @@ def test_an_error_while_fetching_is_the_users_own():
         yield 1
         raise ValueError("from the user's generator")
 
-    with pytest.raises(ValueError, match="from the user's generator"):
+    with pytest.raises(ValueError, match="from the user's generator") as info:
         run_traced("for x in broken():\n    y = x\n", MemoryProbe(), {"broken": broken})
+    frames = [tb.tb_frame.f_code.co_filename for tb in _walk(info.value.__traceback__)]
+    assert not any("ipy_gpumem" in name for name in frames)  # no frame of ours between them
+
+
+def _walk(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+@pytest.mark.parametrize("source", ["for x in 5:\n    pass\n", "a, b = 1\n", "for x in None:\n    y = 1\n"])
+def test_errors_are_exactly_those_of_the_unmarked_code(source):
+    def outcome(run):
+        try:
+            run()
+        except Exception as exc:  # noqa: BLE001 - comparing what the user would see
+            return type(exc), str(exc)
+        return None
+
+    plain = outcome(lambda: exec(compile(source, "<plain>", "exec"), {}))
+    marked = outcome(lambda: run_traced(source, MemoryProbe()))
+    assert plain is not None and marked == plain
+
+
+def test_statements_sharing_a_line_are_one_hit():
+    _, lines = run_traced("a = 1; b = 2; c = 3\nfor i in range(3): d = i; e = i\n", MemoryProbe())
+    by = {ln.lineno: ln for ln in lines}
+    assert by[1].hits == 1
+    assert by[2].hits == 4  # the loop line: 3 iterations and the final fetch, body included
+
+
+def test_continue_hands_the_next_fetch_to_the_loop_line():
+    ns = {}
+    src = ("total = 0\n"
+           "for i in range(6):\n"
+           "    if i % 2:\n"
+           "        continue\n"
+           "    total += i\n")
+    tracer, lines = run_traced(src, MemoryProbe(), ns)
+    by = {ln.lineno: ln for ln in lines}
+    assert ns["total"] == 0 + 2 + 4
+    assert by[2].hits == 7 and by[3].hits == 6 and by[4].hits == 3 and by[5].hits == 3
+    assert tracer.loop_spans() == ((2, 5, "for"),)
+
+
+def test_a_cell_that_clears_its_namespace_keeps_running():
+    # %reset -f empties the user's namespace mid-cell: the markers live in builtins, not there.
+    ns = {}
+    ns["wipe"] = ns.clear  # what %reset -f does to the user namespace
+    _, lines = run_traced("a = 1\nwipe()\nb = 2\n", MemoryProbe(), ns)
+    assert [ln.lineno for ln in lines] == [1, 2, 3] and ns == {"b": 2}
+
+
+def test_ipythons_debugger_steps_over_the_marker():
+    from ipy_gpumem.ledger import lines as lines_module
+
+    code = lines_module._Hook.__call__.__code__
+    assert "__debuggerskip__" in code.co_varnames and "__tracebackhide__" in code.co_varnames
 
 
 def test_the_cell_magic_trampoline_is_not_marked():

@@ -145,12 +145,15 @@ def test_counters_from_nested_flat_and_empty_stats():
     assert counters_from_stats({}) == (None, None, None, None)
 
 
-def test_real_cpu_torch_reports_cuda_not_initialized():
+def test_real_cpu_torch_says_it_has_no_cuda():
     torch = pytest.importorskip("torch")
     probe = MemoryProbe()
     sample = probe.sample()
     assert sample.devices == ()
-    assert sample.reason == "CUDA not initialized yet"
+    if torch.version.cuda is None:  # this machine's CPU wheel: CUDA will never appear
+        assert sample.reason == "this torch build has no CUDA (a CPU-only build)"
+    else:
+        assert sample.reason == "CUDA not initialized yet"
     assert not torch.cuda.is_initialized()  # and we did not initialize it
 
 
@@ -184,12 +187,12 @@ def _fake_torch(stats_by_device, contexts=(0,), raise_in=None, uuid=None):
         current_device=lambda: 0,
         get_device_properties=lambda i: maybe_raise("props") or Props(i),
         reset_peak_memory_stats=lambda i: maybe_raise("reset") or calls.append(("reset", i)),
-        mem_get_info=lambda i: maybe_raise("mem_get_info") or (4 * 2**30, 16 * 2**30),
+        mem_get_info=lambda i: maybe_raise("mem_get_info") or calls.append(("mem_get_info", i)) or (4 * 2**30, 16 * 2**30),
         memory_stats_as_nested_dict=lambda i: stats_by_device[i],
     )
     torch.cuda = cuda
     torch._C = types.SimpleNamespace(
-        _cuda_memoryStats=lambda i: maybe_raise("stats") or stats_by_device[i],
+        _cuda_memoryStats=lambda i: maybe_raise("stats") or calls.append(("read", i)) or stats_by_device[i],
         _cuda_hasPrimaryContext=lambda i: i in contexts,
     )
     torch.calls = calls
@@ -221,8 +224,21 @@ def test_cuda_probe_reads_only_devices_with_a_context():
     # NVML is missing, so used/total come from cudaMemGetInfo on a device that has a context
     assert (d2.used, d2.total) == (12 * 2**30, 16 * 2**30)
     assert probe.cuda.nvml.reason == "NVML unavailable (NVMLError_LibraryNotFound)"
-    probe.reset_peaks()
+    probe.start(reset_peaks=True)
     assert ("reset", 0) in torch.calls and ("reset", 2) in torch.calls and ("reset", 1) not in torch.calls
+
+
+def test_devices_named_explicitly_are_read_only_with_a_context():
+    # GpuMemMagics.devices = "0,1", -d cuda:1: reading cuda:1, which has no context, would create
+    # one (cudaMemGetInfo, cudaMallocAsync's peak reset): hundreds of MiB the user never asked for.
+    torch = _fake_torch([_stats(1 * MiB, 2 * MiB), _stats(0, 0), _stats(5 * MiB, 8 * MiB)], contexts=(0,))
+    probe = MemoryProbe(HostProbe(), CudaProbe(NvmlProbe(_NoNvml()), torch_module=torch))
+    sample, _, reset = probe.start([0, 1], reset_peaks=True)
+    assert [d.index for d in sample.devices] == [0] and reset == frozenset({0})
+    assert "cuda:1 not used by your code yet" in sample.reason
+    assert not [call for call in torch.calls if isinstance(call, tuple) and call[1] == 1]  # never read, reset or probed
+    sample, _, _ = probe.start([0, 7], reset_peaks=False)
+    assert "cuda:7 does not exist (3 visible)" in sample.reason
 
 
 @pytest.mark.parametrize("where", ["is_initialized", "stats", "props"])
@@ -241,10 +257,13 @@ class _FakeNvml:
     class NVMLError(Exception):
         pass
 
-    def __init__(self, fail_memory_after=None):
-        self.uuids = ["GPU-aaa111", "GPU-bbb222", "GPU-ccc333"]
+    nvmlMemory_v2 = 0x02000028  # the struct version nvidia-ml-py passes for v2
+
+    def __init__(self, fail_memory_after=None, uuids=None, v2=True):
+        self.uuids = uuids or ["GPU-aaa111", "GPU-bbb222", "GPU-ccc333"]
         self.reads = 0
         self.fail_memory_after = fail_memory_after
+        self.v2 = v2
 
     def nvmlInit(self):  # noqa: N802
         pass
@@ -266,11 +285,18 @@ class _FakeNvml:
             raise self.NVMLError("Not Found")
         return ("h", self.uuids.index(uuid))
 
-    def nvmlDeviceGetMemoryInfo(self, h):  # noqa: N802
+    def nvmlDeviceGetMemoryInfo(self, h, version=None):  # noqa: N802
         self.reads += 1
         if self.fail_memory_after is not None and self.reads > self.fail_memory_after:
             raise self.NVMLError("GPU is lost")
-        return types.SimpleNamespace(used=(h[1] + 1) * 2**30, total=80 * 2**30)
+        # v1 counts the driver's own 512 MiB reservation in used and total; v2 reports it apart.
+        used = (h[1] + 1) * 2**30
+        if version is None:
+            return types.SimpleNamespace(used=used + 512 * 2**20, total=80 * 2**30 + 512 * 2**20)
+        if not self.v2:
+            raise self.NVMLError("Function Not Found")  # drivers before R510
+        return types.SimpleNamespace(used=used, total=80 * 2**30 + 512 * 2**20, reserved=512 * 2**20,
+                                     free=80 * 2**30 - used)
 
     def nvmlDeviceGetComputeRunningProcesses(self, h):  # noqa: N802
         return [types.SimpleNamespace(pid=4242, usedGpuMemory=3 * 2**30), types.SimpleNamespace(pid=77, usedGpuMemory=None)]
@@ -291,17 +317,35 @@ def test_nvml_maps_torch_indices_through_cuda_visible_devices(visible, torch_ind
     if nvml_index is None:
         assert (used, total) == (None, None)
     else:
-        assert (used, total) == ((nvml_index + 1) * 2**30, 80 * 2**30)
+        assert (used, total) == ((nvml_index + 1) * 2**30 + 512 * 2**20, 80 * 2**30 + 512 * 2**20)
 
 
 def test_nvml_prefers_the_uuid_torch_reports():
     nvml = NvmlProbe(_FakeNvml(), environ={"CUDA_VISIBLE_DEVICES": "0"})
-    assert nvml.memory(0, uuid="bbb222") == (2 * 2**30, 80 * 2**30)
+    assert nvml.memory(0, uuid="bbb222", total=80 * 2**30) == (2 * 2**30, 80 * 2**30)
+
+
+def test_nvml_totals_agree_with_torch_with_or_without_the_v2_struct():
+    # torch's total (and its OOM message's "total capacity") leaves out the driver's reservation;
+    # NVML v1 counts it in used and total. One total everywhere: torch's, and used without it.
+    torch_total = 80 * 2**30
+    assert NvmlProbe(_FakeNvml(), environ={}).memory(1, total=torch_total) == (2 * 2**30, torch_total)
+    assert NvmlProbe(_FakeNvml(v2=False), environ={}).memory(1, total=torch_total) == (2 * 2**30, torch_total)
+
+
+def test_a_mig_slice_is_found_by_its_mig_uuid_and_never_replaced_by_the_whole_gpu():
+    # torch reports a MIG slice's UUID without prefix; NVML names it MIG-<uuid>. Falling back to
+    # the device at the same index would report the whole parent GPU and other tenants' processes.
+    nvml = NvmlProbe(_FakeNvml(uuids=["GPU-aaa111", "MIG-slice7", "GPU-ccc333"]), environ={})
+    assert nvml.memory(0, uuid="slice7", total=80 * 2**30) == (2 * 2**30, 80 * 2**30)
+    assert nvml.processes(0, uuid="slice7") and nvml.handle(0) == ("h", 1)
+    unknown = NvmlProbe(_FakeNvml(), environ={})
+    assert unknown.memory(0, uuid="not-a-known-uuid", total=80 * 2**30) == (None, None)
 
 
 def test_nvml_raising_mid_session_gives_none():
     nvml = NvmlProbe(_FakeNvml(fail_memory_after=1), environ={})
-    assert nvml.memory(0) == (2**30, 80 * 2**30)
+    assert nvml.memory(0) == (2**30 + 512 * 2**20, 80 * 2**30 + 512 * 2**20)
     assert nvml.memory(0) == (None, None)
 
 

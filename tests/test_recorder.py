@@ -4,7 +4,7 @@ import json
 import pytest
 
 from ipy_gpumem.ledger.recorder import MAX_SOURCE_CHARS, Ledger, Measurement
-from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord, records_frame
+from ipy_gpumem.core.records import ROW_FIELDS, CellRecord, DeviceRecord, HostRecord, records_frame, write_csv
 from ipy_gpumem.core.units import GiB, MiB
 
 from conftest import dev_sample, make_sample
@@ -12,11 +12,11 @@ from conftest import dev_sample, make_sample
 
 def test_deltas_and_per_cell_peak_from_scripted_allocator(fake_gpu):
     fake, probe = fake_gpu([(1 * GiB, 2 * GiB), (4 * GiB, 6 * GiB), (2 * GiB, 6 * GiB)])
-    m = Measurement(probe, source="x = big()", track_peaks=True)
+    m = Measurement.begin(probe, source="x = big()", track_peaks=True)
     assert fake.resets == 1  # the peak counters were reset before the cell ran
     fake.advance()  # the cell allocates 3 GiB...
     fake.advance()  # ...and frees 2 GiB of it
-    rec = m.finish(execution_count=7)
+    rec = m.finish(execution_count=7).record()
     dev = rec.devices[0]
     assert rec.execution_count == 7
     assert (dev.allocated_before, dev.allocated_after, dev.allocated_peak) == (1 * GiB, 2 * GiB, 4 * GiB)
@@ -30,11 +30,11 @@ def test_deltas_and_per_cell_peak_from_scripted_allocator(fake_gpu):
 def test_without_peak_reset_peaks_are_sampled_and_counters_untouched(fake_gpu):
     fake, probe = fake_gpu([(1 * GiB, 2 * GiB), (4 * GiB, 6 * GiB), (2 * GiB, 6 * GiB)])
     fake.peak = [9 * GiB, 9 * GiB]  # the user's own lifetime peak must survive
-    m = Measurement(probe, track_peaks=False)
+    m = Measurement.begin(probe, track_peaks=False)
     fake.advance()
     m.observe(probe.sample())  # what the sampler thread does
     fake.advance()
-    rec = m.finish()
+    rec = m.finish().record()
     assert fake.resets == 0
     assert rec.devices[0].allocated_peak == 4 * GiB  # sampled, not the stale 9 GiB lifetime peak
     assert rec.peaks == "sampled"
@@ -43,11 +43,11 @@ def test_without_peak_reset_peaks_are_sampled_and_counters_untouched(fake_gpu):
 def test_device_initialized_during_the_cell_starts_at_zero(fake_gpu):
     fake, probe = fake_gpu([(0, 0), (3 * GiB, 4 * GiB)])
     fake.initialized = False
-    m = Measurement(probe)
+    m = Measurement.begin(probe)
     assert m.start.reason == "CUDA not initialized yet"
     fake.initialized = True
     fake.advance()
-    rec = m.finish()
+    rec = m.finish().record()
     dev = rec.devices[0]
     assert (dev.allocated_before, dev.allocated_after, dev.allocated_peak) == (0, 3 * GiB, 3 * GiB)
     assert dev.used_before is None and rec.reason is None
@@ -56,9 +56,9 @@ def test_device_initialized_during_the_cell_starts_at_zero(fake_gpu):
 def test_cpu_only_record_carries_host_memory(fake_gpu):
     fake, probe = fake_gpu([(0, 0)])
     fake.initialized = False
-    m = Measurement(probe, source="buf = bytearray(2**26)")
+    m = Measurement.begin(probe, source="buf = bytearray(2**26)")
     buf = bytearray(64 * MiB)
-    rec = m.finish()
+    rec = m.finish().record()
     assert rec.devices == () and rec.reason == "CUDA not initialized yet"
     assert 63 * MiB <= rec.host.rss_delta <= 66 * MiB  # the kernel's per-CPU RSS counters lag a little
     assert rec.host.rss_peak >= rec.host.rss_after
@@ -89,26 +89,37 @@ def test_records_hold_only_plain_values_and_serialise():
 
 def test_source_and_message_are_bounded(fake_gpu):
     _, probe = fake_gpu([(0, 0)])
-    m = Measurement(probe, source="x" * (MAX_SOURCE_CHARS * 3))
-    rec = m.finish(error="E", error_message="y" * 100_000)
+    m = Measurement.begin(probe, source="x" * (MAX_SOURCE_CHARS * 3))
+    rec = m.finish(error="E", error_message="y" * 100_000).record()
     assert len(rec.source) < MAX_SOURCE_CHARS + 100
     assert len(rec.error_message) < 2100
 
 
-def test_ledger_is_bounded_and_notifies():
+def test_ledger_is_bounded_and_builds_records_only_when_asked(fake_gpu):
     ledger = Ledger(maxlen=3)
-    seen = []
-    ledger.subscribe(seen.append)
     recs = [CellRecord(i, None, "", 0.0, 0.0) for i in range(5)]
     for r in recs:
         ledger.append(r)
     assert [r.execution_count for r in ledger.records()] == [2, 3, 4]
-    assert ledger.last().execution_count == 4 and len(seen) == 5
+    assert ledger.last().execution_count == 4
     ledger.resize(2)
-    assert [r.execution_count for r in ledger.records()] == [3, 4]
-    ledger.unsubscribe(seen.append)
+    assert [r.execution_count for r in ledger.records()] == [3, 4] and ledger.maxlen == 2
+    _, probe = fake_gpu([(0, 0), (GiB, GiB)])
+    m = Measurement.begin(probe, source="x = f()").finish(execution_count=9)
+    ledger.append(m)
+    assert m._record is None  # finishing a cell builds nothing
+    assert ledger.tail(1)[0].execution_count == 9 and ledger.last() is ledger.tail(1)[0]  # built once
     ledger.clear()
-    assert len(ledger) == 0 and ledger.last() is None
+    assert len(ledger) == 0 and ledger.last() is None and ledger.tail(3) == []
+
+
+def test_moved_agrees_with_the_record(fake_gpu):
+    fake, probe = fake_gpu([(GiB, GiB), (GiB + 20 * MiB, GiB + 20 * MiB)])
+    m = Measurement.begin(probe)
+    fake.advance()
+    m.finish()
+    assert m.moved(16 * MiB) and not m.moved(32 * MiB)
+    assert m.record().moved_bytes == 20 * MiB
 
 
 def test_records_frame_one_row_per_cell_and_device():
@@ -121,3 +132,18 @@ def test_records_frame_one_row_per_cell_and_device():
     frame = records_frame(recs)
     assert list(frame["device"]) == ["host", "host", "cuda:0"]
     assert int(frame.loc[2, "delta"]) == 2**40 and pd.isna(frame.loc[2, "used_after"])
+    assert int(frame.loc[0, "delta"]) == 10 and int(frame.loc[2, "rss_after"]) == 20  # host RSS on every row
+    assert list(frame.columns) == list(ROW_FIELDS)
+
+
+def test_csv_and_dataframe_share_one_row_schema(tmp_path):
+    import csv
+
+    recs = [CellRecord(2, "c2", "x = f()", 0.0, 0.1, host=HostRecord(20, 30, 40),
+                       devices=(DeviceRecord(0, "GPU", 0, 2**40, 2**40, 0, 2**41, 2**41, None, None, None),))]
+    path = tmp_path / "cells.csv"
+    write_csv(str(path), recs)
+    rows = list(csv.DictReader(path.open()))
+    assert list(rows[0]) == list(ROW_FIELDS)
+    assert [r["device"] for r in rows] == ["host", "cuda:0"]
+    assert rows[1]["delta"] == str(2**40) and rows[0]["delta"] == "10" and rows[1]["rss_after"] == "30"

@@ -1,5 +1,6 @@
 """Renderers: the compact line in torch's spelling, the report tables, escaping, the MIME bundle."""
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord, LineRecord
+from ipy_gpumem.core.memory import DeviceMemory
 from ipy_gpumem.display.status import status_view
 from ipy_gpumem.display.view import View, text_table
 from ipy_gpumem.ledger.view import cell_line, cell_moved, cell_report_view, cell_view, history_view
@@ -88,12 +89,14 @@ def test_history_and_status_tables():
     assert "No cells recorded yet" in empty.text
     view = history_view([gpu_record(), gpu_record(execution_count=8, devices=())], limit=1)
     assert "[8]" in view.text and "[7]" not in view.text
-    sample = make_sample(rss=3 * GiB, devices=[dev_sample(0, allocated=4 * GiB, reserved=5 * GiB, used=6 * GiB, total=16 * GiB)])
-    text = status_view(sample, {0: "H100"}).text
+    dev = dev_sample(0, allocated=4 * GiB, reserved=5 * GiB, used=6 * GiB, total=16 * GiB)
+    view = status_view([DeviceMemory.from_sample(dev)], 3 * GiB, names={0: "H100"})
+    assert view.data[0].free == 10 * GiB
+    text = view.text
     row = [r for r in text.splitlines() if r.startswith("cuda:0")][0]
     assert row.split()[2:] == ["4.00", "GiB", "1024.00", "MiB", "1024.00", "MiB", "10.00", "GiB", "16.00", "GiB"]
     assert "host: 3.00 GiB resident" in text
-    cpu = status_view(make_sample(rss=GiB, reason="torch is not imported")).text
+    cpu = status_view([], GiB, reason="torch is not imported").text
     assert cpu.startswith("No CUDA device in use: torch is not imported.")
 
 

@@ -2,8 +2,11 @@
 
 Everything here is a cheap read that runs before and after every cell. Unavailability is a value,
 not an exception: a probe that cannot read something returns None and says why in ``reason``.
-The only state a probe ever changes is the peak counters, and only in :meth:`MemoryProbe.reset_peaks`
-(which the extension calls when ``track_peaks`` is on).
+The only state a probe ever changes is the peak counters (the kernel's RSS high-water mark and
+torch's peak statistics), and only when asked: :meth:`MemoryProbe.start` with ``reset_peaks``,
+:meth:`HostProbe.reset_peak`, :meth:`CudaProbe.reset_peak` (the extension asks only while
+``track_peaks`` is on). A probe never creates a CUDA context: devices the user's code has not
+touched are reported as such, never read.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import os
 import sys
 import time
 import weakref
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 __all__ = [
     "HostSample",
@@ -82,6 +85,7 @@ class HostProbe:
         self._clear_refs = None
         self._resource = None
         self._rusage_floor = 0  # ru_maxrss never reads below this (see _choose_peak_source)
+        self._peak_source_chosen = False
         # True when the last paired reading found the high-water mark at the current RSS: then a
         # new span needs no reset (the costliest call here: it takes the mm write lock).
         self.peak_is_current = False
@@ -93,10 +97,7 @@ class HostProbe:
         self.backend = None
         self.reason = None
         self._open()
-        if hasattr(os, "register_at_fork"):
-            # Checked at fork time rather than with a getpid() on every read (this is the hot path).
-            ref = weakref.ref(self)
-            os.register_at_fork(after_in_child=lambda: ref() is not None and ref()._after_fork())
+        _watch_forks(self)
 
     def _open(self) -> None:
         self.close()
@@ -111,9 +112,16 @@ class HostProbe:
                 self._statm = None
             if self._statm is not None:
                 try:
+                    import resource  # stdlib, Unix only: getrusage reads the peak in ~1 us
+
+                    self._resource = resource
+                except ImportError:
+                    self._resource = None
+                try:
+                    # Opening writes nothing: the high-water mark is reset only when a reset is asked
+                    # for (track_peaks), never at load.
                     self._clear_refs = os.open("/proc/self/clear_refs", os.O_WRONLY)
                     self.can_reset_peak = True
-                    self._choose_peak_source()
                 except OSError:  # some containers forbid it; peaks then come from samples
                     self._clear_refs = None
                     self.can_reset_peak = False
@@ -146,6 +154,7 @@ class HostProbe:
         # A child (DataLoader worker) inherits our /proc/self fds, which still describe the parent.
         if self._pid is not None and self._pid != os.getpid():
             self._open()
+
 
     def rss(self) -> int | None:
         """Resident set size of this process, in bytes."""
@@ -205,16 +214,16 @@ class HostProbe:
         # getrusage's ru_maxrss is ~10x cheaper than parsing /proc/self/status, and after a reset
         # it equals VmHWM, except that it never drops below the largest RSS the kernel remembered
         # at exec (signal->maxrss: a Jupyter kernel inherits its launcher's). That floor is
-        # measured once here: above it getrusage is exact, at it we read VmHWM itself.
+        # measured once, at the first reset (a reset is what makes it visible): above it getrusage
+        # is exact, at it we read VmHWM itself.
+        self._peak_source_chosen = True
         try:
-            import resource  # stdlib, Unix only
-
-            self._resource = resource
             os.write(self._clear_refs, b"5")
-            via_rusage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            via_status = self._status_hwm()
-            self._rusage_floor = via_rusage if via_rusage - via_status > 4 * 2**20 else 0
-        except (OSError, ValueError, ImportError):
+            if self._resource is not None:
+                via_rusage = self._resource.getrusage(self._resource.RUSAGE_SELF).ru_maxrss * 1024
+                via_status = self._status_hwm()
+                self._rusage_floor = via_rusage if via_rusage - via_status > 4 * 2**20 else 0
+        except (OSError, ValueError):
             self._resource = None
 
     def reset_peak(self) -> bool:
@@ -222,6 +231,8 @@ class HostProbe:
         if self._clear_refs is None:
             return False
         try:
+            if not self._peak_source_chosen:
+                self._choose_peak_source()
             os.write(self._clear_refs, b"5")
             self.peak_is_current = True
             return True
@@ -235,6 +246,29 @@ class HostProbe:
         rss, peak = self.rss(), self.peak_rss()
         self.peak_is_current = rss is not None and peak is not None and peak - rss <= PEAK_SLACK
         return HostSample(rss, peak)
+
+
+
+# One fork handler per process, however often the extension is loaded (os.register_at_fork cannot
+# unregister): it reopens the /proc/self descriptors of every live HostProbe in the child.
+_HOST_PROBES: "weakref.WeakSet[HostProbe]" = weakref.WeakSet()
+_FORK_HANDLER = {"registered": False}
+
+
+def _watch_forks(probe: HostProbe) -> None:
+    _HOST_PROBES.add(probe)
+    if not _FORK_HANDLER["registered"] and hasattr(os, "register_at_fork"):
+        # Checked at fork time rather than with a getpid() on every read (this is the hot path).
+        os.register_at_fork(after_in_child=_reopen_after_fork)
+        _FORK_HANDLER["registered"] = True
+
+
+def _reopen_after_fork() -> None:
+    for probe in list(_HOST_PROBES):
+        try:
+            probe._after_fork()
+        except Exception:  # noqa: BLE001 - a fork handler must never fail the fork
+            pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,24 +350,36 @@ class NvmlProbe:
             return False
 
     def handle(self, torch_index: int, uuid: str | None = None):
-        """The NVML handle of torch's device ``torch_index``, through CUDA_VISIBLE_DEVICES."""
+        """The NVML handle of torch's device ``torch_index``.
+
+        By the UUID torch reports when it has one: a whole GPU is ``GPU-<uuid>`` to NVML, a MIG
+        slice ``MIG-<uuid>``. A UUID that matches neither gives no handle (None), never the
+        device at the same index: on a MIG slice that would be the whole parent GPU, with other
+        tenants' memory and processes. Without a UUID (old torch), through CUDA_VISIBLE_DEVICES.
+        """
         if torch_index in self._handles:
             return self._handles[torch_index]
         handle = None
         if self._init():
-            nvml = self._pynvml
-            try:
-                if uuid:
-                    handle = nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-")) else "GPU-" + uuid)
-            except Exception:  # noqa: BLE001 - fall back to the index mapping below
-                handle = None
-            if handle is None:
+            if uuid:
+                handle = self._handle_by_uuid(uuid)
+            else:
                 try:
                     handle = self._handle_by_visible_index(torch_index)
                 except Exception:  # noqa: BLE001
                     handle = None
         self._handles[torch_index] = handle
         return handle
+
+    def _handle_by_uuid(self, uuid: str):
+        nvml = self._pynvml
+        names = [uuid] if uuid.startswith(("GPU-", "MIG-")) else ["GPU-" + uuid, "MIG-" + uuid]
+        for name in names:
+            try:
+                return nvml.nvmlDeviceGetHandleByUUID(name)
+            except Exception:  # noqa: BLE001 - not this prefix: try the next
+                continue
+        return None
 
     def _handle_by_visible_index(self, torch_index: int):
         nvml = self._pynvml
@@ -356,16 +402,50 @@ class NvmlProbe:
                 matches.append(h)
         return matches[0] if len(matches) == 1 else None
 
-    def memory(self, torch_index: int, uuid: str | None = None) -> tuple:
-        """``(used, total)`` bytes for the whole device, or ``(None, None)``."""
+    def memory(self, torch_index: int, uuid: str | None = None, total: Optional[int] = None) -> tuple:
+        """``(used, total)`` bytes for the whole device, or ``(None, None)``.
+
+        NVML's v1 numbers count the memory the driver reserves for itself in both ``total`` and
+        ``used``; torch's total (and the "total capacity" in its out-of-memory message) does not.
+        So with ``total`` (torch's) given, ``used`` is the v2 struct's, which leaves the driver's
+        reservation out, or v1's minus the difference of the two totals on drivers without v2,
+        and the total returned is torch's: one total for the per-cell line, the chart and the
+        OOM panel alike.
+        """
         handle = self.handle(torch_index, uuid)
         if handle is None:
             return None, None
+        nvml = self._pynvml
+        version = getattr(nvml, "nvmlMemory_v2", None)
+        if total is not None and version is not None:
+            try:
+                info = nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+                return int(info.used), int(total)
+            except Exception:  # noqa: BLE001 - drivers before R510 have no v2: read v1 below
+                pass
         try:
-            info = self._pynvml.nvmlDeviceGetMemoryInfo(handle)
-            return int(info.used), int(info.total)
+            info = nvml.nvmlDeviceGetMemoryInfo(handle)
         except Exception:  # noqa: BLE001
             return None, None
+        used, nvml_total = int(info.used), int(info.total)
+        if total is None:
+            return used, nvml_total
+        return max(0, used - max(0, nvml_total - int(total))), int(total)
+
+    def visible_count(self) -> Optional[int]:
+        """How many devices CUDA will see (NVML's count through CUDA_VISIBLE_DEVICES), or None."""
+        if not self._init():
+            return None
+        try:
+            count = int(self._pynvml.nvmlDeviceGetCount())
+        except Exception:  # noqa: BLE001
+            return None
+        visible = parse_visible_devices(self._environ.get("CUDA_VISIBLE_DEVICES"))
+        if visible is None:
+            return count
+        if visible and isinstance(visible[0], int):
+            return len([i for i in visible if i < count])
+        return len(visible)
 
     def processes(self, torch_index: int, uuid: str | None = None) -> list:
         """``[(pid, bytes or None, name or None)]`` of compute processes (slow: ~5 ms; on demand only)."""
@@ -425,10 +505,31 @@ class CudaProbe:
         cuda = getattr(torch, "cuda", None)
         try:
             if cuda is None or not cuda.is_initialized():
+                # A CPU-only build never initializes CUDA: say so, rather than "not yet".
+                # (torch._C._has_cuda is a build flag; reading it initializes nothing.)
+                if getattr(getattr(torch, "_C", None), "_has_cuda", True) is False:
+                    return None, "this torch build has no CUDA (a CPU-only build)"
                 return None, "CUDA not initialized yet"
         except Exception:  # noqa: BLE001 - a broken torch install must not break cells
             return None, "torch.cuda unavailable"
         return cuda, None
+
+    def device_count(self) -> Optional[int]:
+        """How many CUDA devices this process can see, without initializing CUDA; None if unknown.
+
+        With CUDA up, torch's count. Before that, NVML's (through CUDA_VISIBLE_DEVICES): calling
+        torch.cuda.device_count() then would initialize the CUDA driver in this process.
+        """
+        cuda, _ = self.status()
+        if cuda is not None:
+            try:
+                return int(cuda.device_count())
+            except Exception:  # noqa: BLE001
+                return None
+        torch = self._torch()
+        if torch is not None and getattr(getattr(torch, "_C", None), "_has_cuda", True) is False:
+            return 0  # a CPU-only build: no CUDA device will ever exist in this process
+        return self.nvml.visible_count()
 
     def device_indices(self, cuda) -> list:
         """torch indices of devices with a CUDA context (the ones the user's code touched)."""
@@ -468,11 +569,12 @@ class CudaProbe:
         return props
 
     def device_memory(self, index: int) -> tuple:
-        """``(used, total)`` device-wide: NVML first, else cudaMemGetInfo (context exists here)."""
+        """``(used, total)`` device-wide: NVML first, else cudaMemGetInfo (only ever called for a
+        device that has a context, where it creates none); ``total`` is torch's in both cases."""
         name, total, uuid = self.properties(index)
-        used, nvml_total = self.nvml.memory(index, uuid)
+        used, _ = self.nvml.memory(index, uuid, total)
         if used is not None:
-            return used, nvml_total if nvml_total is not None else total
+            return used, total
         try:
             free, total2 = self._torch().cuda.mem_get_info(index)
             return int(total2) - int(free), int(total2)
@@ -480,12 +582,32 @@ class CudaProbe:
             return None, total
 
     def sample(self, indices: Sequence[int] | None = None, with_device_memory: bool = True):
-        """``(tuple of DeviceSample, reason)`` for the initialized devices (or ``indices``)."""
+        """``(tuple of DeviceSample, reason)`` for the devices with a CUDA context (of ``indices``).
+
+        Devices named in ``indices`` that the user's code has not touched are not read: reading
+        one (cudaMemGetInfo, and resetting the peaks of cudaMallocAsync's pool) would create a
+        context of hundreds of MiB there. The reason then says which were left out.
+        """
         cuda, reason = self.status()
         if cuda is None:
             return (), reason
-        if indices is None:
-            indices = self.device_indices(cuda)
+        live = self.device_indices(cuda)
+        if indices is not None:
+            wanted = list(indices)
+            indices = [i for i in wanted if i in live]
+            untouched = [i for i in wanted if i not in live]
+            if untouched:
+                count = self.device_count()
+                missing = [i for i in untouched if count is not None and i >= count]
+                idle = [i for i in untouched if i not in missing]
+                parts = []
+                if idle:
+                    parts.append(", ".join(f"cuda:{i}" for i in idle) + " not used by your code yet")
+                if missing:
+                    parts.append(", ".join(f"cuda:{i}" for i in missing) + f" does not exist ({count} visible)")
+                reason = "; ".join(parts)
+        else:
+            indices = live
         out = []
         for i in indices:
             allocated, reserved, peak_a, peak_r = self.counters(i)
@@ -494,7 +616,7 @@ class CudaProbe:
             else:
                 used, total = None, self.properties(i)[1]
             out.append(DeviceSample(i, allocated, reserved, peak_a, peak_r, used, total))
-        return tuple(out), None
+        return tuple(out), reason
 
 
 def counters_from_stats(stats: dict) -> tuple:
@@ -574,25 +696,6 @@ class MemoryProbe:
             except Exception:  # noqa: BLE001 - peaks then come from samples
                 reset_devices = frozenset()
         return Sample(time.perf_counter(), HostSample(rss, None), devs, reason), host_reset, reset_devices
-
-    def reset_peaks(self, devices: Sequence[int] | None = None) -> None:
-        """Reset the host RSS high-water mark and torch's peak counters; see :meth:`reset_peaks_cuda`."""
-        self.host.reset_peak()
-        self.reset_peaks_cuda(devices)
-
-    def reset_peaks_cuda(self, devices: Sequence[int] | None = None) -> None:
-        """Reset torch's peak counters on each initialized device (or ``devices``).
-
-        torch's ``reset_peak_memory_stats`` resets *every* peak statistic of the device, including
-        the ones the user reads with ``max_memory_allocated()``; callers make that opt-out.
-        """
-        cuda, _ = self.cuda.status()
-        if cuda is None:
-            return
-        if devices is None:
-            devices = self.cuda.device_indices(cuda)
-        for i in devices:
-            self.cuda.reset_peak(i)
 
     def close(self) -> None:
         self.host.close()

@@ -7,13 +7,31 @@ form that ``export`` writes and other tools read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, NamedTuple, Optional, Tuple
 
-__all__ = ["HostRecord", "DeviceRecord", "LineRecord", "CellRecord", "records_frame", "write_csv"]
+from .devices import Device, cuda
+from .text import first_line as _first_line
+
+__all__ = ["HostRecord", "DeviceRecord", "LineRecord", "LoopSpan", "CellRecord", "largest_change", "ROW_FIELDS", "record_rows",
+           "records_frame", "write_csv"]
 
 
 def _delta(after, before):
     return None if after is None or before is None else after - before
+
+
+def largest_change(devices: Iterable[Tuple[Optional[int], ...]], host_delta: Optional[int],
+                   host_rise: Optional[int]) -> int:
+    """How much a cell moved memory, in bytes: the one rule every view and the per-cell line use.
+
+    The largest |Δallocated|, |Δreserved| or peak increase over the CUDA devices in use
+    (``devices`` gives those three per device); with no CUDA device, host RSS's |Δ| or peak
+    increase. 0 when nothing is known.
+    """
+    values = [v for changes in devices for v in changes]
+    if not values:
+        values = [host_delta, host_rise]
+    return max((abs(int(v)) for v in values if v is not None), default=0)
 
 
 @dataclass(frozen=True)
@@ -80,8 +98,12 @@ class DeviceRecord:
     peak_increase_max: Optional[int] = None
 
     @property
+    def device(self) -> Device:
+        return cuda(self.index)
+
+    @property
     def label(self) -> str:
-        return f"cuda:{self.index}"
+        return self.device.label
 
     @property
     def allocated_delta(self) -> Optional[int]:
@@ -161,6 +183,18 @@ class LineRecord:
         }
 
 
+class LoopSpan(NamedTuple):
+    """A loop of a ``--lines`` cell: its header line, its last line, ``"for"`` or ``"while"``.
+
+    The lines of a loop sum their changes over every iteration; what the loop as a whole kept is
+    the sum over all of its lines, and the rest was allocated and released within the loop.
+    """
+
+    first: int
+    last: int
+    kind: str = "for"
+
+
 @dataclass(frozen=True)
 class CellRecord:
     """What one cell did to memory: host RSS and each initialized CUDA device, before/after/peak."""
@@ -180,6 +214,8 @@ class CellRecord:
     reason: Optional[str] = None
     #: Per-line records, for ``%%gpumem --lines`` cells; None otherwise.
     lines: Optional[tuple] = None
+    #: The loops of a ``--lines`` cell (``LoopSpan``s, numbered like ``lines``).
+    loops: tuple = ()
     #: True when ``%%gpumem`` measured this cell (it then shows its own report).
     detailed: bool = False
     #: Whether the peaks are per cell (peak counters reset before it) or only sampled.
@@ -188,6 +224,12 @@ class CellRecord:
     @property
     def failed(self) -> bool:
         return self.error is not None
+
+    @property
+    def moved_bytes(self) -> int:
+        """The largest change the cell made (see :func:`largest_change`)."""
+        return largest_change(((d.allocated_delta, d.reserved_delta, d.peak_increase) for d in self.devices),
+                              self.host.rss_delta, self.host.rss_peak_increase)
 
     @property
     def label(self) -> str:
@@ -201,10 +243,7 @@ class CellRecord:
 
     @property
     def first_line(self) -> str:
-        for line in self.source.splitlines():
-            if line.strip():
-                return line.strip()
-        return ""
+        return _first_line(self.source)
 
     def to_dict(self) -> dict:
         out = {
@@ -222,11 +261,48 @@ class CellRecord:
         }
         if self.lines is not None:
             out["lines"] = [line.to_dict() for line in self.lines]
+            out["loops"] = [loop._asdict() for loop in self.loops]
         return out
 
 
+#: The flat form of a record, shared by ``history_frame()`` (pandas) and ``%gpumem export x.csv``:
+#: one row per cell and device, a ``host`` row for every cell. ``before``/``after``/``peak``/
+#: ``delta``/``peak_increase`` are allocated bytes on a CUDA row and RSS on the host row, so one
+#: column can be plotted across both; the other columns keep their ``to_dict()`` names.
+ROW_FIELDS = (
+    "execution_count", "cell_id", "first_line", "started_at", "duration_s", "error", "device", "name",
+    "before", "after", "peak", "delta", "peak_increase",
+    "reserved_before", "reserved_after", "reserved_peak", "reserved_delta", "used_before", "used_after", "total",
+    "rss_before", "rss_after", "rss_peak", "rss_delta", "source",
+)
+_BYTE_FIELDS = tuple(f for f in ROW_FIELDS if f.startswith(("before", "after", "peak", "delta", "reserved", "used",
+                                                               "total", "rss")))
+
+
+def record_rows(records):
+    """The records as flat dicts with the keys of :data:`ROW_FIELDS`, oldest first."""
+    for rec in records:
+        host = rec.host
+        base = {
+            "execution_count": rec.execution_count, "cell_id": rec.cell_id, "first_line": rec.first_line,
+            "started_at": rec.started_at, "duration_s": rec.duration_s, "error": rec.error,
+            "rss_before": host.rss_before, "rss_after": host.rss_after, "rss_peak": host.rss_peak,
+            "rss_delta": host.rss_delta, "source": rec.source,
+        }
+        empty = dict.fromkeys(ROW_FIELDS)
+        yield {**empty, **base, "device": "host", "before": host.rss_before, "after": host.rss_after,
+               "peak": host.rss_peak, "delta": host.rss_delta, "peak_increase": host.rss_peak_increase}
+        for dev in rec.devices:
+            yield {**empty, **base, "device": dev.label, "name": dev.name,
+                   "before": dev.allocated_before, "after": dev.allocated_after, "peak": dev.allocated_peak,
+                   "delta": dev.allocated_delta, "peak_increase": dev.peak_increase,
+                   "reserved_before": dev.reserved_before, "reserved_after": dev.reserved_after,
+                   "reserved_peak": dev.reserved_peak, "reserved_delta": dev.reserved_delta,
+                   "used_before": dev.used_before, "used_after": dev.used_after, "total": dev.total}
+
+
 def records_frame(records):
-    """A pandas DataFrame with one row per cell and device (``device`` is "host" for RSS rows).
+    """A pandas DataFrame of :func:`record_rows` (one row per cell and device; ``host`` rows for RSS).
 
     Raises:
         ImportError: pandas is not installed (``pip install pandas``).
@@ -235,71 +311,18 @@ def records_frame(records):
         import pandas as pd
     except ImportError:  # pragma: no cover - exercised only without pandas
         raise ImportError("history_frame() needs pandas: pip install pandas") from None
-    rows = []
-    for rec in records:
-        base = {
-            "execution_count": rec.execution_count,
-            "cell_id": rec.cell_id,
-            "first_line": rec.first_line,
-            "started_at": pd.Timestamp(rec.started_at, unit="s"),
-            "duration_s": rec.duration_s,
-            "error": rec.error,
-        }
-        rows.append({
-            **base,
-            "device": "host",
-            "before": rec.host.rss_before,
-            "after": rec.host.rss_after,
-            "peak": rec.host.rss_peak,
-            "delta": rec.host.rss_delta,
-            "reserved_before": None,
-            "reserved_after": None,
-            "reserved_peak": None,
-            "used_after": None,
-            "total": None,
-        })
-        for dev in rec.devices:
-            rows.append({
-                **base,
-                "device": dev.label,
-                "before": dev.allocated_before,
-                "after": dev.allocated_after,
-                "peak": dev.allocated_peak,
-                "delta": dev.allocated_delta,
-                "reserved_before": dev.reserved_before,
-                "reserved_after": dev.reserved_after,
-                "reserved_peak": dev.reserved_peak,
-                "used_after": dev.used_after,
-                "total": dev.total,
-            })
-    columns = [
-        "execution_count", "cell_id", "first_line", "started_at", "duration_s", "error", "device",
-        "before", "after", "peak", "delta", "reserved_before", "reserved_after", "reserved_peak",
-        "used_after", "total",
-    ]
-    frame = pd.DataFrame(rows, columns=columns)
-    for col in ("before", "after", "peak", "delta", "reserved_before", "reserved_after",
-                "reserved_peak", "used_after", "total"):
+    frame = pd.DataFrame(list(record_rows(records)), columns=list(ROW_FIELDS))
+    frame["started_at"] = pd.to_datetime(frame["started_at"], unit="s")
+    for col in _BYTE_FIELDS:
         frame[col] = frame[col].astype("Int64")  # nullable: None stays missing, bytes stay exact
     return frame
 
 
 def write_csv(path: str, records) -> None:
-    """Write records as CSV: one row per cell and device ("host" rows carry RSS only)."""
+    """Write :func:`record_rows` as CSV (the same columns as ``history_frame()``)."""
     import csv
 
-    fields = ["execution_count", "cell_id", "started_at", "duration_s", "error", "device", "name",
-              "allocated_before", "allocated_after", "allocated_peak", "reserved_before", "reserved_after",
-              "reserved_peak", "used_before", "used_after", "total", "rss_before", "rss_after", "rss_peak", "source"]
     with open(path, "w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer = csv.DictWriter(fh, fieldnames=list(ROW_FIELDS))
         writer.writeheader()
-        for rec in records:
-            base = {"execution_count": rec.execution_count, "cell_id": rec.cell_id, "started_at": rec.started_at,
-                    "duration_s": rec.duration_s, "error": rec.error, "rss_before": rec.host.rss_before,
-                    "rss_after": rec.host.rss_after, "rss_peak": rec.host.rss_peak, "source": rec.source}
-            if not rec.devices:
-                writer.writerow({**base, "device": "host"})
-            for dev in rec.devices:
-                d = dev.to_dict()
-                writer.writerow({**base, **{k: d[k] for k in fields if k in d}, "device": dev.label})
+        writer.writerows(record_rows(records))

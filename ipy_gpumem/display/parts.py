@@ -20,8 +20,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 from .view import View, esc, html_table, text_table, wrap_html
 
-__all__ = ["Span", "Line", "Para", "Heading", "Table", "Details", "Code", "Numbered", "Raw", "Block", "render",
-           "TEXT_WIDTH"]
+__all__ = ["Span", "Line", "Para", "Heading", "Table", "Details", "Code", "Numbered", "Raw", "Blank", "Block",
+           "render", "TEXT_WIDTH"]
 
 #: Text paragraphs wrap at this width (a terminal shows the panel without horizontal scrolling).
 TEXT_WIDTH = 100
@@ -189,6 +189,17 @@ class Raw:
 
 
 @dataclass(frozen=True)
+class Blank:
+    """An empty line between text sections (HTML spaces its blocks by itself)."""
+
+    def text(self, width: int = TEXT_WIDTH) -> str:
+        return ""
+
+    def html(self) -> str:
+        return ""
+
+
+@dataclass(frozen=True)
 class Block:
     """Parts kept together: separated by ``gap`` in text, inside one styled ``<div>`` in HTML."""
 
@@ -197,7 +208,8 @@ class Block:
     gap: str = "\n"
 
     def text(self, width: int = TEXT_WIDTH) -> str:
-        return self.gap.join(t for t in (p.text(width) for p in self.parts) if t != "")
+        # Parts with no text (HTML-only pieces such as an inline chart) leave no empty line.
+        return self.gap.join(t for p in self.parts for t in (p.text(width),) if t != "" or isinstance(p, Blank))
 
     def html(self) -> str:
         inner = "".join(p.html() for p in self.parts)

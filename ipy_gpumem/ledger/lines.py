@@ -7,20 +7,96 @@ the peak counters, so each line gets its own delta and peak; lines of a loop agg
 hits, as in line_profiler. Unlike ``sys.settrace``, markers cost nothing outside the cell's own
 lines (library code runs at full speed: tracing would slow every Python call in a training step)
 and they leave debuggers and coverage tools alone.
+
+Markers never change what the user's code does or which errors it raises: they wrap nothing (a
+``for`` loop's iterable is iterated by the loop itself, so ``for x in 5`` and ``async for x in
+[1, 2]`` fail exactly as without them), and they call a hook that lives in ``builtins`` for the
+duration of the cell, so a cell that runs ``%reset -f`` or reloads the extension keeps working and
+the user's namespace is never touched. IPython's debugger steps over the hook
+(``__debuggerskip__``) and tracebacks hide it (``__tracebackhide__``).
 """
 from __future__ import annotations
 
 import ast
+import builtins
 import time
-from typing import Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 from ..core.probes import PEAK_SLACK, MemoryProbe
-from ..core.records import DeviceRecord, HostRecord, LineRecord
+from ..core.records import DeviceRecord, HostRecord, LineRecord, LoopSpan
 
-__all__ = ["LineTracer", "LineMarkers", "HOOK_NAME"]
+__all__ = ["LineTracer", "LineMarkers", "HOOK_NAME", "remove_hook"]
 
-#: The name the marker calls use; present in the user's namespace only while a cell is measured.
+#: The name the marker calls use; bound in ``builtins`` while a ``--lines`` cell may run.
 HOOK_NAME = "__ipy_gpumem_line__"
+
+
+class _Hook:
+    """What the markers call: ``__ipy_gpumem_line__(lineno)`` before a statement. A no-op when no
+    tracer is active (a cell that unloaded the extension half-way still runs to its end)."""
+
+    __slots__ = ("target",)
+
+    def __init__(self):
+        self.target = None
+
+    def __call__(self, lineno: int) -> None:
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in tracebacks
+        __debuggerskip__ = True  # noqa: F841 - IPython's debugger steps over it and what it calls
+        target = self.target
+        if target is not None:
+            target(lineno)
+
+
+_HOOK = _Hook()
+
+
+def _install_hook(mark) -> None:
+    _HOOK.target = mark
+    if getattr(builtins, HOOK_NAME, None) is not _HOOK:
+        setattr(builtins, HOOK_NAME, _HOOK)
+
+
+def remove_hook() -> None:
+    """Take the hook out of ``builtins`` (when no marked cell can still be running)."""
+    _HOOK.target = None
+    if getattr(builtins, HOOK_NAME, None) is _HOOK:
+        delattr(builtins, HOOK_NAME)
+
+
+def hook_installed() -> bool:
+    return getattr(builtins, HOOK_NAME, None) is _HOOK
+
+
+class _Quantity:
+    """Running totals of one quantity (host RSS, or one device's allocated/reserved) over a line's hits."""
+
+    __slots__ = ("before", "after", "peak", "net", "rise")
+
+    def __init__(self):
+        self.before = None  # value when the line first started
+        self.after = None  # value when it last finished
+        self.peak = None  # highest value while it ran
+        self.net = 0  # changes summed over its hits
+        self.rise = None  # the largest rise above the starting value within one hit
+
+    def fold(self, start, end, hit_peak) -> None:
+        if self.before is None:
+            self.before = start
+        self.after = end
+        self.peak = _mx(self.peak, hit_peak)
+        if start is not None and end is not None:
+            self.net += end - start
+            if hit_peak is not None:
+                self.rise = _mx(self.rise, hit_peak - start)
+
+
+class _DeviceStats:
+    __slots__ = ("allocated", "reserved")
+
+    def __init__(self):
+        self.allocated = _Quantity()
+        self.reserved = _Quantity()
 
 
 class _LineStats:
@@ -28,13 +104,21 @@ class _LineStats:
 
     __slots__ = ("hits", "seconds", "host", "devices")
 
-    def __init__(self, device_count: int):
+    def __init__(self):
         self.hits = 0
         self.seconds = 0.0
-        # [before(first hit), after(last hit), peak(max), delta sum, max rise within one hit]
-        self.host = [None, None, None, 0, None]
-        # per device: [alloc before, after, peak, sum, reserved before, after, peak, sum, max rise]
-        self.devices = [[None, None, None, 0, None, None, None, 0, None] for _ in range(device_count)]
+        self.host = _Quantity()
+        self.devices: dict = {}  # device index -> _DeviceStats
+
+
+class _Reading(NamedTuple):
+    """Counters at one line boundary."""
+
+    t: float
+    rss: Optional[int]
+    peak_rss: Optional[int]
+    #: device index -> (allocated, reserved, peak allocated, peak reserved)
+    devices: dict
 
 
 def _mx(a, b):
@@ -50,17 +134,17 @@ class LineTracer:
 
     Args:
         probe: the memory probe (host RSS and torch's counters).
-        user_globals: the namespace the cell's code runs in; identifies the cell's frames.
         devices: CUDA device indices to read; None means every initialized device.
-        track_peaks: reset peak counters at each line so each line's peak is its own.
+        track_peaks: reset peak counters at each line so each line's peak is its own (this also
+            resets the peaks the user's own code reads, as the per-cell reset does).
+        include_host: measure host RSS too.
     """
 
-    def __init__(self, probe: MemoryProbe, user_globals: dict, devices: Optional[Sequence[int]] = None,
-                 track_peaks: bool = True, include_host: bool = True):
+    def __init__(self, probe: MemoryProbe, devices: Optional[Sequence[int]] = None, track_peaks: bool = True,
+                 include_host: bool = True):
         self.probe = probe
-        self._globals = user_globals
         self._device_filter = None if devices is None else tuple(devices)
-        self._devices: Optional[tuple] = None  # fixed once CUDA is up
+        self._devices: Optional[tuple] = None  # fixed once a device with a context is found
         self._track_peaks = track_peaks
         self._include_host = include_host
         self._stats: dict = {}
@@ -69,6 +153,7 @@ class LineTracer:
         self.reason: Optional[str] = None
         self.host_peak = None
         self.device_peaks: dict = {}
+        self.loops: tuple = ()  # LoopSpans of the marked code (its own line numbers)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -81,71 +166,54 @@ class LineTracer:
         found = self.probe.cuda.device_indices(cuda)
         if self._device_filter is not None:
             found = [i for i in found if i in self._device_filter]
-        self._devices = tuple(found)
-        return self._devices
+        # CUDA can be up before any device has a context: keep looking until one has, rather
+        # than caching "no device" for the rest of the cell.
+        if found:
+            self._devices = tuple(found)
+        return tuple(found)
 
-    def _read(self):
+    def _read(self) -> _Reading:
         host = self.probe.host
         rss = host.rss() if self._include_host else None
-        host_peak = host.peak_rss() if (self._include_host and self._track_peaks and host.can_reset_peak) else None
-        devs = []
-        cuda = self.probe.cuda
+        peak = host.peak_rss() if (self._include_host and self._track_peaks and host.can_reset_peak) else None
+        devices = {}
+        counters = self.probe.cuda.counters
         for index in self._resolve_devices():
-            allocated, reserved, peak_a, peak_r = cuda.counters(index)
-            devs.append((allocated, reserved, peak_a, peak_r))
-        return time.perf_counter(), rss, host_peak, devs
+            devices[index] = counters(index)
+        return _Reading(time.perf_counter(), rss, peak, devices)
 
-    def _reset(self, reading) -> None:
+    def _reset(self, reading: _Reading) -> None:
         """Reset the peak counters that are above their current value (a peak already at the
         current value measures the next line correctly as it is: one syscall saved per line)."""
         if not self._track_peaks:
             return
-        _, rss, host_peak, devs = reading
-        if self._include_host and (host_peak is None or rss is None or host_peak - rss > PEAK_SLACK):
+        rss, peak = reading.rss, reading.peak_rss
+        if self._include_host and (peak is None or rss is None or peak - rss > PEAK_SLACK):
             self.probe.host.reset_peak()
         cuda = self.probe.cuda
-        for index, (allocated, reserved, peak_a, peak_r) in zip(self._resolve_devices(), devs):
+        for index, (allocated, reserved, peak_a, peak_r) in reading.devices.items():
             if peak_a != allocated or peak_r != reserved:
                 cuda.reset_peak(index)
 
-    def _fold(self, lineno: int, start, end) -> None:
+    def _fold(self, lineno: int, start: _Reading, end: _Reading) -> None:
         stats = self._stats.get(lineno)
-        t0, rss0, _, devs0 = start
-        t1, rss1, hpeak1, devs1 = end
         if stats is None:
-            stats = self._stats[lineno] = _LineStats(len(devs1))
+            stats = self._stats[lineno] = _LineStats()
         stats.hits += 1
-        stats.seconds += t1 - t0
-        h = stats.host
-        if h[0] is None:
-            h[0] = rss0
-        h[1] = rss1
-        hit_peak = _mx(hpeak1, _mx(rss0, rss1))
-        h[2] = _mx(h[2], hit_peak)
-        self.host_peak = _mx(self.host_peak, h[2])
-        if rss0 is not None and rss1 is not None:
-            h[3] += rss1 - rss0
-            h[4] = _mx(h[4], hit_peak - rss0)
-        while len(stats.devices) < len(devs1):  # CUDA came up during this line
-            stats.devices.append([None, None, None, 0, None, None, None, 0, None])
-        for k, (a1, r1, pa1, pr1) in enumerate(devs1):
-            a0, r0 = (devs0[k][0], devs0[k][1]) if k < len(devs0) else (0, 0)
-            d = stats.devices[k]
-            if d[0] is None:
-                d[0], d[4] = a0, r0
-            d[1], d[5] = a1, r1
-            peak_a = _mx(_mx(a0, a1), pa1 if self._track_peaks else None)
-            peak_r = _mx(_mx(r0, r1), pr1 if self._track_peaks else None)
-            d[2] = _mx(d[2], peak_a)
-            d[6] = _mx(d[6], peak_r)
-            if a0 is not None and a1 is not None:
-                d[3] += a1 - a0
-                d[8] = _mx(d[8], peak_a - a0)
-            if r0 is not None and r1 is not None:
-                d[7] += r1 - r0
-            index = self._devices[k]
+        stats.seconds += end.t - start.t
+        hit_peak = _mx(end.peak_rss, _mx(start.rss, end.rss))
+        stats.host.fold(start.rss, end.rss, hit_peak)
+        self.host_peak = _mx(self.host_peak, stats.host.peak)
+        for index, (a1, r1, pa1, pr1) in end.devices.items():
+            # A device that CUDA brought up during this line started at zero.
+            a0, r0 = start.devices.get(index, (0, 0, 0, 0))[:2]
+            dev = stats.devices.get(index)
+            if dev is None:
+                dev = stats.devices[index] = _DeviceStats()
+            dev.allocated.fold(a0, a1, _mx(_mx(a0, a1), pa1 if self._track_peaks else None))
+            dev.reserved.fold(r0, r1, _mx(_mx(r0, r1), pr1 if self._track_peaks else None))
             old = self.device_peaks.get(index, (None, None))
-            self.device_peaks[index] = (_mx(old[0], d[2]), _mx(old[1], d[6]))
+            self.device_peaks[index] = (_mx(old[0], dev.allocated.peak), _mx(old[1], dev.reserved.peak))
 
     def _boundary(self, next_lineno: Optional[int]) -> None:
         reading = self._read()
@@ -172,16 +240,19 @@ class LineTracer:
             self.reason = f"line measurement stopped: {type(exc).__name__}: {exc}"
 
     def start(self) -> bool:
-        """Put the marker hook in the user's namespace (the markers call it by name)."""
+        """Make the markers call this tracer (the hook goes into ``builtins`` for the cell)."""
         self._active = True
-        self._hook = _Hook(self.mark)
-        self._globals[HOOK_NAME] = self._hook
+        _install_hook(self.mark)
         return True
 
     def stop(self) -> None:
-        """Close the line still open (the cell ended, raised or awaits) and remove the marker hook."""
-        if self._globals.get(HOOK_NAME) is getattr(self, "_hook", None):
-            del self._globals[HOOK_NAME]
+        """Close the line still open (the cell ended, raised or awaits); markers become no-ops.
+
+        The hook stays in ``builtins`` until :func:`remove_hook`: code of this cell may still run
+        its markers after an unload, and a missing name would raise NameError into it.
+        """
+        if _HOOK.target == self.mark:
+            _HOOK.target = None
         if self._active and self._current is not None:
             try:
                 self._boundary(None)
@@ -198,66 +269,29 @@ class LineTracer:
         lines that the traced code does not contain).
         """
         out = []
-        devices = self._devices or ()
         for lineno in sorted(self._stats):
             stats = self._stats[lineno]
             shown = lineno + offset
             text = source_lines[shown - 1] if 0 < shown <= len(source_lines) else ""
             h = stats.host
-            host = HostRecord(h[0], h[1], h[2], h[3], h[4]) if self._include_host else HostRecord()
+            host = HostRecord(h.before, h.after, h.peak, h.net, h.rise) if self._include_host else HostRecord()
             devs = []
-            for k, d in enumerate(stats.devices):
-                if k >= len(devices):
-                    break
-                index = devices[k]
+            for index in sorted(stats.devices):
+                d = stats.devices[index]
+                a, r = d.allocated, d.reserved
                 devs.append(DeviceRecord(
                     index=index,
                     name=(names or {}).get(index),
-                    allocated_before=d[0], allocated_after=d[1], allocated_peak=d[2],
-                    reserved_before=d[4], reserved_after=d[5], reserved_peak=d[6],
-                    allocated_delta_sum=d[3], reserved_delta_sum=d[7], peak_increase_max=d[8],
+                    allocated_before=a.before, allocated_after=a.after, allocated_peak=a.peak,
+                    reserved_before=r.before, reserved_after=r.after, reserved_peak=r.peak,
+                    allocated_delta_sum=a.net, reserved_delta_sum=r.net, peak_increase_max=a.rise,
                 ))
             out.append(LineRecord(shown, text, stats.hits, host, tuple(devs), stats.seconds))
         return tuple(out)
 
-
-class _Hook:
-    """What the markers call: ``hook(lineno)`` before a statement, and ``hook.each(lineno, iterable)``
-    around a ``for`` loop's iterable so that fetching each item (a DataLoader batch, say) counts
-    for the loop's own line, as it does in line_profiler, not for the body's last line."""
-
-    __slots__ = ("mark",)
-
-    def __init__(self, mark):
-        self.mark = mark
-
-    def __call__(self, lineno: int) -> None:
-        self.mark(lineno)
-
-    def each(self, lineno: int, iterable):
-        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame if the iterable raises
-        mark = self.mark
-        iterator = iter(iterable)
-        while True:
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
-            yield item
-            # The statement's own marker opened the first fetch; each later fetch is a new hit.
-            mark(lineno)
-
-    async def each_async(self, lineno: int, iterable):
-        __tracebackhide__ = True  # noqa: F841
-        mark = self.mark
-        iterator = iterable.__aiter__()
-        while True:
-            try:
-                item = await iterator.__anext__()
-            except StopAsyncIteration:
-                return
-            yield item
-            mark(lineno)
+    def loop_spans(self, offset: int = 0) -> tuple:
+        """The cell's loops in the numbering of :meth:`records`."""
+        return tuple(LoopSpan(s.first + offset, s.last + offset, s.kind) for s in self.loops)
 
 
 class LineMarkers(ast.NodeTransformer):
@@ -266,10 +300,13 @@ class LineMarkers(ast.NodeTransformer):
     An IPython AST transformer (``shell.ast_transformers``), installed only while a ``--lines``
     cell runs. Compound statements at the cell's level (``for``, ``while``, ``if``, ``with``,
     ``try``, ``match``) get markers in their bodies too, and loops mark their own line at each
-    iteration (``for`` when it fetches an item, ``while`` when it tests); ``def`` and ``class``
-    bodies do not (their lines run later, inside the calling line). The one-line trampoline IPython makes of a leading
-    cell magic (``get_ipython().run_cell_magic(...)``) is left alone: the body it runs is a cell of
-    its own and gets its markers when it is compiled. It never raises: IPython unregisters a
+    iteration: a ``for`` line at the end of its body and before each ``continue`` (so fetching
+    the next item, a DataLoader batch say, counts for the loop's line, as in line_profiler), a
+    ``while`` line in its test. ``def`` and ``class`` bodies get none (their lines run later,
+    inside the calling line). Statements sharing a line (``a = 1; b = 2``) get one marker: one
+    hit of that line. The one-line trampoline IPython makes of a leading cell magic
+    (``get_ipython().run_cell_magic(...)``) is left alone: the body it runs is a cell of its own
+    and gets its markers when it is compiled. It never raises: IPython unregisters a
     transformer that does.
     """
 
@@ -280,51 +317,89 @@ class LineMarkers(ast.NodeTransformer):
         #: Set before the measured cell compiles; cleared once its tree is marked, so code the
         #: cell itself compiles through IPython (a nested run_cell) is not mixed into its lines.
         self.armed = False
+        #: The tracer that receives the marked cell's loop spans.
+        self.tracer: Optional[LineTracer] = None
 
     def visit_Module(self, node):  # noqa: N802 - ast.NodeTransformer's naming
         try:
             if not self.armed or _is_trampoline(node):
                 return node
             self.armed = False
-            node.body = self._marked(node.body)
+            loops: List[LoopSpan] = []
+            node.body = self._marked(node.body, None, loops)
+            if self.tracer is not None:
+                self.tracer.loops = tuple(loops)
             return ast.fix_missing_locations(node)
         except Exception:  # noqa: BLE001
             return node
 
-    def _marked(self, statements: list) -> list:
+    @staticmethod
+    def _marker(lineno: int, where) -> ast.stmt:
+        call = ast.Call(ast.Name(HOOK_NAME, ast.Load()), [ast.Constant(lineno)], [])
+        return ast.copy_location(ast.Expr(call), where)
+
+    def _marked(self, statements: list, parent_line: Optional[int], loops: list) -> list:
         out = []
+        last = parent_line  # a statement on the line already marked gets no marker of its own
         for stmt in statements:
             if isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__":
                 out.append(stmt)  # must stay first
                 continue
-            self._mark_children(stmt)
-            if not isinstance(stmt, ast.While):  # a while loop marks itself at every test
-                marker = ast.Expr(ast.Call(ast.Name(HOOK_NAME, ast.Load()), [ast.Constant(stmt.lineno)], []))
-                out.append(ast.copy_location(marker, stmt))
+            self._mark_children(stmt, loops)
+            # a while loop marks itself at every test
+            if not isinstance(stmt, ast.While) and stmt.lineno != last:
+                out.append(self._marker(stmt.lineno, stmt))
+            last = stmt.lineno
             out.append(stmt)
         return out
 
-    def _mark_children(self, stmt) -> None:
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+    def _mark_children(self, stmt, loops: list) -> None:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             return
-        line = ast.Constant(stmt.lineno)
-        if isinstance(stmt, (ast.For, ast.AsyncFor)):
-            # each item is fetched in the loop's own line: for x in hook.each(N, ITER)
-            method = "each_async" if isinstance(stmt, ast.AsyncFor) else "each"
-            func = ast.Attribute(ast.Name(HOOK_NAME, ast.Load()), method, ast.Load())
-            stmt.iter = ast.copy_location(ast.Call(func, [line, stmt.iter], []), stmt.iter)
-        elif isinstance(stmt, ast.While):
-            # and each test of a while loop: while hook(N) or (TEST)  (the hook returns None)
-            stmt.test = ast.copy_location(
-                ast.BoolOp(ast.Or(), [ast.Call(ast.Name(HOOK_NAME, ast.Load()), [line], []), stmt.test]), stmt.test)
+        line = stmt.lineno
+        is_for = isinstance(stmt, (ast.For, ast.AsyncFor))
+        if is_for or isinstance(stmt, ast.While):
+            loops.append(LoopSpan(line, getattr(stmt, "end_lineno", None) or line,
+                                  "while" if isinstance(stmt, ast.While) else "for"))
+        if isinstance(stmt, ast.While):
+            # while hook(N) or (TEST): the hook returns None, so the test's value is unchanged
+            call = ast.Call(ast.Name(HOOK_NAME, ast.Load()), [ast.Constant(line)], [])
+            stmt.test = ast.copy_location(ast.BoolOp(ast.Or(), [call, stmt.test]), stmt.test)
         for name in self._BODIES:
             body = getattr(stmt, name, None)
             if isinstance(body, list) and body and isinstance(body[0], ast.stmt):
-                setattr(stmt, name, self._marked(body))
+                marked = self._marked(body, line if name == "body" else None, loops)
+                if is_for and name == "body":
+                    # The next item is fetched after the body: that fetch is the loop line's.
+                    _mark_continues(marked, line, self._marker)
+                    marked.append(self._marker(line, stmt))
+                setattr(stmt, name, marked)
         for handler in getattr(stmt, "handlers", None) or ():  # try/except
-            handler.body = self._marked(handler.body)
+            handler.body = self._marked(handler.body, None, loops)
         for case in getattr(stmt, "cases", None) or ():  # match (3.10+)
-            case.body = self._marked(case.body)
+            case.body = self._marked(case.body, None, loops)
+
+
+def _mark_continues(statements: list, line: int, marker) -> None:
+    """Put the loop line's marker before each ``continue`` of this loop (not of nested loops)."""
+    k = 0
+    while k < len(statements):
+        stmt = statements[k]
+        if isinstance(stmt, ast.Continue):
+            statements.insert(k, marker(line, stmt))
+            k += 2
+            continue
+        if not isinstance(stmt, (ast.For, ast.AsyncFor, ast.While, ast.FunctionDef, ast.AsyncFunctionDef,
+                                 ast.ClassDef)):
+            for name in ("body", "orelse", "finalbody"):
+                body = getattr(stmt, name, None)
+                if isinstance(body, list) and body and isinstance(body[0], ast.stmt):
+                    _mark_continues(body, line, marker)
+            for handler in getattr(stmt, "handlers", None) or ():
+                _mark_continues(handler.body, line, marker)
+            for case in getattr(stmt, "cases", None) or ():
+                _mark_continues(case.body, line, marker)
+        k += 1
 
 
 def _is_trampoline(module) -> bool:

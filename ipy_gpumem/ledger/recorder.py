@@ -1,18 +1,20 @@
-"""Turn the samples taken around a cell into a CellRecord, and keep a bounded ledger of them.
+"""Turn the readings taken around a cell into a CellRecord, and keep a bounded ledger of them.
 
-Knows nothing about IPython: the extension hands it plain values (execution count, cell id,
-source, the error's class name). A :class:`Measurement` is one cell in flight; the
-:class:`Ledger` keeps the finished records, oldest first, up to ``maxlen``.
+Knows nothing about IPython: the watcher hands it plain values (execution count, cell id, source,
+the error's class name). A :class:`Measurement` is one cell in flight; once finished it keeps only
+numbers, and builds its :class:`~ipy_gpumem.core.records.CellRecord` the first time someone asks
+(most cells are never looked at: the per-cell cost is two readings and a deque append). The
+:class:`Ledger` keeps the finished cells, oldest first, up to ``maxlen``.
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
-from typing import Callable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from ..core.probes import MemoryProbe, Sample
-from ..core.records import CellRecord, DeviceRecord, HostRecord
+from ..core.records import CellRecord, DeviceRecord, HostRecord, largest_change
 
 __all__ = ["Measurement", "Ledger", "MAX_SOURCE_CHARS", "MAX_MESSAGE_CHARS"]
 
@@ -21,181 +23,238 @@ MAX_SOURCE_CHARS = 20_000
 MAX_MESSAGE_CHARS = 2_000
 
 
+def _sub(a, b):
+    return None if a is None or b is None else a - b
+
+
 def _max(*values):
     present = [v for v in values if v is not None]
     return max(present) if present else None
 
 
 class Measurement:
-    """One cell in flight: the "before" sample, peak tracking, and the record at the end.
+    """One cell in flight: the starting readings, the peaks folded in while it runs, and its end.
 
     Args:
-        probe: where numbers come from.
-        devices: CUDA device indices to measure; None means every device torch has initialized.
-        track_peaks: reset the peak counters (host high-water mark and torch's peaks) at the start
-            so the record's peaks are this cell's. Without it, peaks are the highest values seen
-            by any sample taken during the cell (start, end, line boundaries, the sampler).
+        probe: where the end reading comes from (and device names).
+        start: the reading that opens the cell (see ``MemoryProbe.start``).
+        host_peak_reset: the kernel's RSS high-water mark measures from ``start`` (it was reset,
+            or it already stood at the RSS), so the end's peak RSS is this cell's peak.
+        reset_devices: CUDA devices whose peak counters measure from ``start``.
+        devices: CUDA device indices to read at the end; None means every initialized device.
+        track_peaks: whether peaks were asked to be per cell (recorded as ``peaks``).
+        detailed: ``%%gpumem`` measured this cell.
     """
 
-    __slots__ = ("probe", "execution_count", "cell_id", "source", "devices", "detailed", "include_host",
-                 "lines", "started_at", "start", "end", "samples", "track_peaks", "host_peak_reset",
-                 "_reset_devices", "_seen_host", "_seen_alloc", "_seen_reserved", "_lock", "t0")
+    __slots__ = ("probe", "cell_id", "source", "devices", "detailed", "include_host", "lines", "loops",
+                 "started_at", "start", "end", "samples", "track_peaks", "host_peak_reset", "reset_devices",
+                 "_seen_host", "_seen_alloc", "_seen_reserved", "_lock", "t0", "duration", "error", "message",
+                 "execution_count", "_record")
 
     #: Most sampler readings a detailed cell keeps for its chart (every other one is dropped
     #: when full, so a long cell keeps its whole span at a coarser step).
     MAX_SAMPLES = 2000
 
-    def __init__(
-        self,
-        probe: MemoryProbe,
-        *,
-        execution_count: Optional[int] = None,
-        cell_id: Optional[str] = None,
-        source: str = "",
-        devices: Optional[Sequence[int]] = None,
-        track_peaks: bool = True,
-        detailed: bool = False,
-        include_host: bool = True,
-    ):
-        # This runs before every cell: keep it to the reads and resets it needs.
+    def __init__(self, probe: MemoryProbe, start: Sample, host_peak_reset: bool = False,
+                 reset_devices: frozenset = frozenset(), *, cell_id: Optional[str] = None, source: str = "",
+                 devices: Optional[Sequence[int]] = None, track_peaks: bool = True, detailed: bool = False,
+                 include_host: bool = True):
+        # This runs before every cell: plain attribute stores only.
         self.probe = probe
-        self.execution_count = execution_count
         self.cell_id = cell_id
         self.source = source if len(source) <= MAX_SOURCE_CHARS else source[:MAX_SOURCE_CHARS] + "\n# ... (truncated)"
         self.devices = None if devices is None else tuple(devices)
         self.detailed = detailed
         self.include_host = include_host
-        self.lines = None  # set by the line tracer when --lines is on
+        self.lines = None  # LineRecords, when --lines measured the cell
+        self.loops = ()
         self.samples = None  # a list when the cell's chart wants the sampler's readings
+        self.start = start
         self.end = None
-        self.started_at = time.time()
         self.track_peaks = track_peaks
-        self.start, self.host_peak_reset, self._reset_devices = probe.start(self.devices, track_peaks)
-        # Highest values seen by any sample during the cell (sampler thread, line boundaries).
+        self.host_peak_reset = host_peak_reset
+        self.reset_devices = reset_devices
+        # Highest values seen by any reading during the cell (sampler thread, line boundaries).
         self._seen_host = None
-        self._seen_alloc: dict = {}
-        self._seen_reserved: dict = {}
-        self._lock = threading.Lock()
-        self.t0 = time.perf_counter()
+        self._seen_alloc = None
+        self._seen_reserved = None
+        self._lock = None  # made by the first observe(): most cells are never observed
+        self.started_at = time.time()
+        self.t0 = time.perf_counter()  # not start.t: a start reading may be the previous cell's end
+        self.duration = None
+        self.error = None
+        self.message = None
+        self.execution_count = None
+        self._record = None
+
+    @classmethod
+    def begin(cls, probe: MemoryProbe, *, devices: Optional[Sequence[int]] = None, track_peaks: bool = True,
+              **kwargs) -> "Measurement":
+        """Take the opening reading now (resetting the peak counters when ``track_peaks``)."""
+        devices = None if devices is None else tuple(devices)
+        start, host_reset, reset_devices = probe.start(devices, track_peaks)
+        return cls(probe, start, host_reset, reset_devices, devices=devices, track_peaks=track_peaks, **kwargs)
+
+    # -- while the cell runs ---------------------------------------------------------------------
 
     def observe(self, sample: Sample) -> None:
-        """Fold a sample taken during the cell into the peaks (thread-safe, cheap)."""
-        with self._lock:
+        """Fold a reading taken during the cell into the peaks (any thread; cheap)."""
+        lock = self._lock
+        if lock is None:
+            lock = self._lock = threading.Lock()  # benign race: two locks only if two threads start at once
+        with lock:
             if self.samples is not None:
                 self.samples.append(sample)
                 if len(self.samples) > self.MAX_SAMPLES:
                     del self.samples[1::2]
             self._seen_host = _max(self._seen_host, sample.host.rss)
-            for dev in sample.devices:
-                self._seen_alloc[dev.index] = _max(self._seen_alloc.get(dev.index), dev.allocated, dev.peak_allocated if dev.index in self._reset_devices else None)
-                self._seen_reserved[dev.index] = _max(self._seen_reserved.get(dev.index), dev.reserved, dev.peak_reserved if dev.index in self._reset_devices else None)
+            if sample.devices:
+                alloc = self._seen_alloc = self._seen_alloc or {}
+                reserved = self._seen_reserved = self._seen_reserved or {}
+                for dev in sample.devices:
+                    own = dev.index in self.reset_devices
+                    alloc[dev.index] = _max(alloc.get(dev.index), dev.allocated, dev.peak_allocated if own else None)
+                    reserved[dev.index] = _max(reserved.get(dev.index), dev.reserved, dev.peak_reserved if own else None)
 
     def observe_peaks(self, host_peak=None, device_peaks=None) -> None:
         """Fold peaks measured elsewhere (per-line peaks) into the cell's peaks."""
-        with self._lock:
-            self._seen_host = _max(self._seen_host, host_peak)
-            for index, (alloc_peak, reserved_peak) in (device_peaks or {}).items():
-                self._seen_alloc[index] = _max(self._seen_alloc.get(index), alloc_peak)
-                self._seen_reserved[index] = _max(self._seen_reserved.get(index), reserved_peak)
+        self._seen_host = _max(self._seen_host, host_peak)
+        if device_peaks:
+            alloc = self._seen_alloc = self._seen_alloc or {}
+            reserved = self._seen_reserved = self._seen_reserved or {}
+            for index, (alloc_peak, reserved_peak) in device_peaks.items():
+                alloc[index] = _max(alloc.get(index), alloc_peak)
+                reserved[index] = _max(reserved.get(index), reserved_peak)
+
+    # -- at the end ------------------------------------------------------------------------------
 
     def finish(self, error: Optional[str] = None, error_message: Optional[str] = None, end: Optional[Sample] = None,
-               execution_count: Optional[int] = None) -> CellRecord:
-        """Take the "after" sample and build the record.
+               execution_count: Optional[int] = None) -> "Measurement":
+        """Take the closing reading (or use ``end``) and keep what the record needs; build nothing.
 
         ``execution_count`` is known only at the end: IPython 7 increments it after the cell,
         IPython 8+ before, so the reliable value is the one on the cell's ``ExecutionResult``.
         """
-        duration = time.perf_counter() - self.t0
-        end = self.end = end if end is not None else self.probe.sample(self.devices)
-        start = self.start
-        host_peak = None
+        self.end = end if end is not None else self.probe.sample(self.devices)
+        self.duration = time.perf_counter() - self.t0
+        self.error = error
+        if error_message is not None and len(error_message) > MAX_MESSAGE_CHARS:
+            error_message = error_message[:MAX_MESSAGE_CHARS] + " ..."
+        self.message = error_message
+        self.execution_count = execution_count
+        return self
+
+    def moved(self, threshold: int) -> bool:
+        """Whether the cell moved memory by at least ``threshold`` bytes (:func:`largest_change`),
+        computed from the readings: the per-cell line's test builds no record."""
+        start, end = self.start, self.end
+        before = {d.index: d for d in start.devices}
+        changes = []
+        for dev in end.devices:
+            b = before.get(dev.index)
+            a0, r0 = (0, 0) if b is None else (b.allocated, b.reserved)
+            peak = self._device_peak(dev, b)
+            changes.append((_sub(dev.allocated, a0), _sub(dev.reserved, r0), _sub(peak, a0)))
+        rss0 = start.host.rss
+        return largest_change(changes, _sub(end.host.rss, rss0), _sub(self._host_peak(), rss0)) >= threshold
+
+    def _host_peak(self):
+        start, end = self.start, self.end
+        return _max(start.host.rss, end.host.rss, self._seen_host,
+                    end.host.peak_rss if self.host_peak_reset else None)
+
+    def _device_peak(self, dev, before):
+        # A device that CUDA initialized during the cell started at zero: torch had allocated
+        # nothing on it, and its peak counters start with it.
+        fresh = before is None
+        own = fresh or dev.index in self.reset_devices
+        a0 = 0 if fresh else before.allocated
+        return _max(a0, dev.allocated, (self._seen_alloc or {}).get(dev.index), dev.peak_allocated if own else None)
+
+    def record(self) -> CellRecord:
+        """The frozen record (built once, on first use)."""
+        rec = self._record
+        if rec is None:
+            rec = self._record = self._build()
+        return rec
+
+    def _build(self) -> CellRecord:
+        start, end = self.start, self.end
         if self.include_host:
-            host_peak = _max(start.host.rss, end.host.rss, self._seen_host,
-                             end.host.peak_rss if self.host_peak_reset else None)
-        host = HostRecord(start.host.rss, end.host.rss, host_peak) if self.include_host else HostRecord()
+            host = HostRecord(start.host.rss, end.host.rss, self._host_peak())
+        else:
+            host = HostRecord()
         before = {d.index: d for d in start.devices}
         devices = []
         for dev in end.devices:
             b = before.get(dev.index)
-            # A device that CUDA initialized during the cell started at zero: torch had
-            # allocated nothing on it, and its peak counters start with it.
             fresh = b is None
-            per_cell_peak = fresh or dev.index in self._reset_devices
+            own = fresh or dev.index in self.reset_devices
             alloc_before = 0 if fresh else b.allocated
             reserved_before = 0 if fresh else b.reserved
-            alloc_peak = _max(alloc_before, dev.allocated, self._seen_alloc.get(dev.index),
-                              dev.peak_allocated if per_cell_peak else None)
-            reserved_peak = _max(reserved_before, dev.reserved, self._seen_reserved.get(dev.index),
-                                 dev.peak_reserved if per_cell_peak else None)
+            reserved_peak = _max(reserved_before, dev.reserved, (self._seen_reserved or {}).get(dev.index),
+                                 dev.peak_reserved if own else None)
             name = None
             try:
                 name = self.probe.cuda.properties(dev.index)[0]
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a name is a nicety
                 pass
             devices.append(DeviceRecord(
-                index=dev.index,
-                name=name,
-                allocated_before=alloc_before,
-                allocated_after=dev.allocated,
-                allocated_peak=alloc_peak,
-                reserved_before=reserved_before,
-                reserved_after=dev.reserved,
-                reserved_peak=reserved_peak,
-                used_before=None if fresh else b.used,
-                used_after=dev.used,
-                total=dev.total,
+                index=dev.index, name=name,
+                allocated_before=alloc_before, allocated_after=dev.allocated, allocated_peak=self._device_peak(dev, b),
+                reserved_before=reserved_before, reserved_after=dev.reserved, reserved_peak=reserved_peak,
+                used_before=None if fresh else b.used, used_after=dev.used, total=dev.total,
             ))
-        if error_message is not None and len(error_message) > MAX_MESSAGE_CHARS:
-            error_message = error_message[:MAX_MESSAGE_CHARS] + " ..."
-        peaks = "per cell" if (self.track_peaks and (self.host_peak_reset or self._reset_devices)) else "sampled"
+        peaks = "per cell" if (self.track_peaks and (self.host_peak_reset or self.reset_devices)) else "sampled"
         return CellRecord(
-            execution_count=execution_count if execution_count is not None else self.execution_count,
-            cell_id=self.cell_id,
-            source=self.source,
-            started_at=self.started_at,
-            duration_s=duration,
-            error=error,
-            error_message=error_message,
-            host=host,
-            devices=tuple(devices),
-            reason=end.reason if not devices else None,
-            lines=self.lines,
-            detailed=self.detailed,
-            peaks=peaks,
+            execution_count=self.execution_count, cell_id=self.cell_id, source=self.source,
+            started_at=self.started_at, duration_s=self.duration or 0.0, error=self.error,
+            error_message=self.message, host=host, devices=tuple(devices),
+            reason=end.reason if not devices else None, lines=self.lines, loops=self.loops,
+            detailed=self.detailed, peaks=peaks,
         )
 
 
 class Ledger:
-    """The session's records, oldest first, bounded to ``maxlen`` (the oldest are dropped)."""
+    """The session's cells, oldest first, bounded to ``maxlen`` (the oldest are dropped).
+
+    Holds finished :class:`Measurement`s (or ready records) and hands out ``CellRecord``s.
+    """
 
     def __init__(self, maxlen: int = 10_000):
-        self._records: deque = deque(maxlen=max(1, int(maxlen)))
-        self._listeners: list = []
+        self._entries: deque = deque(maxlen=max(1, int(maxlen)))
 
-    def append(self, record: CellRecord) -> None:
-        self._records.append(record)
-        for listener in list(self._listeners):
-            listener(record)
+    def append(self, entry) -> None:
+        """Add a finished ``Measurement`` or a ``CellRecord``."""
+        self._entries.append(entry)
 
     def records(self) -> list:
-        return list(self._records)
+        return [_record(entry) for entry in list(self._entries)]
 
     def last(self) -> Optional[CellRecord]:
-        return self._records[-1] if self._records else None
+        return _record(self._entries[-1]) if self._entries else None
+
+    def tail(self, count: int) -> list:
+        """The last ``count`` records, oldest first (without building the others)."""
+        entries = list(self._entries)[-count:] if count > 0 else []
+        return [_record(entry) for entry in entries]
+
+    def extend(self, entries: Iterable) -> None:
+        self._entries.extend(entries)
 
     def clear(self) -> None:
-        self._records.clear()
+        self._entries.clear()
 
     def resize(self, maxlen: int) -> None:
-        self._records = deque(self._records, maxlen=max(1, int(maxlen)))
+        self._entries = deque(self._entries, maxlen=max(1, int(maxlen)))
 
-    def subscribe(self, listener: Callable[[CellRecord], None]) -> None:
-        """Call ``listener(record)`` after each append (the live chart uses this)."""
-        self._listeners.append(listener)
-
-    def unsubscribe(self, listener) -> None:
-        if listener in self._listeners:
-            self._listeners.remove(listener)
+    @property
+    def maxlen(self) -> int:
+        return self._entries.maxlen
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._entries)
+
+
+def _record(entry) -> CellRecord:
+    return entry.record() if isinstance(entry, Measurement) else entry

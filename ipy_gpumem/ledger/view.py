@@ -1,13 +1,25 @@
-"""The ledger's views: the line after a cell, the ``%%gpumem`` report and the ``%gpumem history`` table."""
+"""The ledger's views: the line after a cell, the ``%%gpumem`` report and the ``%gpumem history`` table.
+
+Each view is built once as parts (display/parts.py) and rendered to text and HTML from them, and
+keeps the record(s) it shows as ``View.data``.
+"""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
-from ..core.records import CellRecord, DeviceRecord
+from ..core.records import CellRecord, DeviceRecord, LineRecord
+from ..core.text import clip
 from ..core.units import format_bytes, format_delta, format_seconds
-from ..display.view import View, delta_class as _cls, esc, format_of, html_table, text_table, wrap_html as _wrap
+from ..display.parts import Blank, Line, Para, Raw, Span, Table, render
+from ..display.view import View, delta_class, format_of
 
-__all__ = ["cell_moved", "cell_line", "cell_view", "cell_report_view", "history_view"]
+__all__ = ["cell_moved", "cell_line", "cell_view", "cell_report_view", "history_view", "loop_summaries"]
+
+
+def cell_moved(record: CellRecord, threshold: int) -> bool:
+    """Whether a cell moved memory by at least ``threshold`` bytes (allocated, reserved or peak;
+    host RSS when no CUDA device is in use)."""
+    return record.moved_bytes >= threshold
 
 
 # ---------------------------------------------------------------------------------------------
@@ -15,70 +27,51 @@ __all__ = ["cell_moved", "cell_line", "cell_view", "cell_report_view", "history_
 # ---------------------------------------------------------------------------------------------
 
 
-def cell_moved(record: CellRecord, threshold: int) -> bool:
-    """Whether a cell moved memory by at least ``threshold`` bytes (allocated, reserved or peak;
-    host RSS when no CUDA device is in use)."""
-    for dev in record.devices:
-        for value in (dev.allocated_delta, dev.reserved_delta, dev.peak_increase):
-            if value is not None and abs(value) >= threshold:
-                return True
-    if not record.devices:
-        host = record.host
-        for value in (host.rss_delta, host.rss_peak_increase):
-            if value is not None and abs(value) >= threshold:
-                return True
-    return False
-
-
-def _device_parts(dev: DeviceRecord):
-    """``[(text, css class), ...]`` for one device in the compact line."""
-    parts = [(f"{dev.label} ", ""), (f"{format_delta(dev.allocated_delta)} allocated", _cls(dev.allocated_delta))]
+def _device_spans(dev: DeviceRecord) -> List[Span]:
+    spans = [Span(f"{dev.label} "), Span(f"{format_delta(dev.allocated_delta)} allocated", delta_class(dev.allocated_delta))]
     peak = dev.peak_increase
     if peak is not None and peak > max(dev.allocated_delta or 0, 0):
-        parts.append((f" (peak {format_delta(peak)})", "up"))
-    parts.append((f" · reserved {format_of(dev.reserved_after, dev.total)}", ""))
-    return parts
+        spans.append(Span(f" (peak {format_delta(peak)})", "up"))
+    spans.append(Span(f" · reserved {format_of(dev.reserved_after, dev.total)}"))
+    return spans
 
 
-def _host_parts(record: CellRecord):
+def _host_spans(record: CellRecord) -> List[Span]:
     host = record.host
-    parts = [("host ", ""), (f"{format_delta(host.rss_delta)} RSS", _cls(host.rss_delta))]
+    spans = [Span("host "), Span(f"{format_delta(host.rss_delta)} RSS", delta_class(host.rss_delta))]
     peak = host.rss_peak_increase
     if peak is not None and peak > max(host.rss_delta or 0, 0):
-        parts.append((f" (peak {format_delta(peak)})", "up"))
-    parts.append((f" · {format_bytes(host.rss_after)} resident", ""))
-    return parts
+        spans.append(Span(f" (peak {format_delta(peak)})", "up"))
+    spans.append(Span(f" · {format_bytes(host.rss_after)} resident"))
+    return spans
 
 
-def _line_parts(record: CellRecord, threshold: int = 0):
-    parts = [(record.label + " ", "dim")]
+def _line_spans(record: CellRecord, threshold: int = 0) -> List[Span]:
+    spans = [Span(record.label + " ", "dim")]
     shown = False
     for dev in record.devices:
         moved = any(v is not None and abs(v) >= threshold for v in (dev.allocated_delta, dev.reserved_delta, dev.peak_increase))
         if moved or len(record.devices) == 1:
             if shown:
-                parts.append((" │ ", "dim"))
-            parts.extend(_device_parts(dev))
+                spans.append(Span(" │ ", "dim"))
+            spans.extend(_device_spans(dev))
             shown = True
     if not shown:
-        parts.extend(_host_parts(record))
-    parts.append((f" · {format_seconds(record.duration_s)}", "dim"))
+        spans.extend(_host_spans(record))
+    spans.append(Span(f" · {format_seconds(record.duration_s)}", "dim"))
     if record.error:
-        parts.append((f" · {record.error}", "err"))
-    return parts
+        spans.append(Span(f" · {record.error}", "err"))
+    return spans
 
 
 def cell_line(record: CellRecord, threshold: int = 0) -> str:
     """The compact line shown after a cell, e.g.
     ``[7] cuda:0 +2.81 GiB allocated (peak +5.62 GiB) · reserved 9.53 / 15.78 GiB · 1.2 s``."""
-    return "".join(text for text, _ in _line_parts(record, threshold))
+    return "".join(span.text for span in _line_spans(record, threshold))
 
 
 def cell_view(record: CellRecord, threshold: int = 0) -> View:
-    parts = _line_parts(record, threshold)
-    text = "".join(t for t, _ in parts)
-    inner = "".join(f'<span class="{c}">{esc(t)}</span>' if c else esc(t) for t, c in parts)
-    return View(text, _wrap(f'<div title="ipy_gpumem">{inner}</div>'))
+    return render([Line(*_line_spans(record, threshold))], data=record)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,9 +83,11 @@ def _span_rows(record: CellRecord):
     """Rows ``(what, before, after, delta, peak, peak increase)`` for the summary table."""
     rows = []
     for dev in record.devices:
-        name = f"{dev.label}" + (f" ({dev.name})" if dev.name else "")
-        rows.append((f"{name} allocated", dev.allocated_before, dev.allocated_after, dev.allocated_delta, dev.allocated_peak, dev.peak_increase))
-        rows.append((f"{dev.label} reserved", dev.reserved_before, dev.reserved_after, dev.reserved_delta, dev.reserved_peak,
+        name = dev.label + (f" ({dev.name})" if dev.name else "")
+        rows.append((f"{name} allocated", dev.allocated_before, dev.allocated_after, dev.allocated_delta,
+                     dev.allocated_peak, dev.peak_increase))
+        rows.append((f"{dev.label} reserved", dev.reserved_before, dev.reserved_after, dev.reserved_delta,
+                     dev.reserved_peak,
                      None if dev.reserved_peak is None or dev.reserved_before is None else dev.reserved_peak - dev.reserved_before))
         if dev.used_after is not None:
             rows.append((f"{dev.label} device used", dev.used_before, dev.used_after, dev.used_delta, None, None))
@@ -102,17 +97,19 @@ def _span_rows(record: CellRecord):
     return rows
 
 
-def _lines_table(record: CellRecord, source_lines: Sequence[str]):
-    """Headers and rows for the ``--lines`` table: every source line, hit or not."""
-    by_line = {line.lineno: line for line in record.lines or ()}
+def _device_indices(record: CellRecord) -> List[int]:
     indices = [d.index for d in record.devices]
-    if not indices and record.lines:
-        seen = []
-        for line in record.lines:
-            for d in line.devices:
-                if d.index not in seen:
-                    seen.append(d.index)
-        indices = seen
+    for line in record.lines or ():
+        for dev in line.devices:
+            if dev.index not in indices:
+                indices.append(dev.index)
+    return indices
+
+
+def _lines_table(record: CellRecord, source_lines: Sequence[str]) -> Table:
+    """The ``--lines`` table: every source line, hit or not."""
+    by_line = {line.lineno: line for line in record.lines or ()}
+    indices = _device_indices(record)
     headers = ["line", "hits"]
     for i in indices:
         prefix = f"cuda:{i} " if len(indices) > 1 else ""
@@ -127,8 +124,7 @@ def _lines_table(record: CellRecord, source_lines: Sequence[str]):
             rows.append([str(lineno), ""] + [""] * (3 * len(indices)) + ["", "", "", text])
             classes.append([])
             continue
-        row = [str(lineno), str(line.hits)]
-        cls = ["", ""]
+        row, cls = [str(lineno), str(line.hits)], ["", ""]
         for i in indices:
             dev = line.device(i)
             if dev is None:
@@ -136,31 +132,82 @@ def _lines_table(record: CellRecord, source_lines: Sequence[str]):
                 cls += ["", "", ""]
                 continue
             row += [format_delta(dev.allocated_delta), format_delta(dev.reserved_delta), format_delta(dev.peak_increase)]
-            cls += [_cls(dev.allocated_delta), _cls(dev.reserved_delta), "up" if (dev.peak_increase or 0) > max(dev.allocated_delta or 0, 0) else "dim"]
+            cls += [delta_class(dev.allocated_delta), delta_class(dev.reserved_delta),
+                    "up" if (dev.peak_increase or 0) > max(dev.allocated_delta or 0, 0) else "dim"]
         h = line.host
         row += [format_delta(h.rss_delta), format_delta(h.rss_peak_increase), format_seconds(line.duration_s), text]
-        cls += [_cls(h.rss_delta), "dim", "dim", ""]
+        cls += [delta_class(h.rss_delta), "dim", "dim", ""]
         rows.append(row)
         classes.append(cls)
-    return headers, rows, classes
+    return Table(headers, rows, left=(len(headers) - 1,), classes=classes, src_col=len(headers) - 1)
+
+
+def _line_change(line: LineRecord, index: Optional[int]) -> Optional[int]:
+    if index is None:
+        return line.host.rss_delta
+    dev = line.device(index)
+    return None if dev is None else dev.allocated_delta
+
+
+def loop_summaries(record: CellRecord) -> List[str]:
+    """For each loop of a ``--lines`` cell: what it kept, apart from what its lines allocated and
+    released again within it (the churn that a loop line's summed change would otherwise show as
+    a leak). Allocated memory on each CUDA device in use, else host RSS."""
+    if not record.lines or not record.loops:
+        return []
+    indices = _device_indices(record) or [None]
+    out = []
+    for loop in record.loops:
+        inside = [ln for ln in record.lines if loop.first <= ln.lineno <= loop.last]
+        body = [ln for ln in inside if ln.lineno != loop.first]
+        iterations = max((ln.hits for ln in body), default=0)
+        if iterations < 2:
+            continue
+        for index in indices:
+            changes = [c for c in (_line_change(ln, index) for ln in inside) if c is not None]
+            if not changes:
+                continue
+            kept = sum(changes)
+            churn = sum(c for c in changes if c > 0) - max(kept, 0)
+            what = "host RSS" if index is None else (f"cuda:{index} allocated" if len(indices) > 1 else "allocated")
+            text = (f"Loop at line {loop.first} (lines {loop.first}–{loop.last}, {iterations} iterations): "
+                    f"kept {format_delta(kept)} {what}")
+            if churn > 0:
+                text += (f"; its lines also allocated and released {format_bytes(churn)} within the loop "
+                         "(churn: the per-line sums above include it, the cell did not keep it)")
+            out.append(text + ".")
+    return out
 
 
 def cell_report_view(record: CellRecord, source_lines: Optional[Sequence[str]] = None, note: Optional[str] = None,
                      chart_html: Optional[str] = None) -> View:
     """The ``%%gpumem`` report: before / after / peak per device and host, then the lines.
 
-    ``chart_html`` (an inline SVG of the cell, from ``svgchart.cell_svg``) goes into the HTML
+    ``chart_html`` (an inline SVG of the cell, from ``chart.svg.cell_svg``) goes into the HTML
     between the summary and the line table.
     """
     title = f"%%gpumem {record.label} · {format_seconds(record.duration_s)}"
     if record.error:
         title += f" · {record.error}"
-    headers = ["", "before", "after", "Δ", "peak", "peak Δ"]
-    rows = [
-        (what, format_bytes(b), format_bytes(a), format_delta(d), format_bytes(p) if p is not None else "", format_delta(pi) if pi is not None else "")
-        for what, b, a, d, p, pi in _span_rows(record)
-    ]
-    classes = [["", "", "", _cls(d), "", _cls(pi)] for _, _, _, d, _, pi in _span_rows(record)]
+    span_rows = _span_rows(record)
+    rows = [(what, format_bytes(b), format_bytes(a), format_delta(d), format_bytes(p) if p is not None else "",
+             format_delta(pi) if pi is not None else "") for what, b, a, d, p, pi in span_rows]
+    classes = [["", "", "", delta_class(d), "", delta_class(pi)] for _, _, _, d, _, pi in span_rows]
+    parts = [Line(Span(title, "bold")), Table(["", "before", "after", "Δ", "peak", "peak Δ"], rows, classes=classes)]
+    for dev in record.devices:
+        if dev.total:
+            parts.append(Line(Span(f"{dev.label}: {format_bytes(dev.reserved_after)} reserved of "
+                                   f"{format_bytes(dev.total)} total", "dim")))
+    if chart_html:
+        parts.append(Raw("", f'<div style="margin:4px 0">{chart_html}</div>'))
+    if record.lines is not None:
+        lines_src = list(source_lines) if source_lines is not None else record.source.splitlines()
+        parts.append(Blank())
+        parts.append(_lines_table(record, lines_src))
+        summaries = loop_summaries(record)
+        if summaries:
+            parts.append(Para("A loop's lines sum their changes over every iteration; what each loop kept:", "dim"))
+            parts.extend(Para(text, "dim", indent="  ") for text in summaries)
     notes = []
     if record.reason and not record.devices:
         notes.append(f"No CUDA device measured: {record.reason}; showing host memory.")
@@ -168,56 +215,47 @@ def cell_report_view(record: CellRecord, source_lines: Optional[Sequence[str]] =
         notes.append("Peaks are the highest values sampled (peak counters were not reset for this cell).")
     if note:
         notes.append(note)
-    text_parts = [title, text_table(headers, rows)]
-    html_parts = [f"<div><b>{esc(title)}</b></div>", html_table(headers, rows, classes=classes)]
-    totals = [d for d in record.devices if d.total]
-    for dev in totals:
-        line = f"{dev.label}: {format_bytes(dev.reserved_after)} reserved of {format_bytes(dev.total)} total"
-        text_parts.append(line)
-        html_parts.append(f'<div class="dim">{esc(line)}</div>')
-    if chart_html:
-        html_parts.append(f'<div style="margin:4px 0">{chart_html}</div>')
-    if record.lines is not None:
-        lines_src = list(source_lines) if source_lines is not None else record.source.splitlines()
-        lh, lrows, lcls = _lines_table(record, lines_src)
-        left = [len(lh) - 1]
-        text_parts.append("")
-        text_parts.append(text_table(lh, lrows, left=left))
-        html_parts.append(html_table(lh, lrows, left=left, classes=lcls, src_col=len(lh) - 1))
-    for n in notes:
-        text_parts.append(n)
-        html_parts.append(f'<div class="dim">{esc(n)}</div>')
-    return View("\n".join(text_parts), _wrap("".join(html_parts)))
+    parts.extend(Line(Span(n, "dim")) for n in notes)
+    return render(parts, data=record)
 
 
 # ---------------------------------------------------------------------------------------------
-# %gpumem history and status
+# %gpumem history
 # ---------------------------------------------------------------------------------------------
 
 
 def history_view(records: Sequence[CellRecord], limit: Optional[int] = None) -> View:
-    """One row per recorded cell: deltas and peaks per device (host RSS when no device)."""
+    """One row per recorded cell: per device deltas and peaks, or host RSS when no cell used CUDA."""
     if limit is not None and limit > 0:
         records = list(records)[-limit:]
     if not records:
         msg = "No cells recorded yet (ipy_gpumem records every cell after %load_ext ipy_gpumem)."
-        return View(msg, _wrap(f"<div>{esc(msg)}</div>"))
-    headers = ["cell", "device", "Δallocated", "peak Δ", "Δreserved", "reserved", "Δhost RSS", "time", "error", "source"]
+        return render([Line(msg)], data=[])
+    cuda = any(rec.devices for rec in records)
     rows, classes = [], []
     for rec in records:
-        devs = rec.devices or (None,)
-        for dev in devs:
+        source, error = clip(rec.first_line, 60), rec.error or ""
+        host = rec.host
+        if not cuda:
+            rows.append([rec.label, format_delta(host.rss_delta), format_delta(host.rss_peak_increase),
+                         format_bytes(host.rss_after), format_seconds(rec.duration_s), error, source])
+            classes.append(["", delta_class(host.rss_delta), delta_class(host.rss_peak_increase), "", "dim", "err", ""])
+            continue
+        for dev in rec.devices or (None,):
             if dev is None:
-                row = [rec.label, "host", "", format_delta(rec.host.rss_peak_increase), "", "", format_delta(rec.host.rss_delta)]
-                cls = ["", "", "", _cls(rec.host.rss_peak_increase), "", "", _cls(rec.host.rss_delta)]
+                row = [rec.label, "host", "", "", "", "", format_delta(host.rss_delta)]
+                cls = ["", "", "", "", "", "", delta_class(host.rss_delta)]
             else:
                 row = [rec.label, dev.label, format_delta(dev.allocated_delta), format_delta(dev.peak_increase),
-                       format_delta(dev.reserved_delta), format_bytes(dev.reserved_after), format_delta(rec.host.rss_delta)]
-                cls = ["", "", _cls(dev.allocated_delta), _cls(dev.peak_increase), _cls(dev.reserved_delta), "", _cls(rec.host.rss_delta)]
-            first = rec.first_line
-            row += [format_seconds(rec.duration_s), rec.error or "", first if len(first) <= 60 else first[:57] + "..."]
-            cls += ["dim", "err", ""]
-            rows.append(row)
-            classes.append(cls)
-    left = [0, 1, 8, 9]
-    return View(text_table(headers, rows, left=left), _wrap(html_table(headers, rows, left=left, classes=classes, src_col=9)))
+                       format_delta(dev.reserved_delta), format_bytes(dev.reserved_after), format_delta(host.rss_delta)]
+                cls = ["", "", delta_class(dev.allocated_delta), delta_class(dev.peak_increase),
+                       delta_class(dev.reserved_delta), "", delta_class(host.rss_delta)]
+            rows.append(row + [format_seconds(rec.duration_s), error, source])
+            classes.append(cls + ["dim", "err", ""])
+    if cuda:
+        headers = ["cell", "device", "Δallocated", "peak Δ", "Δreserved", "reserved", "Δhost RSS", "time", "error", "source"]
+        left = (0, 1, 8, 9)
+    else:
+        headers = ["cell", "Δhost RSS", "host peak Δ", "resident", "time", "error", "source"]
+        left = (0, 5, 6)
+    return render([Table(headers, rows, left=left, classes=classes, src_col=len(headers) - 1)], data=list(records))

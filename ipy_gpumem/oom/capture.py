@@ -3,10 +3,19 @@
 ``torch._C._cuda_attach_out_of_memory_observer(cb)`` calls ``cb(device, alloc_size, limit,
 device_free)`` inside the failing allocation, after the allocator released its lock and before the
 error is raised, where ``limit`` is the per-process cap when a memory fraction is set, else the
-device's total. An observer cannot be detached, so it is attached once per process and forwards
-to whatever target is set now; unloading the extension just clears the target (the observer then
-does nothing). The state lives in this module because ``%reload_ext`` reloads only the package's
-top module, never this one.
+device's total. Three facts shape this module:
+
+* An observer cannot be detached, so it is attached once per process and forwards to whatever
+  target is set now; unloading the extension just clears the target (the observer then does
+  nothing). The state lives here because ``%reload_ext`` reloads only the package's top module.
+* It can only be attached once CUDA is up, and the commonest first OOM happens in the very cell
+  that brings CUDA up (``model.to("cuda")``). So before CUDA is up, :func:`watch` queues the
+  attach with ``torch.cuda._lazy_call``: torch runs it inside its own lazy initialization, before
+  the user's first allocation. The queued call never raises (a raising queued call would break
+  the user's CUDA initialization).
+* Only the native caching allocator has observers; with ``cudaMallocAsync`` attaching raises. The
+  backend is read from torch (``torch._C._cuda_getAllocatorBackend()``), not guessed from the
+  environment, and the answer is remembered: nothing is retried on every cell.
 """
 from __future__ import annotations
 
@@ -16,7 +25,7 @@ from typing import Callable, NamedTuple, Optional
 
 from ..core.probes import counters_from_stats
 
-__all__ = ["OomCapture", "attach", "detach", "attached"]
+__all__ = ["OomCapture", "watch", "unwatch", "attached", "state"]
 
 
 class OomCapture(NamedTuple):
@@ -31,7 +40,9 @@ class OomCapture(NamedTuple):
     reserved: Optional[int]
 
 
-_STATE = {"attached": False, "target": None}
+# "new": nothing done; "queued": attach waits for CUDA's lazy init; "attached": observing;
+# "unsupported": this torch/allocator has no observer (why in "reason").
+_STATE = {"state": "new", "target": None, "reason": None}
 
 
 def _observer(device, alloc, limit, device_free) -> None:
@@ -47,34 +58,81 @@ def _observer(device, alloc, limit, device_free) -> None:
             allocated, reserved, _, _ = counters_from_stats(stats_fn(int(device)))
         target(OomCapture(time.perf_counter(), int(device), int(alloc), int(limit) if limit else None,
                           int(device_free) if device_free is not None else None, allocated, reserved))
-    except Exception:  # noqa: BLE001 - this runs inside torch's allocator: never raise there
+    except BaseException:  # noqa: BLE001 - this runs inside torch's allocator: never raise there
         pass
 
 
-def attach(target: Callable[[OomCapture], None]) -> bool:
-    """Send captures to ``target``; attach torch's observer first if CUDA is up. False if it can't be."""
+def _attach_now(torch) -> None:
+    """Attach the observer (CUDA is up). Never raises: it may run inside torch's lazy CUDA init."""
+    try:
+        backend_fn = getattr(torch._C, "_cuda_getAllocatorBackend", None)
+        backend = str(backend_fn()) if backend_fn is not None else "native"
+        if backend != "native":
+            _STATE.update(state="unsupported", reason=f"the {backend} allocator has no out-of-memory observer")
+            return
+        attach_fn = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+        if attach_fn is None:
+            _STATE.update(state="unsupported", reason="this torch has no out-of-memory observer")
+            return
+        attach_fn(_observer)
+        _STATE["state"] = "attached"
+    except BaseException as exc:  # noqa: BLE001
+        _STATE.update(state="unsupported", reason=f"attaching failed ({type(exc).__name__}: {exc})")
+
+
+def _queued_attach() -> None:
+    # Called by torch inside _lazy_init, which turns any exception into DeferredCudaCallError
+    # for the user: guarded twice over.
+    try:
+        torch = sys.modules.get("torch")
+        if torch is not None and _STATE["state"] == "queued":
+            _attach_now(torch)
+    except BaseException:  # noqa: BLE001
+        pass
+
+
+def watch(target: Callable[[OomCapture], None]) -> bool:
+    """Send captures to ``target`` from now on; attach (or queue the attach) if not done yet.
+
+    Returns True when nothing more needs doing for this process (attached, queued until CUDA
+    comes up, or unsupported), False when it should be tried again later (torch not imported).
+    """
+    _STATE["target"] = target
+    status = _STATE["state"]
+    if status != "new":
+        return True
     torch = sys.modules.get("torch")  # never import torch on the user's behalf
     if torch is None:
         return False
     try:
-        if not torch.cuda.is_initialized():
-            return False
-        attach_fn = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-        if attach_fn is None:
-            return False
-        if not _STATE["attached"]:
-            attach_fn(_observer)
-            _STATE["attached"] = True
-    except Exception:  # noqa: BLE001 - a CPU build, an old torch: no capture, nothing broken
-        return False
-    _STATE["target"] = target
+        cuda = torch.cuda
+        if getattr(getattr(torch, "_C", None), "_has_cuda", True) is False:
+            _STATE.update(state="unsupported", reason="this torch build has no CUDA")
+            return True
+        if cuda.is_initialized():
+            _attach_now(torch)
+            return True
+        lazy_call = getattr(cuda, "_lazy_call", None)
+        if lazy_call is None:
+            return False  # an old torch: try again when CUDA is up
+        _STATE["state"] = "queued"
+        lazy_call(_queued_attach)
+    except BaseException as exc:  # noqa: BLE001 - a broken torch must not break cells
+        _STATE.update(state="unsupported", reason=f"{type(exc).__name__}: {exc}")
     return True
 
 
-def detach() -> None:
-    """Stop forwarding (the observer itself stays attached, doing nothing)."""
-    _STATE["target"] = None
+def unwatch(target=None) -> None:
+    """Stop forwarding (to ``target`` only, if given); the observer itself stays, doing nothing."""
+    if target is None or _STATE["target"] == target:
+        _STATE["target"] = None
 
 
 def attached() -> bool:
-    return bool(_STATE["attached"] and _STATE["target"] is not None)
+    """True while captures reach a target."""
+    return _STATE["state"] == "attached" and _STATE["target"] is not None
+
+
+def state() -> str:
+    """``new``, ``queued``, ``attached`` or ``unsupported``."""
+    return _STATE["state"]

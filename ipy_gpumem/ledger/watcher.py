@@ -1,0 +1,430 @@
+"""The cell in flight, as data: which cell runs, what it measures, and what there is to show when it ends.
+
+:class:`CellWatcher` owns everything that happens between IPython's ``pre_run_cell`` and
+``post_run_cell``: the stack of nested cells (``%%capture``, ``%rerun`` and ``run_cell`` calls
+run cells inside cells; only the outermost is "the cell"), the measurement, the ``%%gpumem`` plan
+and its line tracer, and torch's out-of-memory capture. ``start(info)`` and ``finish(result)``
+take IPython's plain objects and ``finish`` returns a :class:`CellOutcome` (or None when there is
+nothing to show); the extension only renders outcomes. Nothing here imports IPython.
+
+Two promises shape it:
+
+* A frame never outlives its cell. A cell whose exception cannot be formatted, or a
+  ``BaseException`` escaping ``run_cell_async``, never gets a matching ``post_run_cell``; its frame
+  would make every later cell look nested (no records, no OOM panel). The stack is checked
+  against the ``run_cell_async`` frames that are really live whenever it is not empty, and
+  frames of cells that ended are dropped.
+* The hot path is short: a cell that starts within :data:`REUSE_S` of the previous cell's end
+  starts from that end's reading (nothing of the user's ran in between), so a cell costs one
+  reading, and its record is built only when someone looks at it.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, List, NamedTuple, Optional, Tuple
+
+from ..core.probes import HostSample, Sample
+from ..core.units import MiB
+from ..oom import capture as oom_capture
+from .header import CellHeader, find_header
+from .recorder import Ledger, Measurement
+
+__all__ = ["Settings", "CellOutcome", "CellWatcher", "REUSE_S", "live_runners"]
+
+#: A cell starting this soon after the previous one ended starts from that end's reading.
+REUSE_S = 0.02
+
+# A cell made only of our own line magics (and comments): its memory is ipy_gpumem's (plotly's
+# import when a chart opens), not the user's, so it is not recorded.
+_OURS = re.compile(r"^[ \t]*(?:%gpumem(?:[ \t].*)?|#.*)?$")
+
+
+def _only_our_magics(raw: str) -> bool:
+    if "%gpumem" not in raw:
+        return False
+    lines = raw.splitlines()
+    return all(_OURS.match(line) for line in lines) and any(line.strip() for line in lines)
+
+
+@dataclass
+class Settings:
+    """What the watcher reads on every cell, as plain values (copied from the traitlets)."""
+
+    threshold: int = 16 * MiB
+    devices: Optional[Tuple[int, ...]] = None
+    track_peaks: bool = True
+    quiet: bool = False
+    oom_panel: bool = True
+
+
+class _Frame:
+    """One ``run_cell`` in flight."""
+
+    __slots__ = ("info", "raw", "cell_id", "measurement", "header", "tracer", "marker", "reported_inside")
+
+    def __init__(self, info, raw, measurement=None, header=None, tracer=None, marker=None):
+        self.info = info
+        self.raw = raw
+        self.cell_id = getattr(info, "cell_id", None)
+        self.measurement = measurement
+        self.header = header
+        self.tracer = tracer
+        self.marker = marker
+        self.reported_inside = False
+
+
+class _End(NamedTuple):
+    """The last outermost cell's closing reading, and whether its peaks stood at their values."""
+
+    sample: Sample
+    devices: Optional[Tuple[int, ...]]
+    host_current: bool
+
+
+@dataclass(frozen=True)
+class CellOutcome:
+    """What a finished cell has to show.
+
+    Attributes:
+        measurement: the cell's finished measurement (``.record()`` builds the ``CellRecord``).
+        outermost: the cell the user ran (not a cell nested inside it).
+        header: the ``%%gpumem`` header when the cell asked for a report.
+        show_line: the per-cell line is due (moved at least the threshold, not quiet).
+        oom: the parsed out-of-memory error (an ``OomReport``) when the cell died of one.
+        capture: the allocator's state at the failing allocation (``OomCapture``), if captured.
+        note: why per-line measurement stopped early, if it did.
+        chart_message: a one-time message from the live chart (its sampler stopped).
+    """
+
+    measurement: Measurement
+    outermost: bool
+    header: Optional[CellHeader] = None
+    show_line: bool = False
+    oom: Any = None
+    capture: Any = None
+    note: Optional[str] = None
+    chart_message: Optional[str] = None
+
+    @property
+    def record(self):
+        return self.measurement.record()
+
+
+def live_runners(code, skip: int = 1) -> int:
+    """How many frames running ``code`` (IPython's ``run_cell_async``) are on the stack now."""
+    count, frame = 0, sys._getframe(skip)
+    while frame is not None:
+        if frame.f_code is code:
+            count += 1
+        frame = frame.f_back
+    return count
+
+
+def _exception_marker():
+    """Something that changes whenever IPython records a new error in ``sys.last_value``.
+
+    Exceptions cannot be weakly referenced and we must not keep one alive, so the marker is the
+    object's id and type: a new error replaces the old one while both are alive, so its id differs.
+    """
+    value = getattr(sys, "last_value", None)
+    return None if value is None else (id(value), type(value))
+
+
+def _cell_error(result, marker) -> Tuple[Optional[str], Optional[str]]:
+    """The class name and message of the cell's error, also when ``%%time`` swallowed it."""
+    exc = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
+    if exc is None and _exception_marker() not in (None, marker):
+        exc = getattr(sys, "last_value", None)
+    if exc is None:
+        return None, None
+    try:
+        message = str(exc)
+    except BaseException:  # noqa: BLE001 - a user __str__ may raise anything
+        message = None
+    return type(exc).__name__, message
+
+
+class CellWatcher:
+    """Measures cells between ``start(info)`` and ``finish(result)``.
+
+    Args:
+        probe: the ``MemoryProbe``.
+        ledger: where finished cells go.
+        settings: the values read on every cell (the extension keeps them current).
+        runner_code: the code object of IPython's ``InteractiveShell.run_cell_async`` (the frame
+            that triggers ``pre_run_cell``), used to tell nested cells from stale frames; None
+            (tests without IPython) trusts the hooks to pair up.
+        ast_transformers: the shell's AST transformer list, where the ``--lines`` markers go
+            while a ``--lines`` cell compiles.
+    """
+
+    def __init__(self, probe, ledger: Ledger, settings: Optional[Settings] = None, *, runner_code=None,
+                 ast_transformers: Optional[list] = None):
+        self.probe = probe
+        self.ledger = ledger
+        self.settings = settings if settings is not None else Settings()
+        self.enabled = True
+        #: The live chart (``cell_started(sample, source)``, ``cell_finished(sample, record)``,
+        #: ``.sampler``), once one is open.
+        self.listener = None
+        #: The allocator at the last CUDA out-of-memory (torch's observer calls :meth:`on_oom`).
+        self.last_capture = None
+        self._runner_code = runner_code
+        self._transformers = ast_transformers if ast_transformers is not None else []
+        self._stack: List[_Frame] = []
+        self._armed: Optional[CellHeader] = None
+        self._markers = None
+        self._last_end: Optional[_End] = None
+        self._watching_oom = False
+        #: Raises HeaderError for a %%gpumem plan that cannot run here (a device that does not
+        #: exist); such a header is not measured, the magic itself reports the error.
+        self.check_plan = None
+
+    # -- what the hooks call -----------------------------------------------------------------------
+
+    def arm(self, header: CellHeader) -> None:
+        """Apply ``header`` to the next cell that starts (``%%gpumem`` called programmatically)."""
+        self._armed = header
+
+    def start(self, info) -> None:
+        """``pre_run_cell``: open a frame for the cell, and a measurement if it is to be measured."""
+        raw = getattr(info, "raw_cell", "") or ""
+        stack = self._stack
+        if stack:
+            live = self._live_runners()
+            if live is not None and live - 1 < len(stack):
+                self._truncate(max(0, live - 1))  # frames of cells that ended without post_run_cell
+                if not stack:
+                    self._remove_hook()  # their marked code cannot run any more
+        header = None
+        if self._armed is not None or "%%gpumem" in raw:
+            if not any(frame.header is not None for frame in stack):
+                header = self._armed or find_header(raw, self.check_plan)
+            self._armed = None
+        if header is None and (stack or not self.enabled or _only_our_magics(raw)):
+            self._stack.append(_Frame(info, raw))
+            return
+        settings = self.settings
+        devices, include_host = settings.devices, True
+        if header is not None and header.plan.device is not None:
+            devices = header.plan.cuda_indices
+        measurement = self._begin(devices, settings.track_peaks, cell_id=getattr(info, "cell_id", None),
+                                  source=raw, detailed=header is not None, include_host=include_host,
+                                  outermost=not stack)
+        tracer = self._start_lines(devices, settings.track_peaks) if header is not None and header.plan.lines else None
+        if measurement.start.devices and not self._watching_oom:
+            self._watching_oom = oom_capture.watch(self.on_oom)
+        elif not self._watching_oom and "torch" in sys.modules:
+            # CUDA is not up yet: torch runs our attach when it initializes, so the first CUDA
+            # cell's out-of-memory (model.to("cuda") on a full device) is captured too.
+            self._watching_oom = oom_capture.watch(self.on_oom)
+        listener = self.listener
+        if listener is not None:
+            if header is not None and getattr(listener, "sampler", None) is not None:
+                measurement.samples = []  # the sampler's readings make the report's cell chart
+            if not stack:
+                listener.cell_started(measurement.start._replace(t=time.perf_counter()), raw)
+        stack.append(_Frame(info, raw, measurement, header, tracer, _exception_marker()))
+
+    def finish(self, result) -> Optional[CellOutcome]:
+        """``post_run_cell``: close the cell's frame; what to show, or None."""
+        frame = self._pop(result)
+        if frame is None:
+            return None
+        note = None
+        if frame.tracer is not None:
+            self._stop_lines(frame.tracer)
+            self._remove_hook()  # the marked cell is over
+            note = frame.tracer.reason
+        measurement = frame.measurement
+        outermost = not self._stack
+        if measurement is None:
+            if outermost:
+                self._last_end = None  # something ran unmeasured: the next cell reads afresh
+            return None
+        error, message = _cell_error(result, frame.marker)
+        header = frame.header
+        if frame.tracer is not None:
+            tracer = frame.tracer
+            measurement.observe_peaks(tracer.host_peak, tracer.device_peaks)
+            names = {}
+            for index in tracer.device_peaks:
+                try:
+                    names[index] = self.probe.cuda.properties(index)[0]
+                except Exception:  # noqa: BLE001 - a name is a nicety
+                    pass
+            measurement.lines = tracer.records(header.source_lines, header.offset, names)
+            measurement.loops = tracer.loop_spans(header.offset)
+        count = getattr(result, "execution_count", None) if outermost else None
+        measurement.finish(error, message, execution_count=count)
+        settings = self.settings
+        if outermost:
+            self.ledger.append(measurement)
+            self._last_end = _End(measurement.end, measurement.devices, self.probe.host.peak_is_current)
+        if header is not None:
+            for parent in self._stack:
+                parent.reported_inside = True
+        show_line = (outermost and header is None and not frame.reported_inside and not settings.quiet
+                     and measurement.moved(settings.threshold))
+        oom = capture = None
+        if error is not None and settings.oom_panel and (outermost or header is not None):
+            from ..oom.parse import parse_oom  # only when a cell failed
+
+            oom = parse_oom(f"{error}: {message}" if message else error)
+            if oom is not None:
+                capture = self.take_capture(measurement.t0)
+        chart_message = None
+        if outermost and self.listener is not None:
+            chart_message = self.listener.cell_finished(measurement.end, measurement.record())
+        if not (show_line or oom is not None or header is not None or chart_message):
+            return None
+        return CellOutcome(measurement, outermost, header, show_line, oom, capture, note, chart_message)
+
+    def in_flight(self) -> Optional[Measurement]:
+        """The measurement of the cell running now (read from the sampler thread)."""
+        try:
+            frame = self._stack[-1] if self._stack else None
+        except IndexError:  # the main thread popped it meanwhile
+            return None
+        return None if frame is None else frame.measurement
+
+    @property
+    def depth(self) -> int:
+        """Cells in flight (1 inside an ordinary cell, 0 between cells)."""
+        return len(self._stack)
+
+    def reset(self) -> None:
+        """Forget every cell in flight (``%gpumem on``, unload, after an internal error)."""
+        self._truncate(0)
+        self._armed = None
+        self._last_end = None
+
+    def close(self) -> bool:
+        """On unload: stop what runs and stop forwarding out-of-memory captures.
+
+        Returns True when a ``--lines`` cell is still running (the cell unloads the extension):
+        its remaining markers must keep finding their (now idle) hook in ``builtins``, so the
+        caller removes it once the cell is over (:func:`ipy_gpumem.ledger.lines.remove_hook`).
+        """
+        lines_running = any(frame.tracer is not None for frame in self._stack)
+        self.reset()
+        oom_capture.unwatch(self.on_oom)
+        if not lines_running:
+            self._remove_hook()
+        return lines_running
+
+    # -- out-of-memory capture ------------------------------------------------------------------------
+
+    def on_oom(self, capture) -> None:
+        # Runs inside torch's allocator (GIL held, allocator lock released): store, nothing more.
+        self.last_capture = capture
+
+    def take_capture(self, since: float):
+        """The capture of an out-of-memory that happened after ``since`` (perf_counter), once."""
+        capture, self.last_capture = self.last_capture, None
+        return capture if capture is not None and capture.t >= since else None
+
+    # -- internals ----------------------------------------------------------------------------------------
+
+    def _begin(self, devices, track_peaks: bool, outermost: bool, **kwargs) -> Measurement:
+        probe = self.probe
+        previous, self._last_end = self._last_end, None
+        if (outermost and previous is not None and previous.devices == devices
+                and time.perf_counter() - previous.sample.t < REUSE_S):
+            # The previous cell ended a moment ago: its closing reading is this cell's opening one.
+            # A peak counter that stood at its value then already measures from here; any other
+            # is reset now (resetting needs no reading).
+            sample = previous.sample
+            host_reset = False
+            if track_peaks:
+                host_reset = previous.host_current or probe.host.reset_peak()
+            reset = []
+            if track_peaks:
+                for dev in sample.devices:
+                    try:
+                        if dev.peak_allocated != dev.allocated or dev.peak_reserved != dev.reserved:
+                            probe.cuda.reset_peak(dev.index)
+                        reset.append(dev.index)
+                    except Exception:  # noqa: BLE001 - peaks then come from samples
+                        pass
+            start = Sample(sample.t, HostSample(sample.host.rss, None), sample.devices, sample.reason)
+            return Measurement(probe, start, host_reset, frozenset(reset), devices=devices, track_peaks=track_peaks,
+                               **kwargs)
+        return Measurement.begin(probe, devices=devices, track_peaks=track_peaks, **kwargs)
+
+    def _live_runners(self) -> Optional[int]:
+        """How many of IPython's ``run_cell_async`` frames are running now, or None (unknown)."""
+        code = self._runner_code
+        return None if code is None else live_runners(code, 2)
+
+    def _truncate(self, keep: int) -> None:
+        stack = self._stack
+        if len(stack) <= keep:
+            return
+        stale = stack[keep:]
+        del stack[keep:]
+        for frame in stale:
+            if frame.tracer is not None:
+                self._stop_lines(frame.tracer)
+
+    def _pop(self, result) -> Optional[_Frame]:
+        stack = self._stack
+        if not stack:
+            return None  # an empty cell, or the cell that loaded the extension
+        info = getattr(result, "info", None)
+        if info is not None and stack[-1].info is info:
+            return stack.pop()
+        live = self._live_runners()
+        if live is None:  # no IPython frames to go by: the innermost frame with this info, if any
+            for k in range(len(stack) - 1, -1, -1):
+                if stack[k].info is info or info is None:
+                    self._truncate(k + 1)
+                    return stack.pop()
+            return None
+        # post_run_cell fires after the cell's run_cell_async returned: the live ones are its parents.
+        if live >= len(stack):
+            return None  # a post_run_cell without pre_run_cell (an empty cell)
+        frame = stack[live]
+        self._truncate(live)
+        if result is not None and info is not None and not (
+                frame.raw == getattr(info, "raw_cell", None) and frame.cell_id == getattr(info, "cell_id", None)):
+            # A frame left by a cell that ended without post_run_cell, and this post belongs to
+            # a cell we never saw start: drop the stale frame, report nothing.
+            if frame.tracer is not None:
+                self._stop_lines(frame.tracer)
+            return None
+        return frame
+
+    def _start_lines(self, devices, track_peaks: bool):
+        from .lines import LineMarkers, LineTracer
+
+        if self._markers is None:
+            self._markers = LineMarkers()
+        tracer = LineTracer(self.probe, devices, track_peaks=track_peaks)
+        tracer.start()
+        # Markers go into the cell's syntax tree, which IPython builds after this hook.
+        self._markers.tracer = tracer
+        self._markers.armed = True
+        if self._markers not in self._transformers:
+            self._transformers.append(self._markers)
+        return tracer
+
+    def _stop_lines(self, tracer) -> None:
+        """Stop measuring lines; the markers' hook stays until no marked code can run."""
+        tracer.stop()
+        if not any(frame.tracer is not None and frame.tracer is not tracer for frame in self._stack):
+            markers = self._markers
+            if markers is not None:
+                markers.armed = False
+                markers.tracer = None
+                if markers in self._transformers:
+                    self._transformers.remove(markers)
+
+    def _remove_hook(self) -> None:
+        if self._markers is not None or "ipy_gpumem.ledger.lines" in sys.modules:
+            from .lines import remove_hook
+
+            remove_hook()
