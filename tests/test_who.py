@@ -19,10 +19,14 @@ from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
+from ipy_gpumem.core.devices import HOST, Device, cuda  # noqa: E402
 from ipy_gpumem.who.attribution import CATEGORIES, WhoReport, who  # noqa: E402
+from ipy_gpumem.who.holders import HOLDER_KINDS, Holder, IPythonRefs, ipython_refs  # noqa: E402
+from ipy_gpumem.who.view import who_view  # noqa: E402
 
 # ``from ipy_gpumem import who`` is the package's lazy function, not this module.
 who_module = importlib.import_module("ipy_gpumem.who.attribution")
+walk_module = importlib.import_module("ipy_gpumem.who.walk")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -49,11 +53,16 @@ def adam_state(optimizer):
 
 
 def holder_bytes(report, *names):
-    return sum(row["bytes"] for row in report.holders if row["name"] in names)
+    return sum(row.bytes for row in report.holders if row.name in names)
+
+
+def ipython_owns(*names):
+    """IPython's references, as ``ipython_refs`` reports them for a shell that bound ``names``."""
+    return IPythonRefs(frozenset(names))
 
 
 def holder(report, name):
-    rows = [row for row in report.holders if row["name"] == name]
+    rows = [row for row in report.holders if row.name == name]
     assert len(rows) == 1, (name, report.holders)
     return rows[0]
 
@@ -252,10 +261,10 @@ def test_small_model_adam_exact_categories():
     assert report.categories["retained_graphs"] == 0
     assert report.categories["ipython_caches"] == 0
     assert report.categories["unattributed"] is None
-    assert holder(report, "model")["category"] == "parameters"
-    assert holder(report, "model (grads)")["category"] == "gradients"
-    assert holder(report, "optimizer")["category"] == "optimizer_state"
-    assert sum(row["bytes"] for row in report.holders) == report.total
+    assert holder(report, "model").category == "parameters"
+    assert holder(report, "model (grads)").category == "gradients"
+    assert holder(report, "optimizer").category == "optimizer_state"
+    assert sum(row.bytes for row in report.holders) == report.total
     assert report.tensor_count == len(params_and_buffers(model)) + len(grads(model)) + len(
         adam_state(optimizer)) + 2
 
@@ -279,8 +288,8 @@ def test_seed_scenario_matches_what_del_really_frees(kind):
 
     assert retained == pytest.approx(freed - own, rel=0.01)
     # The holder rows say the same: deleting both frees their own rows plus their graph rows.
-    graph_rows = [row for row in report.holders if row["category"] == "retained_graphs"]
-    assert {row["name"] for row in graph_rows} <= {
+    graph_rows = [row for row in report.holders if row.category == "retained_graphs"]
+    assert {row.name for row in graph_rows} <= {
         "output (graph)", "loss (graph)", "output + loss (shared graph)"}
     assert holder_bytes(report, "output", "loss") + retained == pytest.approx(freed, rel=0.01)
 
@@ -380,15 +389,15 @@ def test_shared_storage_counted_once():
     report = who(ns)
     assert report.total == 40000
     assert report.tensor_count == 1
-    assert holder(report, "a")["bytes"] == 40000
+    assert holder(report, "a").bytes == 40000
 
 
 def test_precedence_user_variable_beats_output_cache():
     x = torch.randn(50)
-    report = who({"x": x, "Out": {3: x}, "_": x, "_3": x})
+    report = who({"x": x, "Out": {3: x}, "_": x, "_3": x}, refs=ipython_owns("Out", "_", "_3"))
     assert report.categories["other_tensors"] == 200
     assert report.categories["ipython_caches"] == 0
-    assert [row["name"] for row in report.holders] == ["x"]
+    assert [row.name for row in report.holders] == ["x"]
 
 
 def test_precedence_held_activation_is_other_tensor_not_graph():
@@ -397,7 +406,7 @@ def test_precedence_held_activation_is_other_tensor_not_graph():
     h = lin(x).relu()
     out = (h * h).sum()
     report = who({"lin": lin, "x": x, "h": h, "out": out})
-    assert holder(report, "h")["category"] == "other_tensors"
+    assert holder(report, "h").category == "other_tensors"
     # h is saved by MulBackward and ReluBackward (result): held, so not retained graph.
     assert report.categories["retained_graphs"] == 0
 
@@ -422,7 +431,7 @@ def test_precedence_parameters_beat_everything():
     assert report.categories["optimizer_state"] == storage_bytes(
         [s["momentum_buffer"] for s in opt.state.values()])
     assert report.categories["other_tensors"] == 0
-    names = {row["name"]: row["category"] for row in report.holders}
+    names = {row.name: row.category for row in report.holders}
     assert names == {"model": "parameters", "model (grads)": "gradients",
                      "opt": "optimizer_state"}
 
@@ -430,7 +439,7 @@ def test_precedence_parameters_beat_everything():
 def test_larger_module_owns_shared_parameters_whatever_the_order():
     model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
     report = who({"head": model[1], "model": model, "also": model[1]})
-    assert [(row["name"], row["bytes"]) for row in report.holders] == [("model", 880)]
+    assert [(row.name, row.bytes) for row in report.holders] == [("model", 880)]
 
 
 def test_module_tensor_attributes_and_submodule_paths():
@@ -443,7 +452,7 @@ def test_module_tensor_attributes_and_submodule_paths():
 
     model = nn.Sequential(Block(), Block())
     report = who({"model": model})
-    names = {row["name"]: (row["category"], row["bytes"]) for row in report.holders}
+    names = {row.name: (row.category, row.bytes) for row in report.holders}
     assert names == {"model": ("parameters", 2 * (80 + 16)),
                      "model.0.mask": ("other_tensors", 64), "model.1.mask": ("other_tensors", 64)}
 
@@ -455,8 +464,8 @@ def test_optimizer_alone_holds_params_and_grads():
         return torch.optim.Adam(model.parameters())
 
     report = who({"opt": make()})
-    assert holder(report, "opt (params)")["bytes"] == 440
-    assert holder(report, "opt (grads)")["bytes"] == 440
+    assert holder(report, "opt (params)").bytes == 440
+    assert holder(report, "opt (grads)").bytes == 440
     assert report.categories["optimizer_state"] == 0  # no step yet
 
 
@@ -468,8 +477,8 @@ def test_graph_rows_split_exclusive_and_shared_parts():
     b = h.cos()
     del h
     report = who({"lin": lin, "x": x, "a": a, "b": b})
-    rows = {row["name"]: row["bytes"] for row in report.holders
-            if row["category"] == "retained_graphs"}
+    rows = {row.name: row.bytes for row in report.holders
+            if row.category == "retained_graphs"}
     assert rows == {"a + b (shared graph)": 80000, "a (graph)": 80000}
 
 
@@ -488,19 +497,29 @@ def test_output_caches_are_attributed_with_readable_names():
     t1, t2, t3 = torch.randn(10), torch.randn(20), torch.randn(30)
     ns = {"Out": {3: t1, 5: (t2, 1)}, "_oh": None, "_": t3, "_5": (t2, 1), "_i5": "t2, 1"}
     ns["_oh"] = ns["Out"]
-    report = who(ns)
+    report = who(ns, refs=ipython_owns(*ns))
     assert report.categories["ipython_caches"] == 240
     assert report.categories["other_tensors"] == 0
-    names = {row["name"]: row["bytes"] for row in report.holders}
+    names = {row.name: row.bytes for row in report.holders}
     assert names == {"Out[3]": 40, "Out[5][0]": 80, "_": 120}
+    rows = {row.expr: row for row in report.holders}
+    assert (rows["Out[3]"].kind, rows["Out[3]"].roots, rows["Out[3]"].keys) == ("out_cache", ("Out",), (3,))
+    assert (rows["Out[5][0]"].kind, rows["Out[5][0]"].keys) == ("out_cache", (5,))
+    assert (rows["_"].kind, rows["_"].roots, rows["_"].keys) == ("underscore", ("_",), ())
+    # The same names in a plain dict (no IPython said it bound them) are the user's variables.
+    plain = who(ns)
+    assert plain.categories["ipython_caches"] == 0 and plain.categories["other_tensors"] == 240
+    assert {row.kind for row in plain.holders} == {"variable"}
 
 
 def test_output_cache_graph_counts_as_ipython_cache():
     lin = nn.Linear(10, 1000)
     out = lin(torch.randn(20, 10)).relu().sum()
-    report = who({"lin": lin, "Out": {7: out}})
+    report = who({"lin": lin, "Out": {7: out}}, refs=ipython_owns("Out"))
     assert report.categories["retained_graphs"] == 0
-    assert holder(report, "Out[7] (graph)")["category"] == "ipython_caches"
+    graph = holder(report, "Out[7] (graph)")
+    assert (graph.category, graph.kind, graph.roots, graph.expr, graph.keys) == (
+        "ipython_caches", "graph", ("Out",), "Out[7]", (7,))
     assert report.categories["ipython_caches"] == 4 + 20 * 1000 * 4 + 20 * 10 * 4
 
 
@@ -519,9 +538,11 @@ def test_last_traceback_frames(restore_last_exception):
             sys.last_exc = exc
     ns = {"x": torch.randn(8)}
     report = who(ns)
-    names = {row["name"]: (row["category"], row["bytes"]) for row in report.holders}
+    names = {row.name: (row.category, row.bytes) for row in report.holders}
     assert names["last traceback: failing_step() local 'activation'"] == ("ipython_caches", 1024)
-    assert names["last traceback: failing_step() local 'batch'[0]"] == ("ipython_caches", 256)
+    assert names["last traceback: failing_step() local 'batch[0]'"] == ("ipython_caches", 256)
+    local = holder(report, "last traceback: failing_step() local 'batch[0]'")
+    assert (local.kind, local.frame, local.expr, local.roots) == ("traceback_local", "failing_step", "batch[0]", ())
     assert names["last traceback: failing_step() local 'model'"] == ("ipython_caches", 80)
     assert names["x"] == ("other_tensors", 32)
     assert report.categories["ipython_caches"] == 1024 + 256 + 80
@@ -556,7 +577,7 @@ def test_chained_exceptions_and_odd_exception_classes(restore_last_exception):
                 delattr(sys, name)
         sys.last_value = exc
     report = who({})
-    names = {row["name"]: row["bytes"] for row in report.holders}
+    names = {row.name: row.bytes for row in report.holders}
     assert names == {"last traceback: outer() local 'second'": 80,
                      "last traceback: inner() local 'first'": 40}
 
@@ -568,8 +589,8 @@ def test_real_ipython_shell(ip, restore_last_exception):
         shown = ip.run_cell("torch.randn(2000)", store_history=True)  # -> Out[n], _n and _
         ip.run_cell("def who_fail():\n    who_local = torch.randn(3000)\n    raise "
                     "RuntimeError('CUDA out of memory')\nwho_fail()", store_history=True)
-        report = who(ip.user_ns)
-        rows = {row["name"]: (row["category"], row["bytes"]) for row in report.holders}
+        report = who(ip.user_ns, refs=ipython_refs(ip.user_ns, ip.user_ns_hidden, ip.displayhook))
+        rows = {row.name: (row.category, row.bytes) for row in report.holders}
         assert rows["who_kept"] == ("other_tensors", 4000)
         assert rows[f"Out[{shown.execution_count}]"] == ("ipython_caches", 8000)
         assert rows["last traceback: who_fail() local 'who_local'"] == ("ipython_caches", 12000)
@@ -598,15 +619,17 @@ def test_last_value_only_is_enough(restore_last_exception):
 def test_device_filter_and_by_device():
     ns = {"x": torch.randn(10)}
     everything = who(ns)
-    assert everything.by_device == {"cpu": {**dict.fromkeys(CATEGORIES, 0), "other_tensors": 40}}
-    assert everything.device is None
-    for device in ("cpu", torch.device("cpu"), "CPU", "cpu:0"):
+    assert everything.by_device == {HOST: {**dict.fromkeys(CATEGORIES, 0), "other_tensors": 40}}
+    assert everything.to_dict()["by_device"] == {"cpu": {**dict.fromkeys(CATEGORIES, 0), "other_tensors": 40}}
+    assert everything.device is None and everything.holders[0].device == HOST
+    for device in ("cpu", torch.device("cpu"), "CPU", "cpu:0", "host", HOST):
         report = who(ns, device=device)
-        assert report.total == 40 and report.by_device is None and report.device == "cpu"
-    for device in ("cuda", "cuda:1", 0, torch.device("cuda:0")):
+        assert report.total == 40 and report.by_device is None and report.device == HOST
+        assert report.to_dict()["device"] == "cpu"
+    for device in ("cuda", "cuda:1", 0, torch.device("cuda:0"), "gpu"):
         report = who(ns, device=device)
         assert report.total == 0 and report.holders == ()
-    assert who(ns, device=1).device == "cuda:1"
+    assert who(ns, device=1).device == cuda(1) == Device("cuda", 1)
     for bad in ("not a device!", True, 1.5, -1):
         with pytest.raises(ValueError):
             who(ns, device=bad)
@@ -622,19 +645,20 @@ def test_cuda_storages_are_rounded_to_allocator_blocks():
         def data_ptr(self):
             return 0x7F0000000000
 
-    walk = who_module._Walk(torch, {}, None)
-    key, nbytes, dev = walk.storage_entry(FakeCudaStorage())
-    assert (key, nbytes, dev) == (("cuda:1", 0x7F0000000000), 1024, "cuda:1")
-    assert who_module._Walk(torch, {}, ("cuda", 0)).storage_entry(
-        FakeCudaStorage()) is who_module._NOTHING
-    assert who_module._Walk(torch, {}, ("cuda", None)).storage_entry(FakeCudaStorage())[1] == 1024
+    def walk(wanted):
+        return walk_module.Walk(torch, {}, wanted, None, 1.0, 100, 0.0)
+
+    key, nbytes, dev = walk(None).storage_entry(FakeCudaStorage())
+    assert (key, nbytes, dev) == ((cuda(1), 0x7F0000000000), 1024, cuda(1))
+    assert walk(cuda(0)).storage_entry(FakeCudaStorage()) is walk_module._NOTHING
+    assert walk(Device("cuda")).storage_entry(FakeCudaStorage())[1] == 1024
     assert not torch.cuda.is_initialized()
 
 
 def test_allocator_total_gives_unattributed():
     report = who({"x": torch.randn(25)}, allocator_total=1000)
     assert report.categories["unattributed"] == 900 and report.unattributed == 900
-    assert "unattributed" in report.summary()
+    assert "unattributed 900 bytes" in who_view(report).text
 
 
 # ------------------------------------------------------------------------- robustness
@@ -788,14 +812,13 @@ def test_hostile_namespace_never_raises():
     report = who(ns)
 
     assert report.reason is None
-    names = {row["name"]: row["bytes"] for row in report.holders}
+    names = {row.name: row.bytes for row in report.holders}
     assert names["hdict['a']"] == 8  # read through dict's C methods: no user code ran
     assert names["hlist[0]"] == 12
     assert names["raising"] == 16
     assert names["keyed[<HostileKey>]"] == 24
-    assert "huge[1000000]" not in names  # past the per-container cap ...
-    assert any("huge" in note and "10,000" in note for note in report.notes)  # ... and said so
-    assert any("deeper than 4" in note for note in report.notes)
+    assert names["huge[1000000]"] == 32  # a million scalars are skipped in C, not capped
+    assert any("deeper than 4" in note and "nested[0][0][0][0]" in note for note in report.notes)
     assert names["trainer.model"] == 48  # a plain object's attributes are walked too ...
     assert "trainer.optimizer (params)" not in names  # ... and the module outranks the optimizer
     assert names["trainer.history[0]"] == 12
@@ -807,7 +830,7 @@ def test_hostile_namespace_never_raises():
     assert inspect.getgeneratorstate(gen) == inspect.GEN_CREATED  # never started by who()
     assert len(list(it)) == 1  # never advanced by who()
     json.dumps(report.to_dict())
-    report.summary()
+    who_view(report)
     repr(report)
 
 
@@ -816,7 +839,7 @@ def test_nested_checkpoint_dicts_are_found():
     ckpt = {"epoch": 3, "model_state_dict": {k: v.clone() for k, v in model.state_dict().items()},
             "optimizer_state_dict": {"state": {0: {"exp_avg": torch.zeros(32)}}}}
     report = who({"ckpt": ckpt})
-    names = {row["name"]: row["bytes"] for row in report.holders}
+    names = {row.name: row.bytes for row in report.holders}
     assert names["ckpt['model_state_dict']['0.weight']"] == 128
     assert names["ckpt['optimizer_state_dict']['state'][0]['exp_avg']"] == 128
     assert report.categories["other_tensors"] == storage_bytes(
@@ -863,8 +886,8 @@ def test_retain_grad_nonleaf_grad_counts():
     h.retain_grad()
     h.sum().backward()
     report = who({"h": h, "x": x})
-    assert holder(report, "h (grad)")["bytes"] == 120
-    assert holder(report, "x (grad)")["bytes"] == 120
+    assert holder(report, "h (grad)").bytes == 120
+    assert holder(report, "x (grad)").bytes == 120
 
 
 def test_torch_not_imported_gives_empty_report():
@@ -919,7 +942,7 @@ def test_any_nesting_counts_each_reachable_storage_once(data):
         collect(value, 0)
     report = who(ns)
     assert report.total == report.categories["other_tensors"] == storage_bytes(found)
-    assert sum(row["bytes"] for row in report.holders) == report.total
+    assert sum(row.bytes for row in report.holders) == report.total
 
 
 # ------------------------------------------------------------------------- the report
@@ -960,10 +983,12 @@ def test_report_data_and_text():
     data = report.to_dict()
     assert json.loads(json.dumps(data)) == data
     assert set(data["categories"]) == set(CATEGORIES) | {"unattributed"}
-    assert data["total"] == report.total == sum(row["bytes"] for row in report.holders)
+    assert data["total"] == report.total == sum(row.bytes for row in report.holders)
     assert data["holders"] == sorted(data["holders"], key=lambda row: -row["bytes"])
-    assert all(set(row) == {"name", "category", "bytes", "device"} for row in data["holders"])
-    text = report.summary()
+    assert all({"name", "category", "bytes", "device", "kind", "roots", "expr"} <= set(row) for row in data["holders"])
+    assert all(row["device"] == "cpu" and row["kind"] in HOLDER_KINDS for row in data["holders"])
+    assert data["complete"] is True and data["stopped"] is None
+    text = who_view(report).text
     assert "optimizer state" in text and "model (grads)" in text and "MiB" in text
     assert "WhoReport(total=" in repr(report)
     assert isinstance(report, WhoReport) and report.elapsed_s > 0
@@ -973,5 +998,6 @@ def test_many_holders_are_summed_past_the_row_cap():
     ns = {"many": [torch.randn(i + 1) for i in range(700)]}
     report = who(ns)
     assert len(report.holders) == who_module.MAX_HOLDER_ROWS + 1
-    assert report.holders[-1]["name"] == "(200 smaller holders)"
-    assert sum(row["bytes"] for row in report.holders) == report.total == 4 * 700 * 701 // 2
+    assert report.holders[-1].name == "(200 smaller holders)"
+    assert (report.holders[-1].kind, report.holders[-1].count) == ("rest", 200)
+    assert sum(row.bytes for row in report.holders) == report.total == 4 * 700 * 701 // 2

@@ -34,6 +34,11 @@ HOLDER_KINDS = (
 )
 
 
+# What a holder's name adds to its expression, by kind.
+_SUFFIXES = {"grad": " (grad)", "module_grads": " (grads)", "optimizer_grads": " (grads)",
+             "optimizer_params": " (params)", "graph": " (graph)"}
+
+
 @dataclass(frozen=True)
 class Holder:
     """The bytes one holder keeps alive in one category on one device.
@@ -48,10 +53,16 @@ class Holder:
             for ``batch[0]``, ``("output", "loss")`` for a shared graph, ``("Out",)`` for
             ``Out[3]``, ``("_5",)``; empty for traceback locals and ``rest``.
         expr: how to reach the holder, as Python (``batch[0]``, ``model``, ``Out[3]``); for a
-            traceback local, the local's name; empty for a shared graph and ``rest``.
-        frame: the function of a traceback local's frame.
+            traceback local, the local's name (``batch[0]`` for an item of the local ``batch``);
+            for a shared graph, the expressions of the variables that share it joined by
+            ``" + "`` (for people: ``roots`` is what code reads); empty for ``rest``.
+        frame: the function of the frame whose local holds it, for everything a traceback
+            local keeps (its data, its module's parameters, its graph); else empty.
         more: a shared graph also kept by more variables than ``roots`` names.
         count: how many holders a ``rest`` row sums.
+        keys: the keys of IPython's output cache (the ``N`` of ``Out[N]``) whose entries keep
+            these bytes alive: set on ``out_cache`` rows and on the graph rows they keep, so
+            ``%gpumem free`` knows which entries to drop without reading ``expr``.
     """
 
     kind: str
@@ -63,26 +74,19 @@ class Holder:
     frame: str = ""
     more: bool = False
     count: int = 0
+    keys: Tuple[Any, ...] = ()
 
     @property
     def name(self) -> str:
         """How the holder reads in a table (for people; code reads the fields)."""
         kind = self.kind
-        if kind == "grad":
-            return f"{self.expr} (grad)"
-        if kind in ("module_grads", "optimizer_grads"):
-            return f"{self.expr} (grads)"
-        if kind == "optimizer_params":
-            return f"{self.expr} (params)"
-        if kind == "graph":
-            return f"{self.expr} (graph)"
-        if kind == "shared_graph":
-            return " + ".join(self.roots + (("more",) if self.more else ())) + " (shared graph)"
-        if kind == "traceback_local":
-            return f"last traceback: {self.frame}() local {self.expr!r}"
         if kind == "rest":
             return f"({self.count} smaller holders)"
-        return self.expr
+        if kind == "shared_graph":
+            shared = self.expr or " + ".join(self.roots)
+            return shared + (" + more" if self.more else "") + " (shared graph)"
+        base = f"last traceback: {self.frame}() local {self.expr!r}" if self.frame else self.expr
+        return base + _SUFFIXES.get(kind, "")
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready: ``name``, ``category``, ``bytes``, ``device`` (a label) and the typed fields."""
@@ -95,6 +99,8 @@ class Holder:
             out["more"] = True
         if self.count:
             out["count"] = self.count
+        if self.keys:
+            out["keys"] = [k if type(k) in (int, str) else repr(k) for k in self.keys]
         return out
 
 
