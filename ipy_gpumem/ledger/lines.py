@@ -81,14 +81,18 @@ class _Quantity:
         self.rise = None  # the largest rise above the starting value within one hit
 
     def fold(self, start, end, hit_peak) -> None:
+        # Runs at every marker: plain comparisons, no helper calls.
         if self.before is None:
             self.before = start
         self.after = end
-        self.peak = _mx(self.peak, hit_peak)
+        if hit_peak is not None and (self.peak is None or hit_peak > self.peak):
+            self.peak = hit_peak
         if start is not None and end is not None:
             self.net += end - start
             if hit_peak is not None:
-                self.rise = _mx(self.rise, hit_peak - start)
+                rise = hit_peak - start
+                if self.rise is None or rise > self.rise:
+                    self.rise = rise
 
 
 class _DeviceStats:
@@ -149,6 +153,11 @@ class LineTracer:
         self._include_host = include_host
         self._stats: dict = {}
         self._current = None  # (lineno, reading) of the line now running
+        host = probe.host
+        self._rss = host.rss if include_host else None
+        self._peak_rss = host.peak_rss if (include_host and track_peaks and host.can_reset_peak) else None
+        # A CPU-only build never brings CUDA up: no need to ask at every marker.
+        self._no_cuda = probe.cuda.device_count() == 0
         self._active = False
         self.reason: Optional[str] = None
         self.host_peak = None
@@ -160,6 +169,8 @@ class LineTracer:
     def _resolve_devices(self) -> tuple:
         if self._devices is not None:
             return self._devices
+        if self._no_cuda:
+            return ()
         cuda, _ = self.probe.cuda.status()
         if cuda is None:
             return ()
@@ -173,13 +184,14 @@ class LineTracer:
         return tuple(found)
 
     def _read(self) -> _Reading:
-        host = self.probe.host
-        rss = host.rss() if self._include_host else None
-        peak = host.peak_rss() if (self._include_host and self._track_peaks and host.can_reset_peak) else None
+        rss = self._rss() if self._rss is not None else None
+        peak = self._peak_rss() if self._peak_rss is not None else None
+        indices = self._devices if self._devices is not None else self._resolve_devices()
         devices = {}
-        counters = self.probe.cuda.counters
-        for index in self._resolve_devices():
-            devices[index] = counters(index)
+        if indices:
+            counters = self.probe.cuda.counters
+            for index in indices:
+                devices[index] = counters(index)
         return _Reading(time.perf_counter(), rss, peak, devices)
 
     def _reset(self, reading: _Reading) -> None:
@@ -202,8 +214,12 @@ class LineTracer:
         stats.hits += 1
         stats.seconds += end.t - start.t
         hit_peak = _mx(end.peak_rss, _mx(start.rss, end.rss))
-        stats.host.fold(start.rss, end.rss, hit_peak)
-        self.host_peak = _mx(self.host_peak, stats.host.peak)
+        host = stats.host
+        host.fold(start.rss, end.rss, hit_peak)
+        if host.peak is not None and (self.host_peak is None or host.peak > self.host_peak):
+            self.host_peak = host.peak
+        if not end.devices:
+            return
         for index, (a1, r1, pa1, pr1) in end.devices.items():
             # A device that CUDA brought up during this line started at zero.
             a0, r0 = start.devices.get(index, (0, 0, 0, 0))[:2]
