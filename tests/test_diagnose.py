@@ -78,16 +78,6 @@ def nbytes(*tensors) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
-def typed_who(ns, expected):
-    """``who(ns)`` with typed holders: the real report, or (until who() returns ``Holder`` rows) the
-    real report's category totals with the holders built directly from the same tensors."""
-    report = who(ns)
-    if all(hasattr(h, "kind") for h in report.holders):
-        return report
-    return WhoReport(categories=report.categories, holders=tuple(expected), device=report.device,
-                     tensor_count=report.tensor_count)
-
-
 class Seed:
     """The seed scenario on the CPU: a real MLP, Adam after one step, the next forward's output and loss kept."""
 
@@ -107,26 +97,9 @@ class Seed:
         if keep_graph:
             self.ns["output"] = output = self.model(self.input)
             self.ns["loss"] = output.pow(2).mean()
-        self.who = typed_who(self.ns, self._holders())
+        self.who = who(self.ns)
         self.oom = parse_oom(SEED)
         self.memory = DeviceMemory.from_message(self.oom)
-
-    def _holders(self):
-        """What who() finds here, row by row, from the tensors themselves."""
-        params = list(self.model.parameters())
-        cats = who(self.ns).categories
-        rows = [Holder("module", "parameters", HOST, nbytes(*params), ("model",), "model"),
-                Holder("variable", "other_tensors", HOST, nbytes(self.input), ("input",), "input")]
-        if params[0].grad is not None:
-            rows.append(Holder("module_grads", "gradients", HOST, nbytes(*(p.grad for p in params)), ("model",), "model"))
-        if "optimizer" in self.ns and cats["optimizer_state"]:
-            rows.append(Holder("optimizer", "optimizer_state", HOST, cats["optimizer_state"], ("optimizer",),
-                               "optimizer"))
-        if "output" in self.ns:
-            rows += [Holder("shared_graph", "retained_graphs", HOST, cats["retained_graphs"], ("output", "loss")),
-                     Holder("variable", "other_tensors", HOST, nbytes(self.ns["output"]), ("output",), "output"),
-                     Holder("variable", "other_tensors", HOST, nbytes(self.ns["loss"]), ("loss",), "loss")]
-        return sorted(rows, key=lambda h: -h.bytes)
 
     def facts(self, **kw):
         kw.setdefault("frames", SEED_FRAMES)
@@ -420,9 +393,7 @@ def test_checkpoint_dict_still_held_is_measured():
     checkpoint = {"model_state_dict": {k: v.clone() for k, v in model.state_dict().items()}, "epoch": 3}
     model.load_state_dict(checkpoint["model_state_dict"])
     held = nbytes(*checkpoint["model_state_dict"].values())
-    report = typed_who({"model": model, "checkpoint": checkpoint}, [
-        Holder("module", "parameters", HOST, nbytes(*model.parameters()), ("model",), "model"),
-        Holder("variable", "other_tensors", HOST, held, ("checkpoint",), "checkpoint['model_state_dict']")])
+    report = who({"model": model, "checkpoint": checkpoint})
     msg = ("RuntimeError: [enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: not enough memory: "
            "you tried to allocate 2147483648 bytes.")
     f = session.checkpoint_on_gpu(facts_for(msg, who_report=report))
@@ -484,10 +455,7 @@ def _real_forward_failure():
 
 def test_activations_in_a_real_forward_pass_suggest_a_batch_size():
     model, batch, kept, frames = _real_forward_failure()
-    graph = who({"model": model, "batch": batch, "kept": kept}).categories["retained_graphs"]
-    report = typed_who({"model": model, "batch": batch, "kept": kept}, [
-        Holder("graph", "retained_graphs", HOST, graph, ("kept",), "kept"),
-        Holder("module", "parameters", HOST, nbytes(*model.parameters()), ("model",), "model")])
+    report = who({"model": model, "batch": batch, "kept": kept})
     source = "batch_size = 64\nout = model(batch)\nloss = out.sum()\nloss.backward()"
     f = training.activations(facts_for(SMALL, who_report=report, failing_source=source, frames=frames))
     acts = report.categories["retained_graphs"]

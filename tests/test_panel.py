@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from test_diagnose import SEED_FRAMES, SEED_SOURCE, V5, Seed, typed_who  # noqa: E402
+from test_diagnose import SEED_FRAMES, SEED_SOURCE, V5, Seed  # noqa: E402
 
 from ipy_gpumem.core.devices import HOST, Device, cuda  # noqa: E402
 from ipy_gpumem.core.memory import DeviceMemory  # noqa: E402
@@ -23,22 +23,8 @@ from ipy_gpumem.oom.panel import BAR_WIDTH, memory_layers, oom_panel  # noqa: E4
 from ipy_gpumem.oom.parse import parse_oom  # noqa: E402
 from ipy_gpumem.oom.rules import explain  # noqa: E402
 from ipy_gpumem.oom.rules.facts import cell_deltas  # noqa: E402
-from ipy_gpumem.who.holders import Holder  # noqa: E402
+from ipy_gpumem.who.attribution import who  # noqa: E402
 
-def _who_view_reads_typed_holders() -> bool:
-    """Whether who/view.py renders ``Holder`` rows yet (the who room converts it; until then the
-    panel says it could not show the section, and the tests skip only that section's content)."""
-    from ipy_gpumem.who.attribution import WhoReport
-    from ipy_gpumem.who.view import who_section
-
-    try:
-        who_section(WhoReport(categories={"parameters": 1}, holders=(Holder("module", "parameters", HOST, 1),)), 8)
-        return True
-    except AttributeError:
-        return False
-
-
-WHO_TYPED = _who_view_reads_typed_holders()
 HEADLINE = "Out of memory on cuda:0: tried to allocate 2.32 GiB with 182.75 MiB free (15.78 GiB total)"
 _SEG_WIDTH = re.compile(r'class="gm-seg"[^>]*?width:([0-9.]+)%')
 
@@ -81,14 +67,12 @@ def test_seed_panel_text():
         assert legend in text
     for size in ("11.91 GiB", "2.35 GiB", "1.34 GiB", "182.75 MiB"):
         assert size in text
-    if WHO_TYPED:
-        assert "optimizer state" in text and "output + loss (shared graph)" in text  # who holds it
-        assert text.index("Who holds it") < text.index("What earlier cells")
+    assert "optimizer state" in text and "output + loss (shared graph)" in text  # who holds it
     assert "[3]" in text and "+3.68 GiB" in text  # earlier cells
     assert "[7]" not in text  # the failing cell is not an earlier cell
     positions = [text.index(f"{n}. {f.title}") for n, f in enumerate(a.findings, 1)]
     assert positions == sorted(positions)
-    assert text.index("What earlier cells") < text.index("Diagnosis")
+    assert text.index("Who holds it") < text.index("What earlier cells") < text.index("Diagnosis")
 
 
 def test_seed_panel_html():
@@ -129,9 +113,8 @@ def test_view_protocol_and_data():
 def test_user_content_is_escaped():
     seed = Seed()
     evil = "<script>alert(1)</script>"
-    report = typed_who(dict(seed.ns, d={evil: torch.zeros(256, 1024)}), list(seed.who.holders) + [
-        Holder("variable", "other_tensors", HOST, MiB, ("d",), f"d[{evil!r}]")])
-    assert any(evil in getattr(h, "name", "") for h in report.holders)
+    report = who(dict(seed.ns, d={evil: torch.zeros(256, 1024)}))
+    assert any(evil in h.name for h in report.holders)
     oom = parse_oom(seed.oom.message + " " + evil)
     earlier = [CellRecord(2, None, f"x = 1  # {evil}", 0.0, 1.0,
                           devices=(DeviceRecord(0, allocated_before=0, allocated_after=GiB),))]

@@ -259,12 +259,9 @@ def _html_request(requested: int, whole: int, note: str) -> str:
 
 def _who(who: Any, max_holders: int):
     try:
-        section = who_section(who, max_holders)
+        return who_section(who, max_holders)
     except Exception as exc:  # noqa: BLE001 - a section that cannot be drawn must not cost the panel
         return Para(f"(who holds it: not shown, {type(exc).__name__}: {exc})", "dim")
-    if isinstance(section, tuple):  # who/view.py before it returned parts: its own two renderings
-        return Raw(*section)
-    return section
 
 
 def _earlier(analysis, max_cells: int) -> Optional[Details]:

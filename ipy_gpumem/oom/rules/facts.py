@@ -105,9 +105,7 @@ class Facts:
         )
         if who is not None:
             facts.cats = {k: int(v) for k, v in (who.categories or {}).items() if v is not None}
-            # Holders are read by their typed fields only; a row without a kind (an older who())
-            # contributes its category totals above and nothing else.
-            facts.holders = tuple(h for h in (who.holders or ()) if getattr(h, "kind", None) and h.bytes)
+            facts.holders = tuple(h for h in (who.holders or ()) if h.bytes)
             facts.model_names = tuple(h.expr for h in facts.holders if h.kind == "module" and h.expr)
         facts.phase, facts.phase_frame = _phase(facts.frames, facts.model_names)
         return facts
