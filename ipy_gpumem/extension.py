@@ -34,7 +34,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Bool, Float, Int, TraitError, Unicode, Union, observe, validate
 
-from .core.devices import parse_device, parse_device_list
+from .core.devices import cuda, parse_device, parse_device_list
 from .core.errors import GpuMemWarning
 from .core.probes import MemoryProbe
 from .core.units import parse_bytes
@@ -152,7 +152,7 @@ class GpuMemMagics(Magics):
         if count is not None:
             missing = [i for i in indices if i >= count]
             if missing:
-                raise TraitError(f"GpuMemMagics.devices: cuda:{missing[0]} does not exist: this process sees "
+                raise TraitError(f"GpuMemMagics.devices: {cuda(missing[0])} does not exist: this process sees "
                                  f"{count} CUDA device{'s' if count != 1 else ''}")
         return proposal["value"]
 

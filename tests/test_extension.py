@@ -374,9 +374,9 @@ def test_cell_magic_device_selection(ip, gpumem):
     run(ip, "%%gpumem -d host -o r\nx2 = 1")
     assert ip.user_ns["r"].devices == ()
     if torch.version.cuda is None:  # a CPU-only torch has no cuda:0 to measure: one line, the cell not run
-        res, cap = run(ip, "%%gpumem -d cuda:0 -o r2\nx3 = 1")
+        res, cap = run(ip, "%%gpumem -d cuda:0 -o r_nodev\nx_nodev = 1")
         assert "cuda:0 does not exist: this process sees 0 CUDA devices" in str(res.error_in_exec)
-        assert "x3" not in ip.user_ns and "r2" not in ip.user_ns
+        assert "x_nodev" not in ip.user_ns and "r_nodev" not in ip.user_ns
     else:
         _, cap = run(ip, "%%gpumem -d cuda:0 -o r\nx2 = 1")
         assert f"No CUDA device measured: {NO_CUDA}" in texts(cap)[0]

@@ -120,7 +120,7 @@ def parse_device_list(text) -> Optional[Tuple[int, ...]]:
         if not device.is_cuda or device.index is None:
             raise ValueError(f"{part!r} is not one CUDA device: use 'all' or indices like '0,1'")
         if device.index in out:
-            raise ValueError(f"cuda:{device.index} is listed twice")
+            raise ValueError(f"{device} is listed twice")
         out.append(device.index)
     if not out:
         raise ValueError(f"{text!r} names no device: use 'all' or indices like '0,1'")

@@ -16,6 +16,8 @@ import time
 import weakref
 from typing import NamedTuple, Optional, Sequence
 
+from .devices import cuda as _cuda_device
+
 __all__ = [
     "HostSample",
     "DeviceSample",
@@ -602,9 +604,9 @@ class CudaProbe:
                 idle = [i for i in untouched if i not in missing]
                 parts = []
                 if idle:
-                    parts.append(", ".join(f"cuda:{i}" for i in idle) + " not used by your code yet")
+                    parts.append(", ".join(str(_cuda_device(i)) for i in idle) + " not used by your code yet")
                 if missing:
-                    parts.append(", ".join(f"cuda:{i}" for i in missing) + f" does not exist ({count} visible)")
+                    parts.append(", ".join(str(_cuda_device(i)) for i in missing) + f" does not exist ({count} visible)")
                 reason = "; ".join(parts)
         else:
             indices = live

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+from ..core.devices import cuda
 from ..core.records import CellRecord, DeviceRecord, LineRecord
 from ..core.text import clip
 from ..core.units import format_bytes, format_delta, format_seconds
@@ -112,7 +113,7 @@ def _lines_table(record: CellRecord, source_lines: Sequence[str]) -> Table:
     indices = _device_indices(record)
     headers = ["line", "hits"]
     for i in indices:
-        prefix = f"cuda:{i} " if len(indices) > 1 else ""
+        prefix = f"{cuda(i)} " if len(indices) > 1 else ""
         headers += [f"{prefix}Δallocated", f"{prefix}Δreserved", f"{prefix}peak in line"]
     headers += ["Δhost RSS", "host peak in line", "time", "source"]
     rows, classes = [], []
@@ -169,7 +170,7 @@ def loop_summaries(record: CellRecord) -> List[str]:
                 continue
             kept = sum(changes)
             churn = sum(c for c in changes if c > 0) - max(kept, 0)
-            what = "host RSS" if index is None else (f"cuda:{index} allocated" if len(indices) > 1 else "allocated")
+            what = "host RSS" if index is None else (f"{cuda(index)} allocated" if len(indices) > 1 else "allocated")
             text = (f"Loop at line {loop.first} (lines {loop.first}–{loop.last}, {iterations} iterations): "
                     f"kept {format_delta(kept)} {what}")
             if churn > 0:
