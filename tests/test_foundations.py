@@ -95,3 +95,19 @@ def test_parts_render_the_same_content_to_text_and_html():
     assert "&lt;script&gt;" in html and "<script>" not in html and "&lt;b&gt;x&lt;/b&gt;" in html
     assert "<details" in html and "<ol" in html and 'class="bar"' in html and "del x" in html
     assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_this_process_is_recognised_in_a_message_only_when_arithmetic_is_sure():
+    class Report:  # the fields from_message reads, as a parsed message gives them
+        kind, device_type, gpu_index, device = "cuda_allocator", "cuda", 0, "cuda:0"
+        total, free, allocated_by_pytorch, reserved, process_in_use = 16 * GiB, 0, 9 * GiB, 10 * GiB, None
+        max_allowed = other_allocations = None
+
+    one = Report()
+    one.other_processes = ((4001, 10 * GiB + 300 * MiB), (77, 5 * GiB))  # NVML listed us with host pids
+    mem = DeviceMemory.from_message(one)
+    assert mem.process_used == 10 * GiB + 300 * MiB and [p[0] for p in mem.processes] == [77]
+    two = Report()
+    two.other_processes = ((4001, 10 * GiB + 300 * MiB), (4002, 11 * GiB))  # either could be us
+    mem = DeviceMemory.from_message(two)
+    assert mem.process_used is None and [p[0] for p in mem.processes] == [4001, 4002]

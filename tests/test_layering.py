@@ -136,7 +136,7 @@ def test_load_ext_imports_only_the_per_cell_path():
         "ip = InteractiveShell.instance()\n"
         "ip.run_line_magic('load_ext', 'ipy_gpumem')\n"
         "ip.run_cell('x = 1', store_history=True)\n"
-        "lazy = ('ipy_gpumem.oom.parse', 'ipy_gpumem.who.attribution', 'ipy_gpumem.oom.diagnose', 'ipy_gpumem.chart.views',\n"
+        "lazy = ('ipy_gpumem.oom.parse', 'ipy_gpumem.who.attribution', 'ipy_gpumem.oom.rules', 'ipy_gpumem.chart.views',\n"
         "        'ipy_gpumem.chart.svg', 'ipy_gpumem.chart.live', 'ipy_gpumem.ledger.lines', 'plotly', 'ipywidgets', 'torch')\n"
         "print(sorted(m for m in lazy if m in sys.modules))\n"
     )

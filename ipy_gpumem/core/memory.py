@@ -201,8 +201,9 @@ def _own_line(others: List[Process], reserved: Optional[int], used: Optional[int
     """Index of the listed process that must be this one, or None.
 
     This process holds at least ``reserved``. If ``reserved`` plus every listed process exceeds
-    what the whole device uses, one listed line is this process counted twice: the largest one
-    that can hold ``reserved``.
+    what the whole device uses, one listed line is this process counted twice: the one line that
+    can hold ``reserved``. When several could, arithmetic cannot tell which, and guessing would
+    offer the user's own kernel as "another process" to kill: none is picked.
     """
     if reserved is None or used is None:
         return None
@@ -210,8 +211,8 @@ def _own_line(others: List[Process], reserved: Optional[int], used: Optional[int
     slack = 16 * MiB + used // 100  # two-decimal rounding in the message
     if reserved + listed <= used + slack:
         return None
-    fits = [(b, i) for i, (_pid, b, _n) in enumerate(others) if b is not None and b + slack >= reserved]
-    return max(fits)[1] if fits else None
+    fits = [i for i, (_pid, b, _n) in enumerate(others) if b is not None and b + slack >= reserved]
+    return fits[0] if len(fits) == 1 else None
 
 
 def _meminfo_available() -> Optional[int]:
