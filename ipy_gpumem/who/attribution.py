@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..core.devices import Device, parse_device
 from ..core.units import format_bytes
@@ -129,7 +129,7 @@ class WhoReport:
 
 
 def who(namespace: Any, device: Any = None, allocator_total: Optional[int] = None,
-        refs: Optional[IPythonRefs] = None, *, budget_s: float = BUDGET_S,
+        refs: Optional[IPythonRefs] = None, *, errors: Iterable[Any] = (), budget_s: float = BUDGET_S,
         max_visits: int = MAX_VISITS) -> WhoReport:
     """Attribute every tensor byte reachable from ``namespace`` to a category and a holder.
 
@@ -150,6 +150,10 @@ def who(namespace: Any, device: Any = None, allocator_total: Optional[int] = Non
             shell.user_ns_hidden, shell.displayhook)``): what they hold counts as
             ``ipython_caches``. Without it every name is the user's variable, ``_`` and ``Out``
             included.
+        errors: Exceptions or tracebacks IPython keeps besides ``sys.last_*`` (the last
+            ``ExecutionResult``'s ``error_in_exec``, a traceback formatter's ``.tb``): their
+            frames' locals count as IPython's last error too. They differ from ``sys.last_value``
+            only when IPython failed to format an error.
         budget_s: Seconds the walk may take; past them it stops, ``stopped`` says so and a note
             names what was not examined.
         max_visits: Items the walk may examine in all (the same, counted instead of timed).
@@ -175,7 +179,7 @@ def who(namespace: Any, device: Any = None, allocator_total: Optional[int] = Non
     if gc_was_enabled:
         gc.disable()
     try:
-        walk = Walk(torch, namespace, wanted, refs, budget_s, max_visits, start)
+        walk = Walk(torch, namespace, wanted, refs, budget_s, max_visits, start, tuple(errors))
         with walk.no_torch_function():
             walk.run()
         return _report(walk, wanted, total, start)

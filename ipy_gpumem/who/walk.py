@@ -149,11 +149,12 @@ class Walk:
     """
 
     def __init__(self, torch: Any, namespace: dict, wanted: Optional[Device], refs: Optional[IPythonRefs],
-                 budget_s: float, max_visits: int, start: float):
+                 budget_s: float, max_visits: int, start: float, errors: Tuple[Any, ...] = ()):
         self.torch = torch
         self.namespace = namespace
         self.wanted = wanted
         self.refs = refs
+        self.errors_kept = errors  # exceptions/tracebacks IPython keeps besides sys.last_*
         self.budget_s = budget_s
         self.deadline = start + budget_s
         self.max_visits = max_visits
@@ -252,6 +253,7 @@ class Walk:
                 tier.roots = [(pid, order, None) for pid, order, _fn in tier.roots]  # no graph node kept
                 tier.nodes = {}
             self.namespace = None
+            self.errors_kept = ()
 
     def out_of_budget(self) -> bool:
         """True once the time or visit budget is spent (and from then on)."""
@@ -346,12 +348,15 @@ class Walk:
         self.walk_tracebacks(tier)
 
     def walk_tracebacks(self, tier: _Tier) -> None:
-        """Locals of the frames of the last exception's traceback (and chained exceptions)."""
+        """Locals of the frames of the last exception's traceback (and chained exceptions), and of
+        the other errors IPython keeps that the caller passed."""
         tracebacks = []
         exceptions = [getattr(sys, "last_exc", None), getattr(sys, "last_value", None)]
-        last_tb = getattr(sys, "last_traceback", None)
-        if isinstance(last_tb, types.TracebackType):
-            tracebacks.append(last_tb)
+        for kept in (getattr(sys, "last_traceback", None),) + tuple(self.errors_kept):
+            if isinstance(kept, types.TracebackType):
+                tracebacks.append(kept)
+            elif isinstance(kept, BaseException):
+                exceptions.append(kept)
         seen_exc = set()
         while exceptions and len(seen_exc) < 8:
             exc = exceptions.pop(0)
