@@ -1001,3 +1001,114 @@ def test_many_holders_are_summed_past_the_row_cap():
     assert report.holders[-1].name == "(200 smaller holders)"
     assert (report.holders[-1].kind, report.holders[-1].count) == ("rest", 200)
     assert sum(row.bytes for row in report.holders) == report.total == 4 * 700 * 701 // 2
+
+
+# ------------------------------------------------------------------------- typed holders
+def test_every_kind_of_holder_has_its_fields(restore_last_exception):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer.step()
+
+    def orphan_optimizer():
+        other = nn.Linear(4, 4)
+        other(torch.randn(1, 4)).sum().backward()
+        return torch.optim.Adam(other.parameters())
+
+    x = torch.randn(16, requires_grad=True)
+    (x * 2).sum().backward()
+    lin = nn.Linear(8, 256)
+    h = lin(torch.randn(4, 8)).relu()
+    a, b = h.sin(), h.cos()
+    del h
+    shown = torch.ones(32)
+
+    def failing():
+        local = torch.ones(64)  # noqa: F841 - found through the frame
+        raise RuntimeError("boom")
+
+    try:
+        failing()
+    except RuntimeError as exc:
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+    ns = {"model": model, "optimizer": optimizer, "opt2": orphan_optimizer(), "x": x, "lin": lin,
+          "a": a, "b": b, "batch": [torch.ones(8)], "Out": {3: shown}, "_": torch.ones(12), "_tmp": torch.ones(5)}
+    report = who(ns, refs=ipython_owns("Out", "_"))
+    by = {(h.kind, h.expr): h for h in report.holders}
+    assert by[("module", "model")].roots == ("model",) and by[("module", "model")].category == "parameters"
+    assert by[("module_grads", "model")].category == "gradients"
+    assert by[("optimizer", "optimizer")].category == "optimizer_state"
+    assert by[("optimizer_params", "opt2")].category == "parameters"
+    assert by[("optimizer_grads", "opt2")].category == "gradients"
+    assert (by[("grad", "x")].category, by[("grad", "x")].name) == ("gradients", "x (grad)")
+    assert by[("variable", "batch[0]")].roots == ("batch",)
+    assert by[("variable", "_tmp")].roots == ("_tmp",)  # spelled with "_", still the user's
+    shared = next(h for h in report.holders if h.kind == "shared_graph")
+    assert (shared.roots, shared.expr, shared.name) == (("a", "b"), "a + b", "a + b (shared graph)")
+    assert by[("out_cache", "Out[3]")].keys == (3,) and by[("underscore", "_")].roots == ("_",)
+    local = by[("traceback_local", "local")]
+    assert (local.frame, local.roots, local.category) == ("failing", (), "ipython_caches")
+    assert {h.kind for h in report.holders} <= set(HOLDER_KINDS)
+    for h in report.holders:
+        row = h.to_dict()
+        assert (row["name"], row["category"], row["bytes"], row["device"], row["kind"]) == (
+            h.name, h.category, h.bytes, h.device.label, h.kind)
+        assert row["roots"] == list(h.roots) and row["expr"] == h.expr
+    json.dumps(report.to_dict())
+
+
+def test_ipythons_own_objects_are_skipped_and_the_users_names_are_walked(ip):
+    """In a real shell: In/_ih/_dh/exit/quit/get_ipython are IPython's and skipped; `_tmp` is the user's."""
+    try:
+        ip.run_cell("import torch\n_tmp = torch.zeros(50)\nIn_copy = In", store_history=True)
+        owned = ipython_refs(ip.user_ns, ip.user_ns_hidden, ip.displayhook)
+        assert {"In", "_ih", "_dh", "exit", "quit", "get_ipython", "Out", "_oh"} <= owned.names
+        assert not owned.owns("_tmp") and not owned.owns("In_copy")
+        report = who(ip.user_ns, refs=owned)
+        row = holder(report, "_tmp")
+        assert (row.kind, row.category, row.roots, row.bytes) == ("variable", "other_tensors", ("_tmp",), 200)
+        assert not any(h.roots and h.roots[0] in ("In", "_ih", "_dh", "exit", "quit", "get_ipython")
+                       for h in report.holders)
+    finally:
+        ip.user_ns.pop("_tmp", None)
+        ip.user_ns.pop("In_copy", None)
+
+
+# ---------------------------------------------------------------------------- budgets
+def test_a_visit_budget_stops_the_walk_and_names_what_it_left():
+    ns = {"first": torch.ones(10), "model": nn.Linear(4, 4),
+          "rows": [[torch.ones(1), {"k": torch.ones(2)}] for _ in range(3000)], "last": torch.ones(3)}
+    full = who(ns)
+    assert full.complete and full.stopped is None and full.to_dict()["complete"] is True
+    report = who(ns, max_visits=100)
+    assert not report.complete and "visit budget" in report.stopped
+    assert report.notes[0].startswith("incomplete: stopped after examining 100 items")
+    assert "not examined: the contents of 1 container at depth 0 (rows)" in report.notes[0]
+    # The names themselves come first: every top-level tensor and module is counted.
+    names = {h.name for h in report.holders}
+    assert {"first", "model", "last"} <= names
+    assert report.total < full.total
+    data = report.to_dict()
+    assert data["complete"] is False and data["stopped"] == report.stopped
+    text = " ".join(who_view(report).text.split())
+    assert "(incomplete)" in text and report.notes[0] in text
+
+
+def test_a_time_budget_stops_the_walk():
+    ns = {"loss": (nn.Linear(8, 8)(torch.randn(4, 8)) ** 2).sum(),
+          "rows": [[torch.ones(1)] for _ in range(5000)]}
+    report = who(ns, budget_s=0.0)
+    assert not report.complete and "time budget" in report.stopped
+    assert "autograd graphs" in report.notes[0] or "contents of" in report.notes[0]
+    assert holder(report, "loss").bytes == 4  # the names were still examined
+
+
+def test_many_small_objects_are_cheap_and_complete():
+    """1.5 million small objects (the issue's case) are walked completely, in C, well within the budget."""
+    ns = {f"v{i}": (i if i % 3 else [i, str(i)] if i % 2 else {"a": i, "b": (i, None)}) for i in range(300_000)}
+    ns["rows"] = [{"x": float(i), "tags": ["a", "b"]} for i in range(100_000)]
+    ns["found"] = [{"deep": [torch.ones(4)]}]
+    report = who(ns, budget_s=10.0)
+    assert report.complete and holder(report, "found[0]['deep'][0]").bytes == 16
+    assert report.elapsed_s < 5.0  # generous: a loaded CI machine; bench_who.py has the real numbers

@@ -310,7 +310,7 @@ class Walk:
         owned = self.refs.names if self.refs is not None else ()
         kinds, root = self.kinds, self.root
         for count, position in enumerate(positions):
-            if not count & 1023 and self.out_of_budget():
+            if count and not count & 1023 and self.out_of_budget():  # the first names always count
                 first = items[position][0]
                 self.unexamined.append(f"{len(positions) - count:,} of the namespace's names (from "
                                        f"{first if type(first) is str else key_text(first)} on)")
@@ -595,8 +595,9 @@ class Walk:
 
     def not_opened(self, level: List[Tuple[int, Any, int]], depth: int) -> None:
         if level:
-            self.unexamined.append(f"the contents of {len(level):,} containers at depth {depth} "
-                                   f"(e.g. {self.label(level[0][0])})")
+            many = len(level) > 1
+            self.unexamined.append(f"the contents of {len(level):,} container{'s' if many else ''} at depth "
+                                   f"{depth} ({'e.g. ' if many else ''}{self.label(level[0][0])})")
 
     def open(self, tier: _Tier, pid: int, obj: Any, kind: int, depth: int) -> None:
         """Visit what one container holds, one level down; skipped types never take a Python step."""
