@@ -3,24 +3,36 @@
 The sampler only reads the probe (which never imports torch nor initializes CUDA) and calls the
 callbacks it was given; it never prints and never lets an exception out of its thread. The first
 error stops it, is kept in :attr:`Sampler.error`, and is reported once through ``on_error``.
+
+Time comes from an injectable ``clock`` and the thread sleeps through an injectable ``wait``, so
+tests drive the schedule on a fake clock instead of sleeping through real timing windows.
 """
 from __future__ import annotations
 
 import atexit
+import math
 import threading
 import time
 from typing import Callable, Optional
 
-__all__ = ["Sampler"]
+__all__ = ["Sampler", "MIN_INTERVAL", "MAX_INTERVAL"]
 
 #: Below this, a Python thread spends more time waking up than sampling.
 MIN_INTERVAL = 0.001
+#: Above this an interval means "practically never" and only risks overflowing a timeout.
+MAX_INTERVAL = 86400.0
+#: The longest single sleep: a longer wait is taken in steps (``threading.TIMEOUT_MAX`` is
+#: platform-dependent and a huge timeout raises OverflowError).
+MAX_WAIT = 60.0
 
 
 def _checked(value: float, name: str) -> float:
-    value = float(value)
-    if not value >= MIN_INTERVAL:  # also rejects NaN
-        raise ValueError(f"{name} must be at least {MIN_INTERVAL} s, got {value!r}")
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not (MIN_INTERVAL <= value <= MAX_INTERVAL) or not math.isfinite(value):  # also rejects NaN
+        raise ValueError(f"{name} must be between {MIN_INTERVAL:g} and {MAX_INTERVAL:g} s, got {value!r}")
     return value
 
 
@@ -39,6 +51,9 @@ class Sampler:
         on_error: called once with :attr:`error` when a probe or callback raised.
         with_device_memory: passed to ``probe.sample``; False skips the device-wide reads
             (NVML / cudaMemGetInfo) and samples the allocator counters only.
+        clock: monotonic seconds (default ``time.perf_counter``).
+        wait: ``wait(event, timeout)`` sleeps until ``event`` is set or ``timeout`` seconds pass
+            (default ``event.wait``); a fake clock's wait advances the clock instead.
 
     Attributes:
         error: ``"where: ExceptionClass: message"`` of the error that stopped the thread, or None.
@@ -59,6 +74,8 @@ class Sampler:
         name: str = "ipy_gpumem-sampler",
         on_error: Optional[Callable] = None,
         with_device_memory: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+        wait: Optional[Callable] = None,
     ):
         self.probe = probe
         self.on_sample = on_sample
@@ -66,6 +83,8 @@ class Sampler:
         self.on_error = on_error
         self.name = name
         self.with_device_memory = with_device_memory
+        self.clock = clock
+        self._wait = wait if wait is not None else (lambda event, timeout: event.wait(timeout))
         self._interval = _checked(interval, "interval")
         self._redraw_interval = _checked(redraw_interval, "redraw_interval")
         self._thread: Optional[threading.Thread] = None
@@ -146,13 +165,20 @@ class Sampler:
 
     # -- the thread ---------------------------------------------------------------------------
 
+    def run(self) -> None:
+        """The sampling loop, in the calling thread, until :meth:`stop` or an error (``start`` runs
+        it on a daemon thread; tests with a fake clock call it directly)."""
+        self._stop.clear()
+        self._run()
+
     def _run(self) -> None:
-        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        clock = self.clock
+        cpu0, wall0 = time.thread_time(), clock()
         next_sample = wall0
         next_redraw = wall0 + self._redraw_interval
         try:
             while not self._stop.is_set():
-                now = time.perf_counter()
+                now = clock()
                 if now >= next_sample:
                     if not self._step("probe.sample / on_sample", self._sample):
                         break
@@ -166,16 +192,17 @@ class Sampler:
                             break
                         next_redraw = now + self._redraw_interval
                 self.cpu_seconds = time.thread_time() - cpu0
-                self.wall_seconds = time.perf_counter() - wall0
+                self.wall_seconds = clock() - wall0
                 # Event.wait sleeps in the OS: no busy-wait, and stop() or a new interval wakes it.
-                self._wake.wait(max(0.0, next_sample - time.perf_counter()))
+                # Long waits are taken in steps: a huge timeout would raise OverflowError.
+                self._wait(self._wake, min(MAX_WAIT, max(0.0, next_sample - clock())))
                 if self._wake.is_set():
                     self._wake.clear()
-                    next_sample = min(next_sample, time.perf_counter() + self._interval)
-                    next_redraw = min(next_redraw, time.perf_counter() + self._redraw_interval)
+                    next_sample = min(next_sample, clock() + self._interval)
+                    next_redraw = min(next_redraw, clock() + self._redraw_interval)
         finally:
             self.cpu_seconds = time.thread_time() - cpu0
-            self.wall_seconds = time.perf_counter() - wall0
+            self.wall_seconds = clock() - wall0
             if self.error is not None:
                 atexit.unregister(self.stop)  # stopped by an error: nothing left to stop at exit
 
