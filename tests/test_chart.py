@@ -1,15 +1,21 @@
-"""Chart views outside a kernel: tier choice, text and HTML renderings, widget state, seeding."""
+"""Chart views and the live chart outside a kernel: tier choice, text and HTML renderings, widget
+state and lifecycle, seeding, the sample rate, and the redraw budget."""
+import math
+import re
+import sys
 import types
+import urllib.parse
 
 import pytest
 
+from ipy_gpumem.chart.live import MAX_RATE, MIN_RATE, LiveChart, RedrawBudget, check_rate
+from ipy_gpumem.chart.timeline import HOST_RSS, Timeline, seed_timeline
 from ipy_gpumem.chart.views import (
-    HtmlChartView, StatusLineView, TextChartView, choose_tier, make_view, sidebar_unavailable, status_line,
-    timeline_text, widgets_status,
+    HtmlChartView, StatusLineView, TextChartView, chart_html, choose_tier, make_view, sidebar_unavailable,
+    status_line, timeline_text, widgets_status,
 )
-from ipy_gpumem.core.probes import DeviceSample, HostSample, Sample
+from ipy_gpumem.core.probes import DeviceSample, HostSample, MemoryProbe, Sample
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord
-from ipy_gpumem.chart.timeline import Timeline, seed_timeline
 from ipy_gpumem.core.units import GiB, MiB
 
 
@@ -36,16 +42,19 @@ class FakeShell:
 
 
 def test_tier_follows_the_front_end(monkeypatch):
-    monkeypatch.delitem(__import__("sys").modules, "ipykernel", raising=False)
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
     assert choose_tier(None) == ("text", None)
     tier, note = choose_tier(None, prefer="widget")
     assert tier == "text" and "terminal" in note
-    monkeypatch.setitem(__import__("sys").modules, "ipykernel", types.ModuleType("ipykernel"))
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
     zmq_shell = type("ZMQInteractiveShell", (), {})()
+    # In a kernel the HTML chart is the default: it needs no widget state to be seen again.
+    assert choose_tier(zmq_shell) == ("html", None)
     assert choose_tier(zmq_shell, prefer="html") == ("html", None)
-    monkeypatch.setitem(__import__("sys").modules, "google.colab", types.ModuleType("google.colab"))
-    tier, note = choose_tier(zmq_shell)
-    assert tier == "html" and note is None  # Colab's default is the HTML chart, no complaint
+    if widgets_status() is None:
+        assert choose_tier(zmq_shell, prefer="widget") == ("widget", None)
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    assert choose_tier(zmq_shell) == ("html", None)
     tier, note = choose_tier(zmq_shell, prefer="widget")
     assert tier == "html" and "Colab" in note
     with pytest.raises(ValueError):
@@ -71,8 +80,61 @@ def test_status_line_and_text_chart():
     assert "running [*]" in line
     text = timeline_text(snap)
     assert "cuda:0 allocated" in text and "cuda:0 reserved" in text
-    assert "[1]" in text and "[3]" in text
+    assert "[1] cuda:0 +1024.00 MiB" in text and "[3]" in text  # torch spells 1 GiB so
     assert timeline_text(Timeline().snapshot()) == "ipy_gpumem chart: no samples yet"
+
+
+def test_text_sparkline_shows_the_peaks_the_samples_missed():
+    tl = Timeline()
+    for i in range(40):
+        tl.add(Sample(float(i), HostSample(GiB, None), (DeviceSample(0, GiB, 2 * GiB, None, None, None, None),)))
+    tl.cell_started(10.0, "[1]", "spike()")
+    rec = CellRecord(1, None, "spike()", 0.0, 1.0, devices=(DeviceRecord(0, "GPU", GiB, GiB, 5 * GiB),))
+    tl.cell_finished(11.0, rec)  # peaked at 5 GiB between two samples at 1 GiB
+    line = next(ln for ln in timeline_text(tl.snapshot(), width=40).splitlines() if ln.startswith("cuda:0 allocated"))
+    spark = line.split("  ")[1]
+    assert "█" in spark and spark.count("█") <= 2 and spark.index("█") in (10, 11)
+    assert line.endswith("1024.00 MiB .. 5.00 GiB")
+    assert "[1] cuda:0 +0 bytes (peak +4.00 GiB)" in timeline_text(tl.snapshot())
+
+
+def test_text_chart_never_reads_hover_text(monkeypatch):
+    import ipy_gpumem.chart.svg as svg
+
+    def no_hover(span):
+        raise AssertionError("timeline_text read a hover text")
+
+    monkeypatch.setattr(svg, "span_hover", no_hover)
+    assert "[2] cuda:0 +1024.00 MiB" in timeline_text(gpu_timeline().snapshot())
+
+
+def _img_svg(html: str) -> str:
+    src = re.search(r"src='data:image/svg\+xml,([^']*)'", html).group(1)
+    return urllib.parse.unquote(src)
+
+
+def test_chart_html_is_an_image_with_a_hover_box_per_cell():
+    snap = gpu_timeline().snapshot()
+    html = chart_html(snap)
+    svg = _img_svg(html)
+    assert svg.startswith("<svg") and svg.endswith("</svg>") and "16.00 GiB total" in svg
+    assert "<title>" not in svg  # no tooltips inside an image: the boxes carry them
+    assert "<svg" not in html.replace(html[html.index("src='"):html.index("' style")], "")  # nothing a sanitizer strips
+    boxes = re.findall(r'<div title="([^"]*)" style="position:absolute;left:[\d.]+%;width:[\d.]+%;height:100%">', html)
+    assert len(boxes) == len(snap.spans) == 4
+    assert boxes[0].startswith("[1] x0 = big()\ncuda:0 allocated +1024.00 MiB")
+    assert "running…" in boxes[-1]
+    assert html.startswith('<div class="ipy-gpumem-chart"') and "ipy_gpumem · cuda:0 3.25 GiB allocated" in html
+
+
+def test_chart_html_escapes_cell_text_everywhere():
+    tl = Timeline()
+    tl.cell_started(0.0, "[*]", "x = '<img src=x onerror=alert(1)>' # \" & '")
+    tl.add(Sample(0.5, HostSample(GiB, None), ()))
+    html = chart_html(tl.snapshot())
+    assert "<img src=x" not in html and "onerror=alert(1)>" not in html
+    assert "&lt;img src=x onerror=alert(1)&gt;" in html and "&quot; &amp; &#x27;" in html
+    assert "<img src=x" not in _img_svg(html)
 
 
 def test_html_view_bundle_updates_in_place():
@@ -84,11 +146,13 @@ def test_html_view_bundle_updates_in_place():
     assert view.refresh() is False  # nothing changed: no redraw
     tl.add(Sample(200.0, HostSample(GiB, None), (), None))
     assert view.refresh() is True and len(updates) == 2
-    html = updates[-1]["text/html"]
-    assert "<svg" in html and "ipy_gpumem" in html and "16.00 GiB total" in html
-    view.freeze()
+    assert set(updates[-1]) == {"text/html", "text/plain"}
+    assert "16.00 GiB total" in _img_svg(updates[-1]["text/html"])
     tl.add(Sample(201.0, HostSample(GiB, None), (), None))
-    assert view.refresh() is False and not view.live
+    view.freeze()  # the output keeps the latest picture
+    assert len(updates) == 3 and not view.live
+    tl.add(Sample(202.0, HostSample(GiB, None), (), None))
+    assert view.refresh() is False and len(updates) == 3
 
 
 def test_status_line_view_says_where_the_chart_is():
@@ -106,50 +170,36 @@ def test_text_view_is_printed_once(capsys):
     assert view.live is False
 
 
-def test_widget_view_maps_the_timeline_onto_traces():
-    pytest.importorskip("plotly")
+def _widgets():
+    """Live widget models in this process (ipywidgets 8 keeps them in _instances, 7 in Widget.widgets)."""
+    import ipywidgets.widgets.widget as widget_module
+
+    instances = getattr(widget_module, "_instances", None)
+    return dict(instances if instances is not None else widget_module.Widget.widgets)
+
+
+def test_widget_view_holds_the_chart_and_closes_its_widgets_when_frozen():
     pytest.importorskip("ipywidgets")
-    if widgets_status() is not None:
-        pytest.skip(widgets_status())
     from ipy_gpumem.chart.views import WidgetChartView
 
+    before = set(_widgets())
     tl = gpu_timeline()
     view = WidgetChartView(tl)
-    view.refresh()
-    fig = view.figure
-    names = [t.name for t in fig.data]
-    assert names == ["cuda:0 allocated", "cuda:0 reserved", "cuda:0 used (all processes)", "cells"]
-    n = len(fig.data[0].x)
-    assert n == len(tl.snapshot().t) and max(fig.data[0].y) == 3 * GiB + 4 * 64 * MiB
-    assert list(fig.data[3].text) == ["[1]", "[2]", "[3]", "[*]"]
-    assert "x0 = big()" in fig.data[3].hovertext[0]
-    shapes = fig.layout.shapes
-    assert shapes[3].fillcolor == "#f59e0b"  # the running cell is highlighted
-    assert any(s.type == "line" and s.y0 == 16 * GiB for s in shapes)  # capacity drawn
-    assert list(fig.layout.yaxis.ticktext)[0] == "0 bytes"
-    assert "running [*]" in view.header.value
-    tl.add(Sample(500.0, HostSample(GiB, None), (DeviceSample(0, GiB, 2 * GiB, None, None, 3 * GiB, 16 * GiB),), None))
-    view.refresh()
-    assert len(fig.data[0].x) == n + 1
+    assert view.refresh() is True
+    assert "<img" in view.html.value and "running [*]" in view.html.value
+    created = set(_widgets()) - before
+    assert created == {w.model_id for w in view.widgets} and len(created) == 3  # HTML, its layout, its style
+    updates = []
+    view.handle = types.SimpleNamespace(update=lambda bundle, raw: updates.append(bundle))
     bundle = view._bundle(tl.snapshot())
     assert set(bundle) == {"application/vnd.jupyter.widget-view+json", "text/html", "text/plain"}
-    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == view.box.model_id
-    assert "<svg" in bundle["text/html"]  # the static snapshot a saved notebook shows
-
-
-def test_widget_view_on_cpu_draws_host_rss():
-    pytest.importorskip("plotly")
-    if widgets_status() is not None:
-        pytest.skip(widgets_status())
-    from ipy_gpumem.chart.views import WidgetChartView
-
-    tl = Timeline()
-    tl.add(Sample(1.0, HostSample(100 * MiB, None), (), "CUDA not initialized yet"))
-    tl.add(Sample(2.0, HostSample(300 * MiB, None), (), "CUDA not initialized yet"))
-    view = WidgetChartView(tl)
-    view.refresh()
-    assert [t.name for t in view.figure.data] == ["host RSS", "cells"]
-    assert "host 300.00 MiB resident" in view.header.value
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == view.html.model_id
+    tl.add(Sample(500.0, HostSample(GiB, None), (DeviceSample(0, GiB, 2 * GiB, None, None, 3 * GiB, 16 * GiB),), None))
+    assert view.finalize() is True and "application/vnd.jupyter.widget-view+json" in updates[-1]
+    view.freeze()
+    assert set(_widgets()) == before  # closed: nothing left in the kernel, nothing in the saved state
+    assert set(updates[-1]) == {"text/html", "text/plain"}  # the output keeps a picture, no dead widget
+    assert "<img" in updates[-1]["text/html"] and not view.live
 
 
 def test_seeding_replays_recorded_cells():
@@ -162,22 +212,173 @@ def test_seeding_replays_recorded_cells():
     seed_timeline(tl, recs, now_epoch=1010.0)
     snap = tl.snapshot()
     assert [s.label for s in snap.spans] == ["[1]", "[2]"]
-    assert snap.spans[1].failed
-    assert snap.series["host rss"] == (50 * MiB, 250 * MiB, 250 * MiB, 506 * MiB)
+    assert snap.spans[1].failed and snap.spans[1].error == "ValueError"
+    assert snap.series[HOST_RSS] == (50 * MiB, 250 * MiB, 250 * MiB, 506 * MiB)
     assert snap.t[1] - snap.t[0] == pytest.approx(2.0) and snap.t[2] - snap.t[0] == pytest.approx(3.0)
 
 
-def test_widget_view_first_draw_with_no_samples_yet():
-    """Right after %load_ext the timeline is empty; the first draw must still build the figure."""
-    pytest.importorskip("plotly")
-    if widgets_status() is not None:
-        pytest.skip(widgets_status())
-    from ipy_gpumem.chart.views import WidgetChartView
+# ---------------------------------------------------------------------------------------------
+# The live chart: rate, lifecycle, redraw budget
+# ---------------------------------------------------------------------------------------------
 
-    tl = Timeline()
-    view = WidgetChartView(tl)
-    view.refresh(force=True)
-    assert [t.name for t in view.figure.data] == ["cells"]
-    tl.add(Sample(1.0, HostSample(100 * MiB, None), (), None))
-    view.refresh()
-    assert [t.name for t in view.figure.data] == ["host RSS", "cells"]
+
+class FakeView:
+    """A view that counts its redraws (fake; real views need a display)."""
+
+    inline = True
+    live = True
+
+    def __init__(self):
+        self.refreshes = self.finals = self.frozen = 0
+
+    def refresh(self, force=False):
+        self.refreshes += 1
+        return True
+
+    def finalize(self):
+        self.finals += 1
+        return True
+
+    def freeze(self):
+        self.frozen += 1
+        self.live = False
+
+
+@pytest.fixture
+def live():
+    chart = LiveChart(MemoryProbe(), lambda: [], lambda: None)
+    chart.views.append(FakeView())
+    yield chart
+    chart.close()
+
+
+def test_rate_zero_then_back_restarts_the_sampler(live):
+    live.ensure_sampler()
+    assert live.sampler.running
+    live.set_rate(0)
+    assert live.sampler is None
+    live.set_rate(4)
+    assert live.sampler is not None and live.sampler.running and live.sampler.interval == 0.25
+    live.sample_rate = 10  # the attribute is the same setter
+    assert live.sampler.interval == 0.1
+    live.stop_sampler()  # %gpumem off: a new rate does not start it behind the user's back
+    live.set_rate(4)
+    assert live.sampler is None
+    live.ensure_sampler()  # %gpumem on
+    assert live.sampler.running
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1, 1e-10, MIN_RATE / 2, MAX_RATE * 1.01, "fast"])
+def test_rates_outside_the_range_are_refused_and_change_nothing(live, bad):
+    live.ensure_sampler()
+    with pytest.raises(ValueError, match="sample_rate"):
+        live.set_rate(bad)
+    assert live.sample_rate == 4.0 and live.sampler.running and live.sampler.error is None
+
+
+def test_the_rate_range():
+    assert check_rate(0) == 0.0 and check_rate(MIN_RATE) == MIN_RATE and check_rate(MAX_RATE) == MAX_RATE
+    assert 1 / MIN_RATE <= 1000 and not math.isnan(check_rate("4"))
+
+
+def test_close_stops_everything_and_freezes_every_view(live):
+    live.ensure_sampler()
+    sampler, view = live.sampler, live.views[0]
+    live.close()
+    assert not sampler.running and live.sampler is None and live.views == [] and view.frozen == 1
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_budget_refills_at_its_share_and_caps_at_its_burst():
+    clock = FakeClock()
+    budget = RedrawBudget(share=0.01, burst=0.05, clock=clock)
+    assert budget.allows()
+    budget.spend(0.06)
+    assert not budget.allows()
+    clock.now += 0.5  # +5 ms of budget: still 5 ms short
+    assert not budget.allows()
+    clock.now += 1.0
+    assert budget.allows()
+    clock.now += 1000
+    budget.spend(0.049)
+    assert budget.allows()  # the burst capped the refill at 50 ms
+
+
+def test_cells_faster_than_the_budget_are_drawn_by_the_sampler(live):
+    clock = FakeClock()
+    live.budget = RedrawBudget(share=0.003, burst=0.001, clock=clock)
+    live._ensure_timeline()
+    live.sampler = types.SimpleNamespace(running=True, stop=lambda: None)  # a sampler that is running (fake)
+    view = live.views[0]
+    sample = Sample(1.0, HostSample(GiB, None), ())
+    rec = CellRecord(1, None, "x = 1", 0.0, 0.01, host=HostRecord(GiB, GiB, GiB))
+    live.budget.spend(0.002)  # spent: the next cell ends while the budget is empty
+    live.cell_started(sample, "x = 1")
+    assert live.cell_finished(sample, rec) is None
+    assert view.finals == 0 and live._pending
+    live._on_redraw()  # the sampler's tick: still no budget
+    assert view.finals == 0
+    clock.now += 1.0
+    live._on_redraw()
+    assert view.finals == 1 and not live._pending
+
+
+def test_without_a_sampler_every_cell_end_redraws(live):
+    live.set_rate(0)
+    live.budget.spend(10.0)  # even without budget: nobody else would draw it
+    sample = Sample(1.0, HostSample(GiB, None), ())
+    live.cell_started(sample, "x = 1")
+    live.cell_finished(sample, CellRecord(1, None, "x = 1", 0.0, 0.01, host=HostRecord(GiB, GiB, GiB)))
+    assert live.views[0].finals == 1
+
+
+def test_an_idle_chart_is_not_redrawn_for_repeated_numbers(live):
+    clock = FakeClock()
+    live.budget = RedrawBudget(clock=clock)
+    timeline = live._ensure_timeline()
+    view = live.views[0]
+    timeline.add(Sample(0.0, HostSample(GiB, None), ()))
+    live._on_redraw()
+    assert view.refreshes == 1
+    for i in range(1, 5):
+        clock.now += 1.0
+        timeline.add(Sample(float(i), HostSample(GiB + 4096, None), ()))
+        live._on_redraw()
+    assert view.refreshes == 1  # idle, nothing moved
+    timeline.add(Sample(5.0, HostSample(2 * GiB, None), ()))
+    live._on_redraw()
+    assert view.refreshes == 2  # a real move
+    clock.now += 11.0
+    timeline.add(Sample(16.0, HostSample(2 * GiB, None), ()))
+    live._on_redraw()
+    assert view.refreshes == 3  # and every IDLE_REDRAW seconds anyway (the time axis moves on)
+
+
+def test_repeated_charts_keep_one_live_view_and_no_widgets(ip, monkeypatch):
+    """Every %gpumem chart used to leave six widgets alive forever; now replaced views close theirs."""
+    pytest.importorskip("ipywidgets")
+    from IPython.utils.capture import capture_output
+
+    import ipy_gpumem.chart.views as views
+
+    monkeypatch.setattr(views, "in_kernel", lambda shell=None: True)  # as in a kernel
+    before = set(_widgets())
+    chart = LiveChart(MemoryProbe(), lambda: [], lambda: None)
+    try:
+        with capture_output():
+            for kind in ("widget", "html", None) * 10:
+                chart.show(ip, kind, run=False)
+        assert len(chart.views) == 1 and len(set(_widgets()) - before) == 0  # the last one is html
+        with capture_output():
+            chart.show(ip, "widget", run=False)
+        assert len(set(_widgets()) - before) == 3
+    finally:
+        chart.close()
+    assert set(_widgets()) == before and chart.views == []

@@ -1,5 +1,6 @@
-"""Inline SVG charts: valid XML, torch-spelled ticks, capacity, labelled and escaped spans,
-the running cell, empty data, and one-cell charts from samples, lines or the record alone."""
+"""Inline SVG charts: valid XML, torch-spelled ticks, capacity, labelled and escaped spans and
+their hover texts, missed peaks, the running cell, empty data, charts for an <img>, and one-cell
+charts from samples, lines or the record alone."""
 import ast
 import re
 import sys
@@ -13,8 +14,8 @@ from hypothesis import strategies as st
 from ipy_gpumem.ledger.lines import LineMarkers, LineTracer
 from ipy_gpumem.core.probes import DeviceSample, HostSample, MemoryProbe, Sample
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord, LineRecord
-from ipy_gpumem.chart.svg import (FAILED_COLOR, RUNNING_COLOR, byte_ticks, cell_svg, format_time, time_ticks,
-                                 timeline_svg)
+from ipy_gpumem.chart.svg import (FAILED_COLOR, IMG_INK, RUNNING_COLOR, byte_ticks, cell_svg, draw_timeline,
+                                  format_time, span_hover, time_ticks, timeline_svg)
 from ipy_gpumem.chart.timeline import Timeline
 from ipy_gpumem.core.units import GiB, MiB, format_bytes, parse_bytes
 
@@ -221,13 +222,23 @@ def _timed(fn) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def test_cell_waterfall_without_lines():
+def _text_at(root, word):
+    return next(el for el in root.iter(SVG + "text") if el.text == word)
+
+
+def test_cell_waterfall_without_lines_labels_the_delta_at_its_bar_and_the_peak_at_its_whisker():
     rec = record(3, "for batch in loader:\n    step()", 2 * GiB, 7 * GiB, 11 * GiB, 2 * GiB, 12 * GiB)
     root = parse(cell_svg(rec))
     words = texts(root)
     assert {"before", "cell", "after"} <= set(words)
     assert "2.00 GiB" in words and "7.00 GiB" in words
-    assert any(w.startswith("+5.00 GiB (peak +9.00 GiB)") for w in words)
+    assert "+5.00 GiB" in words and "peak +9.00 GiB" in words
+    assert not any("(peak" in (w or "") for w in words)
+    # The delta sits inside its bar (below the bar's top at 7 GiB), the peak above the whisker
+    # (at 11 GiB): the delta can no longer be read as the peak.
+    delta_y, peak_y = float(_text_at(root, "+5.00 GiB").get("y")), float(_text_at(root, "peak +9.00 GiB").get("y"))
+    after_y = float(_text_at(root, "7.00 GiB").get("y"))  # the after bar's value, just above 7 GiB
+    assert peak_y < after_y < delta_y
     assert words[-1] == "[3] for batch in loader: · cuda:0 allocated"
     assert any("peak 11.00 GiB (+9.00 GiB)" in t for t in titles(root))
 
@@ -238,15 +249,26 @@ def test_cell_waterfall_with_lines_has_a_tick_and_hover_per_line():
         return LineRecord(no, src, hits, HostRecord(), (dev,), 0.01)
 
     lines = (line(1, "a = torch.ones(2**28)", 1 * GiB, 1 * GiB), line(2, "for _ in range(3):", 0, 0, hits=4),
-             line(3, "    b = a * 2  # <b>bold</b>", 3 * GiB, 2 * GiB, hits=3), line(4, "del a", -1 * GiB, 0))
+             line(3, "    b = a * 2  # <b>bold</b>", 3 * GiB, 4 * GiB, hits=3), line(4, "del a", -1 * GiB, 0))
     rec = record(9, "\n".join(ln.source for ln in lines), 4 * GiB, 7 * GiB, 9 * GiB, lines=lines)
     svg = cell_svg(rec, width=600)
     root = parse(svg)
-    assert {"1", "2", "3", "4", "before", "after"} <= set(texts(root))
+    words = texts(root)
+    # the x axis says what its ticks are
+    assert {"line 1", "line 2", "line 3", "line 4", "before", "after"} <= set(words)
+    assert "+3.00 GiB" in words and "peak +4.00 GiB" in words and "-1024.00 MiB" in words
     hover = next(t for t in titles(root) if t.startswith("line 3"))
-    assert hover.splitlines() == ["line 3 ×3:     b = a * 2  # <b>bold</b>".replace("    b", "b"),
-                                  "  cuda:0 allocated +3.00 GiB, peak +2.00 GiB · 10 ms"]
+    assert hover.splitlines() == ["line 3 ×3: b = a * 2 # <b>bold</b>",  # core.text.clip: one line, one space
+                                  "  cuda:0 allocated +3.00 GiB, peak +4.00 GiB · 10 ms"]
     assert "&lt;b&gt;bold&lt;/b&gt;" in svg
+
+
+def test_narrow_line_ticks_are_explained_once():
+    lines = tuple(LineRecord(i, f"x{i} = {i}", 1, HostRecord(rss_delta_sum=i * MiB), (), 0.0) for i in range(1, 80))
+    rec = CellRecord(2, None, "", time.time(), 1.0, host=HostRecord(GiB, GiB + 3160 * MiB, None), lines=lines)
+    words = texts(parse(cell_svg(rec, width=640)))
+    assert "1" in words and not any((w or "").startswith("line ") for w in words)
+    assert "ticks: source lines" in words
 
 
 @linux
@@ -268,7 +290,7 @@ def test_cell_waterfall_from_real_line_records():
     rec = CellRecord(4, None, source, time.time(), 0.1, lines=lines,
                      host=HostRecord(measurement_start.host.rss, end.host.rss, end.host.rss))
     root = parse(cell_svg(rec))
-    assert {"1", "2", "3"} <= set(texts(root)) and texts(root)[-1].endswith("host RSS")
+    assert {"line 1", "line 2", "line 3"} <= set(texts(root)) and texts(root)[-1].endswith("host RSS")
     assert any(t.startswith("line 1 ×1: a = bytearray") and "host RSS +4" in t for t in titles(root))
 
 
@@ -281,8 +303,7 @@ def test_many_lines_are_grouped_into_runs():
 
 def test_cell_chart_from_samples_draws_the_exact_peak():
     rec = record(3, "train()", 2 * GiB, 2 * GiB, 7 * GiB, 3 * GiB, 3 * GiB)
-    samples = [(i * 0.1, {"cuda:0 allocated": 2 * GiB + (i % 5) * GiB // 2, "cuda:0 reserved": 3 * GiB})
-               for i in range(30)]
+    samples = [gpu(i * 0.1, 2 * GiB + (i % 5) * GiB // 2, 3 * GiB) for i in range(30)]
     root = parse(cell_svg(rec, samples=samples))
     words = texts(root)
     assert "peak 7.00 GiB (exact, from the record)" in words and "cuda:0 allocated" in words
@@ -305,7 +326,8 @@ def test_cell_chart_from_real_samples():
     CellRecord(1, None, "x", 0.0, 0.0, devices=(DeviceRecord(0),)),
     CellRecord(1, None, "x", 0.0, 0.0, host=HostRecord(5, None, None), lines=()),
 ])
-@pytest.mark.parametrize("samples", [None, [], [(0.0, {})], [(0.0, {"cuda:0 allocated": 1.5}), (1.0, None)]])
+@pytest.mark.parametrize("samples", [None, [], [Sample(0.0, HostSample(None, None), ())],
+                                     [Sample(0.0, HostSample(None, None), ()), None], "not samples"])
 def test_cell_chart_never_raises_on_missing_data(rec, samples):
     parse(cell_svg(rec, samples=samples))
 
@@ -332,3 +354,60 @@ def test_any_cell_record_renders_valid_xml(values, line_deltas, on_device, width
     devices = (DeviceRecord(0, None, a0, a1, peak, r0, r1, None, None, None, total),) if on_device else ()
     rec = CellRecord(1, None, "x", 0.0, 0.1, devices=devices, host=HostRecord(rss, a1, peak), lines=lines)
     parse(cell_svg(rec, width=width))
+
+
+# --------------------------------------------------------------------------------------------
+# Hover texts (written here from the spans' numbers) and charts for an <img>
+# --------------------------------------------------------------------------------------------
+
+
+def test_span_hover_is_written_from_the_numbers():
+    tl = Timeline()
+    tl.cell_started(0.0, "[*]", "y = model(x)\nloss = y.sum()")
+    tl.cell_finished(1.25, record(7, "y = model(x)", 2 * GiB, 3 * GiB, 4 * GiB, 2 * GiB, 4 * GiB,
+                                  error="OutOfMemoryError", duration=1.25))
+    (span,) = tl.snapshot().spans
+    # torch spells exactly 1 GiB "1024.00 MiB" (its format_size compares with <=)
+    assert span_hover(span).splitlines() == [
+        "[7] y = model(x)",
+        "cuda:0 allocated +1024.00 MiB, peak 4.00 GiB (+2.00 GiB) · reserved +2.00 GiB",
+        "1.2 s · OutOfMemoryError",
+    ]
+    host_only = CellRecord(4, None, "x = 1", time.time(), 75.0, host=HostRecord(GiB, GiB + 64 * MiB, GiB + 96 * MiB))
+    tl.cell_finished(80.0, host_only)
+    assert span_hover(tl.snapshot().spans[-1]).splitlines()[1:] == [
+        "host RSS +64.00 MiB, peak 1.09 GiB (+96.00 MiB)", "1 min 15 s"]
+
+
+def test_merged_spans_name_the_largest_cell():
+    tl = Timeline(max_spans=8)
+    for n in range(1, 41):
+        tl.cell_started(n * 2.0, f"[{n}]", f"step({n})")
+        rec = record(n, f"step({n})", GiB, GiB, 3 * GiB if n == 3 else GiB) if n in (3, 4) else None
+        tl.cell_finished(n * 2.0 + 1.0, rec)
+    merged = tl.snapshot().spans[0]
+    assert merged.cells > 1
+    hover = span_hover(merged)
+    assert hover.startswith(f"{merged.cells} cells [1]–") and "largest: [3] step(3)" in hover
+
+
+def test_a_peak_the_samples_missed_is_drawn_and_named():
+    tl = Timeline()
+    tl.cell_started(0.0, "[1]", "spike()")
+    for i in range(5):
+        tl.add(gpu(i * 0.2, GiB, 2 * GiB))
+    tl.cell_finished(1.0, record(1, "spike()", GiB, GiB, 6 * GiB))
+    root = parse(timeline_svg(tl.snapshot()))
+    assert "cell peak (exact)" in texts(root)
+    ticks = [parse_bytes(w) for w in texts(root) if re.fullmatch(r"[\d.]+ (bytes|KiB|MiB|GiB)", w or "")]
+    assert max(ticks) >= 6 * GiB  # the axis reaches the peak the samples never saw
+
+
+def test_a_chart_for_an_img_has_no_titles_a_fixed_ink_and_boxes_for_the_html(session):
+    drawing = draw_timeline(session, width=700, height=200, ink=IMG_INK, titles=False)
+    root = parse(drawing.svg)
+    assert titles(root) == [] and f"color:{IMG_INK}" in root.get("style")
+    assert (drawing.width, drawing.height) == (700, 200)
+    assert [box.span.label for box in drawing.boxes] == [span.label for span in session.spans]
+    assert all(0 <= box.x0 < box.x1 <= 700 and 0 < box.y0 < box.y1 < 200 for box in drawing.boxes)
+    assert len(drawing.svg) < len(timeline_svg(session, width=700, height=200))

@@ -1,5 +1,6 @@
-"""The session timeline: spans and hover texts from real records, peak-preserving downsampling,
-bounded size over a million samples, thread safety, and holding nothing but numbers and strings."""
+"""The session timeline: typed series keys, spans that carry numbers (never display text) from real
+records, peak-preserving downsampling, bounded size over a million samples, thread safety, and
+holding nothing but numbers and short strings."""
 import gc
 import random
 import sys
@@ -16,8 +17,12 @@ from hypothesis import strategies as st
 from ipy_gpumem.core.probes import DeviceSample, HostSample, MemoryProbe, Sample
 from ipy_gpumem.ledger.recorder import Measurement
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord
-from ipy_gpumem.chart.timeline import HOST_KEY, Span, Timeline, TimelineSnapshot, _Points, _Spans, hover_text, moved_bytes
+from ipy_gpumem.chart.timeline import (HOST_RSS, Change, MissedPeak, SeriesKey, Span, Timeline, TimelineSnapshot,
+                                       _Bucket, _Points, _Run, _Running, _Spans)
+from ipy_gpumem.core.devices import HOST, Device, cuda
 from ipy_gpumem.core.units import GiB, MiB
+
+ALLOC0, RESERVED0, USED0 = (SeriesKey(cuda(0), q) for q in ("allocated", "reserved", "used"))
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact RSS needs procfs")
 
@@ -43,7 +48,7 @@ def device_record(n=7, source="y = model(x)\nloss = y.sum()", error=None, durati
 # --------------------------------------------------------------------------------------------
 
 
-def test_span_from_a_device_record_has_label_hover_and_moved_bytes():
+def test_span_from_a_device_record_carries_its_numbers():
     tl = Timeline()
     tl.add(gpu(100.0, 2 * GiB))
     tl.cell_started(100.5, "[7]", "y = model(x)\nloss = y.sum()")
@@ -52,14 +57,11 @@ def test_span_from_a_device_record_has_label_hover_and_moved_bytes():
     snap = tl.snapshot()
     (span,) = snap.spans
     assert span.label == "[7]" and span.start == pytest.approx(0.5) and span.end == pytest.approx(1.75)
-    assert span.failed and snap.running is None
-    assert span.moved == 2 * GiB  # the peak increase is the biggest change
-    lines = span.hover.splitlines()
-    assert lines[0] == "[7] y = model(x)"
-    # torch spells exactly 1 GiB "1024.00 MiB" (its format_size compares with <=)
-    assert lines[1] == "cuda:0 allocated +1024.00 MiB, peak 4.00 GiB (+2.00 GiB) · reserved +2.00 GiB"
-    assert lines[2] == "1.2 s · OutOfMemoryError"
-    assert snap.capacities["cuda:0"] == 16 * GiB and snap.capacities["host"] is None
+    assert span.failed and span.error == "OutOfMemoryError" and snap.running is None and span.recorded
+    assert span.first_line == "y = model(x)" and span.duration == 1.25
+    assert span.moved == 2 * GiB  # the peak increase is the biggest change (CellRecord.moved_bytes)
+    assert span.changes == (Change(cuda(0), GiB, 4 * GiB, 2 * GiB, 2 * GiB),)
+    assert snap.capacities[cuda(0)] == 16 * GiB and snap.capacities[HOST] is None
 
 
 @linux
@@ -68,31 +70,42 @@ def test_span_from_a_real_measurement_on_this_machine():
     tl = Timeline()
     source = "blob = bytearray(b'\\x01') * (64 * 2**20)  # a real 64 MiB"
     tl.cell_started(time.perf_counter(), "[3]", source)
-    measurement = Measurement(probe, execution_count=3, source=source)
+    measurement = Measurement(probe, probe.sample(), source=source)
     tl.add(probe.sample())
     blob = bytearray(b"\x01") * (64 * MiB)
     tl.add(probe.sample())
-    record = measurement.finish()
+    record = measurement.finish(execution_count=3).record()
     tl.cell_finished(time.perf_counter(), record)
     span = tl.snapshot().spans[0]
     assert span.label == "[3]" and not span.failed
-    assert span.hover.startswith("[3] blob = bytearray(")
-    assert "host RSS +6" in span.hover  # +64.xx MiB, as measured
+    assert span.first_line.startswith("blob = bytearray(")
+    (change,) = span.changes
+    assert change.device == HOST and 60 * MiB <= change.delta <= 80 * MiB
     assert 60 * MiB <= span.moved <= 80 * MiB
-    rss = tl.snapshot().series[HOST_KEY]
+    rss = tl.snapshot().series[HOST_RSS]
     assert rss[-1] - rss[0] >= 60 * MiB
     del blob
 
 
-def test_hover_truncates_long_first_lines_and_reports_host_on_cpu():
+def test_first_lines_are_clipped_and_host_changes_kept_on_cpu():
     record = CellRecord(4, None, "\n\n   " + "x" * 200, time.time(), 75.0,
                         host=HostRecord(GiB, GiB + 64 * MiB, GiB + 96 * MiB))
-    text = hover_text(record)
-    first, rss, tail = text.splitlines()
-    assert first.startswith("[4] xxx") and first.endswith("…") and len(first) == len("[4] ") + 80
-    assert rss == "host RSS +64.00 MiB, peak 1.09 GiB (+96.00 MiB)"
-    assert tail == "1 min 15 s"
-    assert moved_bytes(record) == 96 * MiB
+    tl = Timeline()
+    tl.cell_finished(10.0, record)
+    (span,) = tl.snapshot().spans
+    assert span.first_line.startswith("xxx") and span.first_line.endswith("…") and len(span.first_line) == 80
+    assert span.changes == (Change(HOST, 64 * MiB, GiB + 96 * MiB, 96 * MiB),)
+    assert span.duration == 75.0 and span.moved == 96 * MiB
+
+
+def test_spans_keep_numbers_and_short_strings_never_display_text():
+    tl = Timeline()
+    tl.cell_started(1.0, "[*]", "y = model(x)\nz = 2")
+    tl.cell_finished(2.0, device_record())
+    for span in tl.snapshot().spans:
+        strings = [v for v in span if isinstance(v, str)]
+        assert strings == ["[7]", "y = model(x)"]  # label and first line; the hover is written by views
+        assert all("\n" not in v and "GiB" not in v for v in strings)
 
 
 def test_running_span_then_finished():
@@ -100,11 +113,11 @@ def test_running_span_then_finished():
     tl.cell_started(10.0, "[1]", "import torch")
     snap = tl.snapshot()
     assert snap.running is not None and snap.running.end is None and snap.running.label == "[1]"
-    assert snap.spans == (snap.running,) and "running" in snap.running.hover
+    assert snap.spans == (snap.running,) and not snap.running.recorded and tl.running
     tl.cell_finished(12.0, None)
     snap = tl.snapshot()
-    assert snap.running is None and snap.spans[0].end == pytest.approx(2.0)
-    assert snap.spans[0].hover.endswith("(no record)")
+    assert snap.running is None and snap.spans[0].end == pytest.approx(2.0) and not tl.running
+    assert not snap.spans[0].recorded and snap.spans[0].changes == ()
 
 
 def test_record_label_wins_and_lone_records_and_restarts_make_spans():
@@ -137,7 +150,8 @@ def test_spans_stay_bounded_over_10k_cells_by_merging_the_oldest():
     merged = [s.cells for s in snap.spans if s.cells > 1]
     assert len(set(merged[:-1])) == 1 and merged[0] >= merged[-1]
     biggest = next(s for s in snap.spans if s.start <= 32.0 <= s.end)  # [17] ran at 34 - 2
-    assert "largest: [17] y = model(x)" in biggest.hover and biggest.moved == 2 * GiB
+    assert biggest.largest.label == "[17]" and biggest.largest.first_line == "step(17)"
+    assert biggest.moved == biggest.largest.moved == 2 * GiB and biggest.largest.start == pytest.approx(32.0)
     assert all(a.end <= b.start for a, b in zip(snap.spans, snap.spans[1:]))
 
 
@@ -151,12 +165,29 @@ def test_device_series_keys_capacities_and_late_keys():
     tl.add(host(0.0, GiB))
     tl.add(gpu(1.0, 100, 200, used=None))
     tl.add(gpu(2.0, 300, 400, used=900))
+    tl.add(gpu(3.0, 5, 6, index=1, total=8 * GiB))
     snap = tl.snapshot()
-    assert snap.keys == (HOST_KEY, "cuda:0 allocated", "cuda:0 reserved", "cuda:0 used")
-    assert snap.series["cuda:0 allocated"] == (None, 100, 300)
-    assert snap.series["cuda:0 used"] == (None, None, 900)
-    assert snap.t == (0.0, 1.0, 2.0) and snap.origin == 0.0
-    assert dict(snap.capacities) == {"cuda:0": 16 * GiB, "host": None}
+    assert snap.keys == (HOST_RSS, ALLOC0, RESERVED0, USED0, SeriesKey(cuda(1), "allocated"),
+                         SeriesKey(cuda(1), "reserved"))
+    assert all(isinstance(k.device, Device) for k in snap.keys)  # fields, never "cuda:0 allocated"
+    assert snap.series[ALLOC0] == (None, 100, 300, None)
+    assert snap.series[USED0] == (None, None, 900, None)
+    assert snap.t == (0.0, 1.0, 2.0, 3.0) and snap.origin == 0.0
+    assert dict(snap.capacities) == {cuda(0): 16 * GiB, cuda(1): 8 * GiB, HOST: None}
+    assert snap.devices() == (cuda(0), cuda(1))
+
+
+def test_missed_peaks_are_the_record_peaks_above_every_sample():
+    tl = Timeline()
+    tl.cell_started(0.0, "[1]", "spike()")
+    tl.add(gpu(0.5, 2 * GiB))
+    tl.cell_finished(1.0, device_record(n=1))  # peak 4 GiB, never sampled
+    tl.cell_started(2.0, "[2]", "flat()")
+    tl.add(gpu(2.5, 5 * GiB))
+    tl.cell_finished(3.0, device_record(n=2))  # peak 4 GiB, below the 5 GiB sampled
+    snap = tl.snapshot()
+    assert snap.missed_peaks([ALLOC0]) == (MissedPeak(ALLOC0, 0.0, 1.0, 4 * GiB),)
+    assert snap.missed_peaks([RESERVED0]) == ()  # per-cell peaks exist for allocated and RSS only
 
 
 def test_times_are_relative_and_kept_in_order():
@@ -174,13 +205,13 @@ def test_a_single_spike_among_100k_flat_points_survives():
         tl.add(host(i * 0.25, 5 * GiB if i == spike_at else GiB))
     snap = tl.snapshot()
     assert len(snap.t) <= 2000 and snap.stride > 1
-    rss = snap.series[HOST_KEY]
+    rss = snap.series[HOST_RSS]
     assert max(rss) == 5 * GiB and rss.count(5 * GiB) == 1
     at = rss.index(5 * GiB)
     bucket_start = snap.t[at]
     bucket_end = snap.t[at + 1]
     assert bucket_start <= spike_at * 0.25 < bucket_end  # stamped with its bucket's first time
-    assert min(snap.lows[HOST_KEY]) == GiB
+    assert min(snap.lows[HOST_RSS]) == GiB
 
 
 def test_a_dip_survives_in_the_lows_and_recent_points_are_exact():
@@ -190,10 +221,10 @@ def test_a_dip_survives_in_the_lows_and_recent_points_are_exact():
     for i, v in enumerate(values):
         tl.add(host(float(i), v))
     snap = tl.snapshot()
-    assert min(snap.lows[HOST_KEY]) == 1
+    assert min(snap.lows[HOST_RSS]) == 1
     recent = len(snap.t) - snap.merged
     assert recent == 50
-    assert snap.series[HOST_KEY][-recent:] == tuple(values[-recent:])
+    assert snap.series[HOST_RSS][-recent:] == tuple(values[-recent:])
     assert snap.t[-recent:] == tuple(float(i) for i in range(5000 - recent, 5000))
     assert snap.added == 5000
 
@@ -222,12 +253,12 @@ def test_downsampling_invariants(max_points, values):
     assert list(snap.t) == sorted(snap.t)
     present = [v for v in values if v is not None]
     if present:
-        assert max(v for v in snap.series[HOST_KEY] if v is not None) == max(present)
-        assert min(v for v in snap.lows[HOST_KEY] if v is not None) == min(present)
-        for hi, lo in zip(snap.series[HOST_KEY], snap.lows[HOST_KEY]):
+        assert max(v for v in snap.series[HOST_RSS] if v is not None) == max(present)
+        assert min(v for v in snap.lows[HOST_RSS] if v is not None) == min(present)
+        for hi, lo in zip(snap.series[HOST_RSS], snap.lows[HOST_RSS]):
             assert (hi is None) == (lo is None) and (hi is None or lo <= hi)
     else:
-        assert HOST_KEY not in snap.series
+        assert HOST_RSS not in snap.series
 
 
 def _deep_size(root) -> int:
@@ -268,6 +299,20 @@ def test_a_million_adds_stay_bounded_in_memory_and_time():
 # --------------------------------------------------------------------------------------------
 
 
+def test_moved_counts_changes_worth_a_redraw_not_repeated_numbers():
+    tl = Timeline()
+    tl.add(host(0.0, GiB))
+    moved = tl.moved
+    for i in range(1, 20):  # an idle session: the same RSS, give or take a few KiB
+        tl.add(host(float(i), GiB + (i % 3) * 4096))
+    assert tl.moved == moved and tl.version > moved
+    tl.add(host(30.0, GiB + 64 * MiB))
+    assert tl.moved == moved + 1
+    tl.cell_started(31.0, "[1]", "x")
+    tl.cell_finished(32.0, None)
+    assert tl.moved == moved + 3
+
+
 def test_version_increments_on_every_change_and_snapshots_are_cached():
     tl = Timeline()
     versions = [tl.version]
@@ -289,8 +334,8 @@ def test_snapshot_is_immutable():
     with pytest.raises(Exception):
         snap.t = ()
     with pytest.raises(TypeError):
-        snap.series[HOST_KEY] = (2,)
-    assert isinstance(snap.series[HOST_KEY], tuple)
+        snap.series[HOST_RSS] = (2,)
+    assert isinstance(snap.series[HOST_RSS], tuple)
 
 
 def test_a_thread_adding_while_the_main_thread_snapshots():
@@ -324,11 +369,11 @@ def test_a_thread_adding_while_the_main_thread_snapshots():
         assert len(snap.spans) <= 16
     thread.join()
     assert not errors and snapshots > 1
-    assert max(tl.snapshot().series["cuda:0 allocated"]) == 49_999
+    assert max(tl.snapshot().series[ALLOC0]) == 49_999
 
 
-ALLOWED = (int, float, str, bool, type(None), tuple, list, dict, deque, MappingProxyType, Span,
-           TimelineSnapshot, Timeline, _Points, _Spans, type(threading.Lock()))
+ALLOWED = (int, float, str, bool, type(None), tuple, list, dict, deque, MappingProxyType, Span, Change, SeriesKey,
+           Device, TimelineSnapshot, Timeline, _Points, _Spans, _Bucket, _Run, _Running, type(threading.Lock()))
 
 
 def _walk(root):
@@ -365,7 +410,7 @@ def test_clear_forgets_everything():
     tl.cell_started(5.0, "[1]", "x")
     tl.clear()
     snap = tl.snapshot()
-    assert snap.empty and snap.running is None and dict(snap.capacities) == {"host": None}
+    assert snap.empty and snap.running is None and dict(snap.capacities) == {HOST: None}
     tl.add(host(99.0, 7))
     assert tl.snapshot().t == (0.0,)  # the session restarts at the next timestamp
 

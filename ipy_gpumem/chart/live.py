@@ -2,19 +2,94 @@
 
 The extension's hooks report cell starts and ends; ``%gpumem chart`` / ``sidebar`` ask for views.
 This controller owns everything in between: the timeline is created (and seeded with the cells
-recorded so far) on the first request, the sampler runs only while a live view exists, views are
-refreshed from the sampler thread about once a second and finalized on the main thread at each
-cell's end. Nothing here imports IPython; views do their own displaying (``chart.py``).
+recorded so far) on the first request, the sampler runs only while a live view exists, and views
+are redrawn from the sampler thread about once a second and at cell ends.
+
+Redrawing is the expensive part (a snapshot, an SVG, a message to the front end: about a
+millisecond or two each), so it draws from a CPU budget (:class:`RedrawBudget`): a cell's end
+redraws at once while the budget lasts, which covers every cell of a normal session, and cells
+that run back to back faster than the budget allows are drawn together by the sampler's next
+redraw. While no cell runs and no value moves, the sampler redraws only every
+:data:`IDLE_REDRAW` seconds. Sampling and drawing together stay under 1% of a core however fast
+cells run. Nothing here imports IPython; views do their own displaying (``views.py``).
 """
 from __future__ import annotations
 
+import threading
+import time
 from typing import Callable, Optional
 
-from .views import StatusLineView, WidgetChartView, choose_tier, make_view
 from .sampler import Sampler
 from .timeline import Timeline, seed_timeline
+from .views import SIDEBAR_SIZE, StatusLineView, WidgetChartView, choose_tier, close_widgets, make_view
 
-__all__ = ["LiveChart"]
+__all__ = ["LiveChart", "RedrawBudget", "MAX_RATE", "MIN_RATE", "check_rate"]
+
+#: Fastest sampling the chart accepts (samples per second); the sampler costs about 2% of a
+#: core there.
+MAX_RATE = 100.0
+#: While no cell runs and no value moves, the chart is redrawn this rarely (seconds).
+IDLE_REDRAW = 10.0
+#: Slowest sampling other than 0: one sample every 1000 s. Below it the interval stops meaning
+#: anything (1e-10 would be a sample every 300 years).
+MIN_RATE = 0.001
+
+
+def check_rate(rate) -> float:
+    """``rate`` as a float if it is 0 or within ``[MIN_RATE, MAX_RATE]`` samples per second.
+
+    Raises:
+        ValueError: NaN, infinite, negative, or outside that range; the message gives the range.
+    """
+    try:
+        value = float(rate)
+    except (TypeError, ValueError):
+        raise ValueError(f"sample_rate must be a number, got {rate!r}") from None
+    if value == 0:
+        return 0.0
+    if not (MIN_RATE <= value <= MAX_RATE):  # also refuses NaN
+        raise ValueError(f"sample_rate must be 0 (cell ends only) or between {MIN_RATE:g} and {MAX_RATE:g} "
+                         f"samples per second, got {rate!r}")
+    return value
+
+
+class RedrawBudget:
+    """A CPU budget for redraws: it refills at ``share`` of a core and holds at most ``burst`` seconds.
+
+    ``allows()`` says whether a redraw may happen now; ``spend(cpu_seconds)`` charges what it
+    cost. Long-run redraw CPU is therefore at most ``share`` of one core, whatever the number of
+    cells or views, while a quiet session keeps a full bucket and redraws every cell end at once.
+
+    Args:
+        share: the long-run CPU share allowed (0.003 is 0.3% of one core).
+        burst: the most CPU seconds saved up for a flurry of redraws.
+        clock: seconds, monotonic (injectable for tests).
+    """
+
+    def __init__(self, share: float = 0.003, burst: float = 0.04, clock: Callable[[], float] = time.perf_counter):
+        self.share = share
+        self.burst = burst
+        self.clock = clock
+        self._tokens = burst
+        self._at = clock()
+        self._lock = threading.Lock()
+        self.spent = 0.0
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.share)
+        self._at = now
+
+    def allows(self) -> bool:
+        with self._lock:
+            self._refill()
+            return self._tokens > 0
+
+    def spend(self, seconds: float) -> None:
+        with self._lock:
+            self._refill()
+            self._tokens -= max(0.0, seconds)
+            self.spent += max(0.0, seconds)
 
 
 class LiveChart:
@@ -25,6 +100,11 @@ class LiveChart:
         records: returns the ledger's records (to seed the timeline when it is first needed).
         current_measurement: returns the cell measurement in flight, or None; the sampler folds
             its readings into it (sampled peaks, the ``%%gpumem`` cell chart).
+
+    Attributes:
+        sample_rate: samples per second while a live view exists (0: cell ends only); setting it
+            is :meth:`set_rate`.
+        error: why the sampler stopped, until reported at a cell's end.
     """
 
     def __init__(self, probe, records: Callable[[], list], current_measurement: Callable[[], object]):
@@ -35,7 +115,14 @@ class LiveChart:
         self.sampler: Optional[Sampler] = None
         self.views: list = []
         self.sidecar = None
-        self.sample_rate = 4.0
+        self._rate = 4.0
+        # Whether sampling is wanted when a live view exists: False after stop_sampler() (``%gpumem
+        # off``, a sampler error) until show() / ensure_sampler() asks again.
+        self._wanted = True
+        self.budget = RedrawBudget()
+        self._drawn_moved = -1  # Timeline.moved at the last redraw
+        self._drawn_at = float("-inf")
+        self._pending = False  # a cell ended without its redraw (budget spent): the sampler owes one
         self.error: Optional[str] = None  # why the sampler stopped, until reported
         self._error_shown = False
 
@@ -48,15 +135,23 @@ class LiveChart:
     def cell_started(self, sample, source: str) -> None:
         # "[*]" like Jupyter's prompt: IPython 7 and 8+ disagree on the count at this point; the
         # record's label replaces it when the cell ends.
-        self.timeline.cell_started(sample.t, "[*]", source)
-        self.timeline.add(sample)
+        timeline = self._ensure_timeline()
+        timeline.cell_started(sample.t, "[*]", source)
+        timeline.add(sample)
 
     def cell_finished(self, sample, record) -> Optional[str]:
-        """Close the cell's span and store static snapshots; returns a message to show, once."""
-        self.timeline.add(sample)
-        self.timeline.cell_finished(sample.t, record)
-        for view in list(self.views):
-            view.finalize()
+        """Close the cell's span and redraw (now, or at the sampler's next redraw when cells come
+        faster than the redraw budget); returns a message to show, once."""
+        timeline = self._ensure_timeline()
+        timeline.add(sample)
+        timeline.cell_finished(sample.t, record)
+        sampler = self.sampler
+        if self.views:
+            if sampler is None or not sampler.running or self.budget.allows():
+                # Without a running sampler nobody would redraw later: draw now, whatever it costs.
+                self._redraw(final=True)
+            else:
+                self._pending = True
         if self.error and not self._error_shown:
             self._error_shown = True
             self.stop_sampler()
@@ -74,18 +169,17 @@ class LiveChart:
         return self.timeline
 
     def show(self, shell=None, prefer: Optional[str] = None, note: Optional[str] = None, run: bool = True) -> None:
-        """Show the chart inline in the richest tier the front end supports (``prefer`` overrides).
+        """Show the chart inline in the tier the front end supports (``prefer`` overrides).
 
         Raises:
             ValueError: ``prefer`` is not a chart kind.
         """
         tier, why = choose_tier(shell, prefer)
         view = make_view(tier, self._ensure_timeline(), note or why)
-        # Asking again re-shows the chart: the previous inline view keeps a static snapshot and
-        # stops moving, so live views never pile up.
+        # Asking again re-shows the chart: the previous inline view keeps a static picture, closes
+        # its widgets and stops moving, so live views and widgets never pile up.
         for old in [v for v in self.views if v.inline]:
-            old.freeze()
-            self.views.remove(old)
+            self._retire(old)
         view.display()
         if view.live:  # a text chart is printed once: nothing to keep moving
             self.views.append(view)
@@ -99,15 +193,10 @@ class LiveChart:
 
         timeline = self._ensure_timeline()
         for old in [v for v in self.views if not v.inline]:
-            old.freeze()
-            self.views.remove(old)
-        if self.sidecar is not None:
-            try:
-                self.sidecar.close()
-            except Exception:  # noqa: BLE001 - a sidebar the user closed already
-                pass
+            self._retire(old)
+        self._close_sidecar()
         self.sidecar = Sidecar(title="GPU memory", anchor="right")
-        view = WidgetChartView(timeline)
+        view = WidgetChartView(timeline, size=SIDEBAR_SIZE)
         view.inline = False
         view.display(target=self.sidecar)
         # One live line stays inline, so the numbers are never lost where the sidebar cannot show.
@@ -115,8 +204,35 @@ class LiveChart:
         line.inline = False
         line.display()
         self.views += [view, line]
+        self.error, self._error_shown = None, False
         if run:
             self.ensure_sampler()
+
+    def _retire(self, view) -> None:
+        view.freeze()
+        if view in self.views:
+            self.views.remove(view)
+
+    def _close_sidecar(self) -> None:
+        sidecar, self.sidecar = self.sidecar, None
+        if sidecar is not None:
+            close_widgets([sidecar, getattr(sidecar, "layout", None)])
+
+    # -- redrawing -------------------------------------------------------------------------------
+
+    def _redraw(self, final: bool) -> None:
+        """Redraw every live view that is out of date and charge the budget (any thread)."""
+        self._pending = False
+        timeline = self.timeline
+        self._drawn_moved = timeline.moved if timeline is not None else -1
+        self._drawn_at = self.budget.clock()
+        cpu0 = time.thread_time()
+        for view in list(self.views):
+            if final:
+                view.finalize()
+            else:
+                view.refresh()
+        self.budget.spend(time.thread_time() - cpu0)
 
     # -- the sampler -----------------------------------------------------------------------------
 
@@ -130,37 +246,73 @@ class LiveChart:
             measurement.observe(sample)
 
     def _on_redraw(self) -> None:
-        # Sampler thread: views only change widget state or update their display handle.
-        for view in list(self.views):
-            view.refresh()
+        # Sampler thread, at most once a redraw interval: views only change widget state or update
+        # their display handle. The budget applies here too, so a flurry of cells cannot make the
+        # sampler redraw past it; a redraw owed by a cell end is made as a final one.
+        timeline = self.timeline
+        if not self.views or timeline is None:
+            return
+        if (not self._pending and not timeline.running and timeline.moved == self._drawn_moved
+                and self.budget.clock() - self._drawn_at < IDLE_REDRAW):
+            return  # idle and nothing moved: a redraw would only stretch the time axis
+        if self.budget.allows():
+            self._redraw(final=self._pending)
 
     def _on_error(self, message: str) -> None:
         self.error = message  # reported once, from the main thread, at the next cell's end
 
     def ensure_sampler(self) -> None:
         """Start sampling if a live view exists and the rate allows it."""
-        if self.sampler is not None or self.sample_rate <= 0 or not self.views:
+        self._wanted = True
+        if self._rate <= 0 or not self.views:
             return
-        self.sampler = Sampler(self.probe, interval=1.0 / self.sample_rate, on_sample=self._on_sample,
+        if self.sampler is not None and self.sampler.running:
+            return
+        self.sampler = Sampler(self.probe, interval=1.0 / self._rate, on_sample=self._on_sample,
                                redraw_interval=1.0, on_redraw=self._on_redraw, on_error=self._on_error)
         self.sampler.start()
 
     def stop_sampler(self) -> None:
-        if self.sampler is not None:
-            self.sampler.stop()
-            self.sampler = None
+        """Stop sampling (``%gpumem off``, unload, a sampler error) until asked to start again."""
+        self._wanted = False
+        sampler, self.sampler = self.sampler, None
+        if sampler is not None:
+            sampler.stop()
+
+    @property
+    def sample_rate(self) -> float:
+        return self._rate
+
+    @sample_rate.setter
+    def sample_rate(self, rate: float) -> None:
+        self.set_rate(rate)
 
     def set_rate(self, rate: float) -> None:
-        self.sample_rate = rate
-        if self.sampler is not None:
-            if rate <= 0:
-                self.stop_sampler()
-            else:
-                self.sampler.interval = 1.0 / rate
+        """Sample ``rate`` times a second: 0 stops the sampler (cell ends only), another valid rate
+        changes it at once, or starts it again if a live view is waiting for it.
+
+        Raises:
+            ValueError: see :func:`check_rate` (0, or ``MIN_RATE`` to ``MAX_RATE``).
+        """
+        rate = check_rate(rate)
+        self._rate = rate
+        sampler = self.sampler
+        if rate == 0:
+            if sampler is not None:
+                self.sampler = None
+                sampler.stop()  # stopped by the rate, not by the user: a later rate restarts it
+            return
+        if sampler is not None and sampler.running:
+            sampler.interval = 1.0 / rate
+        elif self._wanted and self.views:
+            self.sampler = None
+            self.ensure_sampler()
 
     def close(self) -> None:
-        """On unload: stop sampling and leave a static snapshot where each view was."""
+        """On unload: stop sampling, leave a static picture where each view was, close every widget."""
         self.stop_sampler()
-        for view in self.views:
+        for view in list(self.views):
             view.freeze()
         self.views.clear()
+        self._close_sidecar()
+

@@ -2,11 +2,12 @@
 
 Two charts, both pure functions from plain data to a string:
 
-* :func:`timeline_svg` draws a :class:`~ipy_gpumem.core.timeline.TimelineSnapshot`: one line per
+* :func:`timeline_svg` draws a :class:`~ipy_gpumem.chart.timeline.TimelineSnapshot`: one line per
   series (allocated solid, reserved dashed, device-wide used dotted; host RSS solid when no CUDA
   device is in use), the min-max band of merged points, the device capacity, cell spans as light
-  bands labelled ``[7]`` with their hover text as native ``<title>`` tooltips, the running cell
-  in amber, failed cells in red, byte ticks in torch's spelling and time in s/min/h.
+  bands labelled ``[7]`` with their hover text (:func:`span_hover`) as native ``<title>``
+  tooltips, each cell's exact peak where the samples missed it, the running cell in amber, failed
+  cells in red, byte ticks in torch's spelling and time in s/min/h.
 * :func:`cell_svg` draws one cell. With samples taken during the cell it is the same line chart
   over the cell's time, plus the exact peak from the record as a dashed line (samples can miss
   a short spike; the record's peak cannot). Without samples it is a **waterfall**: a ``before``
@@ -16,7 +17,9 @@ Two charts, both pure functions from plain data to a string:
   shows exactly what was measured and points at the line that moved memory.
 
 Text and axes use ``currentColor`` and fills are semi-transparent, so the charts read in light
-and dark themes. Every piece of text is escaped. Drawing never raises on empty or None data.
+and dark themes; a chart meant for an ``<img>`` (where nothing is inherited) sets that colour to
+a mid grey that reads on both (``ink=IMG_INK``). Hover texts are written here, from the numbers
+the timeline keeps; every piece of text is escaped. Drawing never raises on empty or None data.
 """
 from __future__ import annotations
 
@@ -24,13 +27,16 @@ import bisect
 import math
 import re
 from functools import lru_cache
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Tuple
 
+from ..core.devices import Device, cuda
+from ..core.text import clip, first_line
+from ..core.units import GiB, KiB, MiB, format_bytes, format_delta, format_seconds
 from ..display.view import esc
-from .timeline import HOST_KEY, Timeline, TimelineSnapshot
-from ..core.units import GiB, KiB, MiB, format_bytes, format_delta
+from .timeline import HOST_RSS, Change, SeriesKey, Span, Timeline, TimelineSnapshot, missed_peaks
 
-__all__ = ["timeline_svg", "cell_svg", "empty_svg", "byte_ticks", "time_ticks", "format_time"]
+__all__ = ["timeline_svg", "cell_svg", "empty_svg", "byte_ticks", "time_ticks", "format_time", "span_hover",
+           "series_name", "change_text", "IMG_INK"]
 
 FONT = "-apple-system,BlinkMacSystemFont,'Segoe UI',Helvetica,Arial,sans-serif"
 #: Line colours per CUDA device (mid tones: readable on white and on a dark theme).
@@ -42,7 +48,8 @@ UP_COLOR = "#ef4444"
 DOWN_COLOR = "#22c55e"
 #: Dash pattern per series kind: allocated solid, reserved dashed, used dotted.
 DASHES = {"allocated": "", "reserved": "6 3", "used": "1.5 2.5", "rss": ""}
-KIND_ORDER = {"allocated": 0, "reserved": 1, "used": 2}
+#: ``currentColor`` of a chart drawn for an ``<img>``: a grey that reads on light and dark pages.
+IMG_INK = "#8c8c8c"
 #: A capacity line is drawn (and included in the y range) when the data reach this fraction
 #: of it; below that, a 80 GiB line would squash a 2 GiB session into the bottom pixels, so
 #: the capacity is only written in the corner.
@@ -74,19 +81,20 @@ def _text_width(text: str, size: float = 10) -> float:
     return len(text) * CHAR_W * size / 10
 
 
-def _svg_open(width: int, height: int, label: str) -> str:
+def _svg_open(width: int, height: int, label: str, ink: Optional[str] = None) -> str:
+    color = "inherit" if ink is None else ink
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{int(width)}" height="{int(height)}" '
         f'viewBox="0 0 {int(width)} {int(height)}" font-family="{FONT}" font-size="10" '
-        f'role="img" aria-label="{_text(label)}" style="color:inherit;overflow:visible">'
+        f'role="img" aria-label="{_text(label)}" style="color:{color};overflow:visible">'
     )
 
 
-def empty_svg(message: str = "no samples yet", width: int = 720, height: int = 40) -> str:
+def empty_svg(message: str = "no samples yet", width: int = 720, height: int = 40, ink: Optional[str] = None) -> str:
     """A small placeholder chart with a centred message."""
     height = max(int(height), 20)
     return (
-        _svg_open(width, height, message)
+        _svg_open(width, height, message, ink)
         + f'<rect x="0.5" y="0.5" width="{int(width) - 1}" height="{height - 1}" rx="4" fill="none" '
         f'stroke="currentColor" stroke-opacity="0.25"/>'
         + f'<text x="{int(width) / 2:.1f}" y="{height / 2 + 3.5:.1f}" text-anchor="middle" '
@@ -159,61 +167,106 @@ def _coord_table(origin: float, step: float, count: int, suffix: str) -> tuple:
 
 
 # --------------------------------------------------------------------------------------------
-# Series keys, colours and the legend
+# Series, colours, the legend and hover texts (display text lives here, not in the timeline)
 # --------------------------------------------------------------------------------------------
 
+_QUANTITY_ORDER = {"allocated": 0, "reserved": 1, "used": 2, "rss": 3}
+_QUANTITY_NAMES = {"used": "used (all processes)"}
 
-def _split_key(key: str) -> tuple:
-    """``"cuda:1 reserved"`` -> (1, "reserved"); ``"host rss"`` -> (None, "rss")."""
-    if key.startswith("cuda:"):
-        device, _, kind = key[5:].partition(" ")
-        try:
-            return int(device), kind
-        except ValueError:
-            return None, kind
-    return None, "rss"
+
+def series_name(key: SeriesKey) -> str:
+    """``"cuda:0 allocated"``, ``"cuda:0 used (all processes)"``, ``"host RSS"``."""
+    if key.device.is_host:
+        return "host RSS"
+    return f"{key.device.label} {_QUANTITY_NAMES.get(key.quantity, key.quantity)}"
+
+
+def device_color(device: Device) -> str:
+    if not device.is_cuda or device.index is None:
+        return HOST_COLOR
+    return DEVICE_COLORS[device.index % len(DEVICE_COLORS)]
 
 
 def _drawn_keys(series) -> list:
     """CUDA series when any device has data (device order, then allocated/reserved/used), else RSS."""
-    cuda = [k for k, v in series.items()
-            if _split_key(k)[0] is not None and any(x is not None for x in v)]
-    if cuda:
-        return sorted(cuda, key=lambda k: (_split_key(k)[0], KIND_ORDER.get(_split_key(k)[1], 9)))
-    return [k for k in series if k == HOST_KEY and any(x is not None for x in series[k])]
-
-
-def _color(key: str) -> str:
-    device, _ = _split_key(key)
-    return HOST_COLOR if device is None else DEVICE_COLORS[device % len(DEVICE_COLORS)]
+    cuda_keys = [k for k, v in series.items() if k.device.is_cuda and any(x is not None for x in v)]
+    if cuda_keys:
+        return sorted(cuda_keys, key=lambda k: (k.device.index or 0, _QUANTITY_ORDER.get(k.quantity, 9)))
+    return [k for k in series if k == HOST_RSS and any(x is not None for x in series[k])]
 
 
 def _legend_items(keys: list) -> list:
     """``[(label, colour, dash)]``: one entry per series for one device, compact for several."""
-    devices = sorted({_split_key(k)[0] for k in keys if k.startswith("cuda:")})
+    devices = sorted({k.device for k in keys if k.device.is_cuda}, key=lambda d: d.index or 0)
     if not devices:
-        return [("host RSS", HOST_COLOR, "")] if keys else []
-    kinds = sorted({_split_key(k)[1] for k in keys}, key=lambda kind: KIND_ORDER.get(kind, 9))
-    names = {"used": "used (all processes)"}
+        return [(series_name(HOST_RSS), HOST_COLOR, "")] if keys else []
+    quantities = sorted({k.quantity for k in keys}, key=lambda q: _QUANTITY_ORDER.get(q, 9))
     if len(devices) == 1:
-        color = DEVICE_COLORS[devices[0] % len(DEVICE_COLORS)]
-        return [(f"cuda:{devices[0]} {names.get(kind, kind)}", color, DASHES.get(kind, "")) for kind in kinds]
-    items = [(names.get(kind, kind), "currentColor", DASHES.get(kind, "")) for kind in kinds]
-    return items + [(f"cuda:{d}", DEVICE_COLORS[d % len(DEVICE_COLORS)], "") for d in devices]
+        return [(series_name(SeriesKey(devices[0], q)), device_color(devices[0]), DASHES.get(q, "")) for q in quantities]
+    items = [(_QUANTITY_NAMES.get(q, q), "currentColor", DASHES.get(q, "")) for q in quantities]
+    return items + [(d.label, device_color(d), "") for d in devices]
 
 
-def _legend(items: list, x: float, y: float, right: float) -> str:
+def _peak_part(peak: Optional[int], increase: Optional[int]) -> str:
+    if peak is None:
+        return ""
+    if increase is None:
+        return f", peak {format_bytes(peak)}"
+    return f", peak {format_bytes(peak)} ({format_delta(increase)})"
+
+
+def change_text(change: Change) -> str:
+    """One device's line of a hover: ``cuda:0 allocated +1.00 GiB, peak 3.50 GiB (+2.00 GiB) · reserved +2.00 GiB``."""
+    if change.device.is_host:
+        return f"host RSS {format_delta(change.delta)}{_peak_part(change.peak, change.peak_increase)}"
+    return (f"{change.device.label} allocated {format_delta(change.delta)}"
+            f"{_peak_part(change.peak, change.peak_increase)} · reserved {format_delta(change.reserved_delta)}")
+
+
+@lru_cache(maxsize=2048)
+def span_hover(span: Span) -> str:
+    """The tooltip of a span: label and first line, per-device deltas and peaks, duration, error.
+
+    Example::
+
+        [7] y = model(x)
+        cuda:0 allocated +1.00 GiB, peak 3.50 GiB (+2.00 GiB) · reserved +2.00 GiB
+        1.2 s · OutOfMemoryError
+    """
+    if span.cells > 1:
+        text = f"{span.cells} cells {span.label} (merged to keep the timeline bounded)"
+        if span.largest is not None and span.largest.recorded:
+            text += "\nlargest: " + span_hover(span.largest)
+        return text
+    lines = [f"{span.label} {span.first_line}".rstrip()]
+    if span.end is None:
+        lines.append("running…")
+    elif not span.recorded:
+        lines.append("(no record)")
+    else:
+        lines += [change_text(change) for change in span.changes]
+        lines.append(format_seconds(span.duration) + (f" · {span.error}" if span.error else ""))
+    return "\n".join(lines)
+
+
+def _legend(items: list, x: float, y: float, right: float, note: str = "") -> str:
+    """The legend row: ``(label, colour, dash)`` items from the left (a colour of None writes the
+    label alone), and ``note`` right-aligned at its end (e.g. an off-scale capacity)."""
     out = []
+    if note:
+        out.append(f'<text x="{_num(right - 4)}" y="{_num(y)}" text-anchor="end" fill="currentColor" '
+                   f'fill-opacity="0.6">{_text(note)}</text>')
+        right -= _text_width(note) + 14
     for label, color, dash in items:
-        width = 22 + _text_width(label)
+        swatch = 0 if color is None else 20
+        width = swatch + 2 + _text_width(label)
         if x + width > right:
             break  # a legend that would overflow the chart is cut, never wrapped over the plot
-        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-        out.append(
-            f'<line x1="{_num(x)}" y1="{_num(y - 3.5)}" x2="{_num(x + 16)}" y2="{_num(y - 3.5)}" '
-            f'stroke="{color}" stroke-width="2"{dash_attr}/>'
-            f'<text x="{_num(x + 20)}" y="{_num(y)}" fill="currentColor">{_text(label)}</text>'
-        )
+        if color is not None:
+            dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+            out.append(f'<line x1="{_num(x)}" y1="{_num(y - 3.5)}" x2="{_num(x + 16)}" y2="{_num(y - 3.5)}" '
+                       f'stroke="{color}" stroke-width="2"{dash_attr}/>')
+        out.append(f'<text x="{_num(x + swatch)}" y="{_num(y)}" fill="currentColor">{_text(label)}</text>')
         x += width + 10
     return "".join(out)
 
@@ -355,23 +408,23 @@ def _envelope(xs: list, highs: Sequence, lows: Sequence, n: int, frame: _Frame, 
     )
 
 
-def _series_paths(times, series, lows, keys, merged, frame) -> str:
+def _series_paths(times, series, lows, keys, merged, frame, titles: bool = True) -> str:
     xs = _x_coords(times, frame)
     out = []
     for key in keys:
         values = series[key]
-        color = _color(key)
-        kind = _split_key(key)[1]
-        if kind in ("allocated", "rss") and key in lows:
+        color = device_color(key.device)
+        if key.quantity in ("allocated", "rss") and key in lows:
             # Saw-tooth memory (training loops) merged into buckets keeps its range visible.
             out.append(_envelope(xs, values, lows[key], merged, frame, color))
-        dash = DASHES.get(kind, "")
+        dash = DASHES.get(key.quantity, "")
         dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
         data = _path_data(xs, values, frame)
         if data:
+            title = f"<title>{_text(series_name(key))}</title>" if titles else ""
             out.append(
                 f'<path d="{data}" fill="none" stroke="{color}" stroke-width="1.6" '
-                f'stroke-linejoin="round"{dash_attr} pointer-events="none"><title>{_text(key)}</title></path>'
+                f'stroke-linejoin="round"{dash_attr} pointer-events="none">{title}</path>'
             )
     return "".join(out)
 
@@ -411,16 +464,33 @@ def _place_labels(spans: Sequence, frame: _Frame) -> set:
     return labelled
 
 
-def _spans(spans: Sequence, frame: _Frame) -> str:
-    """Span bands with tooltips; ``[7]`` labels where they do not collide."""
+class HoverBox(NamedTuple):
+    """Where a span sits in a drawn chart (pixels): what an HTML overlay needs to give an
+    ``<img>`` of the chart the tooltips an inline SVG has (its text is ``span_hover(span)``)."""
+
+    x0: float
+    x1: float
+    y0: float
+    y1: float
+    span: Span
+
+
+def _spans(spans: Sequence, frame: _Frame, boxes: Optional[list], titles: bool = True) -> str:
+    """Span bands with tooltips; ``[7]`` labels where they do not collide. Appends to ``boxes``.
+
+    Without titles (a chart for an ``<img>``) the bands of one colour are a single path: a few
+    dozen bytes a cell instead of a hundred.
+    """
     if not spans:
         return ""
     labelled = _place_labels(spans, frame)
     out = ['<g class="spans">']
+    groups: dict = {}
     height = frame.py1 - frame.py0
     for i, span in enumerate(spans):
         end = span.end if span.end is not None else frame.x1
         x0, x1 = frame.x(span.start), frame.x(end)
+        width = max(x1 - x0, 1.0)
         color, opacity = _span_fill(span, i)
         label = ""
         if i in labelled:
@@ -429,23 +499,43 @@ def _spans(spans: Sequence, frame: _Frame) -> str:
                 f'<text x="{_num((x0 + x1) / 2)}" y="{_num(frame.py0 + 9)}" text-anchor="middle" '
                 f'font-size="9" fill="currentColor" fill-opacity="0.8"{weight}>{_text(span.label)}</text>'
             )
-        out.append(
-            f'<g><title>{_text(span.hover)}</title><rect x="{_num(x0)}" y="{_num(frame.py0)}" '
-            f'width="{_num(max(x1 - x0, 1.0))}" height="{_num(height)}" fill="{color}" '
-            f'fill-opacity="{opacity}"/>{label}</g>'
-        )
+        if boxes is not None:
+            boxes.append(HoverBox(x0, x0 + width, frame.py0, frame.py1, span))
+        if titles:
+            out.append(f'<g><title>{_text(span_hover(span))}</title><rect x="{_num(x0)}" y="{_num(frame.py0)}" '
+                       f'width="{_num(width)}" height="{_num(height)}" fill="{color}" fill-opacity="{opacity}"/>'
+                       f'{label}</g>')
+        else:
+            groups.setdefault((color, opacity), []).append(f"M{_num(x0)},{_num(frame.py0)}h{_num(width)}v{_num(height)}"
+                                                           f"h{_num(-width)}z")
+            out.append(label)
+    for (color, opacity), rects in groups.items():
+        out.insert(1, f'<path d="{"".join(rects)}" fill="{color}" fill-opacity="{opacity}"/>')
     out.append("</g>")
     return "".join(out)
 
 
+def _peak_marks(peaks: list, frame: _Frame) -> str:
+    """Each missed peak as a short dashed line over its cell, one path per colour."""
+    groups: dict = {}
+    for mark in peaks:
+        # The middle of the cell, so neighbouring cells' marks never join into a line.
+        x0, x1, y = frame.x(mark.start), frame.x(mark.end), frame.y(mark.peak)
+        width = max((x1 - x0) * 0.6, 3.0)
+        groups.setdefault(device_color(mark.key.device), []).append(
+            f"M{_num((x0 + x1 - width) / 2)},{_num(y)}h{_num(width)}")
+    return "".join(f'<path d="{"".join(lines)}" stroke="{color}" stroke-width="2" stroke-linecap="round" '
+                   f'fill="none"/>' for color, lines in groups.items())
+
+
 def _capacity_layout(capacities, devices: list, data_max: float) -> tuple:
-    """``(on-scale capacities, off-scale capacities)`` as ``[(name, bytes)]`` lists."""
+    """``(on-scale capacities, off-scale capacities)`` as ``[(device, bytes)]`` lists."""
     on, off = [], []
     for device in devices:
-        total = capacities.get(f"cuda:{device}")
+        total = capacities.get(device)
         if not total:
             continue
-        (on if data_max >= CAPACITY_ON_SCALE * total else off).append((f"cuda:{device}", total))
+        (on if data_max >= CAPACITY_ON_SCALE * total else off).append((device, total))
     return on, off
 
 
@@ -454,27 +544,26 @@ def _label_y(y: float, frame: _Frame) -> float:
     return y - 3 if y - 12 >= frame.py0 else y + 11
 
 
-def _capacities(on: list, off: list, frame: _Frame, several: bool) -> str:
+def _capacities(on: list, frame: _Frame, several: bool) -> str:
     out = []
-    for name, total in on:
+    for device, total in on:
         y = frame.y(total)
-        color = DEVICE_COLORS[int(name[5:]) % len(DEVICE_COLORS)]
-        text = f"{name} {format_bytes(total)} total" if several else f"{format_bytes(total)} total"
+        text = f"{device.label} {format_bytes(total)} total" if several else f"{format_bytes(total)} total"
         out.append(
             f'<line x1="{_num(frame.px0)}" y1="{_num(y)}" x2="{_num(frame.px1)}" y2="{_num(y)}" '
-            f'stroke="{color}" stroke-width="1.2" stroke-dasharray="8 3 2 3" stroke-opacity="0.8"/>'
+            f'stroke="{device_color(device)}" stroke-width="1.2" stroke-dasharray="8 3 2 3" stroke-opacity="0.8"/>'
             f'<text x="{_num(frame.px1 - 3)}" y="{_num(_label_y(y, frame))}" text-anchor="end" fill="currentColor" '
             f'fill-opacity="0.8">{_text(text)}</text>'
         )
-    if off:
-        text = " · ".join(
-            f"{name} {format_bytes(total)} total" if several else f"{format_bytes(total)} total" for name, total in off
-        )
-        out.append(
-            f'<text x="{_num(frame.px1 - 3)}" y="{_num(frame.py0 + 10)}" text-anchor="end" fill="currentColor" '
-            f'fill-opacity="0.6">{_text(text)} (off scale)</text>'
-        )
     return "".join(out)
+
+
+def _off_scale(off: list, several: bool) -> str:
+    """The capacities too far above the data to draw, as a note for the legend row."""
+    if not off:
+        return ""
+    return " · ".join(f"{device.label} {format_bytes(total)} total" if several else f"{format_bytes(total)} total"
+                      for device, total in off) + " (off scale)"
 
 
 def _peak_line(peak: Optional[int], frame: _Frame, color: str) -> str:
@@ -488,14 +577,24 @@ def _peak_line(peak: Optional[int], frame: _Frame, color: str) -> str:
     )
 
 
+class Drawing(NamedTuple):
+    """A drawn chart: the SVG, its size in pixels, and where its spans are (for HTML tooltips)."""
+
+    svg: str
+    width: int
+    height: int
+    boxes: Tuple[HoverBox, ...] = ()
+
+
 def _line_chart(times, series, lows, keys, *, spans=(), capacities=None, end=None, merged=0, width=720,
-                height=220, title=None, peak=None) -> str:
+                height=220, title=None, peak=None, ink=None, titles=True, boxes=None) -> str:
     """The shared line chart; ``keys`` are the series to draw (already chosen)."""
     capacities = capacities or {}
     data_max = max((_max(series[k]) for k in keys), default=0)
-    devices = sorted({_split_key(k)[0] for k in keys if k.startswith("cuda:")})
+    devices = sorted({k.device for k in keys if k.device.is_cuda}, key=lambda d: d.index or 0)
     on_scale, off_scale = _capacity_layout(capacities, devices, data_max)
-    top_value = max([data_max, peak or 0] + [total for _, total in on_scale])
+    peaks = missed_peaks(spans, times, series, keys) if times else ()
+    top_value = max([data_max, peak or 0] + [p.peak for p in peaks] + [total for _, total in on_scale])
     axis_top, ticks = byte_ticks(max(top_value * 1.04, MiB))  # all zeros still get a sane axis
     starts = [times[0]] if times else []
     starts += [s.start for s in spans]
@@ -506,14 +605,16 @@ def _line_chart(times, series, lows, keys, *, spans=(), capacities=None, end=Non
     frame = _Frame(width, height, left, top, 34, x0, x1, axis_top)
     several = len(devices) > 1
     parts = [
-        _svg_open(width, height, title or "memory timeline"),
-        _spans(spans, frame),
+        _svg_open(width, height, title or "memory timeline", ink),
+        _spans(spans, frame, boxes, titles),
         _y_axis(frame, ticks),
         _x_axis(frame),
-        _capacities(on_scale, off_scale, frame, several),
-        _series_paths(times, series, lows, keys, merged, frame) if times else "",
-        _peak_line(peak, frame, _color(keys[0]) if keys else HOST_COLOR),
-        _legend(_legend_items(keys), frame.px0, height - 5, width - 4),
+        _capacities(on_scale, frame, several),
+        _series_paths(times, series, lows, keys, merged, frame, titles) if times else "",
+        _peak_marks(peaks, frame),
+        _peak_line(peak, frame, device_color(keys[0].device) if keys else HOST_COLOR),
+        _legend(_legend_items(keys) + ([("cell peak (exact)", device_color(peaks[0].key.device), "")] if peaks else []),
+                frame.px0, height - 5, width - 4, _off_scale(off_scale, several)),
     ]
     if title:
         parts.append(f'<text x="{_num(frame.px0)}" y="13" font-size="11" font-weight="600" fill="currentColor">'
@@ -522,29 +623,47 @@ def _line_chart(times, series, lows, keys, *, spans=(), capacities=None, end=Non
     return "".join(parts)
 
 
+def draw_timeline(snapshot: Optional[TimelineSnapshot], width: int = 720, height: int = 220,
+                  title: Optional[str] = None, ink: Optional[str] = None, titles: bool = True) -> Drawing:
+    """The session chart and where its spans are; see :func:`timeline_svg`.
+
+    Args:
+        ink: the chart's ``currentColor`` (text, axes, bands); None inherits the page's, which is
+            right inline and wrong in an ``<img>`` (use :data:`IMG_INK` there).
+        titles: put hover texts in ``<title>`` elements (inline SVG); an ``<img>`` shows none of
+            them, so its HTML carries them instead, from :attr:`Drawing.boxes`.
+    """
+    width, height = max(int(width), MIN_WIDTH), max(int(height), MIN_HEIGHT)
+    if snapshot is None or snapshot.empty:
+        return Drawing(empty_svg("no samples yet", width, ink=ink), width, 40)
+    keys = _drawn_keys(snapshot.series)
+    if not keys and not snapshot.spans:
+        return Drawing(empty_svg("no memory readings yet", width, ink=ink), width, 40)
+    boxes: list = []
+    svg = _line_chart(
+        snapshot.t, snapshot.series, snapshot.lows, keys, spans=snapshot.spans, capacities=snapshot.capacities,
+        end=snapshot.end, merged=snapshot.merged, width=width, height=height, title=title, ink=ink,
+        titles=titles, boxes=boxes,
+    )
+    return Drawing(svg, width, height, tuple(boxes))
+
+
 def timeline_svg(snapshot: Optional[TimelineSnapshot], width: int = 720, height: int = 220,
-                 title: Optional[str] = None) -> str:
-    """The session chart of a :class:`~ipy_gpumem.core.timeline.TimelineSnapshot` as an SVG string.
+                 title: Optional[str] = None, ink: Optional[str] = None, titles: bool = True) -> str:
+    """The session chart of a :class:`~ipy_gpumem.chart.timeline.TimelineSnapshot` as an SVG string.
 
     Args:
         snapshot: from ``Timeline.snapshot()``; None or empty gives a "no samples yet" chart.
         width: pixels (at least 240 are used).
         height: pixels (at least 120 are used).
         title: optional text above the plot.
+        ink: see :func:`draw_timeline`.
+        titles: see :func:`draw_timeline`.
 
     Returns:
         ``<svg ...>...</svg>``, self-contained; safe to embed in HTML as is.
     """
-    width = max(int(width), MIN_WIDTH)
-    if snapshot is None or snapshot.empty:
-        return empty_svg("no samples yet", width)
-    keys = _drawn_keys(snapshot.series)
-    if not keys and not snapshot.spans:
-        return empty_svg("no memory readings yet", width)
-    return _line_chart(
-        snapshot.t, snapshot.series, snapshot.lows, keys, spans=snapshot.spans, capacities=snapshot.capacities,
-        end=snapshot.end, merged=snapshot.merged, width=width, height=max(int(height), 120), title=title,
-    )
+    return draw_timeline(snapshot, width, height, title, ink, titles).svg
 
 
 # --------------------------------------------------------------------------------------------
@@ -552,68 +671,78 @@ def timeline_svg(snapshot: Optional[TimelineSnapshot], width: int = 720, height:
 # --------------------------------------------------------------------------------------------
 
 
-def _subject(record):
-    """The quantity a cell chart shows: the device that moved most, else host RSS.
+class _Subject(NamedTuple):
+    """What a cell chart shows: the device that moved most (allocated), else host RSS."""
 
-    Returns ``(name, before, after, peak, (reserved before, after), total, per-line accessor,
-    device index or None)``; the accessor maps a LineRecord to ``(delta, peak increase)``.
-    """
+    key: SeriesKey
+    before: Optional[int]
+    after: Optional[int]
+    peak: Optional[int]
+    reserved: tuple  # (before, after), None where unknown
+    total: Optional[int]
+
+
+def _subject(record) -> _Subject:
     devices = [d for d in record.devices if d.allocated_before is not None or d.allocated_after is not None]
     if devices:
         dev = max(devices, key=lambda d: max(abs(d.allocated_delta or 0), d.peak_increase or 0))
-
-        def line_values(line):
-            ld = line.device(dev.index)
-            return (None, None) if ld is None else (ld.allocated_delta, ld.peak_increase)
-
-        return (f"{dev.label} allocated", dev.allocated_before, dev.allocated_after, dev.allocated_peak,
-                (dev.reserved_before, dev.reserved_after), dev.total, line_values, dev.index)
+        return _Subject(SeriesKey(cuda(dev.index), "allocated"), dev.allocated_before, dev.allocated_after,
+                        dev.allocated_peak, (dev.reserved_before, dev.reserved_after), dev.total)
     host = record.host
+    return _Subject(HOST_RSS, host.rss_before, host.rss_after, host.rss_peak, (None, None), None)
 
-    def host_line_values(line):
+
+def _line_values(line, key: SeriesKey) -> tuple:
+    """``(delta, peak increase)`` of one LineRecord for the subject's series."""
+    if key.device.is_host:
         return line.host.rss_delta, line.host.rss_peak_increase
-
-    return ("host RSS", host.rss_before, host.rss_after, host.rss_peak, (None, None), None, host_line_values, None)
+    dev = line.device(key.device.index)
+    return (None, None) if dev is None else (dev.allocated_delta, dev.peak_increase)
 
 
 def _record_title(record) -> str:
-    first = record.first_line
-    if len(first) > 60:
-        first = first[:59] + "…"
-    return f"{record.label} {first}".rstrip()
+    return f"{record.label} {first_line(record.source, 60)}".rstrip()
 
 
-class _Slot:
-    """One waterfall column: a level change with an optional peak whisker."""
+class _Slot(NamedTuple):
+    """One waterfall column: a level change with an optional peak whisker.
 
-    def __init__(self, label, tick, delta, peak_increase, hover, kind="step"):
-        self.label, self.tick, self.delta, self.peak_increase = label, tick, delta, peak_increase
-        self.hover, self.kind = hover, kind
+    ``first``/``last`` are the source lines it covers (None for the whole cell).
+    """
+
+    delta: Optional[int]
+    peak_increase: Optional[int]
+    hover: str
+    first: Optional[int] = None
+    last: Optional[int] = None
+
+    @property
+    def tick(self) -> str:
+        if self.first is None:
+            return "cell"
+        return str(self.first) if self.first == self.last else f"{self.first}–{self.last}"
 
 
-def _line_slots(record, line_values, subject: str, max_slots: int) -> list:
+def _line_slots(record, subject: _Subject, max_slots: int) -> list:
     """One slot per executed line (source order), grouped into runs when there are too many."""
     lines = sorted(record.lines or (), key=lambda ln: ln.lineno)
     if not lines:
         return []
+    name = series_name(subject.key)
     group = max(1, math.ceil(len(lines) / max_slots))
     slots = []
     for i in range(0, len(lines), group):
         chunk = lines[i:i + group]
         delta, peak, level, texts = 0, None, 0, []
         for line in chunk:
-            d, p = line_values(line)
+            d, p = _line_values(line, subject.key)
             if p is not None:
                 peak = max(peak if peak is not None else p, level + p)
             level += d or 0
             delta += d or 0
-            src = line.source.strip()
-            src = src if len(src) <= 80 else src[:79] + "…"
-            texts.append(f"line {line.lineno} ×{line.hits}: {src}\n  {subject} {format_delta(d)}"
-                         f"{'' if p is None else ', peak ' + format_delta(p)} · {line.duration_s * 1e3:.0f} ms")
-        first, last = chunk[0].lineno, chunk[-1].lineno
-        tick = str(first) if first == last else f"{first}–{last}"
-        slots.append(_Slot(f"line {tick}", tick, delta, peak, "\n".join(texts[:12])))
+            texts.append(f"line {line.lineno} ×{line.hits}: {clip(line.source.strip(), 80)}\n  {name} {format_delta(d)}"
+                         f"{'' if p is None else ', peak ' + format_delta(p)} · {format_seconds(line.duration_s)}")
+        slots.append(_Slot(delta, peak, "\n".join(texts[:12]), chunk[0].lineno, chunk[-1].lineno))
     return slots
 
 
@@ -658,34 +787,40 @@ def _bar(x, w, v0, v1, frame, fill, opacity, hover, extra="") -> str:
 
 
 def _waterfall(record, width: int, height: int, title: Optional[str]) -> str:
-    name, before, after, peak, reserved, total, line_values, _ = _subject(record)
-    if before is None and after is None:
+    subject = _subject(record)
+    name = series_name(subject.key)
+    if subject.before is None and subject.after is None:
         return empty_svg(f"{record.label}: no memory readings for this cell", width)
-    before = before if before is not None else 0
-    after = after if after is not None else before
+    before = subject.before if subject.before is not None else 0
+    after = subject.after if subject.after is not None else before
+    peak = subject.peak
     max_slots = max(1, int((width - 80) / 6) - 2)
-    slots = _line_slots(record, line_values, name, max_slots) if record.lines else []
+    slots = _line_slots(record, subject, max_slots) if record.lines else []
     if not slots:
         delta = after - before
         increase = None if peak is None else peak - before
         hover = (f"{_record_title(record)}\n{name} {format_delta(delta)}"
                  f"{'' if peak is None else f', peak {format_bytes(peak)} ({format_delta(increase)})'}")
-        slots = [_Slot("cell", "cell", delta, increase, hover, kind="cell")]
+        slots = [_Slot(delta, increase, hover)]
     levels = _waterfall_levels(before, slots)
     marks = [before, after] + [v for level in levels for v in level if v is not None]
-    marks += [v for v in (peak,) + tuple(reserved) if v is not None]
+    marks += [v for v in (peak,) + tuple(subject.reserved) if v is not None]
     floor, top, ticks = _waterfall_range(min(marks), max(marks))
     left = 8 + max(_text_width(format_bytes(int(t))) for t in ticks)
     title = title if title is not None else f"{_record_title(record)} · {name}"
     frame = _Frame(width, height, left, 20, 34, 0.0, float(len(slots) + 2), top, floor)
     parts = [_svg_open(width, height, title), _y_axis(frame, ticks)]
-    if total:
-        on = [(name.split(" ")[0], total)]
-        parts.append(_capacities(on, [], frame, False) if total <= top else _capacities([], on, frame, False))
-    parts.append(_end_bar(0, before, reserved[0], "before", frame))
+    capacity = [(subject.key.device, subject.total)] if subject.total else []
+    on_scale = subject.total is not None and subject.total <= top
+    if capacity and on_scale:
+        parts.append(_capacities(capacity, frame, False))
+    parts.append(_end_bar(0, before, subject.reserved[0], "before", frame))
     parts += _slot_marks(slots, levels, frame)
-    parts.append(_end_bar(len(slots) + 1, after, reserved[1], "after", frame))
-    parts.append(_legend(_waterfall_legend(reserved), frame.px0, height - 5, width - 4))
+    parts.append(_end_bar(len(slots) + 1, after, subject.reserved[1], "after", frame))
+    legend = _waterfall_legend(subject.reserved)
+    if slots[0].first is not None and not _tick_words(slots, frame.sx):
+        legend.append(("ticks: source lines", None, ""))
+    parts.append(_legend(legend, frame.px0, height - 5, width - 4, "" if on_scale else _off_scale(capacity, False)))
     parts.append(f'<text x="{_num(frame.px0)}" y="13" font-size="11" font-weight="600" fill="currentColor">'
                  f'{_text(title)}</text></svg>')
     return "".join(parts)
@@ -720,16 +855,8 @@ def _end_bar(slot: int, value: int, reserved, label: str, frame: _Frame) -> str:
     return _bar(x, w, base, value, frame, "currentColor", 0.3, hover, extra) + tick
 
 
-def _slot_label(slot, start: int, end: int, width: float) -> str:
-    """The delta written over a column (with the peak when it fits), or "" when nothing fits."""
-    text = format_delta(end - start)
-    if slot.peak_increase is not None and slot.peak_increase > max(end - start, 0):
-        longer = f"{text} (peak {format_delta(slot.peak_increase)})"
-        if _text_width(longer, 9) <= width:
-            return longer
-    if end == start or _text_width(text, 9) > width:
-        return ""
-    return text
+def _fits(text: str, width: float, size: float = 9) -> bool:
+    return _text_width(text, size) <= width
 
 
 def _whisker(cx: float, w: float, y_from: float, y_top: float) -> str:
@@ -738,11 +865,52 @@ def _whisker(cx: float, w: float, y_from: float, y_top: float) -> str:
             f'x2="{_num(cx + w / 4)}" y2="{_num(y_top)}" stroke="currentColor" stroke-width="1.2"/>')
 
 
+def _label(x: float, y: float, text: str, extra: str = "") -> str:
+    return (f'<text x="{_num(x)}" y="{_num(y)}" text-anchor="middle" font-size="9" fill="currentColor"{extra}>'
+            f'{_text(text)}</text>')
+
+
+def _slot_texts(slot: _Slot, start: int, end: int, whisker, cx: float, w: float, room: float, frame: _Frame) -> str:
+    """The delta at its bar and the peak at its whisker, each only where it fits.
+
+    The delta is written at the bar it belongs to, never at the whisker's top, where it would
+    read as the peak: above a growing bar without a whisker, inside a growing bar tall enough to
+    hold it (under the whisker otherwise), below a shrinking one. The whisker gets its own
+    ``peak +X`` above it.
+    """
+    out = ""
+    delta = end - start
+    text = format_delta(delta)
+    if delta != 0 and _fits(text, room):
+        top, bottom = frame.y(max(start, end)), frame.y(min(start, end))
+        if delta < 0:
+            out += _label(cx, bottom + 10, text)
+        elif whisker is None:
+            out += _label(cx, top - 3, text)
+        elif bottom - top >= 13 and _fits(text, w):
+            out += _label(cx, top + 10, text, ' fill-opacity="0.95" style="fill:#fff"')
+        else:
+            out += _label(cx, bottom + 10, text)
+    if whisker is not None and slot.peak_increase is not None:
+        peak_text = f"peak {format_delta(slot.peak_increase)}"
+        if _fits(peak_text, room):
+            out += _label(cx, frame.y(whisker) - 3, peak_text, ' fill-opacity="0.8"')
+    return out
+
+
+def _tick_words(slots: list, slot_w: float) -> bool:
+    """True when every column is wide enough for ``line 3`` / ``lines 3–5`` (else bare numbers,
+    explained once in the legend)."""
+    return all(_fits(f"lines {s.tick}", slot_w - 4) for s in slots if s.first is not None)
+
+
 def _slot_marks(slots: list, levels: list, frame: _Frame) -> list:
-    """The floating bars, peak whiskers, connectors and line-number ticks."""
+    """The floating bars, peak whiskers, connectors and the line ticks (``line 3``, or bare
+    numbers when the columns are narrow)."""
     out = []
     slot_w = frame.sx
     every = max(1, math.ceil(_text_width("00–00", 9) / max(slot_w, 1e-6)))
+    words = _tick_words(slots, slot_w)
     for i, (slot, (start, end, whisker)) in enumerate(zip(slots, levels)):
         x = frame.x(i + 1) + slot_w * 0.15
         w = max(slot_w * 0.7, 1.0)
@@ -750,17 +918,17 @@ def _slot_marks(slots: list, levels: list, frame: _Frame) -> list:
         extra = ""
         if whisker is not None:
             extra += _whisker(x + w / 2, w, frame.y(max(start, end)), frame.y(whisker))
-        label = _slot_label(slot, start, end, slot_w - 2)
-        if label:
-            extra += (f'<text x="{_num(x + w / 2)}" y="{_num(frame.y(max(end, start, whisker or 0)) - 3)}" '
-                      f'text-anchor="middle" font-size="9" fill="currentColor">{_text(label)}</text>')
+        extra += _slot_texts(slot, start, end, whisker, x + w / 2, w, slot_w - 2, frame)
         out.append(_bar(x, w, start, end, frame, color, 0.75 if end != start else 0.3, slot.hover, extra))
         # A connector from the previous column's level shows where this one starts.
         out.append(f'<line x1="{_num(frame.x(i + 0.85))}" y1="{_num(frame.y(start))}" x2="{_num(x)}" '
                    f'y2="{_num(frame.y(start))}" stroke="currentColor" stroke-opacity="0.35"/>')
         if i % every == 0:
+            tick = slot.tick
+            if words and slot.first is not None:
+                tick = f"line {tick}" if slot.first == slot.last else f"lines {tick}"
             out.append(f'<text x="{_num(x + w / 2)}" y="{_num(frame.py1 + 13)}" text-anchor="middle" font-size="9" '
-                       f'fill="currentColor" fill-opacity="0.75">{_text(slot.tick)}</text>')
+                       f'fill="currentColor" fill-opacity="0.75">{_text(tick)}</text>')
     if levels:
         last, n = levels[-1][1], len(slots)
         out.append(f'<line x1="{_num(frame.x(n + 0.85))}" y1="{_num(frame.y(last))}" '
@@ -769,29 +937,13 @@ def _slot_marks(slots: list, levels: list, frame: _Frame) -> list:
     return out
 
 
-def _bytes(value) -> Optional[int]:
-    try:
-        return None if value is None else max(int(value), 0)
-    except (TypeError, ValueError):
-        return None
-
-
 def _samples_series(samples) -> tuple:
-    """``(times, series)`` from Samples or ``(t, {key: bytes})`` pairs; times from the first one."""
-    items = list(samples)
-    if items and hasattr(items[0], "host"):
-        timeline = Timeline(max_points=max(8, 2 * len(items) + 8))
-        for sample in items:
-            timeline.add(sample)
-        snap = timeline.snapshot()
-        return snap.t, dict(snap.series), dict(snap.capacities)
-    items = sorted(((float(t), dict(values or {})) for t, values in items), key=lambda p: p[0])
-    t0 = items[0][0] if items else 0.0
-    keys = []
-    for _, values in items:
-        keys += [k for k in values if k not in keys]
-    series = {k: tuple(_bytes(values.get(k)) for _, values in items) for k in keys}
-    return tuple(t - t0 for t, _ in items), series, {}
+    """``(times, series, capacities)`` of probe Samples, times from the first one."""
+    timeline = Timeline(max_points=max(8, 2 * len(samples) + 8))
+    for sample in samples:
+        timeline.add(sample)
+    snap = timeline.snapshot()
+    return snap.t, dict(snap.series), dict(snap.capacities)
 
 
 def cell_svg(record, samples=None, width: int = 480, height: int = 200, title: Optional[str] = None) -> str:
@@ -799,10 +951,10 @@ def cell_svg(record, samples=None, width: int = 480, height: int = 200, title: O
 
     Args:
         record: the cell's :class:`~ipy_gpumem.core.records.CellRecord` (None gives a placeholder).
-        samples: Samples taken during the cell, or ``(t, {series key: bytes})`` pairs (keys as in
-            :class:`~ipy_gpumem.core.timeline.Timeline`). When given (two or more), the chart is the
-            line chart over the cell's time with the record's exact peak as a dashed line.
-            Otherwise it is the before / per-line / after waterfall described in the module doc.
+        samples: :class:`~ipy_gpumem.core.probes.Sample` objects taken during the cell, or None.
+            With two or more, the chart is the line chart over the cell's time with the record's
+            exact peak as a dashed line. Otherwise it is the before / per-line / after waterfall
+            described in the module doc.
         width: pixels (at least 240 are used).
         height: pixels (at least 120 are used).
         title: text above the plot; defaults to the cell's label and first line.
@@ -811,17 +963,18 @@ def cell_svg(record, samples=None, width: int = 480, height: int = 200, title: O
     if record is None:
         return empty_svg("no record", width)
     try:
-        points = list(samples) if samples is not None else []
+        points = [s for s in samples if s is not None and hasattr(s, "host")] if samples is not None else []
     except TypeError:
         points = []
     if len(points) >= 2:
         times, series, capacities = _samples_series(points)
         keys = _drawn_keys(series)
         if keys:
-            name, _, _, peak, _, total, _, index = _subject(record)
-            peak = peak if (index is None) == (keys[0] == HOST_KEY) else None
-            if index is not None and total:
-                capacities.setdefault(f"cuda:{index}", total)
+            subject = _subject(record)
+            # The record's exact peak belongs on the chart only when it is the drawn quantity.
+            peak = subject.peak if subject.key.device.is_host == keys[0].device.is_host else None
+            if subject.total and subject.key.device.is_cuda:
+                capacities.setdefault(subject.key.device, subject.total)
             return _line_chart(times, series, series, keys, capacities=capacities, end=times[-1] if times else 0.0,
                                width=width, height=height, title=title or _record_title(record), peak=peak)
     return _waterfall(record, width, height, title)

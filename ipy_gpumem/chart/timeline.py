@@ -2,8 +2,10 @@
 
 A :class:`Timeline` is fed :class:`~ipy_gpumem.core.probes.Sample` objects (from the sampler thread and
 from the cell hooks) and cell start/finish events, and hands out immutable
-:class:`TimelineSnapshot` copies for drawing. It keeps numbers and strings only: never a sample,
-a record, an exception or a tensor.
+:class:`TimelineSnapshot` copies for drawing. It keeps numbers and short strings only (a cell's
+label, its first line, an error's class name): never a sample, a record, an exception or a
+tensor, and never display text. Series are keyed by :class:`SeriesKey` (a device and a
+quantity) and spans carry their numbers as fields; the views write hover texts from them.
 
 Downsampling keeps the newest ``max_points // 2`` samples at full resolution. Older samples are
 folded into buckets of ``stride`` consecutive samples; when the old part is full, neighbouring
@@ -15,41 +17,119 @@ with the time of its first sample.
 """
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, NamedTuple, Optional, Tuple
 
-from ..core.units import format_bytes, format_delta
+from ..core.devices import HOST, Device, cuda
+from ..core.text import first_line
 
-__all__ = ["Span", "TimelineSnapshot", "Timeline", "hover_text", "moved_bytes", "seed_timeline", "HOST_KEY"]
+__all__ = ["SeriesKey", "QUANTITIES", "HOST_RSS", "Change", "Span", "MissedPeak", "TimelineSnapshot", "Timeline",
+           "missed_peaks", "seed_timeline"]
 
-#: Series key of the process's resident set size.
-HOST_KEY = "host rss"
-#: Hover texts show the cell's first source line up to this many characters.
+#: What a series measures: allocated / reserved by torch's caching allocator, device-wide used
+#: (every process), and the process's resident set size (host).
+QUANTITIES = ("allocated", "reserved", "used", "rss")
+#: Spans keep a cell's first source line up to this many characters.
 FIRST_LINE_CHARS = 80
 
 
-def _empty_mapping() -> Mapping:
-    return MappingProxyType({})
+class SeriesKey(NamedTuple):
+    """One series of the chart: a device (``cuda(0)``, ``HOST``) and a quantity from :data:`QUANTITIES`."""
+
+    device: Device
+    quantity: str
+
+
+#: The process's resident set size.
+HOST_RSS = SeriesKey(HOST, "rss")
+
+
+class Change(NamedTuple):
+    """What a cell did on one device, in bytes (None where unknown).
+
+    For a CUDA device the numbers are torch's allocated memory (``reserved_delta`` beside it);
+    for the host (recorded when no CUDA device was in use) they are the process's RSS.
+    """
+
+    device: Device
+    delta: Optional[int]
+    peak: Optional[int]
+    peak_increase: Optional[int]
+    reserved_delta: Optional[int] = None
 
 
 class Span(NamedTuple):
     """One cell (or, once merged, a run of old cells) on the timeline.
 
-    Times are seconds relative to the session start in a snapshot. ``end`` is None while the cell
-    runs. ``moved`` is the largest change the cell made (delta or peak increase, bytes), which a
-    chart can use to decide which labels to keep when they crowd.
+    Times are seconds relative to the session start in a snapshot; ``end`` is None while the cell
+    runs. ``moved`` is the largest change the cell made (``CellRecord.moved_bytes``), which a
+    chart uses to decide which labels to keep when they crowd.
+
+    Attributes:
+        label: ``"[7]"``; ``"[*]"`` while running; ``"[3]–[6]"`` for merged cells.
+        first_line: the cell's first non-blank source line (clipped); "" for merged cells.
+        error: the class name of the error the cell raised, or None.
+        duration: the cell's duration from its record (None without one).
+        changes: per device, what the cell did (:class:`Change`).
+        recorded: False when the cell was closed without a record (or is still running).
+        largest: for merged spans, the one cell among them that moved most.
     """
 
     start: float
     end: Optional[float]
     label: str
-    hover: str
+    first_line: str = ""
     moved: int = 0
     cells: int = 1
     failed: bool = False
+    error: Optional[str] = None
+    duration: Optional[float] = None
+    changes: Tuple[Change, ...] = ()
+    recorded: bool = False
+    largest: Optional["Span"] = None
+
+
+class MissedPeak(NamedTuple):
+    """A cell's exact peak (from its record) above every sample taken while it ran."""
+
+    key: SeriesKey
+    start: float
+    end: float
+    peak: int
+
+
+def missed_peaks(spans, times, series, keys) -> Tuple[MissedPeak, ...]:
+    """The peaks of closed cells that the samples of the series ``keys`` missed.
+
+    A short spike between two samples never shows in a sampled line; the record's peak is exact.
+    Charts draw these as marks over their cells (and include them in their range), the text
+    sparkline raises its columns to them. Only allocated (CUDA) and RSS (host) have per-cell peaks.
+    """
+    drawn = {key.device: key for key in keys if key.quantity in ("allocated", "rss")}
+    if not drawn or not spans:
+        return ()
+    out = []
+    for span in spans:
+        if span.end is None:
+            continue
+        for change in span.changes:
+            key = drawn.get(change.device)
+            if key is None or change.peak is None:
+                continue
+            values = series.get(key, ())
+            lo, hi = bisect.bisect_left(times, span.start), bisect.bisect_right(times, span.end)
+            sampled = max((v for v in values[lo:hi] if v is not None), default=None)
+            if sampled is None or change.peak > sampled:
+                out.append(MissedPeak(key, span.start, span.end, int(change.peak)))
+    return tuple(out)
+
+
+def _empty_mapping() -> Mapping:
+    return MappingProxyType({})
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,13 +138,13 @@ class TimelineSnapshot:
 
     Attributes:
         t: sample times, seconds since the session start (the first timestamp the timeline saw).
-        series: per key (``"host rss"``, ``"cuda:0 allocated"``, ...), the value at each ``t``:
-            the bucket's maximum for merged points; None where the value was unknown.
+        series: per :class:`SeriesKey`, the value at each ``t``: the bucket's maximum for merged
+            points; None where the value was unknown.
         lows: the same keys, the bucket's minimum (equal to ``series`` for full-resolution points).
         spans: closed spans oldest first, then the running one if any.
         running: the running cell's span, or None.
-        capacities: ``{"cuda:0": total bytes, ...}``; ``"host"`` maps to None (physical RAM is
-            not something the probe reads, and drawing it would flatten the RSS line).
+        capacities: per device, its total bytes; ``HOST`` maps to None (physical RAM is not
+            something the probe reads, and drawing it would flatten the RSS line).
         version: the timeline's version when the copy was taken.
         origin: ``time.perf_counter()`` value of t = 0 (None before anything was added).
         end: the latest time the timeline knows of (relative), for the right edge of a chart.
@@ -74,11 +154,11 @@ class TimelineSnapshot:
     """
 
     t: Tuple[float, ...] = ()
-    series: Mapping[str, tuple] = field(default_factory=_empty_mapping)
-    lows: Mapping[str, tuple] = field(default_factory=_empty_mapping)
+    series: Mapping[SeriesKey, tuple] = field(default_factory=_empty_mapping)
+    lows: Mapping[SeriesKey, tuple] = field(default_factory=_empty_mapping)
     spans: Tuple[Span, ...] = ()
     running: Optional[Span] = None
-    capacities: Mapping[str, Optional[int]] = field(default_factory=_empty_mapping)
+    capacities: Mapping[Device, Optional[int]] = field(default_factory=_empty_mapping)
     version: int = 0
     origin: Optional[float] = None
     end: float = 0.0
@@ -92,87 +172,52 @@ class TimelineSnapshot:
         return not self.t and not self.spans
 
     @property
-    def keys(self) -> Tuple[str, ...]:
+    def keys(self) -> Tuple[SeriesKey, ...]:
         return tuple(self.series)
 
+    def missed_peaks(self, keys=None) -> Tuple[MissedPeak, ...]:
+        """:func:`missed_peaks` of this snapshot's spans (for ``keys``, default every series)."""
+        return missed_peaks(self.spans, self.t, self.series, tuple(self.series) if keys is None else keys)
+
+    def devices(self) -> Tuple[Device, ...]:
+        """The CUDA devices with at least one reading, in index order."""
+        found = {key.device for key, values in self.series.items()
+                 if key.device.is_cuda and any(v is not None for v in values)}
+        return tuple(sorted(found, key=lambda d: d.index if d.index is not None else -1))
+
 
 # --------------------------------------------------------------------------------------------
-# Hover text from a CellRecord (numbers in torch's spelling)
+# Spans from records
 # --------------------------------------------------------------------------------------------
 
 
-def _first_line(source: str) -> str:
-    for line in (source or "").splitlines():
-        if line.strip():
-            line = line.strip()
-            return line if len(line) <= FIRST_LINE_CHARS else line[: FIRST_LINE_CHARS - 1] + "…"
-    return ""
+def _changes(record) -> Tuple[Change, ...]:
+    """Per device what ``record`` did: allocated (and reserved) per CUDA device, else host RSS."""
+    if record.devices:
+        return tuple(Change(cuda(d.index), d.allocated_delta, d.allocated_peak, d.peak_increase, d.reserved_delta)
+                     for d in record.devices)
+    host = record.host
+    if host.rss_before is None and host.rss_after is None:
+        return ()
+    return (Change(HOST, host.rss_delta, host.rss_peak, host.rss_peak_increase),)
 
 
-def _duration(seconds: Optional[float]) -> str:
-    if seconds is None:
-        return "n/a"
-    if seconds < 1:
-        return f"{seconds * 1e3:.0f} ms" if seconds >= 0.001 else f"{seconds * 1e3:.2f} ms"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, rest = divmod(int(round(seconds)), 60)
-    return f"{minutes} min {rest} s"
-
-
-def _peak_part(peak: Optional[int], increase: Optional[int]) -> str:
-    if peak is None:
-        return ""
-    if increase is None:
-        return f", peak {format_bytes(peak)}"
-    return f", peak {format_bytes(peak)} ({format_delta(increase)})"
-
-
-def moved_bytes(record) -> int:
-    """The largest change a cell made, in bytes: |delta| or peak increase of allocated/reserved
-    on any device, or of host RSS when no CUDA device was in use (0 when unknown)."""
-    values = []
-    for dev in record.devices:
-        values += [dev.allocated_delta, dev.reserved_delta, dev.peak_increase]
-    if not record.devices:
-        values += [record.host.rss_delta, record.host.rss_peak_increase]
-    return max((abs(int(v)) for v in values if v is not None), default=0)
-
-
-def hover_text(record, label: Optional[str] = None) -> str:
-    """The tooltip of a cell's span: first line, per-device deltas and peaks, duration, error.
-
-    Args:
-        record: a :class:`~ipy_gpumem.core.records.CellRecord`.
-        label: the span's label; defaults to the record's (``"[7]"``).
-
-    Example::
-
-        [7] y = model(x)
-        cuda:0 allocated +1.00 GiB, peak 3.50 GiB (+2.00 GiB) · reserved +2.00 GiB
-        1.2 s · OutOfMemoryError
-    """
-    label = label or record.label
-    lines = [f"{label} {_first_line(record.source)}".rstrip()]
-    for dev in record.devices:
-        lines.append(
-            f"{dev.label} allocated {format_delta(dev.allocated_delta)}"
-            f"{_peak_part(dev.allocated_peak, dev.peak_increase)}"
-            f" · reserved {format_delta(dev.reserved_delta)}"
-        )
-    if not record.devices:
-        host = record.host
-        lines.append(f"host RSS {format_delta(host.rss_delta)}{_peak_part(host.rss_peak, host.rss_peak_increase)}")
-    tail = _duration(record.duration_s)
-    if record.error:
-        tail += f" · {record.error}"
-    lines.append(tail)
-    return "\n".join(lines)
+def _first(source: str) -> str:
+    # A cell of thousands of lines runs this on every start: look at its head only.
+    return first_line(source[:4096], FIRST_LINE_CHARS) or first_line(source, FIRST_LINE_CHARS)
 
 
 # --------------------------------------------------------------------------------------------
 # Bucket arithmetic: rows are tuples of values aligned with Timeline._keys (shorter = None tail)
 # --------------------------------------------------------------------------------------------
+
+
+class _Bucket(NamedTuple):
+    """Merged points: the first one's time, and per series the maxima and minima."""
+
+    t: float
+    highs: tuple
+    lows: tuple
 
 
 def _fold(highs: list, lows: list, values) -> None:
@@ -192,12 +237,12 @@ def _fold(highs: list, lows: list, values) -> None:
             lows[i] = v
 
 
-def _merge_pair(a: tuple, b: tuple) -> tuple:
-    """Merge two buckets ``(t, highs, lows)`` into one stamped with the first one's time."""
-    highs, lows = list(a[1]), list(a[2])
-    _fold(highs, lows, b[1])  # b's maxima may raise the maxima (and lower the minima)
-    _fold(highs, lows, b[2])  # b's minima may lower the minima
-    return (a[0], tuple(highs), tuple(lows))
+def _merge_buckets(a: _Bucket, b: _Bucket) -> _Bucket:
+    """Merge two buckets into one stamped with the first one's time."""
+    highs, lows = list(a.highs), list(a.lows)
+    _fold(highs, lows, b.highs)  # b's maxima may raise the maxima (and lower the minima)
+    _fold(highs, lows, b.lows)  # b's minima may lower the minima
+    return _Bucket(a.t, tuple(highs), tuple(lows))
 
 
 def _merge_pairwise(items: list, merge) -> list:
@@ -208,23 +253,39 @@ def _merge_pairwise(items: list, merge) -> list:
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# Spans: internal tuples (start, end, first_label, last_label, hover, moved, cells, failed, top)
-# --------------------------------------------------------------------------------------------
+class _Run(NamedTuple):
+    """Closed spans as stored: one cell (``top`` is its span) or a run of merged neighbours.
+
+    Times are absolute (``perf_counter`` seconds); ``top`` keeps absolute times too and is made
+    relative when a snapshot is taken.
+    """
+
+    start: float
+    end: float
+    first_label: str
+    last_label: str
+    moved: int
+    cells: int
+    failed: bool
+    top: Span  # the single cell that moved most
 
 
-def _merge_spans(a: tuple, b: tuple) -> tuple:
-    """Merge two neighbouring closed spans; the hover keeps the bigger mover's text."""
-    top = a[8] if a[5] >= b[5] else b[8]
-    cells = a[6] + b[6]
-    hover = f"{cells} cells {a[2]}–{b[3]} (merged to keep the timeline bounded)\nlargest: {top}"
-    return (a[0], b[1], a[2], b[3], hover, max(a[5], b[5]), cells, a[7] or b[7], top)
+def _merge_runs(a: _Run, b: _Run) -> _Run:
+    """Merge two neighbouring closed runs; the bigger mover stays ``top``."""
+    top = a.top if a.moved >= b.moved else b.top
+    return _Run(a.start, b.end, a.first_label, b.last_label, max(a.moved, b.moved), a.cells + b.cells,
+                a.failed or b.failed, top)
 
 
-def _public_span(s: tuple, origin: float) -> Span:
-    label = s[2] if s[6] == 1 else f"{s[2]}–{s[3]}"
-    end = None if s[1] is None else s[1] - origin
-    return Span(s[0] - origin, end, label, s[4], s[5], s[6], s[7])
+def _shift(span: Span, origin: float) -> Span:
+    return span._replace(start=span.start - origin, end=None if span.end is None else span.end - origin)
+
+
+def _public_span(run: _Run, origin: float) -> Span:
+    if run.cells == 1:
+        return _shift(run.top, origin)
+    return Span(run.start - origin, run.end - origin, f"{run.first_label}–{run.last_label}", "", run.moved,
+                run.cells, run.failed, largest=_shift(run.top, origin))
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,35 +339,55 @@ class _Bounded:
 
 
 class _Points(_Bounded):
-    """Samples ``(t, values)``; buckets ``(t of the first, maxima, minima)``."""
+    """Samples ``(t, values)``; buckets are :class:`_Bucket`."""
 
     @staticmethod
     def _fold(bucket, item):
         t, values = item
         if bucket is None:
-            return [t, list(values), list(values)]
+            return [t, list(values), list(values)]  # mutable while being filled
         _fold(bucket[1], bucket[2], values)
         return bucket
 
     @staticmethod
-    def _seal(bucket) -> tuple:
-        return (bucket[0], tuple(bucket[1]), tuple(bucket[2]))
+    def _seal(bucket) -> _Bucket:
+        return _Bucket(bucket[0], tuple(bucket[1]), tuple(bucket[2]))
 
-    _merge = staticmethod(_merge_pair)
+    _merge = staticmethod(_merge_buckets)
 
 
 class _Spans(_Bounded):
-    """Closed spans; a bucket is the merged span of ``stride`` neighbouring cells."""
+    """Closed spans (:class:`_Run`); a bucket is the run of ``stride`` neighbouring cells."""
 
     @staticmethod
     def _fold(bucket, item):
-        return item if bucket is None else _merge_spans(bucket, item)
+        return item if bucket is None else _merge_runs(bucket, item)
 
     @staticmethod
-    def _seal(bucket) -> tuple:
+    def _seal(bucket) -> _Run:
         return bucket
 
-    _merge = staticmethod(_merge_spans)
+    _merge = staticmethod(_merge_runs)
+
+
+#: A change in a series smaller than this (and than 1/500 of the value) does not count as moved.
+MOVE = 1 << 20
+
+
+def _moved(before: tuple, after: tuple) -> bool:
+    """True when ``after`` differs from ``before`` by more than noise (see ``Timeline.moved``)."""
+    if len(before) != len(after):
+        return True
+    for a, b in zip(before, after):
+        if a != b and (a is None or b is None or abs(a - b) > max(MOVE, abs(a) >> 9)):
+            return True
+    return False
+
+
+class _Running(NamedTuple):
+    start: float
+    label: str
+    first_line: str
 
 
 class Timeline:
@@ -317,8 +398,8 @@ class Timeline:
             resolution, the rest merged buckets of older ones.
         max_spans: most spans kept (>= 4). Half are the newest cells; older ones are merged,
             like points, into spans of an equal number of neighbouring cells (label
-            ``"[3]–[6]"``, hover naming the biggest mover), so the old part of the chart still
-            shows where cells ran, as coarsely as its points. Nothing is dropped.
+            ``"[3]–[6]"``, ``largest`` naming the biggest mover), so the old part of the chart
+            still shows where cells ran, as coarsely as its points. Nothing is dropped.
     """
 
     def __init__(self, max_points: int = 2000, max_spans: int = 500):
@@ -330,19 +411,21 @@ class Timeline:
         self.max_spans = int(max_spans)
         self._lock = threading.Lock()
         self._version = 0
+        self._moved = 0
         self._reset()
 
     def _reset(self) -> None:
         self._keys: list = []
         self._key_index: dict = {}
-        self._device_keys: dict = {}  # index -> (allocated, reserved, used, capacity) keys
+        self._device_keys: dict = {}  # index -> (allocated, reserved, used) keys
         self._points = _Points(self.max_points)
         self._capacities: dict = {}
-        self._spans = _Spans(self.max_spans)  # closed spans, oldest first
-        self._running = None  # (start, label, first line)
+        self._spans = _Spans(self.max_spans)  # closed runs, oldest first
+        self._running: Optional[_Running] = None
         self._origin: Optional[float] = None
         self._last_t: Optional[float] = None
         self._added = 0
+        self._last_row: tuple = ()
         self._cached = None
 
     # -- public API ---------------------------------------------------------------------------
@@ -352,28 +435,47 @@ class Timeline:
         """Increments on every change; a view redraws only when it differs from the last one."""
         return self._version
 
+    @property
+    def moved(self) -> int:
+        """Increments when something worth a redraw happened: a cell started or ended, or a value
+        moved by more than :data:`MOVE` (or 1/500 of itself) since the sample before. Samples that
+        only repeat the same numbers change ``version`` but not this; an idle chart need not be
+        redrawn for them."""
+        return self._moved
+
+    @property
+    def running(self) -> bool:
+        """True while a cell is marked as running."""
+        return self._running is not None
+
     def add(self, sample) -> None:
         """Append one :class:`~ipy_gpumem.core.probes.Sample` (any thread)."""
         with self._lock:
             t = self._clock(float(sample.t))
-            self._points.append((t, self._row(sample)))
+            row = self._row(sample)
+            if _moved(self._last_row, row):
+                self._moved += 1
+            self._last_row = row
+            self._points.append((t, row))
             self._added += 1
-            self._changed()
+            self._version += 1
 
     def cell_started(self, t: float, label: str, source: str) -> None:
         """Mark the start of a cell at ``t`` (``time.perf_counter()`` seconds).
 
         A cell still marked as running (its finish was never reported) is closed at ``t``.
         """
+        first = _first(source or "")
         with self._lock:
             t = self._clock(float(t), monotonic=False)
             if self._running is not None:
                 self._close(t, None)
-            self._running = (t, str(label), _first_line(source))
-            self._changed()
+            self._running = _Running(t, str(label), first)
+            self._version += 1
+            self._moved += 1
 
     def cell_finished(self, t: float, record=None) -> None:
-        """Close the running cell at ``t``, with the hover text built from ``record`` if given.
+        """Close the running cell at ``t`` with the numbers of ``record`` (a ``CellRecord``) if given.
 
         Without a running cell, a record still gets a span (``t - duration_s`` to ``t``); without
         either, nothing happens.
@@ -387,9 +489,10 @@ class Timeline:
                 # A cell that was already running when the timeline began (the one that opened the
                 # chart): start the time axis at its start rather than draw it at negative times.
                 self._origin = min(self._origin, start) if self._origin is not None else start
-                self._running = (start, record.label, _first_line(record.source))
+                self._running = _Running(start, record.label, _first(record.source or ""))
             self._close(t, record)
-            self._changed()
+            self._version += 1
+            self._moved += 1
 
     def snapshot(self) -> TimelineSnapshot:
         """An immutable copy for drawing (the same object while the version is unchanged)."""
@@ -405,16 +508,14 @@ class Timeline:
         """Forget every sample and span (the version keeps counting up)."""
         with self._lock:
             self._reset()
-            self._changed()
+            self._version += 1
+            self._moved += 1
 
     def __len__(self) -> int:
         """Points a snapshot would hold now."""
         return len(self._points)
 
     # -- internals (called with the lock held) -------------------------------------------------
-
-    def _changed(self) -> None:
-        self._version += 1
 
     def _clock(self, t: float, monotonic: bool = True) -> float:
         if self._origin is None:
@@ -427,7 +528,7 @@ class Timeline:
             self._last_t = t
         return t
 
-    def _slot(self, key: str) -> int:
+    def _slot(self, key: SeriesKey) -> int:
         index = self._key_index.get(key)
         if index is None:
             index = len(self._keys)
@@ -438,12 +539,12 @@ class Timeline:
     def _dev_keys(self, index: int) -> tuple:
         keys = self._device_keys.get(index)
         if keys is None:
-            name = f"cuda:{index}"
-            keys = (f"{name} allocated", f"{name} reserved", f"{name} used", name)
+            device = cuda(index)
+            keys = (SeriesKey(device, "allocated"), SeriesKey(device, "reserved"), SeriesKey(device, "used"))
             self._device_keys[index] = keys
         return keys
 
-    def _put(self, values: list, key: str, value) -> None:
+    def _put(self, values: list, key: SeriesKey, value) -> None:
         index = self._key_index.get(key)
         if index is None:
             index = self._slot(key)
@@ -455,9 +556,9 @@ class Timeline:
         values = [None] * len(self._keys)
         host = sample.host
         if host is not None and host.rss is not None:
-            self._put(values, HOST_KEY, host.rss)
+            self._put(values, HOST_RSS, host.rss)
         for dev in sample.devices:
-            k_alloc, k_res, k_used, name = self._dev_keys(dev.index)
+            k_alloc, k_res, k_used = self._dev_keys(dev.index)
             if dev.allocated is not None:
                 self._put(values, k_alloc, dev.allocated)
             if dev.reserved is not None:
@@ -465,31 +566,34 @@ class Timeline:
             if dev.used is not None:
                 self._put(values, k_used, dev.used)
             if dev.total is not None:
-                self._capacities[name] = int(dev.total)
+                self._capacities[k_alloc.device] = int(dev.total)
         return tuple(values)
 
     def _close(self, t: float, record) -> None:
-        start, label, first = self._running
+        running = self._running
         self._running = None
-        if record is not None:
+        end = max(t, running.start)
+        if record is None:
+            span = Span(running.start, end, running.label, running.first_line)
+        else:
             # The record's execution count is the reliable one (IPython 7 increments it after
             # the cell, 8+ before), so its label wins over the one guessed at the start.
-            label = record.label if record.execution_count is not None else label
-            hover, moved, failed = hover_text(record, label), moved_bytes(record), record.error is not None
+            label = record.label if record.execution_count is not None else running.label
+            span = Span(running.start, end, label, running.first_line, record.moved_bytes, 1, record.error is not None,
+                        record.error, record.duration_s, _changes(record), True)
             for dev in record.devices:
                 if dev.total is not None:
-                    self._capacities[f"cuda:{dev.index}"] = int(dev.total)
-        else:
-            hover, moved, failed = f"{label} {first}".rstrip() + "\n(no record)", 0, False
-        self._spans.append((start, max(t, start), label, label, hover, moved, 1, failed, hover))
+                    self._capacities[cuda(dev.index)] = int(dev.total)
+        self._spans.append(_Run(span.start, end, span.label, span.label, span.moved, 1, span.failed, span))
 
     def _all_points(self) -> list:
-        """Every point as ``(t, highs, lows)``, oldest first."""
+        """Every point as a :class:`_Bucket`, oldest first (single samples are buckets of one)."""
         points = self._points.buckets()
-        points.extend((t, row, row) for t, row in self._points.recent)
+        points.extend(_Bucket(t, row, row) for t, row in self._points.recent)
         return points
 
-    def _columns(self, rows: list, n_keys: int) -> list:
+    @staticmethod
+    def _columns(rows: list, n_keys: int) -> list:
         padded = [r if len(r) == n_keys else r + (None,) * (n_keys - len(r)) for r in rows]
         return list(zip(*padded)) if padded else [()] * n_keys
 
@@ -498,18 +602,18 @@ class Timeline:
         points = self._all_points()
         merged = len(points) - len(self._points.recent)
         n_keys = len(self._keys)
-        times = tuple(p[0] - origin for p in points)
-        highs = self._columns([p[1] for p in points], n_keys)
-        lows = self._columns([p[2] for p in points], n_keys)
-        spans = [_public_span(s, origin) for s in self._spans.buckets()]
-        spans += [_public_span(s, origin) for s in self._spans.recent]
+        times = tuple(p.t - origin for p in points)
+        highs = self._columns([p.highs for p in points], n_keys)
+        lows = self._columns([p.lows for p in points], n_keys)
+        spans = [_public_span(r, origin) for r in self._spans.buckets()]
+        spans += [_public_span(r, origin) for r in self._spans.recent]
         running = None
         if self._running is not None:
             start, label, first = self._running
-            running = Span(start - origin, None, label, f"{label} {first}".rstrip() + "\nrunning…")
+            running = Span(start - origin, None, label, first)
             spans.append(running)
         capacities = dict(self._capacities)
-        capacities.setdefault("host", None)
+        capacities.setdefault(HOST, None)
         candidates = [times[-1] if times else 0.0] + [s.end if s.end is not None else s.start for s in spans]
         return TimelineSnapshot(
             t=times,
@@ -533,7 +637,7 @@ def seed_timeline(timeline: Timeline, records, now_epoch: Optional[float] = None
     The chart can be opened at any time and still show the session so far. Records carry
     wall-clock start times; they are mapped onto ``time.perf_counter()`` seconds, the timeline's
     clock. Only what was measured is drawn: a point at each cell's start and end (the peak's
-    moment is unknown, so it lives in the span's hover text, not as an invented point).
+    moment is unknown, so it stays a number on the span, not an invented point).
     """
     import time
 

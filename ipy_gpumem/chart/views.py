@@ -1,13 +1,24 @@
-"""Live views of the session timeline: a plotly FigureWidget, an HTML display updated in place, or text.
+"""Live views of the session timeline: an HTML output updated in place, an ipywidgets.HTML, or text.
 
-The tier follows what the front end can do (``choose_tier``): a plotly ``FigureWidget`` where
-a kernel and the widget packages are there; in Colab, where FigureWidget does not render, and
-wherever widgets are missing, an HTML display (inline SVG) updated in place through its
-``display_id``; text in terminal IPython. plotly and ipywidgets are imported here only, and only
-when a chart is asked for. Views are created on the main thread; ``refresh()`` may run on the
-sampler thread and only changes widget state or updates a display handle (no print, no new
-display). ``finalize()`` (main thread, at each cell's end) rewrites the output with a static
-SVG snapshot, so a saved or exported notebook shows the chart as it was, not an empty widget.
+The tier follows what the front end can do (``choose_tier``). In a kernel the chart is an HTML
+output updated in place through its ``display_id``: it moves while cells run (the sampler thread
+updates it), a saved notebook keeps its latest picture with no widget state at all, and it works
+in JupyterLab, Notebook 7, VS Code and Colab alike. ``%gpumem chart widget`` puts the same chart
+in an ``ipywidgets.HTML`` (also what the JupyterLab sidebar holds, since an Output widget cannot be
+updated through a display id); its saved state is the chart's HTML, tens of KiB. Terminal IPython
+gets text.
+
+The chart's HTML is an ``<img>`` of the SVG (a data URI) with one transparent box per cell
+carrying its hover text: JupyterLab's sanitizer strips an inline ``<svg>`` from an untrusted
+notebook (a notebook someone else ran, or nbconvert's), but keeps an image and positioned
+``<div title>`` boxes, so a reopened notebook shows the chart and its tooltips wherever it is
+opened. Inside an image nothing inherits the page's colours, so the SVG is drawn in a grey that
+reads on light and dark themes.
+
+ipywidgets is imported here only, and only when a widget view is asked for. Views are created
+on the main thread; ``refresh()`` may run on the sampler thread and only changes widget state or
+updates a display handle (no print, no new display). A view that stops (a newer chart replaced
+it, or the extension is unloaded) leaves a static picture in its output and closes its widgets.
 """
 from __future__ import annotations
 
@@ -15,19 +26,23 @@ import sys
 import threading
 from typing import Optional
 
+from ..core.units import format_bytes, format_delta
 from ..display.view import esc
-from .svg import DEVICE_COLORS, FAILED_COLOR, HOST_COLOR, RUNNING_COLOR, byte_ticks, timeline_svg
-from .timeline import HOST_KEY, TimelineSnapshot
-from ..core.units import format_bytes
+from .svg import IMG_INK, draw_timeline, span_hover
+from .timeline import HOST_RSS, SeriesKey, TimelineSnapshot
 
-__all__ = ["WIDGETS_HINT", "TIERS", "choose_tier", "make_view", "timeline_text", "status_line", "sidebar_unavailable",
-           "HtmlChartView", "WidgetChartView", "TextChartView"]
+__all__ = ["WIDGETS_HINT", "TIERS", "choose_tier", "make_view", "timeline_text", "status_line", "chart_html",
+           "sidebar_unavailable", "widgets_status", "HtmlChartView", "WidgetChartView", "TextChartView",
+           "StatusLineView"]
 
 WIDGETS_HINT = "pip install 'ipy_gpumem[widgets]'"
+#: Chart kinds for ``%gpumem chart KIND``, richest first.
 TIERS = ("widget", "html", "text")
 _WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
-_MAX_SHAPES = 120  # cell bands drawn in the widget; older ones are merged by the timeline anyway
 _SPARK = "▁▂▃▄▅▆▇█"
+#: Inline chart size, and the narrower one the sidebar gets (an image scales down, never up).
+CHART_SIZE = (760, 240)
+SIDEBAR_SIZE = (440, 260)
 
 
 def in_kernel(shell=None) -> bool:
@@ -44,26 +59,11 @@ def in_colab() -> bool:
 
 
 def widgets_status() -> Optional[str]:
-    """None when ipywidgets and plotly's FigureWidget look usable here, else why not.
-
-    Only imports are checked (building a FigureWidget takes seconds the first time); a view that
-    still fails to build falls back to HTML where it is created.
-    """
+    """None when ipywidgets can be imported here, else why not."""
     try:
         import ipywidgets  # noqa: F401
-        import plotly
-        import plotly.graph_objects  # noqa: F401
     except ImportError as exc:
-        return f"{exc.name or 'ipywidgets/plotly'} is not installed ({WIDGETS_HINT})"
-    try:
-        major = int(str(plotly.__version__).split(".")[0])
-    except ValueError:
-        major = 0
-    if major >= 6:
-        try:
-            import anywidget  # noqa: F401 - plotly >= 6 builds FigureWidget on it
-        except ImportError:
-            return f"plotly {plotly.__version__}'s FigureWidget needs anywidget ({WIDGETS_HINT})"
+        return f"{exc.name or 'ipywidgets'} is not installed ({WIDGETS_HINT})"
     return None
 
 
@@ -94,21 +94,28 @@ def sidebar_unavailable(shell=None, environ=None) -> Optional[str]:
 
 
 def choose_tier(shell=None, prefer: Optional[str] = None):
-    """``(tier, note)``: the richest tier this front end can show, and a one-line reason when lower."""
+    """``(tier, note)``: the tier to show, and a one-line reason when it is not the one asked for.
+
+    In a kernel the default is ``html``: it moves as smoothly as a widget, and unlike a widget it
+    needs no widget state to be seen again in a saved notebook (JupyterLab does not save widget
+    state by default, and shows "model not found" for a widget without it).
+
+    Raises:
+        ValueError: ``prefer`` is not one of :data:`TIERS`.
+    """
     if prefer is not None and prefer not in TIERS:
         raise ValueError(f"unknown chart kind {prefer!r}: use one of {', '.join(TIERS)}")
     if not in_kernel(shell):
         if prefer not in (None, "text"):
             return "text", f"no notebook front end here (terminal IPython): showing text instead of {prefer}"
         return "text", None
-    if prefer == "text" or prefer == "html":
-        return prefer, None
+    if prefer != "widget":
+        return prefer or "html", None
     if in_colab():
-        note = "Colab does not render plotly FigureWidgets: showing an HTML chart updated in place"
-        return "html", note if prefer == "widget" else None
+        return "html", "Colab gets the HTML chart updated in place (widget updates from a thread are not reliable there)"
     why_not = widgets_status()
     if why_not is not None:
-        return "html", f"live widget chart unavailable ({why_not}): showing an HTML chart updated in place"
+        return "html", f"widget chart unavailable ({why_not}): showing an HTML chart updated in place"
     return "widget", None
 
 
@@ -127,65 +134,149 @@ def _last(values) -> Optional[int]:
 def status_line(snapshot: TimelineSnapshot) -> str:
     """The current numbers in one line: per device allocated / reserved / capacity, else RSS."""
     parts = []
-    devices = sorted({k.split(" ")[0] for k in snapshot.series if k.startswith("cuda:")})
-    for dev in devices:
-        alloc = _last(snapshot.series.get(f"{dev} allocated", ()))
-        reserved = _last(snapshot.series.get(f"{dev} reserved", ()))
-        used = _last(snapshot.series.get(f"{dev} used", ()))
-        total = snapshot.capacities.get(dev)
-        text = f"{dev} {format_bytes(alloc)} allocated · {format_bytes(reserved)} reserved"
+    for device in snapshot.devices():
+        alloc = _last(snapshot.series.get(SeriesKey(device, "allocated"), ()))
+        reserved = _last(snapshot.series.get(SeriesKey(device, "reserved"), ()))
+        used = _last(snapshot.series.get(SeriesKey(device, "used"), ()))
+        total = snapshot.capacities.get(device)
+        text = f"{device.label} {format_bytes(alloc)} allocated · {format_bytes(reserved)} reserved"
         if used is not None and total:
             text += f" · {format_bytes(used)} used of {format_bytes(total)}"
         elif total:
             text += f" of {format_bytes(total)}"
         parts.append(text)
     if not parts:
-        rss = _last(snapshot.series.get(HOST_KEY, ()))
+        rss = _last(snapshot.series.get(HOST_RSS, ()))
         parts.append(f"host {format_bytes(rss)} resident" if rss is not None else "no readings yet")
     if snapshot.running is not None:
         parts.append(f"running {snapshot.running.label} for {snapshot.end - snapshot.running.start:.0f} s")
     return " · ".join(parts)
 
 
-def _sparkline(values, width: int = 60) -> str:
-    present = [v for v in values if v is not None]
-    if not present:
-        return ""
-    if len(values) > width:  # keep each bucket's maximum: a chart must not hide a spike
-        step = len(values) / width
-        values = [max((v for v in values[int(i * step):int((i + 1) * step)] if v is not None), default=None)
-                  for i in range(width)]
-    lo, hi = min(present), max(present)
+def _columns(times, values, peaks, width: int) -> list:
+    """Each column's highest value: samples, raised to the exact peaks of cells that ran there.
+
+    A memory chart must never hide a spike, not even one that fell between two samples.
+    """
+    n = len(values)
+    if n == 0:
+        return []
+    if n <= width:
+        columns, edges = list(values), list(times)
+    else:
+        step = n / width
+        columns = [max((v for v in values[int(i * step):int((i + 1) * step)] if v is not None), default=None)
+                   for i in range(width)]
+        edges = [times[int(i * step)] for i in range(width)]
+    for mark in peaks:
+        hit = [i for i, t in enumerate(edges) if mark.start <= t <= mark.end]
+        if not hit:  # a cell shorter than a column: the column it started in
+            hit = [max(0, sum(1 for t in edges if t <= mark.start) - 1)]
+        for i in hit:
+            if columns[i] is None or columns[i] < mark.peak:
+                columns[i] = mark.peak
+    return columns
+
+
+def _sparkline(columns: list, lo: int, hi: int) -> str:
     span = (hi - lo) or 1
     return "".join(" " if v is None else _SPARK[min(len(_SPARK) - 1, int((v - lo) / span * (len(_SPARK) - 1) + 0.5))]
-                   for v in values)
+                   for v in columns)
+
+
+def _series_label(key: SeriesKey) -> str:
+    return "host rss" if key.device.is_host else f"{key.device.label} {key.quantity}"
+
+
+def _cell_summary(span) -> str:
+    """``[3] cuda:0 +1.00 GiB (peak +2.00 GiB)``: a cell in a few words, from its numbers."""
+    if not span.changes:
+        return span.label
+    change = max(span.changes, key=lambda c: max(abs(c.delta or 0), c.peak_increase or 0))
+    text = f"{span.label} {change.device.label} {format_delta(change.delta)}"
+    if change.peak_increase is not None and change.peak_increase > max(change.delta or 0, 0):
+        text += f" (peak {format_delta(change.peak_increase)})"
+    return text
 
 
 def timeline_text(snapshot: TimelineSnapshot, width: int = 60, cells: int = 8) -> str:
-    """A terminal rendering: one sparkline per series with its range, then the latest cells."""
+    """A terminal rendering: one sparkline per series with its range (exact peaks included), then
+    the latest cells."""
     if snapshot is None or snapshot.empty:
         return "ipy_gpumem chart: no samples yet"
     lines = [f"ipy_gpumem · {status_line(snapshot)}"]
     keys = [k for k in snapshot.series if any(v is not None for v in snapshot.series[k])]
-    cuda = [k for k in keys if k.startswith("cuda:")]
-    name_width = max((len(k) for k in (cuda or keys)), default=8)
-    for key in cuda or keys:
+    cuda_keys = [k for k in keys if k.device.is_cuda]
+    shown = cuda_keys or keys
+    peaks = snapshot.missed_peaks(shown)
+    name_width = max((len(_series_label(k)) for k in shown), default=8)
+    for key in shown:
         values = snapshot.series[key]
-        present = [v for v in values if v is not None]
-        lines.append(f"{key.ljust(name_width)}  {_sparkline(list(values), width)}  "
-                     f"{format_bytes(min(present))} .. {format_bytes(max(present))}")
+        columns = _columns(snapshot.t, values, [p for p in peaks if p.key == key], width)
+        # The range: the lowest sample (columns hold maxima) up to the highest peak.
+        lo = min(min(v for v in values if v is not None), min(v for v in columns if v is not None))
+        hi = max(v for v in columns if v is not None)
+        lines.append(f"{_series_label(key).ljust(name_width)}  {_sparkline(columns, lo, hi)}  "
+                     f"{format_bytes(lo)} .. {format_bytes(hi)}")
     recent = [s for s in snapshot.spans if s.end is not None][-cells:]
     if recent:
-        lines.append("cells: " + "  ".join(f"{s.label} {s.hover.splitlines()[1] if len(s.hover.splitlines()) > 1 else ''}".strip()
-                                            for s in recent))
+        lines.append("cells: " + "  ".join(_cell_summary(s) for s in recent))
     return "\n".join(lines)
 
 
-def _html_block(snapshot: TimelineSnapshot, width: int = 760, height: int = 240) -> str:
-    svg = timeline_svg(snapshot, width=width, height=height)
-    header = esc(status_line(snapshot)) if snapshot is not None and not snapshot.empty else "no samples yet"
-    return (f'<div class="ipy-gpumem-chart" style="font:12px var(--jp-ui-font-family,sans-serif)">'
-            f'<div style="opacity:.8;margin:2px 0">ipy_gpumem · {header}</div>{svg}</div>')
+# ---------------------------------------------------------------------------------------------
+# The chart as HTML: an image of the SVG and a hover box per cell
+# ---------------------------------------------------------------------------------------------
+
+
+#: Cells with a hover box in the chart's HTML: the newest ones (older cells are merged runs anyway).
+MAX_HOVER_BOXES = 120
+#: What a data URI must not contain raw (``'`` delimits the attribute it sits in); ``%`` first.
+_URI_ESCAPES = (("%", "%25"), ("#", "%23"), ("'", "%27"), ("&", "%26"), ("<", "%3C"), (">", "%3E"), ("\n", "%0A"))
+
+
+def svg_data_uri(svg: str) -> str:
+    """``data:image/svg+xml,...`` with the few characters that matter percent-encoded (for a
+    single-quoted attribute): a quarter smaller than base64, and as fast (a few ``str.replace``)."""
+    for char, code in _URI_ESCAPES:
+        svg = svg.replace(char, code)
+    return "data:image/svg+xml," + svg
+
+
+def _pct(value: float, whole: float) -> str:
+    return f"{100.0 * value / whole:.2f}".rstrip("0").rstrip(".") + "%"
+
+
+def chart_html(snapshot: Optional[TimelineSnapshot], width: int = CHART_SIZE[0], height: int = CHART_SIZE[1],
+               header: bool = True, hover: bool = True) -> str:
+    """The chart as HTML that survives any notebook sanitizer (see the module docstring).
+
+    Args:
+        hover: add the transparent boxes that carry each cell's hover text (the newest
+            :data:`MAX_HOVER_BOXES` cells).
+
+    Returns:
+        a ``<div class="ipy-gpumem-chart">``: the status line, then the chart image scaled to the
+        output's width (at most its drawn width) with positioned, transparent boxes whose
+        ``title`` is each cell's hover text.
+    """
+    drawing = draw_timeline(snapshot, width, height, ink=IMG_INK, titles=False)
+    w, h = drawing.width, drawing.height
+    boxes = ""
+    if hover and drawing.boxes:
+        first = drawing.boxes[0]
+        # One strip over the plot's height; each box is a slice of it.
+        boxes = (f'<div style="position:absolute;left:0;width:100%;top:{_pct(first.y0, h)};'
+                 f'height:{_pct(first.y1 - first.y0, h)}">' + "".join(
+                     f'<div title="{esc(span_hover(box.span))}" style="position:absolute;left:{_pct(box.x0, w)};'
+                     f'width:{_pct(box.x1 - box.x0, w)};height:100%"></div>'
+                     for box in drawing.boxes[-MAX_HOVER_BOXES:]) + "</div>")
+    line = status_line(snapshot) if snapshot is not None and not snapshot.empty else "no samples yet"
+    head = f'<div style="opacity:.8;margin:2px 0">ipy_gpumem · {esc(line)}</div>' if header else ""
+    return (f'<div class="ipy-gpumem-chart" style="font:12px var(--jp-ui-font-family,sans-serif)">{head}'
+            f'<div style="position:relative;max-width:{w}px">'
+            f'<img alt="{esc("memory chart: " + line)}" src=\'{svg_data_uri(drawing.svg)}\' '
+            f'style="width:100%;display:block">{boxes}</div></div>')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +288,7 @@ class _View:
     """A displayed chart of one timeline; subclasses know how to draw it."""
 
     tier = ""
-    inline = True  # False for the sidebar's views (a new inline chart does not freeze them)
+    inline = True  # False for the sidebar's views (a new inline chart does not replace them)
 
     def __init__(self, timeline, note: Optional[str] = None):
         self.timeline = timeline
@@ -212,6 +303,8 @@ class _View:
         if not self.live:
             return False
         with self._lock:
+            if not self.live:
+                return False
             snapshot = self.timeline.snapshot()
             if snapshot.version == self._drawn and not force:
                 return False
@@ -219,14 +312,21 @@ class _View:
             self._drawn = snapshot.version
             return True
 
-    def finalize(self) -> None:
-        """At a cell's end: redraw and store a static snapshot in the output (main thread)."""
-        self.refresh()
+    def finalize(self) -> bool:
+        """At a cell's end: redraw, so the output holds the chart as it is now."""
+        return self.refresh()
 
     def freeze(self) -> None:
-        """Stop updating (a newer view of the same chart took over); leaves a static snapshot."""
-        self.finalize()
-        self.live = False
+        """Stop for good (a newer view replaced this one, or unload): leave a static picture in
+        the output and close any widget."""
+        with self._lock:
+            if not self.live:
+                return
+            self.live = False
+            self._leave(self.timeline.snapshot())
+
+    def _leave(self, snapshot: TimelineSnapshot) -> None:
+        """What stays in the output once the view stops (main thread)."""
 
     def _draw(self, snapshot: TimelineSnapshot) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -248,9 +348,10 @@ class TextChartView(_View):
 
 
 class HtmlChartView(_View):
-    """An HTML output (inline SVG) updated in place through its display id: works without widgets."""
+    """An HTML output updated in place through its display id: no widget, and nothing else to save."""
 
     tier = "html"
+    size = CHART_SIZE
 
     def display(self) -> None:
         from IPython.display import display
@@ -262,10 +363,14 @@ class HtmlChartView(_View):
         self._drawn = snapshot.version
 
     def _bundle(self, snapshot) -> dict:
-        return {"text/html": _html_block(snapshot), "text/plain": timeline_text(snapshot)}
+        return {"text/html": chart_html(snapshot, *self.size), "text/plain": timeline_text(snapshot)}
 
     def _draw(self, snapshot) -> None:
         if self.handle is not None:
+            self.handle.update(self._bundle(snapshot), raw=True)
+
+    def _leave(self, snapshot) -> None:
+        if self.handle is not None and self._drawn != snapshot.version:
             self.handle.update(self._bundle(snapshot), raw=True)
 
 
@@ -284,25 +389,17 @@ class StatusLineView(HtmlChartView):
 
 
 class WidgetChartView(_View):
-    """A plotly FigureWidget with a header line, in an ipywidgets VBox."""
+    """The chart in an ``ipywidgets.HTML``: inline (``%gpumem chart widget``) or in an Output-like
+    container such as the sidebar. Its saved widget state is the chart's HTML (tens of KiB)."""
 
     tier = "widget"
 
-    def __init__(self, timeline, note: Optional[str] = None):
+    def __init__(self, timeline, note: Optional[str] = None, size=CHART_SIZE):
         super().__init__(timeline, note)
         import ipywidgets as widgets
-        import plotly.graph_objects as go
 
-        self._go = go
-        self.figure = go.FigureWidget(layout=dict(
-            height=300, autosize=True, margin=dict(l=70, r=20, t=10, b=40), showlegend=True,
-            legend=dict(orientation="h", y=-0.2), hovermode="x unified",
-            xaxis=dict(title="seconds", zeroline=False),
-            yaxis=dict(title="", rangemode="tozero"),
-        ))
-        self.header = widgets.HTML(value="ipy_gpumem · no samples yet")
-        self.box = widgets.VBox([self.header, self.figure], layout=widgets.Layout(width="100%"))
-        self._keys = None  # None: the first draw always builds the traces, even with no samples yet
+        self.size = size
+        self.html = widgets.HTML(value=chart_html(None, *size))
 
     def display(self, target=None) -> None:
         """Show the chart inline (``target`` None) or inside an Output-like widget (the sidebar)."""
@@ -317,91 +414,48 @@ class WidgetChartView(_View):
             self.handle = display(self._bundle(snapshot), raw=True, display_id=True)
         else:
             with target:
-                display(self.box)
+                display(self.html)
 
-    def _bundle(self, snapshot) -> dict:
-        return {
-            _WIDGET_MIME: {"version_major": 2, "version_minor": 0, "model_id": self.box.model_id},
-            "text/html": _html_block(snapshot),  # what a saved or exported notebook shows
-            "text/plain": timeline_text(snapshot),
-        }
+    @property
+    def widgets(self) -> tuple:
+        """Every widget model this view created (the HTML and the layout and style it made)."""
+        html = self.html
+        return tuple(w for w in (html, getattr(html, "layout", None), getattr(html, "style", None)) if w is not None)
 
-    def finalize(self) -> None:
-        self.refresh()
-        if self.handle is not None and self.live:
-            # Same widget, fresh static fallback: the saved notebook keeps this snapshot.
-            self.handle.update(self._bundle(self.timeline.snapshot()), raw=True)
+    def _bundle(self, snapshot, live: bool = True) -> dict:
+        # What a notebook reopened without the widget's state shows. While the widget lives, its
+        # state already holds the chart with its hover boxes: the fallback goes without them.
+        html = chart_html(snapshot, *self.size, hover=not live)
+        bundle = {"text/html": html, "text/plain": timeline_text(snapshot)}
+        if live:
+            bundle[_WIDGET_MIME] = {"version_major": 2, "version_minor": 0, "model_id": self.html.model_id}
+        return bundle
 
     def _draw(self, snapshot) -> None:
-        go = self._go
-        keys = [k for k in snapshot.series if any(v is not None for v in snapshot.series[k])]
-        cuda = [k for k in keys if k.startswith("cuda:")]
-        keys = cuda or [k for k in keys if k == HOST_KEY]
-        times = list(snapshot.t)
-        top = max([max((v for v in snapshot.series[k] if v is not None), default=0) for k in keys] or [0])
-        capacities = [(dev, cap) for dev, cap in snapshot.capacities.items() if cap and dev.startswith("cuda:")]
-        if capacities and top >= 0.3 * max(c for _, c in capacities):
-            top = max(top, max(c for _, c in capacities))
-        axis_top, tick_values = byte_ticks(top * 1.05 if top else 1)
-        fig = self.figure
-        with fig.batch_update():
-            if keys != self._keys:
-                fig.data = ()
-                for key in keys:
-                    fig.add_trace(go.Scatter(name=_series_name(key), mode="lines", line=_line_style(key),
-                                             hovertemplate="%{customdata}<extra>" + esc(_series_name(key)) + "</extra>"))
-                fig.add_trace(go.Scatter(name="cells", mode="text", showlegend=False, textposition="bottom center",
-                                         hovertemplate="%{hovertext}<extra></extra>", textfont=dict(size=10)))
-                self._keys = keys
-            for trace, key in zip(fig.data, keys):
-                values = list(snapshot.series[key])
-                trace.x, trace.y = times, values
-                trace.customdata = [format_bytes(v) if v is not None else "n/a" for v in values]
-            spans = list(snapshot.spans)[-_MAX_SHAPES:]
-            label_trace = fig.data[len(keys)]
-            label_trace.x = [(s.start + (s.end if s.end is not None else snapshot.end)) / 2 for s in spans]
-            label_trace.y = [axis_top] * len(spans)
-            label_trace.text = [s.label for s in spans]
-            label_trace.hovertext = [s.hover.replace("\n", "<br>") for s in spans]
-            shapes = [_span_shape(s, snapshot.end, i) for i, s in enumerate(spans)]
-            annotations = []
-            for dev, cap in capacities:
-                if cap <= axis_top * 1.01:
-                    shapes.append(dict(type="line", xref="paper", x0=0, x1=1, y0=cap, y1=cap,
-                                       line=dict(color="#888", dash="dashdot", width=1)))
-                    annotations.append(dict(xref="paper", x=1, y=cap, xanchor="right", yanchor="bottom",
-                                            text=f"{dev} {format_bytes(cap)} total", showarrow=False,
-                                            font=dict(size=10, color="#888")))
-            fig.layout.shapes = shapes
-            fig.layout.annotations = annotations
-            fig.layout.yaxis.tickvals = tick_values
-            fig.layout.yaxis.ticktext = [format_bytes(v) for v in tick_values]
-            fig.layout.yaxis.range = [0, axis_top]
-        self.header.value = f'<span style="font-size:12px">ipy_gpumem · {esc(status_line(snapshot))}</span>'
+        self.html.value = chart_html(snapshot, *self.size)
+
+    def finalize(self) -> bool:
+        drew = self.refresh()
+        if drew and self.handle is not None:
+            with self._lock:
+                if self.live:  # same widget, fresh static fallback for an untrusted reopen
+                    self.handle.update(self._bundle(self.timeline.snapshot()), raw=True)
+        return drew
+
+    def _leave(self, snapshot) -> None:
+        if self.handle is not None:
+            # The output keeps a picture and no reference to a widget that is about to go.
+            self.handle.update(self._bundle(snapshot, live=False), raw=True)
+        close_widgets(self.widgets)
 
 
-def _series_name(key: str) -> str:
-    return "host RSS" if key == HOST_KEY else key.replace(" used", " used (all processes)")
-
-
-def _line_style(key: str) -> dict:
-    if key == HOST_KEY:
-        return dict(color=HOST_COLOR, width=2)
-    device, kind = key.split(" ", 1)
-    index = int(device.split(":")[1])
-    dash = {"allocated": "solid", "reserved": "dash", "used": "dot"}.get(kind, "solid")
-    return dict(color=DEVICE_COLORS[index % len(DEVICE_COLORS)], width=2 if kind == "allocated" else 1.5, dash=dash)
-
-
-def _span_shape(span, end: float, index: int) -> dict:
-    if span.end is None:
-        color, opacity = RUNNING_COLOR, 0.25
-    elif span.failed:
-        color, opacity = FAILED_COLOR, 0.15
-    else:
-        color, opacity = "#888888", 0.10 if index % 2 else 0.18
-    return dict(type="rect", xref="x", yref="paper", x0=span.start, x1=span.end if span.end is not None else end,
-                y0=0, y1=1, fillcolor=color, opacity=opacity, line=dict(width=0), layer="below")
+def close_widgets(widgets) -> None:
+    """Close widget models (their front-end views go, and they leave the kernel's registry)."""
+    for widget in widgets:
+        try:
+            widget.close()
+        except Exception:  # noqa: BLE001 - a widget already gone
+            pass
 
 
 def make_view(tier: str, timeline, note: Optional[str] = None):
@@ -409,10 +463,9 @@ def make_view(tier: str, timeline, note: Optional[str] = None):
     if tier == "widget":
         try:
             return WidgetChartView(timeline, note)
-        except Exception as exc:  # noqa: BLE001 - e.g. a plotly/ipywidgets version mismatch
-            return HtmlChartView(timeline, f"live widget chart unavailable ({type(exc).__name__}: {exc}): "
+        except Exception as exc:  # noqa: BLE001 - e.g. an ipywidgets version mismatch
+            return HtmlChartView(timeline, f"widget chart unavailable ({type(exc).__name__}: {exc}): "
                                            "showing an HTML chart updated in place")
     if tier == "html":
         return HtmlChartView(timeline, note)
     return TextChartView(timeline, note)
-
