@@ -1,18 +1,32 @@
-"""Time ``who()`` on a 100k-object namespace plus a retained ResNet-50 graph and Adam state.
+"""Time ``who()`` and the whole OOM panel on namespaces of 100k and 1.5M objects of several shapes.
 
 Run from the repository root:
 
-    python benchmarks/bench_who.py [--batch 2] [--size 224] [--repeat 7]
+    python benchmarks/bench_who.py [--objects 100000 1500000] [--shapes ...] [--repeat 5]
+                                   [--batch 2] [--size 224] [--budget 0.75] [--no-panel]
 
-It builds (a) a namespace of 100,000 mixed objects (ints, floats, strings, small lists and
-dicts, a few tensors) and (b) a hand-written ResNet-50 (torchvision is not needed: bottleneck
-blocks [3, 4, 6, 3], batch norm, ~25.6M parameters), runs one training step with Adam so the
-optimizer state exists, then a second forward whose ``output`` and ``loss`` stay in the
-namespace with their graph. It prints the report's summary and one markdown table row.
+Shapes, each holding about N objects (N = ``--objects``):
+
+- ``variables``: N names of mixed small values (ints, strings, floats, small lists, dicts and
+  tuples), as a long session's namespace.
+- ``list_of_ints``: one list of N ints.
+- ``dict_of_objects``: one dict of N small objects (two scalar attributes each).
+- ``nested``: records (a dict holding a list and a tuple) in lists of ten, N objects in all.
+- ``tiny_tensors``: one list of N one-element tensors.
+- ``resnet``: N mixed variables plus a hand-written ResNet-50 (torchvision is not needed:
+  bottleneck blocks [3, 4, 6, 3], batch norm, ~25.6M parameters) after one Adam step, and a second
+  forward whose ``output`` and ``loss`` keep their graph.
+
+Every namespace also holds a few tensors. For each shape it prints ``who()``'s median and worst
+time, whether the walk was complete (else what the budget left out), then the whole OOM panel
+(``ipy_gpumem.oom.analysis.analyse`` + ``ipy_gpumem.oom.panel.oom_panel`` after a real CPU
+out-of-memory error), timed separately: when the OOM room is being changed and that part fails,
+the ``who()`` numbers still stand. Ends with markdown table rows.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import shlex
 import statistics
@@ -22,12 +36,7 @@ import time
 import torch
 from torch import nn
 
-from ipy_gpumem.who.attribution import who
-from ipy_gpumem.oom.analysis import analyse
-from ipy_gpumem.oom.panel import oom_panel
-from ipy_gpumem.oom.parse import parse_oom
-from ipy_gpumem.core.probes import MemoryProbe
-from ipy_gpumem.core.records import CellRecord, HostRecord
+from ipy_gpumem.who.attribution import BUDGET_S, who
 
 
 class Bottleneck(nn.Module):
@@ -81,8 +90,16 @@ class ResNet50(nn.Module):
         return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
 
 
-def mixed_namespace(n: int) -> dict:
-    """``n`` user-like variables: mostly scalars and strings, some small containers, 5 tensors."""
+class Record:
+    """A small user object: two scalar attributes."""
+
+    def __init__(self, key: int, value: float):
+        self.key = key
+        self.value = value
+
+
+def variables(n: int) -> dict:
+    """``n`` user-like variables: mostly scalars and strings, some small containers."""
     ns: dict = {}
     for i in range(n):
         r = i % 10
@@ -99,10 +116,26 @@ def mixed_namespace(n: int) -> dict:
         else:
             value = (i, None)
         ns[f"var_{i}"] = value
-    for i in range(5):
-        ns[f"tensor_{i}"] = torch.randn(64, 64)
-    ns["In"], ns["Out"], ns["_"] = ["", "x = 1"], {1: 2}, 2
     return ns
+
+
+def list_of_ints(n: int) -> dict:
+    return {"ints": list(range(n))}
+
+
+def dict_of_objects(n: int) -> dict:
+    return {"records": {i: Record(i, float(i)) for i in range(n)}}
+
+
+def nested(n: int) -> dict:
+    """Lists of ten records ``{"id": i, "tags": [a, b], "pos": (x, y)}``: 9 objects per record."""
+    records = n // 9
+    return {"rows": [[{"id": i, "tags": ["a", "b"], "pos": (float(i), 0.5)} for i in range(j, min(j + 10, records))]
+                     for j in range(0, records, 10)]}
+
+
+def tiny_tensors(n: int) -> dict:
+    return {"tensors": [torch.zeros(1) for _ in range(n)]}
 
 
 def training_namespace(batch: int, size: int) -> dict:
@@ -122,32 +155,38 @@ def training_namespace(batch: int, size: int) -> dict:
             "output": output, "loss": loss}
 
 
-def main() -> None:
-    """Build both parts, time ``who()`` and print the summary and a markdown row."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--objects", type=int, default=100_000)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--size", type=int, default=224)
-    parser.add_argument("--repeat", type=int, default=7)
-    args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+SHAPES = {"variables": variables, "list_of_ints": list_of_ints, "dict_of_objects": dict_of_objects,
+          "nested": nested, "tiny_tensors": tiny_tensors, "resnet": variables}
 
-    t0 = time.perf_counter()
-    ns = mixed_namespace(args.objects)
-    ns.update(training_namespace(args.batch, args.size))
-    setup_s = time.perf_counter() - t0
-    n_params = sum(p.numel() for p in ns["model"].parameters())
 
-    who(ns)  # warm-up: first-call imports and type caches
+def build(shape: str, n: int, batch: int, size: int) -> dict:
+    ns = SHAPES[shape](n)
+    if shape == "resnet":
+        ns.update(training_namespace(batch, size))
+    for i in range(5):
+        ns[f"tensor_{i}"] = torch.randn(64, 64)
+    return ns
+
+
+def timed(fn, repeat: int):
+    """``(median s, worst s, last result)`` of ``repeat`` calls after one warm-up."""
+    result = fn()
     times = []
-    for _ in range(args.repeat):
+    for _ in range(repeat):
         start = time.perf_counter()
-        report = who(ns)
+        result = fn()
         times.append(time.perf_counter() - start)
-    median_ms, worst_ms = statistics.median(times) * 1e3, max(times) * 1e3
+    return statistics.median(times), max(times), result
 
-    # The whole panel, as after a real out-of-memory error: parse the message, read the probe,
-    # who(), the diagnosis and both renderings.
+
+def panel_runner(ns: dict):
+    """A function that runs the whole OOM panel on ``ns``, as after a real out-of-memory error."""
+    from ipy_gpumem.core.probes import MemoryProbe
+    from ipy_gpumem.core.records import CellRecord, HostRecord
+    from ipy_gpumem.oom.analysis import analyse
+    from ipy_gpumem.oom.panel import oom_panel
+    from ipy_gpumem.oom.parse import parse_oom
+
     try:
         torch.empty(2**60)
     except RuntimeError as exc:
@@ -155,29 +194,60 @@ def main() -> None:
     record = CellRecord(9, None, "x = torch.empty(2**60)", time.time(), 0.1, error="RuntimeError",
                         error_message=message, host=HostRecord(2**30, 2**30, 2**30))
     probe = MemoryProbe()
-    panel_times = []
-    for _ in range(args.repeat):
-        start = time.perf_counter()
-        view = oom_panel(analyse(parse_oom(message), record, namespace=ns, records=[record], probe=probe, tb=tb))
-        panel_times.append(time.perf_counter() - start)
-    panel_median, panel_worst = statistics.median(panel_times) * 1e3, max(panel_times) * 1e3
-    assert view.text.startswith("Out of memory on")
 
-    print(report.summary())
+    def run():
+        view = oom_panel(analyse(parse_oom(message), record, namespace=ns, records=[record], probe=probe, tb=tb))
+        assert view.text.startswith("Out of memory on"), view.text[:200]
+        return view
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--objects", type=int, nargs="+", default=[100_000, 1_500_000])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help="who()'s time budget in seconds")
+    parser.add_argument("--no-panel", action="store_true", help="time who() only")
+    args = parser.parse_args()
+
+    rows = []
+    for n in args.objects:
+        for shape in args.shapes:
+            start = time.perf_counter()
+            ns = build(shape, n, args.batch, args.size)
+            setup_s = time.perf_counter() - start
+            median, worst, report = timed(lambda: who(ns, budget_s=args.budget), args.repeat)
+            state = "complete" if report.complete else "stopped: " + report.notes[0]
+            print(f"{shape:>16} {n:>10,} objects  who() median {median * 1e3:7.1f} ms  worst {worst * 1e3:7.1f} ms  "
+                  f"{report.tensor_count:,} storages  {state}  (built in {setup_s:.1f} s)", flush=True)
+            panel = "not run | "
+            if not args.no_panel:
+                try:
+                    p_median, p_worst, _ = timed(panel_runner(ns), args.repeat)
+                    panel = f"{p_median * 1e3:.1f} ms | {p_worst * 1e3:.1f} ms"
+                    print(f"{'':>16} {'':>10}          OOM panel median {p_median * 1e3:7.1f} ms  worst "
+                          f"{p_worst * 1e3:7.1f} ms", flush=True)
+                except Exception as exc:  # the OOM room is someone else's: who()'s numbers still stand
+                    panel = f"failed ({type(exc).__name__}) | "
+                    print(f"{'':>16} {'':>10}          OOM panel failed: {type(exc).__name__}: {exc}", flush=True)
+            rows.append(f"| {shape} | {n:,} | {median * 1e3:.1f} ms | {worst * 1e3:.1f} ms | "
+                        f"{'yes' if report.complete else 'no (budget)'} | {report.tensor_count:,} | {panel} |")
+            del ns, report
+            gc.collect()
+
     print()
     print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")
-    print(f"setup (build + train step + forward): {setup_s:.1f} s; torch {torch.__version__}, "
-          f"Python {platform.python_version()}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, Python {platform.python_version()}, {torch.get_num_threads()} threads, "
+          f"who() budget {args.budget:g} s, {args.repeat} runs after one warm-up")
     print()
-    print("| namespace objects | model | input | parameters | storages | retained graph "
-          "| who() median | who() worst | OOM panel median | OOM panel worst | runs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {len(ns):,} | ResNet-50 (hand-written) + Adam "
-          f"| {args.batch}x3x{args.size}x{args.size} "
-          f"| {n_params / 1e6:.1f}M | {report.tensor_count} "
-          f"| {report.categories['retained_graphs'] / 2**20:.1f} MiB "
-          f"| {median_ms:.1f} ms | {worst_ms:.1f} ms | {panel_median:.1f} ms | {panel_worst:.1f} ms "
-          f"| {args.repeat} |")
+    print("| shape | objects | who() median | who() worst | complete | storages | OOM panel median | OOM panel worst |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(row)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,7 @@ _MORE = -1  # last item of an owner tuple: reached from more roots than we name
 _UNDERSCORES = ("_", "__", "___")
 _OUT_NAMES = ("Out", "_oh")
 _FIRST = itemgetter(0)
+_GONE = object()  # a name deleted while the walk ran
 
 
 def key_text(key: Any) -> str:
@@ -299,25 +300,32 @@ class Walk:
     # ------------------------------------------------------------ the roots
     def top_variables(self, tier: _Tier) -> None:
         """The namespace's names: every one is the user's variable except those IPython bound."""
-        try:
-            items = list(dict.items(self.namespace))  # one C call: a consistent snapshot
-        except Exception as exc:  # pragma: no cover - a dict's items never fail
-            self.notes.append(f"the namespace could not be read: {type(exc).__name__}")
-            return
-        self.visits += len(items)
+        ns = self.namespace
+        # Two C calls instead of a million (name, value) tuples; each suspect is checked against
+        # the namespace below, so a name another thread rebinds in between is never mislabelled.
+        names, values = list(ns), list(dict.values(ns))
+        self.visits += len(values)
         # Values at depth 0 hold tensors at most MAX_DEPTH levels below them.
-        positions = self.suspects(list(map(itemgetter(1), items)), MAX_DEPTH + 1)
+        positions = self.suspects(values, MAX_DEPTH + 1) if len(names) == len(values) else range(len(values))
         owned = self.refs.names if self.refs is not None else ()
-        kinds, root = self.kinds, self.root
+        kinds, classify, root = self.kinds, self.classify, self.root
         for count, position in enumerate(positions):
             if count and not count & 1023 and self.out_of_budget():  # the first names always count
-                first = items[position][0]
+                first = names[position] if position < len(names) else "?"
                 self.unexamined.append(f"{len(positions) - count:,} of the namespace's names (from "
                                        f"{first if type(first) is str else key_text(first)} on)")
                 return
-            name, value = items[position]
-            if type(name) is str and name not in owned:
-                root(tier, NAME, name, value, kinds[type(value)], 0)
+            name = names[position] if position < len(names) else None
+            if type(name) is not str or name in owned:
+                continue
+            value = dict.get(ns, name, _GONE)
+            if value is _GONE:
+                continue
+            kind = kinds.get(type(value))
+            if kind is None:
+                kind = classify(type(value))
+            if kind:
+                root(tier, NAME, name, value, kind, 0)
 
     def top_caches(self, tier: _Tier) -> None:
         """IPython's own references: its output cache, ``_``/``__``/``___``/``_N``, the last error's frames.
@@ -499,24 +507,20 @@ class Walk:
         All in C (``chain.from_iterable`` of the builtin C iterators, ``map(type, ...)``), so a
         million small records cost a few passes over memory instead of a Python step each.
         """
-        kind = self.kinds[tp]
         try:
-            if kind == _DICT:
-                values = list(chain.from_iterable(map(dict.values, group)))
-            elif kind == _SEQ:
-                values = list(chain.from_iterable(map(self.seq_iter[tp], group)))
-            else:
-                desc = self.dict_desc[tp]
-                values = list(chain.from_iterable(map(dict.values, map(desc.__get__, group))))
+            # One pass for the common answer (only scalars below); the children are listed, in a
+            # second pass, only when something else is there.
+            found = set(map(type, self.children(tp, group)))
+            self.visits += len(group)
+            others = found.difference(self.skip_types)
+            if not others:
+                return True
+            if levels <= 1:
+                return False
+            values = list(self.children(tp, group))
         except Exception:  # an odd instance: let the item-by-item path look at each one
             return False
-        self.visits += len(values)
         tps = list(map(type, values))
-        others = set(tps).difference(self.skip_types)
-        if not others:
-            return True
-        if levels <= 1:
-            return False
         for other in others:
             kind = self.kinds.get(other)
             if kind is None:
@@ -527,6 +531,15 @@ class Walk:
                 return False
         return True
 
+    def children(self, tp: type, group: List[Any]) -> Iterator[Any]:
+        """What the containers in ``group`` (all of type ``tp``) hold, chained, through C iterators only."""
+        kind = self.kinds[tp]
+        if kind == _DICT:
+            return chain.from_iterable(map(dict.values, group))
+        if kind == _SEQ:
+            return chain.from_iterable(map(self.seq_iter[tp], group))
+        return chain.from_iterable(map(dict.values, map(self.dict_desc[tp].__get__, group)))
+
     def suspects(self, values: List[Any], levels: int) -> List[int]:
         """Positions of ``values`` that may hold a tensor within ``levels`` levels, in order.
 
@@ -535,19 +548,22 @@ class Walk:
         """
         tps = list(map(type, values))
         kinds, classify = self.kinds, self.classify
+        for tp in set(tps):  # every type gets a kind first, so that kinds.get never answers None below
+            if tp not in kinds:
+                classify(tp)
+        # One pass keeps what is not a scalar; the per-type passes then run over that rest only.
+        positions = list(compress(range(len(values)), map(kinds.__getitem__, tps)))
+        rest = list(map(tps.__getitem__, positions))
         kept: List[int] = []
-        for tp in set(tps):
-            kind = kinds.get(tp)
-            if kind is None:
-                kind = classify(tp)
-            if not kind:
+        for tp in set(rest):
+            mine = list(compress(positions, map(is_, rest, repeat(tp))))
+            if kinds[tp] < _DICT:
+                kept.extend(mine)
                 continue
-            positions = list(compress(range(len(values)), map(is_, tps, repeat(tp))))
-            if kind < _DICT:
-                kept.extend(positions)
-                continue
-            for start in range(0, len(positions), _GROUP):
-                chunk = positions[start:start + _GROUP]
+            if len(mine) > _GROUP and self.inert(tp, list(map(values.__getitem__, mine)), levels):
+                continue  # the usual case, in one go: a million records of scalars
+            for start in range(0, len(mine), _GROUP):
+                chunk = mine[start:start + _GROUP]
                 if not self.inert(tp, list(map(values.__getitem__, chunk)), levels):
                     kept.extend(chunk)
         kept.sort()
