@@ -203,6 +203,8 @@ def _report(walk: Walk, device: Optional[Device], allocator_total: Optional[int]
     """Resolve the walk's claims into a :class:`WhoReport` of plain values."""
     totals = [0] * len(CATEGORIES)
     by_device: Dict[Device, List[int]] = {}
+    # ((category, order, role, ref), storage key's device id) -> minus the bytes, so that sorting
+    # the (value, key) pairs puts the largest first and breaks ties by precedence, then walk order.
     rows: Dict[tuple, int] = {}
     sizes = walk.sizes
     for key, claim in walk.claims.items():
@@ -213,24 +215,25 @@ def _report(walk: Walk, device: Optional[Device], allocator_total: Optional[int]
         if per_dev is None:
             per_dev = by_device[dev] = [0] * len(CATEGORIES)
         per_dev[category] += nbytes
-        row = ((category, claim[4], claim[5], claim[6]), dev)
+        row = ((category, claim[4], claim[5], claim[6]), key[0])
         rows[row] = rows.get(row, 0) - nbytes
+    device_of = {id(dev): dev for dev in by_device}
     categories: Dict[str, Optional[int]] = dict(zip(CATEGORIES, totals))
     attributed = sum(totals)
     categories["unattributed"] = None if allocator_total is None else allocator_total - attributed
     top = heapq.nsmallest(MAX_HOLDER_ROWS, zip(rows.values(), rows.keys()))
-    holders = [walk.holder(category, role, ref, dev, -negative)
-               for negative, ((category, _order, role, ref), dev) in top]
+    holders = [walk.holder(category, role, ref, device_of[dev_id], -negative)
+               for negative, ((category, _order, role, ref), dev_id) in top]
     if len(rows) > len(top):  # the rest: one row per category and device
         counts = Counter(zip(map(itemgetter(0), map(itemgetter(0), rows)), map(itemgetter(1), rows)))
-        rest = {group: [by_device[group[1]][group[0]], count] for group, count in counts.items()}
-        for negative, ((category, _order, _role, _ref), dev) in top:
-            acc = rest[(category, dev)]
+        rest = {group: [by_device[device_of[group[1]]][group[0]], count] for group, count in counts.items()}
+        for negative, ((category, _order, _role, _ref), dev_id) in top:
+            acc = rest[(category, dev_id)]
             acc[0] += negative
             acc[1] -= 1
-        for (category, dev), (size, count) in sorted(rest.items(), key=lambda item: (-item[1][0], item[0][0])):
+        for (category, dev_id), (size, count) in sorted(rest.items(), key=lambda item: (-item[1][0], item[0][0])):
             if count:
-                holders.append(Holder("rest", CATEGORIES[category], dev, size, count=count))
+                holders.append(Holder("rest", CATEGORIES[category], device_of[dev_id], size, count=count))
     return WhoReport(
         categories=categories,
         holders=tuple(holders),

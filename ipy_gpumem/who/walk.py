@@ -2,10 +2,11 @@
 
 The walk visits the namespace breadth first: every name, then what those names' containers hold,
 one level deeper at a time, down to :data:`MAX_DEPTH`. Most of a namespace is scalars, strings and
-containers of them; those are recognised in C (``set.issuperset(map(type, ...))``) without a
-Python step per object, so a million small variables cost a few hundred milliseconds. Only what
-can hold a tensor gets a *path* (its parent, the step from it and the top-level order), and a
-path becomes text (``batch[0]``, ``trainer.model``) only if it ends up in the report.
+containers of them. Those are recognised in C, a whole group of containers of one type at a time
+(``set(map(type, chain.from_iterable(...)))``, see :meth:`Walk.inert`), without a Python step per
+object, so a million small variables cost a few hundred milliseconds. Only what can hold a
+tensor gets a *path* (its parent, the step from it and the top-level order), and a path becomes
+text (``batch[0]``, ``trainer.model``) only if it ends up in the report.
 
 Each tensor storage is *claimed* by every holder that reaches it; the best claim wins (see
 :meth:`Walk.claim`), so the order of the walk never changes the result, only what a budget
@@ -23,7 +24,7 @@ import sys
 import time
 import types
 from collections import deque
-from itertools import chain, compress, repeat
+from itertools import chain, compress, islice, repeat
 from operator import is_, is_not, itemgetter, not_
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -52,7 +53,8 @@ MAX_HOLDER_ROWS = 500  # holder rows kept; the rest are summed into one row per 
 _SHARED_NAMES = 4  # variables named in a shared-graph row before "+ more"
 _BULK = 64  # containers larger than this have their children sorted by type in C first
 _GROUP = 1024  # containers of one type tested together for "holds only scalars"
-_TENSORS = 1 << 16  # tensors read in bulk between two looks at the clock
+_TENSORS = 1 << 14  # tensors read in bulk between two looks at the clock
+_SLICE = 1 << 16  # items scanned in C between two looks at the clock
 # The budget covers the report too: turning claims into rows takes about this long per claim
 # (0.8 us measured on a loaded 2-core machine), so the walk stops early enough to leave it time.
 _REPORT_S_PER_CLAIM = 1e-6
@@ -202,10 +204,11 @@ class Walk:
         self.torch_devices: Dict[Any, Device] = {}  # torch.device -> Device, for devices already seen
         self.plain_tensor_types = {torch.Tensor} | ({self.parameter_type} if self.parameter_type else set())
 
-        # storage key (Device, data_ptr) -> (bytes, Device), and its best claim:
-        # (category, priority, depth, weight, order, role, ref); the smallest wins.
-        self.sizes: Dict[Tuple[Device, int], Tuple[int, Device]] = {}
-        self.claims: Dict[Tuple[Device, int], tuple] = {}
+        # storage key -> (bytes, Device), and its best claim: (category, priority, depth, weight,
+        # order, role, ref); the smallest wins. The key is (id of the Device, data_ptr): two ints
+        # hash faster than a tuple holding a Device, and each Device is one object per walk.
+        self.sizes: Dict[Tuple[int, int], Tuple[int, Device]] = {}
+        self.claims: Dict[Tuple[int, int], tuple] = {}
         # Paths, one entry each in four parallel lists: parent path (-1 for a root), the step
         # from the parent (ITEM/ATTR) or the kind of root (NAME/OUT/UNDER/LOCAL), the key
         # (a dict key, an index, an attribute, a name; (frame, name) for a traceback local),
@@ -303,7 +306,7 @@ class Walk:
         ns = self.namespace
         # Two C calls instead of a million (name, value) tuples; each suspect is checked against
         # the namespace below, so a name another thread rebinds in between is never mislabelled.
-        names, values = list(ns), list(dict.values(ns))
+        names, values = list(dict.keys(ns)), list(dict.values(ns))
         self.visits += len(values)
         # Values at depth 0 hold tensors at most MAX_DEPTH levels below them.
         positions = self.suspects(values, MAX_DEPTH + 1) if len(names) == len(values) else range(len(values))
@@ -507,18 +510,27 @@ class Walk:
         All in C (``chain.from_iterable`` of the builtin C iterators, ``map(type, ...)``), so a
         million small records cost a few passes over memory instead of a Python step each.
         """
+        values: List[Any] = []
+        found: set = set()
         try:
-            # One pass for the common answer (only scalars below); the children are listed, in a
-            # second pass, only when something else is there.
-            found = set(map(type, self.children(tp, group)))
-            self.visits += len(group)
-            others = found.difference(self.skip_types)
-            if not others:
-                return True
-            if levels <= 1:
-                return False
-            values = list(self.children(tp, group))
+            children = self.children(tp, group)
+            # In slices that stay in the CPU's cache, with a look at the clock between them: a
+            # list of fifty million ints must not stall the kernel either.
+            while True:
+                part = list(islice(children, _SLICE))
+                if not part:
+                    break
+                values.extend(part)
+                found.update(map(type, part))
+                self.visits += len(part)
+                if self.out_of_budget():
+                    return False  # not proven empty: the caller's walk reports it as not examined
         except Exception:  # an odd instance: let the item-by-item path look at each one
+            return False
+        others = found.difference(self.skip_types)
+        if not others:
+            return True
+        if levels <= 1:
             return False
         tps = list(map(type, values))
         for other in others:
@@ -763,7 +775,7 @@ class Walk:
                 size = -(-size // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
             claim = (param, 2, depth, 0, order, VAR, first + index) if is_param else (
                 other, 0, depth, 0, order, VAR, first + index)
-            key = (dev, ptr)
+            key = (id(dev), ptr)
             old = claims.get(key)
             if old is None:
                 claims[key] = claim
@@ -807,7 +819,7 @@ class Walk:
         if any(self.torch_devices[tdev].type == "cuda" for tdev in unique):
             nbytes = [-(-n // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if d.type == "cuda" else n
                       for n, d in zip(nbytes, devs)]
-        keys = list(zip(devs, ptrs))
+        keys = list(zip(map(id, devs), ptrs))
         new = list(zip(repeat(category), repeat(0), repeat(depth), repeat(0), repeat(order), repeat(VAR),
                        range(first, first + len(keys))))
         claims = self.claims
@@ -902,7 +914,7 @@ class Walk:
                         self.tensor_extras(tier, p, 1, depth, order, pid, OPT_GRADS)
 
     # ------------------------------------------------------------- storages
-    def storages(self, t: Any) -> List[Tuple[Tuple[Device, int], int, Device]]:
+    def storages(self, t: Any) -> List[Tuple[Tuple[int, int], int, Device]]:
         """``[(key, bytes, device)]`` of the storages behind ``t`` (none if meta/empty/filtered out)."""
         try:
             entry = self.storage_entry(self.untyped_storage(t))
@@ -939,7 +951,7 @@ class Walk:
             return _NOTHING
         if dtype == "cuda":
             nbytes = -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
-        return (dev, ptr), nbytes, dev
+        return (id(dev), ptr), nbytes, dev
 
     def device_of(self, device: Any) -> Optional[Device]:
         """Our :class:`Device` for a ``torch.device`` (None for meta: it owns no memory), remembered."""
@@ -955,7 +967,7 @@ class Walk:
         self.torch_devices[device] = dev
         return dev
 
-    def component_storages(self, t: Any) -> List[Tuple[Tuple[Device, int], int, Device]]:
+    def component_storages(self, t: Any) -> List[Tuple[Tuple[int, int], int, Device]]:
         """Storages of a sparse tensor's indices and values, or of a wrapper's inner tensors."""
         torch = self.torch
         try:
@@ -980,10 +992,10 @@ class Walk:
                 out.append(entry)
         return out
 
-    def wrapper_storages(self, t: Any) -> List[Tuple[Tuple[Device, int], int, Device]]:
+    def wrapper_storages(self, t: Any) -> List[Tuple[Tuple[int, int], int, Device]]:
         """Storages of the tensors a wrapper subclass keeps as attributes (``_values``...)."""
         attrs = self.instance_dict(t)
-        out: List[Tuple[Tuple[Device, int], int, Device]] = []
+        out: List[Tuple[Tuple[int, int], int, Device]] = []
         if attrs is None:
             return out
         for value in list(dict.values(attrs))[:64]:
