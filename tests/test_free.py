@@ -15,9 +15,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ipy_gpumem.free.release import ReleasePlan, ReleaseResult, last_error, plan_release, release  # noqa: E402
-from ipy_gpumem.free.view import freed_view, plan_view  # noqa: E402
-from ipy_gpumem.core.probes import DeviceSample, HostSample, Sample  # noqa: E402
+from ipy_gpumem.free.release import (  # noqa: E402
+    FreeOutcome, ReleasePlan, ReleaseResult, free_memory, last_error, plan_release, release)
+from ipy_gpumem.free.view import free_view, freed_view, plan_view  # noqa: E402
+from ipy_gpumem.core.probes import DeviceSample, HostSample, MemoryProbe, Sample  # noqa: E402
 from ipy_gpumem.core.units import format_bytes  # noqa: E402
 from ipy_gpumem.display.view import View  # noqa: E402
 from ipy_gpumem.who.attribution import who  # noqa: E402
@@ -197,6 +198,26 @@ def test_nothing_to_release(shell):
     result = carry_out(shell, the_plan)
     assert not result.released and "kept" in shell.user_ns
     assert "none was holding tensors" in freed_view(result).text
+
+
+def test_free_memory_is_the_whole_command(shell):
+    """What ``%gpumem free [--dry-run]`` runs: the plan, then release, gc.collect() and the readings."""
+    n = run(shell, "torch.ones(2**24)")  # 64 MiB, displayed and cached by IPython only
+    probe = weakref.ref(shell.user_ns["Out"][n])
+    ipython = dict(last_result=shell.last_execution_result, tb_formatters=(shell.InteractiveTB,),
+                   displayhook=shell.displayhook, hidden=shell.user_ns_hidden)
+    dry = free_memory(shell.user_ns, refs(shell), MemoryProbe(), dry_run=True, **ipython)
+    assert isinstance(dry, FreeOutcome) and dry.dry_run and dry.result is None and dry.after is None
+    assert n in shell.user_ns["Out"] and probe() is not None  # a dry run changes nothing
+    view = free_view(dry)
+    assert view.data is dry and "would release" in view.text and "dry run" in view.text
+    done = free_memory(shell.user_ns, refs(shell), MemoryProbe(), **ipython)
+    assert done.result.out_keys == (n,) and probe() is None
+    assert not done.cache_emptied and not torch.cuda.is_initialized()  # never initializes CUDA
+    if sys.platform.startswith("linux"):  # a 64 MiB block is its own mmap: given back to the OS at once
+        assert done.before.host.rss - done.after.host.rss >= 48 * MiB
+    text = free_view(done).text
+    assert "releases" in text and "ipy_gpumem free: done." in text and "host RSS" in text
 
 
 def _frames(tb):

@@ -6,15 +6,19 @@ every displayed result (``Out[N]``, ``_``, ``__``, ``___``, ``_N``, plus its own
 ``user_ns_hidden`` and on the displayhook). Dropping those loses nothing the user asked to keep:
 ``%tb`` and ``%debug`` will have nothing to show, and ``Out[N]`` entries that held tensors are gone.
 
+:func:`free_memory` is the whole ``%gpumem free``: the plan, then (unless it is a dry run) the
+release, ``gc.collect()`` and the CUDA allocator's ``empty_cache()`` (only when CUDA is already
+initialized: never on the user's behalf), with the memory read before and after.
+
 Which names are IPython's is decided by identity (:func:`~ipy_gpumem.who.holders.ipython_refs`),
 never by spelling: after ``x, _ = torch.max(t, 0)`` the name ``_`` is the user's, and so are a
 ``_5`` or an ``Out`` the user assigned. The plan is data (:func:`plan_release`), computed from
 ``who()``'s typed holders in the ``ipython_caches`` category (exactly the bytes only those
-references keep alive); :func:`release` carries it out and returns what it did. Garbage
-collection and the CUDA allocator's cache are the caller's business, after this.
+references keep alive); :func:`release` carries it out and returns what it did.
 """
 from __future__ import annotations
 
+import gc
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Mapping, MutableMapping, Optional, Tuple
@@ -22,7 +26,8 @@ from typing import Any, Iterable, List, Mapping, MutableMapping, Optional, Tuple
 from ..who.attribution import WhoReport, who
 from ..who.holders import Holder, IPythonRefs, ipython_refs
 
-__all__ = ["ReleasePlan", "ReleaseResult", "kept_errors", "last_error", "plan_release", "release"]
+__all__ = ["FreeOutcome", "ReleasePlan", "ReleaseResult", "free_memory", "kept_errors", "last_error", "plan_release",
+           "release"]
 
 _UNDERSCORES = ("_", "__", "___")
 _OUT_NAMES = ("Out", "_oh")
@@ -270,3 +275,77 @@ def release(plan: ReleasePlan, namespace: MutableMapping[str, Any], *, hidden: O
                     setattr(last_result, name, None)
     return ReleaseResult(plan=plan, error=error, out_keys=tuple(out_keys), names=tuple(names),
                          hidden=tuple(hidden_names), displayhook=tuple(reset), skipped=tuple(skipped))
+
+
+@dataclass(frozen=True)
+class FreeOutcome:
+    """One ``%gpumem free``: the plan, what was released, and the memory before and after.
+
+    Attributes:
+        plan: what was (or, in a dry run, would be) released.
+        result: what :func:`release` did; None in a dry run.
+        before, after: probe ``Sample``s read before the release and after the collection and
+            the cache release (None when unknown; ``after`` is None in a dry run).
+        dry_run: nothing was released.
+        collected: objects ``gc.collect()`` found unreachable.
+        cache_emptied: ``torch.cuda.empty_cache()`` ran (CUDA was initialized).
+    """
+
+    plan: ReleasePlan
+    result: Optional[ReleaseResult] = None
+    before: Any = None
+    after: Any = None
+    dry_run: bool = False
+    collected: int = 0
+    cache_emptied: bool = False
+
+
+def free_memory(namespace: MutableMapping[str, Any], refs: Optional[IPythonRefs], probe: Any = None, *,
+                dry_run: bool = False, last_result: Any = None, tb_formatters: Iterable[Any] = (),
+                displayhook: Any = None, hidden: Optional[MutableMapping[str, Any]] = None) -> FreeOutcome:
+    """``%gpumem free [--dry-run]``: plan, release, collect, give the CUDA cache back, measure.
+
+    The only state it changes is IPython's own references (see :func:`release`), the garbage
+    collector's run and the CUDA allocator's cache, all asked for by the user; a dry run changes
+    nothing.
+
+    Args:
+        namespace, refs: ``shell.user_ns`` and ``ipython_refs(shell.user_ns, shell.user_ns_hidden,
+            shell.displayhook)``.
+        probe: a ``MemoryProbe`` for the readings before and after (None: no readings).
+        dry_run: plan and read only.
+        last_result, tb_formatters, displayhook, hidden: IPython's other references, as for
+            :func:`plan_release` and :func:`release`.
+    """
+    tb_formatters = tuple(tb_formatters)
+    plan = plan_release(namespace, refs, last_result=last_result, tb_formatters=tb_formatters)
+    before = _sample(probe)
+    if dry_run:
+        return FreeOutcome(plan, before=before, dry_run=True)
+    result = release(plan, namespace, hidden=hidden, displayhook=displayhook, last_result=last_result,
+                     tb_formatters=tb_formatters)
+    collected = gc.collect()  # asked for by the user: %gpumem free
+    emptied = _empty_cuda_cache()
+    return FreeOutcome(plan, result, before, _sample(probe), collected=collected, cache_emptied=emptied)
+
+
+def _sample(probe: Any) -> Any:
+    if probe is None:
+        return None
+    try:
+        return probe.sample()
+    except Exception:  # a reading is a nicety here; the release stands without it
+        return None
+
+
+def _empty_cuda_cache() -> bool:
+    """``torch.cuda.empty_cache()`` when torch is imported and CUDA already initialized; never imports or initializes."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        if cuda is None or not cuda.is_initialized():
+            return False
+        cuda.empty_cache()
+        return True
+    except Exception:
+        return False

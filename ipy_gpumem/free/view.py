@@ -1,8 +1,9 @@
 """What ``%gpumem free`` would release and what it released: one list of parts, rendered to text and HTML.
 
-``plan_view`` shows a :class:`~ipy_gpumem.free.release.ReleasePlan` (``--dry-run``, or before
-releasing); ``freed_view`` a :class:`~ipy_gpumem.free.release.ReleaseResult` with the memory
-measured before and after. Each keeps what it shows as ``View.data``.
+``free_view`` shows a whole :class:`~ipy_gpumem.free.release.FreeOutcome` (the plan, then what was
+released and the memory before and after); ``plan_view`` a
+:class:`~ipy_gpumem.free.release.ReleasePlan` alone and ``freed_view`` a
+:class:`~ipy_gpumem.free.release.ReleaseResult` alone. Each keeps what it shows as ``View.data``.
 """
 from __future__ import annotations
 
@@ -13,11 +14,20 @@ from ..core.memory import DeviceMemory
 from ..core.units import format_bytes, format_delta
 from ..display.parts import Heading, Para, Table, render
 from ..display.view import View, delta_class
-from .release import ReleasePlan, ReleaseResult
+from .release import FreeOutcome, ReleasePlan, ReleaseResult
 
-__all__ = ["plan_view", "freed_view"]
+__all__ = ["free_view", "plan_view", "freed_view"]
 
 _ITEM = dict(indent="  - ", hanging="    ")
+
+
+def free_view(outcome: FreeOutcome) -> View:
+    """``%gpumem free``: the plan, then (unless a dry run) what was released and the memory before
+    and after; ``data`` is the outcome."""
+    parts = _plan_parts(outcome.plan, outcome.before, outcome.dry_run)
+    if outcome.result is not None:
+        parts.extend(_freed_parts(outcome.result, outcome.before, outcome.after))
+    return render(parts, data=outcome)
 
 
 def plan_view(plan: ReleasePlan, before: Any = None, dry_run: bool = True) -> View:
@@ -28,6 +38,15 @@ def plan_view(plan: ReleasePlan, before: Any = None, dry_run: bool = True) -> Vi
         before: a probe ``Sample`` taken now, for what the allocator's cache holds (None: unknown).
         dry_run: say "would release" and that nothing was released.
     """
+    return render(_plan_parts(plan, before, dry_run), data=plan)
+
+
+def freed_view(result: ReleaseResult, before: Any = None, after: Any = None) -> View:
+    """What ``%gpumem free`` released, and the memory before and after (probe ``Sample``s); ``data`` is the result."""
+    return render(_freed_parts(result, before, after), data=result)
+
+
+def _plan_parts(plan: ReleasePlan, before: Any, dry_run: bool) -> List[Any]:
     parts: List[Any] = [Heading("ipy_gpumem free " + ("would release" if dry_run else "releases")
                                 + " (never a variable of yours):")]
     if plan.error is not None:
@@ -48,11 +67,10 @@ def plan_view(plan: ReleasePlan, before: Any = None, dry_run: bool = True) -> Vi
     parts.append(Para("then: " + "; ".join(_then(before)), indent="  ", hanging="    "))
     if dry_run:
         parts.append(Para("(dry run: nothing was released)", style="dim"))
-    return render(parts, data=plan)
+    return parts
 
 
-def freed_view(result: ReleaseResult, before: Any = None, after: Any = None) -> View:
-    """What ``%gpumem free`` released, and the memory before and after (probe ``Sample``s); ``data`` is the result."""
+def _freed_parts(result: ReleaseResult, before: Any, after: Any) -> List[Any]:
     parts: List[Any] = [Heading("ipy_gpumem free: done.")]
     released = []
     if result.error is not None:
@@ -67,7 +85,7 @@ def freed_view(result: ReleaseResult, before: Any = None, after: Any = None) -> 
     table = _changes(before, after)
     if table is not None:
         parts.append(table)
-    return render(parts, data=result)
+    return parts
 
 
 def _references(keys, names) -> str:
