@@ -150,7 +150,7 @@ def test_spans_stay_bounded_over_10k_cells_by_merging_the_oldest():
     merged = [s.cells for s in snap.spans if s.cells > 1]
     assert len(set(merged[:-1])) == 1 and merged[0] >= merged[-1]
     biggest = next(s for s in snap.spans if s.start <= 32.0 <= s.end)  # [17] ran at 34 - 2
-    assert biggest.largest.label == "[17]" and biggest.largest.first_line == "step(17)"
+    assert biggest.largest.label == "[17]" and biggest.largest.first_line == "y = model(x)"  # the record's source
     assert biggest.moved == biggest.largest.moved == 2 * GiB and biggest.largest.start == pytest.approx(32.0)
     assert all(a.end <= b.start for a, b in zip(snap.spans, snap.spans[1:]))
 

@@ -203,8 +203,18 @@ def _changes(record) -> Tuple[Change, ...]:
 
 
 def _first(source: str) -> str:
-    # A cell of thousands of lines runs this on every start: look at its head only.
-    return first_line(source[:4096], FIRST_LINE_CHARS) or first_line(source, FIRST_LINE_CHARS)
+    """The line that names a cell: its first non-blank line, or the one after a ``%%magic`` line
+    (``%%gpumem --lines`` says nothing about what the cell does)."""
+    head = source[:4096]  # a cell of thousands of lines runs this on every start: its head is enough
+    lines = head.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip():
+            if line.lstrip().startswith("%%"):
+                body = first_line("\n".join(lines[i + 1:]), FIRST_LINE_CHARS)
+                if body:
+                    return body
+            break
+    return first_line(head, FIRST_LINE_CHARS) or first_line(source, FIRST_LINE_CHARS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -579,7 +589,8 @@ class Timeline:
             # The record's execution count is the reliable one (IPython 7 increments it after
             # the cell, 8+ before), so its label wins over the one guessed at the start.
             label = record.label if record.execution_count is not None else running.label
-            span = Span(running.start, end, label, running.first_line, record.moved_bytes, 1, record.error is not None,
+            first = _first(record.source) if record.source else running.first_line
+            span = Span(running.start, end, label, first, record.moved_bytes, 1, record.error is not None,
                         record.error, record.duration_s, _changes(record), True)
             for dev in record.devices:
                 if dev.total is not None:

@@ -42,7 +42,7 @@ _WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 _SPARK = "▁▂▃▄▅▆▇█"
 #: Inline chart size, and the narrower one the sidebar gets (an image scales down, never up).
 CHART_SIZE = (760, 240)
-SIDEBAR_SIZE = (440, 260)
+SIDEBAR_SIZE = (300, 230)
 
 
 def in_kernel(shell=None) -> bool:
