@@ -179,9 +179,8 @@ RUN_ALL_JS = """() => {
 }"""
 
 #: One observation of the page: prompts, errors, the inline and sidebar charts, the status line.
-#: Points are read from plotly.js's own graph div (``gd.data``: what is drawn, x per trace); if
-#: that were not exposed, the vertices of the drawn line paths are counted instead (a lower
-#: bound: plotly simplifies collinear runs), and ``source`` says which one was used.
+#: A chart is an ``<img>`` of an SVG (a data URI) with hover boxes: its points are counted in the
+#: SVG itself (the vertices of the longest series path), its status line is the text above it.
 PROBE_JS = r"""(path) => {
   const app = window.jupyterapp;
   const panel = app.shell.currentWidget;
@@ -191,26 +190,23 @@ PROBE_JS = r"""(path) => {
   const session = panel.sessionContext && panel.sessionContext.session;
   if (session && session.kernel) { out.kernel = session.kernel.status; out.kernelName = session.kernel.name; }
   const chart = (el) => {
-    const r = {points: null, source: null, lastY: null, traces: [],
-               inRight: !!el.closest('#jp-right-stack'), inSidecar: !!el.closest('.jupyterlab-sidecar'),
-               visible: el.getBoundingClientRect().width > 0};
-    if (Array.isArray(el.data) && el.data.length) {
-      const lines = el.data.filter((t) => t.name !== 'cells' && String(t.mode || 'lines').indexOf('lines') >= 0);
-      r.traces = el.data.map((t) => `${t.name}:${(t.x || []).length}`);
-      if (lines.length) {
-        const best = lines.reduce((a, b) => ((b.x || []).length > (a.x || []).length ? b : a));
-        r.points = (best.x || []).length;
-        const ys = (best.y || []).filter((v) => v !== null && v !== undefined);
-        r.lastY = ys.length ? Number(ys[ys.length - 1]) : null;
-        r.source = 'gd.data';
-      }
-    }
-    if (r.points === null) {
-      let n = 0;
-      el.querySelectorAll('.scatterlayer .trace path.js-line').forEach((p) => {
-        n = Math.max(n, ((p.getAttribute('d') || '').match(/[ML]/g) || []).length);
-      });
-      r.points = n; r.source = 'path';
+    const img = el.querySelector('img');
+    const box = img ? img.getBoundingClientRect() : {width: 0, height: 0};
+    const r = {points: null, series: 0, boxes: el.querySelectorAll('div[title]').length,
+               visible: !!img && img.naturalWidth > 0 && box.width > 0 && box.height > 0,
+               width: Math.round(box.width), inRight: !!el.closest('#jp-right-stack'),
+               inSidecar: !!el.closest('.jupyterlab-sidecar'),
+               header: el.firstElementChild ? el.firstElementChild.textContent.trim().slice(0, 200) : null,
+               svgText: el.textContent.indexOf('0 bytes') >= 0};
+    if (img) {
+      const src = img.getAttribute('src') || '';
+      try {
+        const svg = decodeURIComponent(src.slice(src.indexOf(',') + 1));
+        const doc = new DOMParser().parseFromString(svg, 'image/svg+xml');
+        const lines = [...doc.querySelectorAll('path[fill="none"][stroke-width="1.6"]')];
+        r.series = lines.length;
+        r.points = lines.reduce((n, p) => Math.max(n, ((p.getAttribute('d') || '').match(/,/g) || []).length), 0);
+      } catch (e) { r.points = -1; }
     }
     return r;
   };
@@ -222,18 +218,37 @@ PROBE_JS = r"""(path) => {
       const tb = (o.traceback || []).join('\n').replace(/\u001b\[[0-9;]*m/g, '');
       out.errors.push({cell: i, text: `${o.ename}: ${o.evalue}\n${tb.slice(-1500)}`});
     });
-    cell.node.querySelectorAll('.js-plotly-plot').forEach((el) => out.inline.push(Object.assign({cell: i}, chart(el))));
+    cell.node.querySelectorAll('.ipy-gpumem-chart').forEach((el) => out.inline.push(Object.assign({cell: i}, chart(el))));
     cell.node.querySelectorAll('.jp-OutputArea-output').forEach((e) => {
       const text = e.textContent.trim();
       if (text.startsWith('ipy_gpumem \u00b7') && text.indexOf('sidebar') >= 0) out.status.push({cell: i, text: text.slice(0, 300)});
     });
   });
   document.querySelectorAll('.jupyterlab-sidecar').forEach((sc) => {
-    out.sidecars.push({inRight: !!sc.closest('#jp-right-stack'), plots: sc.querySelectorAll('.js-plotly-plot').length,
+    out.sidecars.push({inRight: !!sc.closest('#jp-right-stack'), charts: sc.querySelectorAll('.ipy-gpumem-chart').length,
                        visible: sc.getBoundingClientRect().width > 0, text: sc.textContent.trim().slice(0, 200)});
-    sc.querySelectorAll('.js-plotly-plot').forEach((el) => out.sidebar.push(chart(el)));
+    sc.querySelectorAll('.ipy-gpumem-chart').forEach((el) => out.sidebar.push(chart(el)));
   });
   return out;
+}"""
+
+#: The charts of an opened notebook (no kernel needed): what a reader of a saved notebook sees.
+SAVED_CHARTS_JS = r"""() => {
+  const app = window.jupyterapp;
+  const panel = app && app.shell ? app.shell.currentWidget : null;
+  if (!panel || !panel.content) return null;
+  const charts = [];
+  panel.content.widgets.forEach((cell, i) => {
+    cell.node.querySelectorAll('.jp-OutputArea-output').forEach((o) => {
+      const img = o.querySelector('.ipy-gpumem-chart img');
+      if (!o.querySelector('.ipy-gpumem-chart')) return;
+      charts.push({cell: i, trusted: o.classList.contains('jp-mod-trusted'),
+                   visible: !!img && img.naturalWidth > 0 && img.getBoundingClientRect().width > 0,
+                   boxes: o.querySelectorAll('div[title]').length, inlineSvg: o.querySelectorAll('svg').length,
+                   text: o.textContent.trim().slice(0, 160)});
+    });
+  });
+  return charts;
 }"""
 
 #: The titles of the right sidebar's tabs (the sidecar's "GPU memory" among them).

@@ -2,8 +2,10 @@
 
 A fresh notebook loads the extension, opens the chart inline and in the sidebar, then runs a
 cell that grows host memory for 8 s. While that cell shows ``[*]`` the chart's points must go up
-(inline and in the sidebar), the sidebar must hold the plotly chart and the inline status line
-must keep changing; afterwards the charts hold more points than during the run.
+(inline and in the sidebar), the sidebar must hold the chart and the inline status line must keep
+changing; afterwards the charts hold more points than during the run. Then the notebook is saved
+and a copy of it (untrusted, as a notebook from someone else is) is opened: the chart must still
+be visible there, with its hover boxes, and the file must stay small.
 
 Run with ``IPY_GPUMEM_BROWSER=1 python -m pytest tests/test_browser.py -q -s``. Screenshots, the
 browser console, the server log and every observation land in ``artifacts/browser/``;
@@ -21,7 +23,7 @@ import uuid
 import pytest
 
 from browser_helpers import (ARTIFACTS, CHROMIUM_ARGS, KERNEL_NAME, KERNEL_READY_JS, PROBE_JS, REPO, RIGHT_TABS_JS,
-                             RUN_ALL_JS, LabServer, find_chromium, write_notebook)
+                             RUN_ALL_JS, SAVED_CHARTS_JS, LabServer, find_chromium, write_notebook)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -34,8 +36,10 @@ KERNEL_TIMEOUT = 90  # s: server up -> notebook open with an idle kernel (2 core
 SETUP_TIMEOUT = 90  # s: run-all started -> the growing cell starts (first import is the slow part)
 GROW_TIMEOUT = 60  # s: the 8 s cell, with room for a loaded machine
 AFTER_TIMEOUT = 15  # s: after the cell, waiting for the final redraw
-ARTIFACT_NAMES = ("01-ready.png", "02-running.png", "03-done.png", "04-sidebar.png", "99-failure.png",
-                  "console.log", "server.log", "observations.json")
+ARTIFACT_NAMES = ("01-ready.png", "02-running.png", "03-done.png", "04-sidebar.png", "05-reopened.png",
+                  "99-failure.png", "console.log", "server.log", "observations.json")
+#: Issue 8.9: a saved notebook used to carry about 5 MB per chart view (plotly's bundle).
+MAX_SAVED_BYTES = 200 * 1024
 DOCS_SHOT = os.path.join(REPO, "docs", "chart-jupyterlab.png")
 
 _NUMBERED = re.compile(r"^\[\d+\]:$")
@@ -58,7 +62,7 @@ def artifacts():
 
 @pytest.fixture
 def lab(tmp_path, artifacts):
-    for module in ("jupyterlab", "playwright", "nbformat", "ipywidgets", "plotly", "anywidget", "sidecar"):
+    for module in ("jupyterlab", "playwright", "nbformat", "ipywidgets", "sidecar"):
         try:
             __import__(module)
         except ImportError:
@@ -138,6 +142,17 @@ def _describe(observations, limit=80) -> str:
 
 def _mib(value):
     return None if value is None else round(value / 2**20, 1)
+
+
+_RESIDENT = re.compile(r"host ([0-9.]+ (?:bytes|KiB|MiB|GiB)) resident")
+
+
+def _resident(chart):
+    """The host RSS the chart's status line shows (what the reader sees), in bytes."""
+    from ipy_gpumem.core.units import parse_bytes
+
+    match = _RESIDENT.search((chart or {}).get("header") or "")
+    return parse_bytes(match.group(1)) if match else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,16 +252,18 @@ def test_live_chart_moves_inline_and_in_sidebar_while_cell_runs(lab, page, artif
         statuses = [_status(o) for o in running]
         assert len(running) >= 4, f"only {len(running)} observations while the cell showed [*]" + context()
 
-        # The inline chart: one live plotly chart, in the output of the %gpumem chart cell.
+        # The inline chart: one live chart, in the output of the %gpumem chart cell, visible.
         assert [c["cell"] for c in final["inline"]] == [1], \
-            f"expected one inline plotly chart, in cell 1's output; found {final['inline']}" + context()
+            f"expected one inline chart, in cell 1's output; found {final['inline']}" + context()
+        assert final["inline"][0]["visible"] and final["inline"][0]["boxes"] >= 1, str(final["inline"]) + context()
         assert _increases(inline_counts) >= 2, \
             f"inline chart points did not increase at least twice while [*]: {inline_counts}" + context()
 
-        # The sidebar: a sidecar in JupyterLab's right area, holding the plotly chart, tab "GPU memory".
+        # The sidebar: a sidecar in JupyterLab's right area, holding the chart, tab "GPU memory".
         assert final["sidecars"], "no .jupyterlab-sidecar in the page" + context()
-        assert any(s["inRight"] and s["plots"] >= 1 and s["visible"] for s in final["sidecars"]), \
-            f"the right sidebar does not show a plotly chart: {final['sidecars']}" + context()
+        assert any(s["inRight"] and s["charts"] >= 1 and s["visible"] for s in final["sidecars"]), \
+            f"the right sidebar does not show the chart: {final['sidecars']}" + context()
+        assert final["sidebar"] and final["sidebar"][0]["visible"], str(final["sidebar"]) + context()
         assert "GPU memory" in right_tabs, f"no 'GPU memory' tab in the right sidebar: {right_tabs}" + context()
         assert _increases(sidebar_counts) >= 2, \
             f"sidebar chart points did not increase at least twice while [*]: {sidebar_counts}" + context()
@@ -258,9 +275,9 @@ def test_live_chart_moves_inline_and_in_sidebar_while_cell_runs(lab, page, artif
         assert changes >= 2, f"the status line changed {changes} times while [*]: {sorted(set(statuses))}" + context()
         assert any("running" in s for s in statuses), "the status line never said the cell was running" + context()
 
-        # The chart shows memory, not just time: the host RSS (or cuda) line went up by most of 256 MiB.
-        lows = [o["inline"][0]["lastY"] for o in running if o["inline"] and o["inline"][0]["lastY"] is not None]
-        top = final["inline"][0]["lastY"]
+        # The chart shows memory, not just time: the host RSS it reports went up by most of 256 MiB.
+        lows = [_resident(o["inline"][0]) for o in running if o["inline"] and _resident(o["inline"][0]) is not None]
+        top = _resident(final["inline"][0])
         assert lows and top is not None and top - min(lows) >= 128 * 2**20, \
             (f"the charted memory rose from {_mib(min(lows) if lows else None)} to {_mib(top)} MiB, "
              "expected at least +128 MiB from 16 x 16 MiB") + context()
@@ -270,6 +287,34 @@ def test_live_chart_moves_inline_and_in_sidebar_while_cell_runs(lab, page, artif
             f"inline chart: {_points(final['inline'])} points after the run, {max_inline} during it" + context()
         assert (_points(final["sidebar"]) or 0) > max_sidebar, \
             f"sidebar chart: {_points(final['sidebar'])} points after the run, {max_sidebar} during it" + context()
+
+        # -- saved, then opened again as someone else's (untrusted) notebook ------------------------
+        page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        path = os.path.join(lab.root, name)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "ipy-gpumem-chart" not in open(path).read():
+            time.sleep(0.5)
+        saved = open(path).read()
+        import nbformat
+
+        nb = nbformat.reads(saved, as_version=4)
+        chart_html = [o["data"]["text/html"] for o in nb.cells[1].outputs if "text/html" in o.get("data", {})]
+        assert chart_html and "data:image/svg+xml," in chart_html[-1], nb.cells[1].outputs
+        assert len(saved) <= MAX_SAVED_BYTES, f"the saved notebook is {len(saved):,} bytes"
+        nb.metadata["copied_by"] = "the browser test"  # changed content: not signed, so untrusted
+        copy = name.replace(".ipynb", "-copy.ipynb")
+        nbformat.write(nb, os.path.join(lab.root, copy))
+        page.goto(f"{lab.url}/lab/tree/{copy}?reset", wait_until="domcontentloaded", timeout=60_000)
+        page.wait_for_function(f"() => {{ const c = ({SAVED_CHARTS_JS})(); return c && c.some((x) => x.visible); }}",
+                               timeout=KERNEL_TIMEOUT * 1000, polling=250)
+        time.sleep(1.0)
+        reopened = page.evaluate(SAVED_CHARTS_JS)
+        shot("05-reopened.png")
+        observations.append({"t": round(time.monotonic() - t0, 2), "saved_bytes": len(saved), "reopened": reopened})
+        inline = [c for c in reopened if c["cell"] == 1]
+        assert inline and inline[0]["visible"] and not inline[0]["trusted"], reopened
+        assert inline[0]["boxes"] >= 1 and inline[0]["inlineSvg"] == 0, reopened  # tooltips kept, nothing stripped
+        assert "0 bytes" not in inline[0]["text"], reopened  # no axis text spilled out of a stripped <svg>
 
         if os.environ.get("IPY_GPUMEM_UPDATE_DOCS") == "1":  # the README's picture: mid-run if we have one
             os.makedirs(os.path.dirname(DOCS_SHOT), exist_ok=True)
