@@ -423,13 +423,14 @@ class GpuMemMagics(Magics):
         if rest and rest != ["--dry-run"]:
             raise UsageError("%gpumem free takes only --dry-run (show what would be released, release nothing)")
         from .free.release import free_memory
+        from .free.view import free_view
 
         shell = self.shell
-        return free_memory(shell.user_ns, self._refs(), self.probe, dry_run=bool(rest),
-                           last_result=getattr(shell, "last_execution_result", None),
-                           tb_formatters=[f for f in (getattr(shell, "InteractiveTB", None),) if f is not None],
-                           displayhook=getattr(shell, "displayhook", None),
-                           hidden=getattr(shell, "user_ns_hidden", None))
+        return free_view(free_memory(shell.user_ns, self._refs(), self.probe, dry_run=bool(rest),
+                                     last_result=getattr(shell, "last_execution_result", None),
+                                     tb_formatters=[f for f in (getattr(shell, "InteractiveTB", None),) if f is not None],
+                                     displayhook=getattr(shell, "displayhook", None),
+                                     hidden=getattr(shell, "user_ns_hidden", None)))
 
     def _mode_on(self, rest):
         self._no_args("on", rest)
