@@ -206,9 +206,8 @@ def _report(walk: Walk, device: Optional[Device], allocator_total: Optional[int]
     # ((category, order, role, ref), storage key's device id) -> minus the bytes, so that sorting
     # the (value, key) pairs puts the largest first and breaks ties by precedence, then walk order.
     rows: Dict[tuple, int] = {}
-    sizes = walk.sizes
     for key, claim in walk.claims.items():
-        nbytes, dev = sizes[key]
+        nbytes, dev = claim[7], claim[8]
         category = claim[0]
         totals[category] += nbytes
         per_dev = by_device.get(dev)

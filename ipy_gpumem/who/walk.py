@@ -147,8 +147,8 @@ class Walk:
     """One walk over a namespace; holds references to the user's objects only until :meth:`run` returns.
 
     After :meth:`run`, the results are plain values: :attr:`claims` (storage key -> winning
-    claim), :attr:`sizes` (storage key -> (bytes, Device)), the notes, and :meth:`holder` turns a
-    claim into a :class:`Holder`.
+    claim, whose last two fields are the storage's bytes and Device), the notes, and
+    :meth:`holder` turns a claim into a :class:`Holder`.
     """
 
     def __init__(self, torch: Any, namespace: dict, wanted: Optional[Device], refs: Optional[IPythonRefs],
@@ -171,6 +171,7 @@ class Walk:
         self.get_is_leaf = tensor_base.is_leaf.__get__
         self.get_retains_grad = tensor_base.retains_grad.__get__
         self.get_layout = tensor_base.layout.__get__
+        self.get_is_cpu = tensor_base.is_cpu.__get__
         self.tensor_type = torch.Tensor
         storage_base = getattr(torch._C, "StorageBase", None)
         try:  # the C descriptors behind UntypedStorage's device, nbytes() and data_ptr()
@@ -202,13 +203,16 @@ class Walk:
         self.node_info: Dict[type, Tuple[Tuple[str, ...], bool, bool]] = {}
         self.devices: Dict[Tuple[str, Optional[int]], Device] = {}
         self.torch_devices: Dict[Any, Device] = {}  # torch.device -> Device, for devices already seen
+        self.host = self.devices[("cpu", None)] = Device("cpu", None)
         self.plain_tensor_types = {torch.Tensor} | ({self.parameter_type} if self.parameter_type else set())
 
-        # storage key -> (bytes, Device), and its best claim: (category, priority, depth, weight,
-        # order, role, ref); the smallest wins. The key is (id of the Device, data_ptr): two ints
-        # hash faster than a tuple holding a Device, and each Device is one object per walk.
-        self.sizes: Dict[Tuple[int, int], Tuple[int, Device]] = {}
+        # storage key -> its best claim: (category, priority, depth, weight, order, role, ref,
+        # bytes, Device); the smallest wins, and the last two ride along for the report. The key
+        # is (id of the Device, data_ptr): two ints hash faster than a tuple holding a Device,
+        # and each Device is one object per walk. ``sizes`` keeps (bytes, Device) of the
+        # storages that autograd graphs save, until their claims are made.
         self.claims: Dict[Tuple[int, int], tuple] = {}
+        self.sizes: Dict[Tuple[int, int], Tuple[int, Device]] = {}
         # Paths, one entry each in four parallel lists: parent path (-1 for a root), the step
         # from the parent (ITEM/ATTR) or the kind of root (NAME/OUT/UNDER/LOCAL), the key
         # (a dict key, an index, an attribute, a name; (frame, name) for a traceback local),
@@ -746,26 +750,28 @@ class Walk:
         self.p_order.extend(repeat(order, count))
         try:
             storages = list(map(self.untyped_storage, tensors))
-            devices = list(map(self.storage_device, storages))
             nbytes = list(map(self.storage_nbytes, storages))
             ptrs = list(map(self.storage_ptr, storages))
             fns = list(map(self.get_grad_fn, tensors))
+            if all(map(self.get_is_cpu, tensors)):  # the usual case: no torch.device object per tensor
+                devices: List[Optional[Device]] = [self.host] * count
+                unique = {self.host}
+            else:
+                devices = [self.torch_devices.get(d) or self.device_of(d) for d in map(self.storage_device, storages)]
+                unique = set(devices)
         except Exception:  # a sparse or odd tensor among them: one at a time, each guarded
             devices = nbytes = ptrs = [None] * count
             fns = None
         params = list(map(is_, map(type, tensors), repeat(self.parameter_type)))
-        claims, sizes, by_torch_device, wanted = self.claims, self.sizes, self.torch_devices, self.wanted
+        claims, wanted = self.claims, self.wanted
         other, param = (CACHES, CACHES) if tier.caches else (OTHER, PARAMETERS)
         careful: List[int] = []
-        if fns is not None and self.claim_plainly(devices, nbytes, ptrs, params, other, depth, order, first):
-            devices = ()  # all claimed: nothing for the loop below
-        for index, (tdev, size, ptr, is_param) in enumerate(zip(devices, nbytes, ptrs, params)):
+        if fns is not None and self.claim_plainly(devices, unique, nbytes, ptrs, params, other, depth, order, first):
+            devices = []  # all claimed: nothing for the loop below
+        for index, (dev, size, ptr, is_param) in enumerate(zip(devices, nbytes, ptrs, params)):
             if index & 4095 == 4095 and self.out_of_budget():
                 self.unexamined.append(f"the rest of {self.label(pid)} ({count - index:,} tensors)")
                 return False
-            dev = by_torch_device.get(tdev) if tdev is not None else None
-            if dev is None and tdev is not None:
-                dev = self.device_of(tdev)
             if dev is None or not size or size < 0 or not ptr:
                 careful.append(index)  # meta, empty, sparse, a wrapper, or a device not met yet
                 continue
@@ -773,14 +779,11 @@ class Walk:
                 continue
             if dev.type == "cuda":
                 size = -(-size // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
-            claim = (param, 2, depth, 0, order, VAR, first + index) if is_param else (
-                other, 0, depth, 0, order, VAR, first + index)
+            claim = (param, 2, depth, 0, order, VAR, first + index, size, dev) if is_param else (
+                other, 0, depth, 0, order, VAR, first + index, size, dev)
             key = (id(dev), ptr)
             old = claims.get(key)
-            if old is None:
-                claims[key] = claim
-                sizes[key] = (size, dev)
-            elif claim < old:
+            if old is None or claim < old:
                 claims[key] = claim
         careful_set = set(careful)
         for index in compress(range(count), map(is_not, fns or (), repeat(None))):  # tensors with a graph
@@ -803,31 +806,27 @@ class Walk:
                 self.error(first + index, exc)
         return True
 
-    def claim_plainly(self, devices: List[Any], nbytes: List[int], ptrs: List[int], params: List[bool],
-                      category: int, depth: int, order: int, first: int) -> bool:
+    def claim_plainly(self, devices: List[Optional[Device]], unique: set, nbytes: List[int], ptrs: List[int],
+                      params: List[bool], category: int, depth: int, order: int, first: int) -> bool:
         """The common case of :meth:`held_tensors` with no Python step per tensor: no Parameter,
         every storage real (on a known device, not empty), every device wanted. False (nothing
         claimed) when any of that is not so; the caller then goes tensor by tensor."""
         if any(params) or not all(ptrs) or min(nbytes, default=1) <= 0:
             return False
-        unique = set(devices)
-        for tdev in unique:
-            dev = self.torch_devices.get(tdev) or self.device_of(tdev)
+        for dev in unique:
             if dev is None or (self.wanted is not None and not self.wanted.covers(dev)):
                 return False
-        devs = list(map(self.torch_devices.__getitem__, devices))
-        if any(self.torch_devices[tdev].type == "cuda" for tdev in unique):
+        if any(dev.type == "cuda" for dev in unique):
             nbytes = [-(-n // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if d.type == "cuda" else n
-                      for n, d in zip(nbytes, devs)]
-        keys = list(zip(map(id, devs), ptrs))
+                      for n, d in zip(nbytes, devices)]
+        keys = list(zip(map(id, devices), ptrs))
         new = list(zip(repeat(category), repeat(0), repeat(depth), repeat(0), repeat(order), repeat(VAR),
-                       range(first, first + len(keys))))
+                       range(first, first + len(keys)), nbytes, devices))
         claims = self.claims
         old = list(map(claims.setdefault, keys, new))
         for index in compress(range(len(keys)), map(is_not, old, new)):  # already claimed: the best wins
             if new[index] < old[index]:
                 claims[keys[index]] = new[index]
-        deque(map(self.sizes.setdefault, keys, zip(nbytes, devs)), maxlen=0)
         return True
 
     def tensor_extras(self, tier: _Tier, t: Any, priority: int, depth: int, order: int, pid: int,
@@ -1019,14 +1018,11 @@ class Walk:
         """
         if tier.caches:
             category = CACHES
-        claims, sizes = self.claims, self.sizes
+        claims = self.claims
         for key, nbytes, dev in self.storages(t):
-            claim = (category, priority, depth, weight, order, role, ref)
+            claim = (category, priority, depth, weight, order, role, ref, nbytes, dev)
             old = claims.get(key)
-            if old is None:
-                claims[key] = claim
-                sizes[key] = (nbytes, dev)
-            elif claim < old:
+            if old is None or claim < old:
                 claims[key] = claim
 
     # --------------------------------------------------------------- graphs
@@ -1110,7 +1106,7 @@ class Walk:
 
     def claim_graphs(self) -> None:
         """Claim each saved storage for its owners, in the tier's graph category."""
-        claims = self.claims
+        claims, sizes = self.claims, self.sizes
         for tier in self.tiers:
             roots, category = tier.roots, tier.graph_category
             orders: Dict[tuple, int] = {}
@@ -1118,7 +1114,7 @@ class Walk:
                 order = orders.get(owners)
                 if order is None:
                     order = orders[owners] = min(roots[i][1] for i in owners if i != _MORE)
-                claim = (category, 0, 0, 0, order, GRAPH, owners)
+                claim = (category, 0, 0, 0, order, GRAPH, owners) + sizes[key]
                 old = claims.get(key)
                 if old is None or claim < old:
                     claims[key] = claim
