@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from ipy_gpumem.core.devices import HOST, Device, cuda  # noqa: E402
 from ipy_gpumem.who.attribution import CATEGORIES, WhoReport, who  # noqa: E402
-from ipy_gpumem.who.holders import HOLDER_KINDS, Holder, IPythonRefs, ipython_refs  # noqa: E402
+from ipy_gpumem.who.holders import HOLDER_KINDS, IPythonRefs, ipython_refs  # noqa: E402
 from ipy_gpumem.who.view import who_view  # noqa: E402
 
 # ``from ipy_gpumem import who`` is the package's lazy function, not this module.
