@@ -1112,3 +1112,10 @@ def test_many_small_objects_are_cheap_and_complete():
     report = who(ns, budget_s=10.0)
     assert report.complete and holder(report, "found[0]['deep'][0]").bytes == 16
     assert report.elapsed_s < 5.0  # generous: a loaded CI machine; bench_who.py has the real numbers
+
+
+def test_a_giant_container_does_not_run_past_the_budget():
+    ns = {"big": [0] * 3_000_000 + [torch.ones(4)], "x": torch.ones(2)}
+    assert holder(who(ns), "big[3000000]").bytes == 16  # found when there is time
+    report = who(ns, budget_s=0.0)
+    assert not report.complete and "(big)" in report.notes[0] and holder(report, "x").bytes == 8

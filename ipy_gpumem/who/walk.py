@@ -514,27 +514,29 @@ class Walk:
         All in C (``chain.from_iterable`` of the builtin C iterators, ``map(type, ...)``), so a
         million small records cost a few passes over memory instead of a Python step each.
         """
-        values: List[Any] = []
         found: set = set()
         try:
             children = self.children(tp, group)
-            # In slices that stay in the CPU's cache, with a look at the clock between them: a
-            # list of fifty million ints must not stall the kernel either.
+            self.visits += len(group)
+            # Types only, without holding the children (listing them, and dropping the list, would
+            # touch every object twice more). A slice at a time, with a look at the clock between
+            # slices: a list of fifty million ints must not stall the kernel either.
             while True:
-                part = list(islice(children, _SLICE))
-                if not part:
+                found.update(map(type, islice(children, _SLICE)))
+                following = next(children, _GONE)
+                if following is _GONE:
                     break
-                values.extend(part)
-                found.update(map(type, part))
-                self.visits += len(part)
+                found.add(type(following))
+                self.visits += _SLICE
                 if self.out_of_budget():
                     return False  # not proven empty: the caller's walk reports it as not examined
+            others = found.difference(self.skip_types)
+            if not others:
+                return True
+            if levels <= 1:
+                return False
+            values = list(self.children(tp, group))  # something else is there: look closer
         except Exception:  # an odd instance: let the item-by-item path look at each one
-            return False
-        others = found.difference(self.skip_types)
-        if not others:
-            return True
-        if levels <= 1:
             return False
         tps = list(map(type, values))
         for other in others:
