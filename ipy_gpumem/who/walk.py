@@ -672,12 +672,13 @@ class Walk:
                     for start in range(0, len(bulk), _TENSORS):
                         part = bulk[start:start + _TENSORS]
                         keys = part if items is None else list(map(_FIRST, map(items.__getitem__, part)))
-                        if self.out_of_budget() or not self.held_tensors(
-                                tier, pid, step, keys, list(map(values.__getitem__, part)), depth + 1):
-                            if start:
-                                self.unexamined.append(f"the rest of {self.label(pid)} ({len(bulk) - start:,} "
-                                                       "tensors and what follows them)")
+                        if self.out_of_budget():
+                            self.unexamined.append(f"{len(bulk) - start:,} tensors in {self.label(pid)} and "
+                                                   "what follows them there")
                             return
+                        if not self.held_tensors(tier, pid, step, keys, list(map(values.__getitem__, part)),
+                                                 depth + 1):
+                            return  # it said what it left
                     positions = list(compress(positions, map(not_, plain)))
             if not positions:
                 return
@@ -689,7 +690,7 @@ class Walk:
         seen, child_depth, scalars_only = tier.seen, depth + 1, self.scalars_only
         for count, (key, value) in enumerate(pairs):
             if count & 4095 == 4095 and self.out_of_budget():
-                self.unexamined.append(f"the rest of {self.label(pid)} (from item {count:,} of {size:,})")
+                self.unexamined.append(f"the rest of {self.label(pid)} ({size:,} items)")
                 return
             tp = type(value)
             kind = kinds.get(tp)
