@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from ..core.devices import Device, parse_device
 from ..core.units import format_bytes
@@ -199,6 +199,13 @@ def _empty_report(reason: str, device: Optional[Device], allocator_total: Option
                      allocator_total=allocator_total, elapsed_s=time.perf_counter() - start, reason=reason)
 
 
+class _Rest(NamedTuple):
+    """What the holder rows past the first 500 of one category and device add up to."""
+
+    bytes: int
+    count: int
+
+
 def _report(walk: Walk, device: Optional[Device], allocator_total: Optional[int], start: float) -> WhoReport:
     """Resolve the walk's claims into a :class:`WhoReport` of plain values."""
     totals = [0] * len(CATEGORIES)
@@ -206,15 +213,13 @@ def _report(walk: Walk, device: Optional[Device], allocator_total: Optional[int]
     # ((category, order, role, ref), storage key's device id) -> minus the bytes, so that sorting
     # the (value, key) pairs puts the largest first and breaks ties by precedence, then walk order.
     rows: Dict[tuple, int] = {}
-    for key, claim in walk.claims.items():
-        nbytes, dev = claim[7], claim[8]
-        category = claim[0]
+    for (dev_id, _ptr), (category, _priority, _depth, _weight, order, role, ref, nbytes, dev) in walk.claims.items():
         totals[category] += nbytes
         per_dev = by_device.get(dev)
         if per_dev is None:
             per_dev = by_device[dev] = [0] * len(CATEGORIES)
         per_dev[category] += nbytes
-        row = ((category, claim[4], claim[5], claim[6]), key[0])
+        row = ((category, order, role, ref), dev_id)
         rows[row] = rows.get(row, 0) - nbytes
     device_of = {id(dev): dev for dev in by_device}
     categories: Dict[str, Optional[int]] = dict(zip(CATEGORIES, totals))
@@ -224,13 +229,14 @@ def _report(walk: Walk, device: Optional[Device], allocator_total: Optional[int]
     holders = [walk.holder(category, role, ref, device_of[dev_id], -negative)
                for negative, ((category, _order, role, ref), dev_id) in top]
     if len(rows) > len(top):  # the rest: one row per category and device
+        # Rows per (category, device) counted in C; minus the rows shown, in bytes and in number.
         counts = Counter(zip(map(itemgetter(0), map(itemgetter(0), rows)), map(itemgetter(1), rows)))
-        rest = {group: [by_device[device_of[group[1]]][group[0]], count] for group, count in counts.items()}
+        rest = {(category, dev_id): _Rest(by_device[device_of[dev_id]][category], count)
+                for (category, dev_id), count in counts.items()}
         for negative, ((category, _order, _role, _ref), dev_id) in top:
-            acc = rest[(category, dev_id)]
-            acc[0] += negative
-            acc[1] -= 1
-        for (category, dev_id), (size, count) in sorted(rest.items(), key=lambda item: (-item[1][0], item[0][0])):
+            size, count = rest[(category, dev_id)]
+            rest[(category, dev_id)] = _Rest(size + negative, count - 1)
+        for (category, dev_id), (size, count) in sorted(rest.items(), key=lambda item: (-item[1].bytes, item[0][0])):
             if count:
                 holders.append(Holder("rest", CATEGORIES[category], device_of[dev_id], size, count=count))
     return WhoReport(

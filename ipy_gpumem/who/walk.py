@@ -26,7 +26,7 @@ import types
 from collections import deque
 from itertools import chain, compress, islice, repeat
 from operator import is_, is_not, itemgetter, not_
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from ..core.devices import Device
 from ..core.text import clip
@@ -72,6 +72,9 @@ _SKIP, _TENSOR, _PARAM, _MODULE, _OPTIM, _DICT, _SEQ, _OBJECT = range(8)
 VAR, GRAD, MODULE, MODULE_GRADS, OPTIM, OPT_PARAMS, OPT_GRADS, GRAPH = range(8)
 _ROLE_KINDS = {GRAD: "grad", MODULE: "module", MODULE_GRADS: "module_grads", OPTIM: "optimizer",
                OPT_PARAMS: "optimizer_params", OPT_GRADS: "optimizer_grads"}
+# A claim is a plain tuple, compared as a whole (the smallest wins), and always unpacked by these
+# names, never indexed: (category, priority, depth, weight, order, role, ref, nbytes, device).
+# ``ref`` is the holder's path, or for GRAPH the owners (indices into the tier's roots).
 # How a path continues from its parent: ``[key]`` or ``.key``; or what kind of root it is.
 ITEM, ATTR, NAME, OUT, UNDER, LOCAL = range(6)
 _ROOT_KINDS = {NAME: "variable", OUT: "out_cache", UNDER: "underscore", LOCAL: "traceback_local"}
@@ -127,6 +130,35 @@ def _union(old: Optional[tuple], new: tuple) -> tuple:
     return tuple(merged)
 
 
+class _Local(NamedTuple):
+    """The key of a traceback local's root path: the frame's function and the local's name."""
+
+    frame: str
+    name: str
+
+
+class _Root(NamedTuple):
+    """A tensor with an autograd graph: its path, its top-level order, and its ``grad_fn``
+    (dropped, set to None, when the walk ends)."""
+
+    path: int
+    order: int
+    fn: Any
+
+
+class _Node:
+    """One autograd node reached by the walk: which roots reach it, and what it saves."""
+
+    __slots__ = ("node", "owners", "children", "collected", "saved")
+
+    def __init__(self, node: Any, owners: tuple, children: tuple):
+        self.node = node  # held so that id(node) stays unique while the walk runs
+        self.owners = owners  # indices into the tier's roots, ending in _MORE past _SHARED_NAMES
+        self.children = children
+        self.collected: Optional[tuple] = None  # the owners when its saved storages were last counted
+        self.saved: Optional[List[Tuple[int, int]]] = None  # keys of the storages it saves
+
+
 class _Tier:
     """One pass of attribution: the user's variables, or IPython's references (whose claims all
     count as ``ipython_caches``). Each has its own seen-set, graph roots and graph nodes."""
@@ -136,10 +168,9 @@ class _Tier:
         self.graph_category = CACHES if caches else GRAPHS
         self.seen: Dict[int, int] = {namespace_id: -1}  # id -> depth it was opened at
         self.levels: List[List[Tuple[int, Any, int]]] = [[] for _ in range(MAX_DEPTH + 1)]
-        self.roots: List[Tuple[int, int, Any]] = []  # (path, order, grad_fn) of tensors with a graph
+        self.roots: List[_Root] = []  # tensors with a graph
         self.spread = 0  # roots[:spread] are in ``nodes``
-        # id(node) -> [node, owners, children, owners when collected, storage keys saved]
-        self.nodes: Dict[int, list] = {}
+        self.nodes: Dict[int, _Node] = {}  # by id(node)
         self.owners_of: Dict[Any, tuple] = {}
 
 
@@ -215,7 +246,7 @@ class Walk:
         self.sizes: Dict[Tuple[int, int], Tuple[int, Device]] = {}
         # Paths, one entry each in four parallel lists: parent path (-1 for a root), the step
         # from the parent (ITEM/ATTR) or the kind of root (NAME/OUT/UNDER/LOCAL), the key
-        # (a dict key, an index, an attribute, a name; (frame, name) for a traceback local),
+        # (a dict key, an index, an attribute, a name; a _Local for a traceback local),
         # and the order of the root (namespace order, the last tie-break between claims).
         self.p_parent: List[int] = []
         self.p_step: List[int] = []
@@ -258,7 +289,7 @@ class Walk:
         finally:
             for tier in self.tiers:
                 tier.levels = []
-                tier.roots = [(pid, order, None) for pid, order, _fn in tier.roots]  # no graph node kept
+                tier.roots = [root._replace(fn=None) for root in tier.roots]  # no graph node kept
                 tier.nodes = {}
             self.namespace = None
             self.errors_kept = ()
@@ -409,7 +440,7 @@ class Walk:
         for name, value in items[:MAX_ITEMS]:
             kind = self.kind_of(value)
             if kind and type(name) is str:
-                self.root(tier, LOCAL, (function, name), value, kind, MAX_DEPTH - 1)
+                self.root(tier, LOCAL, _Local(function, name), value, kind, MAX_DEPTH - 1)
 
     # ------------------------------------------------------------- classify
     def kind_of(self, value: Any) -> int:
@@ -792,7 +823,7 @@ class Walk:
         for index in compress(range(count), map(is_not, fns or (), repeat(None))):  # tensors with a graph
             if index not in careful_set:
                 t = tensors[index]
-                tier.roots.append((first + index, order, fns[index]))
+                tier.roots.append(_Root(first + index, order, fns[index]))
                 if self.get_retains_grad(t):
                     grad = self.get_grad(t)
                     if grad is not None:
@@ -837,7 +868,7 @@ class Walk:
         """Claim ``t.grad`` (leaves and retain_grad only) and queue ``t``'s graph."""
         fn = self.get_grad_fn(t)
         if fn is not None:
-            tier.roots.append((pid, order, fn))
+            tier.roots.append(_Root(pid, order, fn))
             if not self.get_retains_grad(t):
                 return
         grad = self.get_grad(t)
@@ -1037,12 +1068,12 @@ class Walk:
                 if self.out_of_budget():
                     left = len(roots) - tier.spread
                     self.unexamined.append(f"the autograd graphs of {left:,} tensors (e.g. "
-                                           f"{self.label(roots[tier.spread][0])})")
+                                           f"{self.label(roots[tier.spread].path)})")
                     tier.spread = len(roots)
                     break
                 index = tier.spread
                 tier.spread += 1
-                if not self.spread(tier, roots[index][2], index):
+                if not self.spread(tier, roots[index].fn, index):
                     self.notes.append(f"autograd graphs larger than {MAX_NODES:,} nodes were only partly examined")
                     tier.spread = len(roots)
                     break
@@ -1067,13 +1098,13 @@ class Walk:
                     children = tuple(nxt for nxt, _ in node.next_functions if nxt is not None)
                 except Exception:
                     children = ()
-                rec = nodes[id(node)] = [node, (index,), children, None, None]  # holding node keeps its id unique
+                rec = nodes[id(node)] = _Node(node, (index,), children)
             else:
-                owners = rec[1]
+                owners = rec.owners
                 if owners[-1] == _MORE or index in owners:
                     continue
-                rec[1] = owners + ((index,) if len(owners) < _SHARED_NAMES else (_MORE,))
-            stack.extend(rec[2])
+                rec.owners = owners + ((index,) if len(owners) < _SHARED_NAMES else (_MORE,))
+            stack.extend(rec.children)
         return True
 
     def collect(self, tier: _Tier) -> None:
@@ -1084,28 +1115,28 @@ class Walk:
         """
         owners_of, sizes = tier.owners_of, self.sizes
         for count, rec in enumerate(list(tier.nodes.values())):
-            owners = rec[1]
-            if rec[3] is owners:
+            owners = rec.owners
+            if rec.collected is owners:
                 continue
             if not count & 1023 and self.out_of_budget():
                 self.unexamined.append("part of the autograd graphs' saved tensors")
                 return
-            keys = rec[4]
+            keys = rec.saved
             if keys is None:
                 keys = []
                 try:
-                    for t in self.saved_tensors(rec[0]):
+                    for t in self.saved_tensors(rec.node):
                         for key, nbytes, dev in self.storages(t):
                             if key not in sizes:
                                 sizes[key] = (nbytes, dev)
                             keys.append(key)
                 except Exception as exc:
-                    self.errors.append(f"autograd node {type(rec[0]).__name__}: {type(exc).__name__}")
+                    self.errors.append(f"autograd node {type(rec.node).__name__}: {type(exc).__name__}")
                     self.error_count += 1
-                rec[4] = keys
+                rec.saved = keys
             for key in keys:
                 owners_of[key] = _union(owners_of.get(key), owners)
-            rec[3] = owners
+            rec.collected = owners
 
     def claim_graphs(self) -> None:
         """Claim each saved storage for its owners, in the tier's graph category."""
@@ -1116,7 +1147,7 @@ class Walk:
             for key, owners in tier.owners_of.items():
                 order = orders.get(owners)
                 if order is None:
-                    order = orders[owners] = min(roots[i][1] for i in owners if i != _MORE)
+                    order = orders[owners] = min(roots[i].order for i in owners if i != _MORE)
                 claim = (category, 0, 0, 0, order, GRAPH, owners) + sizes[key]
                 old = claims.get(key)
                 if old is None or claim < old:
@@ -1220,7 +1251,7 @@ class Walk:
                 parts.append(f".{key}" if type(key) is str else f".<{type(key).__name__}>")
             node = self.p_parent[node]
         key = self.p_key[node]
-        base = key[1] if self.p_step[node] == LOCAL else key
+        base = key.name if self.p_step[node] == LOCAL else key
         result = self._exprs[pid] = (node, base + "".join(reversed(parts)))
         return result
 
@@ -1228,7 +1259,7 @@ class Walk:
         """How path ``pid`` reads in a note."""
         root, text = self.expr(pid)
         if self.p_step[root] == LOCAL:
-            return f"last traceback: {self.p_key[root][0]}() local {text!r}"
+            return f"last traceback: {self.p_key[root].frame}() local {text!r}"
         return text
 
     def root_facts(self, pid: int) -> Tuple[str, Tuple[str, ...], str, Tuple[Any, ...]]:
@@ -1236,7 +1267,7 @@ class Walk:
         root, _ = self.expr(pid)
         step, key = self.p_step[root], self.p_key[root]
         if step == LOCAL:
-            return "traceback_local", (), key[0], ()
+            return "traceback_local", (), key.frame, ()
         if step == OUT:
             entry = pid
             while self.p_parent[entry] != root:
@@ -1264,7 +1295,7 @@ class Walk:
         for index in owners:
             if index == _MORE:
                 continue
-            pid = tier.roots[index][0]
+            pid = tier.roots[index].path
             _, text = self.expr(pid)
             _kind, names, frame, entry = self.root_facts(pid)
             if frame:
