@@ -1119,3 +1119,13 @@ def test_a_giant_container_does_not_run_past_the_budget():
     assert holder(who(ns), "big[3000000]").bytes == 16  # found when there is time
     report = who(ns, budget_s=0.0)
     assert not report.complete and "(big)" in report.notes[0] and holder(report, "x").bytes == 8
+
+
+def test_the_public_who_survives_the_who_room_being_imported():
+    """``import ipy_gpumem.who.attribution`` sets ``ipy_gpumem.who`` to the room; it still answers calls."""
+    code = ("import ipy_gpumem, torch\n"
+            "import ipy_gpumem.who.attribution\n"
+            "report = ipy_gpumem.who({'x': torch.ones(3)})\n"
+            "print(type(report).__name__, report.total)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["WhoReport", "12"]
