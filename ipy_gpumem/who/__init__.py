@@ -1,7 +1,9 @@
 """Who holds the memory: every tensor byte in the user's namespace attributed to a category and a typed holder.
 
     holders.py      Holder rows (kind, roots, expr, frame, keys) and IPython's own references, by identity
+    claims.py       the categories and the claim that each storage's holders make for it
     walk.py         the breadth-first walk over the namespace, IPython's caches and the last error, on a budget
+    graphs.py       its autograd half: what the graphs of the tensors it found keep alive
     attribution.py  who() and WhoReport
     view.py         %gpumem who and the OOM panel's "who holds it" section
 

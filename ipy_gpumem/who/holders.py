@@ -100,7 +100,7 @@ class Holder:
         if self.count:
             out["count"] = self.count
         if self.keys:
-            out["keys"] = [k if type(k) in (int, str) else repr(k) for k in self.keys]
+            out["keys"] = [k if type(k) in (int, str) else f"<{type(k).__name__}>" for k in self.keys]  # no user __repr__
         return out
 
 

@@ -30,27 +30,18 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from ..core.devices import Device
 from ..core.text import clip
+from .claims import (CACHES, CATEGORIES, GRAD, GRADIENTS, GRAPH, GRAPHS, MODULE, MODULE_GRADS, OPT_GRADS, OPT_PARAMS,
+                     OPTIM, OPTIMIZER, OTHER, PARAMETERS, ROLE_KINDS, VAR)
+from .graphs import MORE, GraphNode, GraphRoot, GraphWalk
 from .holders import Holder, IPythonRefs
 
-__all__ = ["CATEGORIES", "MAX_DEPTH", "MAX_NODES", "MAX_VISITS", "MAX_HOLDER_ROWS", "CUDA_BLOCK_BYTES", "Walk"]
+__all__ = ["CATEGORIES", "MAX_DEPTH", "MAX_VISITS", "MAX_HOLDER_ROWS", "CUDA_BLOCK_BYTES", "Walk"]
 
-#: The attributed categories, highest precedence first.
-CATEGORIES = (
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "other_tensors",
-    "retained_graphs",
-    "ipython_caches",
-)
-PARAMETERS, GRADIENTS, OPTIMIZER, OTHER, GRAPHS, CACHES = range(6)
 
 MAX_DEPTH = 4  # containers/attributes below a name, e.g. ckpt['a']['b']['c']['d']
 MAX_VISITS = 10_000_000  # items examined in all containers together (the deterministic budget)
-MAX_NODES = 1_000_000  # autograd nodes per tier
-MAX_ITEMS = 10_000  # submodules of one module, parameters of one optimizer, tensors of one graph node
+MAX_ITEMS = 10_000  # submodules of one module, parameters of one optimizer, locals of one frame
 MAX_HOLDER_ROWS = 500  # holder rows kept; the rest are summed into one row per category and device
-_SHARED_NAMES = 4  # variables named in a shared-graph row before "+ more"
 _BULK = 64  # containers larger than this have their children sorted by type in C first
 _GROUP = 1024  # containers of one type tested together for "holds only scalars"
 _TENSORS = 1 << 14  # tensors read in bulk between two looks at the clock
@@ -67,14 +58,6 @@ CUDA_BLOCK_BYTES = 512
 
 # How an object is walked, decided once per type. _SKIP is 0 so that "kind" reads as a truth value.
 _SKIP, _TENSOR, _PARAM, _MODULE, _OPTIM, _DICT, _SEQ, _OBJECT = range(8)
-# What a claim says about its holder: the thing at the path itself, its ``.grad``, a module's
-# parameters (and their grads), an optimizer's state (params, grads), or an autograd graph.
-VAR, GRAD, MODULE, MODULE_GRADS, OPTIM, OPT_PARAMS, OPT_GRADS, GRAPH = range(8)
-_ROLE_KINDS = {GRAD: "grad", MODULE: "module", MODULE_GRADS: "module_grads", OPTIM: "optimizer",
-               OPT_PARAMS: "optimizer_params", OPT_GRADS: "optimizer_grads"}
-# A claim is a plain tuple, compared as a whole (the smallest wins), and always unpacked by these
-# names, never indexed: (category, priority, depth, weight, order, role, ref, nbytes, device).
-# ``ref`` is the holder's path, or for GRAPH the owners (indices into the tier's roots).
 # How a path continues from its parent: ``[key]`` or ``.key``; or what kind of root it is.
 ITEM, ATTR, NAME, OUT, UNDER, LOCAL = range(6)
 _ROOT_KINDS = {NAME: "variable", OUT: "out_cache", UNDER: "underscore", LOCAL: "traceback_local"}
@@ -103,7 +86,6 @@ _EXC_CAUSE = BaseException.__dict__["__cause__"]
 _EXC_CONTEXT = BaseException.__dict__["__context__"]
 _C_DESCRIPTORS = (types.GetSetDescriptorType, types.MemberDescriptorType)
 _NOTHING: tuple = ()  # storage_entry: a storage that owns no memory we count
-_MORE = -1  # last item of an owner tuple: reached from more roots than we name
 _UNDERSCORES = ("_", "__", "___")
 _OUT_NAMES = ("Out", "_oh")
 _FIRST = itemgetter(0)
@@ -117,46 +99,11 @@ def key_text(key: Any) -> str:
     return f"<{type(key).__name__}>"
 
 
-def _union(old: Optional[tuple], new: tuple) -> tuple:
-    """Union of two owner tuples; past ``_SHARED_NAMES`` owners the tuple ends in ``_MORE``."""
-    if old is None or old == new:
-        return new
-    merged = sorted(set(old) | set(new))
-    more = merged[0] == _MORE
-    if more:
-        del merged[0]
-    if more or len(merged) > _SHARED_NAMES:
-        return tuple(merged[:_SHARED_NAMES]) + (_MORE,)
-    return tuple(merged)
-
-
 class _Local(NamedTuple):
     """The key of a traceback local's root path: the frame's function and the local's name."""
 
     frame: str
     name: str
-
-
-class _Root(NamedTuple):
-    """A tensor with an autograd graph: its path, its top-level order, and its ``grad_fn``
-    (dropped, set to None, when the walk ends)."""
-
-    path: int
-    order: int
-    fn: Any
-
-
-class _Node:
-    """One autograd node reached by the walk: which roots reach it, and what it saves."""
-
-    __slots__ = ("node", "owners", "children", "collected", "saved")
-
-    def __init__(self, node: Any, owners: tuple, children: tuple):
-        self.node = node  # held so that id(node) stays unique while the walk runs
-        self.owners = owners  # indices into the tier's roots, ending in _MORE past _SHARED_NAMES
-        self.children = children
-        self.collected: Optional[tuple] = None  # the owners when its saved storages were last counted
-        self.saved: Optional[List[Tuple[int, int]]] = None  # keys of the storages it saves
 
 
 class _Tier:
@@ -168,13 +115,13 @@ class _Tier:
         self.graph_category = CACHES if caches else GRAPHS
         self.seen: Dict[int, int] = {namespace_id: -1}  # id -> depth it was opened at
         self.levels: List[List[Tuple[int, Any, int]]] = [[] for _ in range(MAX_DEPTH + 1)]
-        self.roots: List[_Root] = []  # tensors with a graph
+        self.roots: List[GraphRoot] = []  # tensors with a graph
         self.spread = 0  # roots[:spread] are in ``nodes``
-        self.nodes: Dict[int, _Node] = {}  # by id(node)
+        self.nodes: Dict[int, GraphNode] = {}  # by id(node)
         self.owners_of: Dict[Any, tuple] = {}
 
 
-class Walk:
+class Walk(GraphWalk):
     """One walk over a namespace; holds references to the user's objects only until :meth:`run` returns.
 
     After :meth:`run`, the results are plain values: :attr:`claims` (storage key -> winning
@@ -823,7 +770,7 @@ class Walk:
         for index in compress(range(count), map(is_not, fns or (), repeat(None))):  # tensors with a graph
             if index not in careful_set:
                 t = tensors[index]
-                tier.roots.append(_Root(first + index, order, fns[index]))
+                tier.roots.append(GraphRoot(first + index, order, fns[index]))
                 if self.get_retains_grad(t):
                     grad = self.get_grad(t)
                     if grad is not None:
@@ -868,7 +815,7 @@ class Walk:
         """Claim ``t.grad`` (leaves and retain_grad only) and queue ``t``'s graph."""
         fn = self.get_grad_fn(t)
         if fn is not None:
-            tier.roots.append(_Root(pid, order, fn))
+            tier.roots.append(GraphRoot(pid, order, fn))
             if not self.get_retains_grad(t):
                 return
         grad = self.get_grad(t)
@@ -1059,182 +1006,6 @@ class Walk:
             if old is None or claim < old:
                 claims[key] = claim
 
-    # --------------------------------------------------------------- graphs
-    def graphs(self) -> None:
-        """Spread from the graph roots found since the last call, then read what new nodes save."""
-        for tier in self.tiers:
-            roots = tier.roots
-            while tier.spread < len(roots):
-                if self.out_of_budget():
-                    left = len(roots) - tier.spread
-                    self.unexamined.append(f"the autograd graphs of {left:,} tensors (e.g. "
-                                           f"{self.label(roots[tier.spread].path)})")
-                    tier.spread = len(roots)
-                    break
-                index = tier.spread
-                tier.spread += 1
-                if not self.spread(tier, roots[index].fn, index):
-                    self.notes.append(f"autograd graphs larger than {MAX_NODES:,} nodes were only partly examined")
-                    tier.spread = len(roots)
-                    break
-            self.collect(tier)
-
-    def spread(self, tier: _Tier, fn: Any, index: int) -> bool:
-        """Mark every node reachable from ``fn`` as reached by root ``index``; False if capped.
-
-        Each node records which roots reach it (up to ``_SHARED_NAMES`` of them, then "many"),
-        and is re-entered only when that set grows, so a node is visited at most a handful of
-        times however many variables share it.
-        """
-        nodes = tier.nodes
-        stack = [fn]
-        while stack:
-            node = stack.pop()
-            rec = nodes.get(id(node))
-            if rec is None:
-                if len(nodes) >= MAX_NODES:
-                    return False
-                try:
-                    children = tuple(nxt for nxt, _ in node.next_functions if nxt is not None)
-                except Exception:
-                    children = ()
-                rec = nodes[id(node)] = _Node(node, (index,), children)
-            else:
-                owners = rec.owners
-                if owners[-1] == _MORE or index in owners:
-                    continue
-                rec.owners = owners + ((index,) if len(owners) < _SHARED_NAMES else (_MORE,))
-            stack.extend(rec.children)
-        return True
-
-    def collect(self, tier: _Tier) -> None:
-        """For each node that is new or gained owners: its saved storages belong to the union of their owners.
-
-        A storage saved by several nodes belongs to the union of their roots: only deleting all
-        of those variables frees it.
-        """
-        owners_of, sizes = tier.owners_of, self.sizes
-        for count, rec in enumerate(list(tier.nodes.values())):
-            owners = rec.owners
-            if rec.collected is owners:
-                continue
-            if not count & 1023 and self.out_of_budget():
-                self.unexamined.append("part of the autograd graphs' saved tensors")
-                return
-            keys = rec.saved
-            if keys is None:
-                keys = []
-                try:
-                    for t in self.saved_tensors(rec.node):
-                        for key, nbytes, dev in self.storages(t):
-                            if key not in sizes:
-                                sizes[key] = (nbytes, dev)
-                            keys.append(key)
-                except Exception as exc:
-                    self.errors.append(f"autograd node {type(rec.node).__name__}: {type(exc).__name__}")
-                    self.error_count += 1
-                rec.saved = keys
-            for key in keys:
-                owners_of[key] = _union(owners_of.get(key), owners)
-            rec.collected = owners
-
-    def claim_graphs(self) -> None:
-        """Claim each saved storage for its owners, in the tier's graph category."""
-        claims, sizes = self.claims, self.sizes
-        for tier in self.tiers:
-            roots, category = tier.roots, tier.graph_category
-            orders: Dict[tuple, int] = {}
-            for key, owners in tier.owners_of.items():
-                order = orders.get(owners)
-                if order is None:
-                    order = orders[owners] = min(roots[i].order for i in owners if i != _MORE)
-                claim = (category, 0, 0, 0, order, GRAPH, owners) + sizes[key]
-                old = claims.get(key)
-                if old is None or claim < old:
-                    claims[key] = claim
-
-    def saved_tensors(self, node: Any) -> Iterator[Any]:
-        """Tensors a graph node keeps alive: saved tensors, a leaf and its grad, ctx tensors."""
-        tp = type(node)
-        info = self.node_info.get(tp)
-        if info is None:
-            info = self.node_info[tp] = self.describe_node(tp)
-        raw_names, is_accumulate, is_custom = info
-        for attr in raw_names:
-            try:
-                value = getattr(node, attr)
-            except Exception:  # after backward the saved tensors are gone: nothing to count
-                continue
-            if type(value) in (list, tuple):
-                for item in value:
-                    yield from self.unpack_saved(item, node, attr)
-            else:
-                yield from self.unpack_saved(value, node, attr)
-        if is_accumulate:
-            # The leaf an AccumulateGrad node accumulates into lives as long as the graph;
-            # parameters are claimed earlier with higher precedence, so only orphans count.
-            leaf = getattr(node, "variable", None)
-            if leaf is not None and self.is_tensor(leaf):
-                yield leaf
-                grad = self.get_grad(leaf) if self.get_is_leaf(leaf) else None
-                if grad is not None:
-                    yield grad
-        if is_custom:
-            # ``ctx.x = tensor`` in a custom Function keeps ``tensor`` alive with the graph,
-            # even after backward.
-            attrs = self.instance_dict(node)
-            if attrs is not None:
-                for value in list(dict.values(attrs)):
-                    yield from self.tensors_in(value)
-
-    def describe_node(self, tp: type) -> Tuple[Tuple[str, ...], bool, bool]:
-        """``(_raw_saved_* names, is AccumulateGrad, is a custom Function)`` of a node type."""
-        try:
-            raw = tuple(a for a in dir(tp) if a.startswith("_raw_saved_"))
-        except Exception:
-            raw = ()
-        is_custom = False
-        if self.cfunction_type is not None:
-            try:
-                is_custom = issubclass(tp, self.cfunction_type)
-            except Exception:
-                pass
-        return raw, getattr(tp, "__name__", "") == "AccumulateGrad", is_custom
-
-    def unpack_saved(self, raw: Any, node: Any, attr: str) -> Iterator[Any]:
-        """Tensors behind one ``SavedTensor`` without running saved-tensor unpack hooks."""
-        if raw is None or type(raw) is not self.saved_tensor_type:
-            return
-        if self.raw_data:
-            try:
-                data = raw.data  # the saved tensor, or what a pack hook returned
-            except Exception:
-                return
-            yield from self.tensors_in(data)
-            return
-        try:  # pragma: no cover - torch without SavedTensor.data
-            value = getattr(node, "_saved_" + attr[len("_raw_saved_"):])
-        except Exception:
-            return
-        yield from self.tensors_in(value)  # pragma: no cover
-
-    def tensors_in(self, value: Any) -> Iterator[Any]:
-        """``value`` if it is a tensor, or the tensors directly inside a list/tuple/dict."""
-        if value is None:
-            return
-        if self.is_tensor(value):
-            yield value
-            return
-        if type(value) in (list, tuple):
-            items = value
-        elif type(value) is dict:
-            items = list(dict.values(value))
-        else:
-            return
-        for item in items[:MAX_ITEMS]:
-            if self.is_tensor(item):
-                yield item
-
     # ------------------------------------------------------ paths to holders
     def expr(self, pid: int) -> Tuple[int, str]:
         """``(root path, Python expression)`` of path ``pid``: ``batch[0]``, ``trainer.model``, ``Out[3]``."""
@@ -1281,19 +1052,19 @@ class Walk:
             return self.graph_holder(category, ref, dev, nbytes)
         root_kind, roots, frame, keys = self.root_facts(ref)
         _, text = self.expr(ref)
-        kind = root_kind if role == VAR else _ROLE_KINDS[role]
+        kind = root_kind if role == VAR else ROLE_KINDS[role]
         return Holder(kind, CATEGORIES[category], dev, nbytes, roots=roots, expr=text, frame=frame, keys=keys)
 
     def graph_holder(self, category: int, owners: tuple, dev: Device, nbytes: int) -> Holder:
         """The row of the bytes that only the graphs of the roots ``owners`` keep alive."""
         tier = self.tiers[1] if category == CACHES else self.tiers[0]
-        more = owners[-1] == _MORE
+        more = owners[-1] == MORE
         exprs: List[str] = []
         roots: List[str] = []
         keys: List[Any] = []
         frames: List[str] = []
         for index in owners:
-            if index == _MORE:
+            if index == MORE:
                 continue
             pid = tier.roots[index].path
             _, text = self.expr(pid)
