@@ -36,7 +36,7 @@ import time
 import torch
 from torch import nn
 
-from ipy_gpumem.who.attribution import BUDGET_S, who
+from ipy_gpumem.attribution.who import BUDGET_S, who
 
 
 class Bottleneck(nn.Module):

@@ -84,7 +84,7 @@ def who(namespace=None, device=None, allocator_total=None):
     the allocator holds that no variable explains. In the shell's own namespace a name counts as
     IPython's cache only while it holds what IPython put there (``x, _ = f()`` makes ``_`` yours).
     """
-    from .who.attribution import who as _who
+    from .attribution.who import who as _who
 
     refs = None
     if namespace is None or "IPython" in sys.modules:

@@ -263,7 +263,7 @@ class GpuMemMagics(Magics):
         return oom_panel(analysis)
 
     def _refs(self):
-        from .who.holders import ipython_refs
+        from .attribution.holders import ipython_refs
 
         shell = self.shell
         return ipython_refs(shell.user_ns, getattr(shell, "user_ns_hidden", None), getattr(shell, "displayhook", None))
@@ -414,10 +414,15 @@ class GpuMemMagics(Magics):
         if device is not None and device.is_cuda and device.index is not None:
             for dev in self.probe.sample([device.index]).devices:
                 total = dev.allocated
-        from .who.attribution import who
-        from .who.view import who_view
+        from .attribution.view import who_view
+        from .attribution.who import who
+        from .free.release import kept_errors
 
-        return who_view(who(self.shell.user_ns, device=device, allocator_total=total, refs=self._refs()))
+        shell = self.shell
+        # An error IPython could not format is kept only in its last result and its formatter.
+        errors = kept_errors(getattr(shell, "last_execution_result", None),
+                             [f for f in (getattr(shell, "InteractiveTB", None),) if f is not None])
+        return who_view(who(shell.user_ns, device=device, allocator_total=total, refs=self._refs(), errors=errors))
 
     def _mode_free(self, rest):
         if rest and rest != ["--dry-run"]:
@@ -638,7 +643,7 @@ def user_namespace():
     shell = _running_shell()
     if shell is None:
         raise RuntimeError("no IPython shell is running: pass the namespace, e.g. who(globals())")
-    from .who.holders import ipython_refs
+    from .attribution.holders import ipython_refs
 
     return shell.user_ns, ipython_refs(shell.user_ns, getattr(shell, "user_ns_hidden", None),
                                        getattr(shell, "displayhook", None))

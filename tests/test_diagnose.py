@@ -22,8 +22,8 @@ from ipy_gpumem.oom.parse import parse_oom  # noqa: E402
 from ipy_gpumem.oom.rules import CONFIDENCES, FINDING_KEYS, MAX_FINDINGS, RULES, Finding, explain  # noqa: E402
 from ipy_gpumem.oom.rules import device, runtimes, session, training  # noqa: E402
 from ipy_gpumem.oom.rules.facts import Facts  # noqa: E402
-from ipy_gpumem.who.attribution import WhoReport, who  # noqa: E402
-from ipy_gpumem.who.holders import Holder  # noqa: E402
+from ipy_gpumem.attribution.who import WhoReport, who  # noqa: E402
+from ipy_gpumem.attribution.holders import Holder  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

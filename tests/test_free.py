@@ -21,8 +21,8 @@ from ipy_gpumem.free.view import free_view, freed_view, plan_view  # noqa: E402
 from ipy_gpumem.core.probes import DeviceSample, HostSample, MemoryProbe, Sample  # noqa: E402
 from ipy_gpumem.core.units import format_bytes  # noqa: E402
 from ipy_gpumem.display.view import View  # noqa: E402
-from ipy_gpumem.who.attribution import who  # noqa: E402
-from ipy_gpumem.who.holders import IPythonRefs, ipython_refs  # noqa: E402
+from ipy_gpumem.attribution.who import who  # noqa: E402
+from ipy_gpumem.attribution.holders import IPythonRefs, ipython_refs  # noqa: E402
 
 MiB = 2**20
 _SYS = ("last_type", "last_value", "last_traceback", "last_exc")

@@ -5,7 +5,7 @@ The package is a stack of rooms, one folder each (see the README's Develop secti
     extension.py                 the IPython adapter (the only module that imports IPython at module level)
     ledger/                      per-cell records, %%gpumem (header, lines, watcher) and their views
     oom/   free/                 out-of-memory diagnosis and panel; %gpumem free
-    who/   chart/                who holds the memory; the live chart
+    attribution/   chart/        who holds the memory; the live chart
     display/                     View, tables, the parts that render to text and HTML, the status view
     core/                        units, devices, the memory model, probes, records
 
@@ -23,7 +23,7 @@ import pytest
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ipy_gpumem")
 
 #: Each room and its level; a module may import rooms at a lower level, or its own room.
-LEVELS = {"core": 0, "display": 1, "who": 2, "chart": 2, "free": 3, "oom": 3, "ledger": 4}
+LEVELS = {"core": 0, "display": 1, "attribution": 2, "chart": 2, "free": 3, "oom": 3, "ledger": 4}
 #: Modules that draw: inside a room, no other module imports them.
 DRAWING = {"view", "panel", "svg", "views", "live"}
 HEAVY = ("IPython", "torch", "plotly", "ipywidgets", "pynvml", "pandas", "psutil", "sidecar", "anywidget")
@@ -136,7 +136,7 @@ def test_load_ext_imports_only_the_per_cell_path():
         "ip = InteractiveShell.instance()\n"
         "ip.run_line_magic('load_ext', 'ipy_gpumem')\n"
         "ip.run_cell('x = 1', store_history=True)\n"
-        "lazy = ('ipy_gpumem.oom.parse', 'ipy_gpumem.who.attribution', 'ipy_gpumem.oom.rules', 'ipy_gpumem.chart.views',\n"
+        "lazy = ('ipy_gpumem.oom.parse', 'ipy_gpumem.attribution.who', 'ipy_gpumem.oom.rules', 'ipy_gpumem.chart.views',\n"
         "        'ipy_gpumem.chart.svg', 'ipy_gpumem.chart.live', 'ipy_gpumem.ledger.lines', 'plotly', 'ipywidgets', 'torch')\n"
         "print(sorted(m for m in lazy if m in sys.modules))\n"
     )

@@ -23,7 +23,7 @@ from ipy_gpumem.oom.panel import BAR_WIDTH, memory_layers, oom_panel  # noqa: E4
 from ipy_gpumem.oom.parse import parse_oom  # noqa: E402
 from ipy_gpumem.oom.rules import explain  # noqa: E402
 from ipy_gpumem.oom.rules.facts import cell_deltas  # noqa: E402
-from ipy_gpumem.who.attribution import who  # noqa: E402
+from ipy_gpumem.attribution.who import who  # noqa: E402
 
 HEADLINE = "Out of memory on cuda:0: tried to allocate 2.32 GiB with 182.75 MiB free (15.78 GiB total)"
 _SEG_WIDTH = re.compile(r'class="gm-seg"[^>]*?width:([0-9.]+)%')

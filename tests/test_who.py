@@ -1,4 +1,4 @@
-"""Tests for ``ipy_gpumem.who.attribution`` (``ipy_gpumem.who()``): exact attribution checked against real bytes freed on the CPU."""
+"""Tests for ``ipy_gpumem.attribution.who`` (``ipy_gpumem.who()``): exact attribution checked against real bytes freed on the CPU."""
 from __future__ import annotations
 
 import gc
@@ -20,13 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from ipy_gpumem.core.devices import HOST, Device, cuda  # noqa: E402
-from ipy_gpumem.who.attribution import CATEGORIES, WhoReport, who  # noqa: E402
-from ipy_gpumem.who.holders import HOLDER_KINDS, IPythonRefs, ipython_refs  # noqa: E402
-from ipy_gpumem.who.view import who_view  # noqa: E402
+from ipy_gpumem.attribution.who import CATEGORIES, WhoReport, who  # noqa: E402
+from ipy_gpumem.attribution.holders import HOLDER_KINDS, IPythonRefs, ipython_refs  # noqa: E402
+from ipy_gpumem.attribution.view import who_view  # noqa: E402
 
 # ``from ipy_gpumem import who`` is the package's lazy function, not this module.
-who_module = importlib.import_module("ipy_gpumem.who.attribution")
-walk_module = importlib.import_module("ipy_gpumem.who.walk")
+who_module = importlib.import_module("ipy_gpumem.attribution.who")
+walk_module = importlib.import_module("ipy_gpumem.attribution.walk")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -892,7 +892,7 @@ def test_retain_grad_nonleaf_grad_counts():
 
 def test_torch_not_imported_gives_empty_report():
     code = (
-        "import sys, json; from ipy_gpumem.who.attribution import who; "
+        "import sys, json; from ipy_gpumem.attribution.who import who; "
         "r = who({'a': 1, 'b': [1, 2]}, allocator_total=5); "
         "assert 'torch' not in sys.modules, 'who imported torch'; "
         "print(json.dumps(r.to_dict()))"
@@ -906,7 +906,7 @@ def test_torch_not_imported_gives_empty_report():
 
 
 def test_package_import_is_pure():
-    code = ("import sys, ipy_gpumem.who.attribution; "
+    code = ("import sys, ipy_gpumem.attribution.who; "
             "bad = [m for m in ('torch', 'IPython', 'plotly', 'ipywidgets') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -1121,11 +1121,11 @@ def test_a_giant_container_does_not_run_past_the_budget():
     assert not report.complete and "(big)" in report.notes[0] and holder(report, "x").bytes == 8
 
 
-def test_the_public_who_survives_the_who_room_being_imported():
-    """``import ipy_gpumem.who.attribution`` sets ``ipy_gpumem.who`` to the room; it still answers calls."""
-    code = ("import ipy_gpumem, torch\n"
-            "import ipy_gpumem.who.attribution\n"
+def test_the_public_who_is_a_function_after_every_room_is_imported():
+    """The room is not named ``who``: importing it can never replace ``ipy_gpumem.who()``."""
+    code = ("import ipy_gpumem, torch, inspect\n"
+            "import ipy_gpumem.attribution.who, ipy_gpumem.attribution.view, ipy_gpumem.free.release\n"
             "report = ipy_gpumem.who({'x': torch.ones(3)})\n"
-            "print(type(report).__name__, report.total)")
+            "print(type(report).__name__, report.total, inspect.isfunction(ipy_gpumem.who))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["WhoReport", "12"]
+    assert out.stdout.split() == ["WhoReport", "12", "True"]

@@ -10,7 +10,7 @@ every displayed result (``Out[N]``, ``_``, ``__``, ``___``, ``_N``, plus its own
 release, ``gc.collect()`` and the CUDA allocator's ``empty_cache()`` (only when CUDA is already
 initialized: never on the user's behalf), with the memory read before and after.
 
-Which names are IPython's is decided by identity (:func:`~ipy_gpumem.who.holders.ipython_refs`),
+Which names are IPython's is decided by identity (:func:`~ipy_gpumem.attribution.holders.ipython_refs`),
 never by spelling: after ``x, _ = torch.max(t, 0)`` the name ``_`` is the user's, and so are a
 ``_5`` or an ``Out`` the user assigned. The plan is data (:func:`plan_release`), computed from
 ``who()``'s typed holders in the ``ipython_caches`` category (exactly the bytes only those
@@ -23,8 +23,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Mapping, MutableMapping, Optional, Tuple
 
-from ..who.attribution import WhoReport, who
-from ..who.holders import Holder, IPythonRefs, ipython_refs
+from ..attribution.who import WhoReport, who
+from ..attribution.holders import Holder, IPythonRefs, ipython_refs
 
 __all__ = ["FreeOutcome", "ReleasePlan", "ReleaseResult", "free_memory", "kept_errors", "last_error", "plan_release",
            "release"]

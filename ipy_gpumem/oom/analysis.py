@@ -75,10 +75,10 @@ def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = 
         probe: the ``MemoryProbe``, for a reading now (device, NVML processes, host RAM).
         capture: an ``OomCapture`` from the allocator's observer, if one fired in this cell.
         tb: the failing traceback (``sys.last_traceback``).
-        refs: IPython's own references (``who.holders.ipython_refs``), handed to ``who_fn``.
+        refs: IPython's own references (``attribution.holders.ipython_refs``), handed to ``who_fn``.
         env: environment variables for the diagnosis (default ``os.environ``).
         modules: imported module names (default ``sys.modules``).
-        who_fn: ``who(namespace, device=..., allocator_total=..., refs=...)``; the who room's by default.
+        who_fn: ``who(namespace, device=..., allocator_total=..., refs=...)``; the attribution room's by default.
         pid, executable: this process, as NVML would list it (default ``os.getpid()``, ``sys.executable``).
     """
     errors: List[str] = []
@@ -107,7 +107,7 @@ def _who(namespace, memory: DeviceMemory, refs, who_fn, errors: List[str]):
     if namespace is None:
         return None
     if who_fn is None:
-        from ..who.attribution import who as who_fn
+        from ..attribution.who import who as who_fn
     device = memory.device
     if device is not None and device.type not in ("cuda", "cpu"):
         device = None  # mps/xpu tensors: who() counts every device rather than guess their storages

@@ -17,7 +17,7 @@ from ..core.text import first_line
 from ..core.units import format_bytes, format_delta
 from ..display.parts import Block, Code, Details, Heading, Line, Numbered, Para, Raw, Span, Table, render
 from ..display.view import View, esc
-from ..who.view import who_section
+from ..attribution.view import who_section
 
 __all__ = ["oom_panel", "headline", "memory_layers", "Segment", "BAR_WIDTH"]
 

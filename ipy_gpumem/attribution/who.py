@@ -10,11 +10,11 @@ that reaches it:
     parameters > gradients > optimizer_state > other_tensors > retained_graphs > ipython_caches
 
 A name is IPython's only when ``refs`` says IPython bound it (by identity, see
-:func:`~ipy_gpumem.who.holders.ipython_refs`); without ``refs`` every name is the user's. The walk
+:func:`~ipy_gpumem.attribution.holders.ipython_refs`); without ``refs`` every name is the user's. The walk
 has a time and a visit budget: when one runs out the report says so (``complete`` is False) and
 names what it did not examine, instead of stalling the kernel.
 
-The report holds only numbers, strings, devices and :class:`~ipy_gpumem.who.holders.Holder`
+The report holds only numbers, strings, devices and :class:`~ipy_gpumem.attribution.holders.Holder`
 rows, so keeping it never keeps a tensor alive.
 """
 from __future__ import annotations

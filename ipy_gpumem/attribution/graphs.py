@@ -7,7 +7,7 @@ Function's ``ctx`` tensors, and claims each saved storage for the roots that rea
 deleting all of them frees it. After ``backward()`` the saved tensors are gone and reading them
 raises: that counts as nothing saved.
 
-:class:`GraphWalk` is a part of :class:`~ipy_gpumem.who.walk.Walk` and uses the walk's tiers
+:class:`GraphWalk` is a part of :class:`~ipy_gpumem.attribution.walk.Walk` and uses the walk's tiers
 (``roots``, ``spread``, ``nodes``, ``owners_of``, ``graph_category``), claims, storages, budget and
 notes.
 """

@@ -1,6 +1,6 @@
 """``%gpumem who`` and the OOM panel's "who holds it" section: one list of parts, rendered to text and HTML.
 
-Both read a :class:`~ipy_gpumem.who.attribution.WhoReport` and nothing else; the view keeps the
+Both read a :class:`~ipy_gpumem.attribution.who.WhoReport` and nothing else; the view keeps the
 report as ``View.data``, so code and tests read numbers from it instead of from the text.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, List, Optional
 from ..core.units import format_bytes
 from ..display.parts import Details, Para, Table, render
 from ..display.view import View
-from .attribution import CATEGORIES, CATEGORY_LABELS, WhoReport
+from .who import CATEGORIES, CATEGORY_LABELS, WhoReport
 
 __all__ = ["who_view", "who_section"]
 
