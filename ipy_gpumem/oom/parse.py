@@ -61,7 +61,8 @@ class OomReport:
     Attributes:
         kind: Message family, one of :data:`KINDS`.
         message: The message as found: from the start of the OOM sentence (no log prefix, no exception
-            type), HTML-unescaped, ANSI-free, every whitespace run collapsed to one space.
+            type), HTML-unescaped, ANSI-free, every whitespace run collapsed to one space. An exception
+            raised without a message (a bare ``MemoryError``) has its type's name here.
         confidence: How sure it is that this is an out-of-memory error, one of :data:`CONFIDENCES`:
             ``"certain"`` when the message says so, ``"likely"`` or ``"possible"`` for errors that only
             usually mean it (a DataLoader worker killed by signal, cuDNN finding no algorithm).
@@ -961,6 +962,8 @@ def _build(det: _Detector, m: re.Match[str], lined: str, low: str) -> OomReport:
     exception_type = m.group("etype") if "etype" in m.re.groupindex else None
     if exception_type is None:
         exception_type = _exception_type(lined, line_start, start)
+    if not message and exception_type:  # "MemoryError", "MemoryError: ", "MemoryError()": the name is all
+        message = exception_type
 
     hint_positions = sorted((pos, name) for name, rx in _HINTS for pos in [_first(rx, message)] if pos >= 0)
     found.setdefault("kind", det.kind)
