@@ -277,6 +277,9 @@ def _reopen_after_fork() -> None:
 # CUDA devices
 # --------------------------------------------------------------------------------------------
 
+#: Why a CPU-only build of torch shows no CUDA device (it never will, unlike "not initialized yet").
+CPU_ONLY = "this torch build has no CUDA (a CPU-only build)"
+
 
 def parse_visible_devices(value: str | None) -> list | None:
     """Read ``CUDA_VISIBLE_DEVICES`` as CUDA does: ints, or ``GPU-``/``MIG-`` UUID prefixes.
@@ -493,6 +496,7 @@ class CudaProbe:
         self.nvml = nvml if nvml is not None else NvmlProbe()
         self._props: dict = {}
         self._stats_fn = None
+        self._cpu_only = None  # the torch module found to be a CPU-only build
 
     def _torch(self):
         if self._torch_override is not None:
@@ -504,13 +508,16 @@ class CudaProbe:
         torch = self._torch()
         if torch is None:
             return None, "torch is not imported"
+        if torch is self._cpu_only:  # asked after every cell: the answer for this torch never changes
+            return None, CPU_ONLY
         cuda = getattr(torch, "cuda", None)
         try:
             if cuda is None or not cuda.is_initialized():
                 # A CPU-only build never initializes CUDA: say so, rather than "not yet".
                 # (torch._C._has_cuda is a build flag; reading it initializes nothing.)
                 if getattr(getattr(torch, "_C", None), "_has_cuda", True) is False:
-                    return None, "this torch build has no CUDA (a CPU-only build)"
+                    self._cpu_only = torch
+                    return None, CPU_ONLY
                 return None, "CUDA not initialized yet"
         except Exception:  # noqa: BLE001 - a broken torch install must not break cells
             return None, "torch.cuda unavailable"

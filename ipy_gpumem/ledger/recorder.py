@@ -148,6 +148,15 @@ class Measurement:
         """Whether the cell moved memory by at least ``threshold`` bytes (:func:`largest_change`),
         computed from the readings: the per-cell line's test builds no record."""
         start, end = self.start, self.end
+        if not end.devices:
+            # The common case, kept short (it runs after every cell): largest_change over host RSS.
+            rss0, rss1 = start.host.rss, end.host.rss
+            if rss0 is None or rss1 is None:
+                return False
+            if rss1 - rss0 >= threshold or rss0 - rss1 >= threshold:
+                return True
+            peak = self._host_peak()
+            return peak is not None and peak - rss0 >= threshold
         before = {d.index: d for d in start.devices}
         changes = []
         for dev in end.devices:
@@ -159,9 +168,11 @@ class Measurement:
         return largest_change(changes, _sub(end.host.rss, rss0), _sub(self._host_peak(), rss0)) >= threshold
 
     def _host_peak(self):
-        start, end = self.start, self.end
-        return _max(start.host.rss, end.host.rss, self._seen_host,
-                    end.host.peak_rss if self.host_peak_reset else None)
+        peak = self.start.host.rss
+        for value in (self.end.host.rss, self._seen_host, self.end.host.peak_rss if self.host_peak_reset else None):
+            if value is not None and (peak is None or value > peak):
+                peak = value
+        return peak
 
     def _device_peak(self, dev, before):
         # A device that CUDA initialized during the cell started at zero: torch had allocated

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Tuple
 
-from ..core.probes import HostSample, Sample
+from ..core.probes import Sample
 from ..core.units import MiB
 from ..oom import capture as oom_capture
 from .header import CellHeader, find_header
@@ -65,10 +65,10 @@ class _Frame:
 
     __slots__ = ("info", "raw", "cell_id", "measurement", "header", "tracer", "marker", "reported_inside")
 
-    def __init__(self, info, raw, measurement=None, header=None, tracer=None, marker=None):
+    def __init__(self, info, raw, measurement=None, header=None, tracer=None, marker=None, cell_id=None):
         self.info = info
         self.raw = raw
-        self.cell_id = getattr(info, "cell_id", None)
+        self.cell_id = cell_id
         self.measurement = measurement
         self.header = header
         self.tracer = tracer
@@ -192,6 +192,7 @@ class CellWatcher:
     def start(self, info) -> None:
         """``pre_run_cell``: open a frame for the cell, and a measurement if it is to be measured."""
         raw = getattr(info, "raw_cell", "") or ""
+        cell_id = getattr(info, "cell_id", None)
         stack = self._stack
         if stack:
             live = self._live_runners()
@@ -205,13 +206,13 @@ class CellWatcher:
                 header = self._armed or find_header(raw, self.check_plan)
             self._armed = None
         if header is None and (stack or not self.enabled or _only_our_magics(raw)):
-            self._stack.append(_Frame(info, raw))
+            self._stack.append(_Frame(info, raw, cell_id=cell_id))
             return
         settings = self.settings
         devices, include_host = settings.devices, True
         if header is not None and header.plan.device is not None:
             devices = header.plan.cuda_indices
-        measurement = self._begin(devices, settings.track_peaks, cell_id=getattr(info, "cell_id", None),
+        measurement = self._begin(devices, settings.track_peaks, cell_id=cell_id,
                                   source=raw, detailed=header is not None, include_host=include_host,
                                   outermost=not stack)
         tracer = self._start_lines(devices, settings.track_peaks) if header is not None and header.plan.lines else None
@@ -227,7 +228,7 @@ class CellWatcher:
                 measurement.samples = []  # the sampler's readings make the report's cell chart
             if not stack:
                 listener.cell_started(measurement.start._replace(t=time.perf_counter()), raw)
-        stack.append(_Frame(info, raw, measurement, header, tracer, _exception_marker()))
+        stack.append(_Frame(info, raw, measurement, header, tracer, _exception_marker(), cell_id))
 
     def finish(self, result) -> Optional[CellOutcome]:
         """``post_run_cell``: close the cell's frame; what to show, or None."""
@@ -350,9 +351,9 @@ class CellWatcher:
                         reset.append(dev.index)
                     except Exception:  # noqa: BLE001 - peaks then come from samples
                         pass
-            start = Sample(sample.t, HostSample(sample.host.rss, None), sample.devices, sample.reason)
-            return Measurement(probe, start, host_reset, frozenset(reset), devices=devices, track_peaks=track_peaks,
-                               **kwargs)
+            # The reading itself is the start (its peak fields are not read for a start).
+            return Measurement(probe, sample, host_reset, frozenset(reset) if reset else frozenset(), devices=devices,
+                               track_peaks=track_peaks, **kwargs)
         return Measurement.begin(probe, devices=devices, track_peaks=track_peaks, **kwargs)
 
     def _live_runners(self) -> Optional[int]:
