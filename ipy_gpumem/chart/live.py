@@ -66,7 +66,7 @@ class RedrawBudget:
         clock: seconds, monotonic (injectable for tests).
     """
 
-    def __init__(self, share: float = 0.003, burst: float = 0.04, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, share: float = 0.003, burst: float = 0.02, clock: Callable[[], float] = time.perf_counter):
         self.share = share
         self.burst = burst
         self.clock = clock

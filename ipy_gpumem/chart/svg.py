@@ -506,8 +506,7 @@ def _spans(spans: Sequence, frame: _Frame, boxes: Optional[list], titles: bool =
                        f'width="{_num(width)}" height="{_num(height)}" fill="{color}" fill-opacity="{opacity}"/>'
                        f'{label}</g>')
         else:
-            groups.setdefault((color, opacity), []).append(f"M{_num(x0)},{_num(frame.py0)}h{_num(width)}v{_num(height)}"
-                                                           f"h{_num(-width)}z")
+            groups.setdefault((color, opacity), []).append(f"M{x0:.1f},{frame.py0:.1f}h{width:.1f}v{height:.1f}h{-width:.1f}z")
             out.append(label)
     for (color, opacity), rects in groups.items():
         out.insert(1, f'<path d="{"".join(rects)}" fill="{color}" fill-opacity="{opacity}"/>')
@@ -522,10 +521,9 @@ def _peak_marks(peaks: list, frame: _Frame) -> str:
         # The middle of the cell, so neighbouring cells' marks never join into a line.
         x0, x1, y = frame.x(mark.start), frame.x(mark.end), frame.y(mark.peak)
         width = max((x1 - x0) * 0.6, 3.0)
-        groups.setdefault(device_color(mark.key.device), []).append(
-            f"M{_num((x0 + x1 - width) / 2)},{_num(y)}h{_num(width)}")
-    return "".join(f'<path d="{"".join(lines)}" stroke="{color}" stroke-width="2" stroke-linecap="round" '
-                   f'fill="none"/>' for color, lines in groups.items())
+        groups.setdefault(mark.key.device, []).append(f"M{(x0 + x1 - width) / 2:.1f},{y:.1f}h{width:.1f}")
+    return "".join(f'<path d="{"".join(lines)}" stroke="{device_color(device)}" stroke-width="2" '
+                   f'stroke-linecap="round" fill="none"/>' for device, lines in groups.items())
 
 
 def _capacity_layout(capacities, devices: list, data_max: float) -> tuple:
@@ -587,13 +585,18 @@ class Drawing(NamedTuple):
 
 
 def _line_chart(times, series, lows, keys, *, spans=(), capacities=None, end=None, merged=0, width=720,
-                height=220, title=None, peak=None, ink=None, titles=True, boxes=None) -> str:
+                height=220, title=None, peak=None, ink=None, titles=True, boxes=None, snapshot=None) -> str:
     """The shared line chart; ``keys`` are the series to draw (already chosen)."""
     capacities = capacities or {}
     data_max = max((_max(series[k]) for k in keys), default=0)
     devices = sorted({k.device for k in keys if k.device.is_cuda}, key=lambda d: d.index or 0)
     on_scale, off_scale = _capacity_layout(capacities, devices, data_max)
-    peaks = missed_peaks(spans, times, series, keys) if times else ()
+    if not times:
+        peaks = ()
+    elif snapshot is not None:
+        peaks = snapshot.missed_peaks(keys)
+    else:
+        peaks = missed_peaks(spans, times, series, keys)
     top_value = max([data_max, peak or 0] + [p.peak for p in peaks] + [total for _, total in on_scale])
     axis_top, ticks = byte_ticks(max(top_value * 1.04, MiB))  # all zeros still get a sane axis
     starts = [times[0]] if times else []
@@ -643,7 +646,7 @@ def draw_timeline(snapshot: Optional[TimelineSnapshot], width: int = 720, height
     svg = _line_chart(
         snapshot.t, snapshot.series, snapshot.lows, keys, spans=snapshot.spans, capacities=snapshot.capacities,
         end=snapshot.end, merged=snapshot.merged, width=width, height=height, title=title, ink=ink,
-        titles=titles, boxes=boxes,
+        titles=titles, boxes=boxes, snapshot=snapshot,
     )
     return Drawing(svg, width, height, tuple(boxes))
 

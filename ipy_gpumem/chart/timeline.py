@@ -176,8 +176,16 @@ class TimelineSnapshot:
         return tuple(self.series)
 
     def missed_peaks(self, keys=None) -> Tuple[MissedPeak, ...]:
-        """:func:`missed_peaks` of this snapshot's spans (for ``keys``, default every series)."""
-        return missed_peaks(self.spans, self.t, self.series, tuple(self.series) if keys is None else keys)
+        """:func:`missed_peaks` of this snapshot's spans (for ``keys``, default every series); worked
+        out once per snapshot, since every view of it asks."""
+        every = self.__dict__.get("_missed")
+        if every is None:
+            every = missed_peaks(self.spans, self.t, self.series, tuple(self.series))
+            self.__dict__["_missed"] = every  # a cache on a frozen snapshot: the same answer every time
+        if keys is None:
+            return every
+        wanted = set(keys)
+        return tuple(mark for mark in every if mark.key in wanted)
 
     def devices(self) -> Tuple[Device, ...]:
         """The CUDA devices with at least one reading, in index order."""
@@ -398,6 +406,7 @@ class _Running(NamedTuple):
     start: float
     label: str
     first_line: str
+    source: str  # until the cell ends: a record of the same source needs no second look
 
 
 class Timeline:
@@ -480,7 +489,7 @@ class Timeline:
             t = self._clock(float(t), monotonic=False)
             if self._running is not None:
                 self._close(t, None)
-            self._running = _Running(t, str(label), first)
+            self._running = _Running(t, str(label), first, source or "")
             self._version += 1
             self._moved += 1
 
@@ -499,7 +508,7 @@ class Timeline:
                 # A cell that was already running when the timeline began (the one that opened the
                 # chart): start the time axis at its start rather than draw it at negative times.
                 self._origin = min(self._origin, start) if self._origin is not None else start
-                self._running = _Running(start, record.label, _first(record.source or ""))
+                self._running = _Running(start, record.label, _first(record.source or ""), record.source or "")
             self._close(t, record)
             self._version += 1
             self._moved += 1
@@ -589,7 +598,8 @@ class Timeline:
             # The record's execution count is the reliable one (IPython 7 increments it after
             # the cell, 8+ before), so its label wins over the one guessed at the start.
             label = record.label if record.execution_count is not None else running.label
-            first = _first(record.source) if record.source else running.first_line
+            source = record.source
+            first = running.first_line if not source or source == running.source else _first(source)
             span = Span(running.start, end, label, first, record.moved_bytes, 1, record.error is not None,
                         record.error, record.duration_s, _changes(record), True)
             for dev in record.devices:
@@ -620,7 +630,7 @@ class Timeline:
         spans += [_public_span(r, origin) for r in self._spans.recent]
         running = None
         if self._running is not None:
-            start, label, first = self._running
+            start, label, first, _ = self._running
             running = Span(start - origin, None, label, first)
             spans.append(running)
         capacities = dict(self._capacities)

@@ -22,6 +22,7 @@ it, or the extension is unloaded) leaves a static picture in its output and clos
 """
 from __future__ import annotations
 
+import bisect
 import sys
 import threading
 from typing import Optional
@@ -169,10 +170,10 @@ def _columns(times, values, peaks, width: int) -> list:
                    for i in range(width)]
         edges = [times[int(i * step)] for i in range(width)]
     for mark in peaks:
-        hit = [i for i, t in enumerate(edges) if mark.start <= t <= mark.end]
-        if not hit:  # a cell shorter than a column: the column it started in
-            hit = [max(0, sum(1 for t in edges if t <= mark.start) - 1)]
-        for i in hit:
+        lo, hi = bisect.bisect_left(edges, mark.start), bisect.bisect_right(edges, mark.end)
+        if lo >= hi:  # a cell shorter than a column: the column it started in
+            lo, hi = max(0, lo - 1), max(1, lo)
+        for i in range(lo, min(hi, len(columns))):
             if columns[i] is None or columns[i] < mark.peak:
                 columns[i] = mark.peak
     return columns
@@ -193,7 +194,7 @@ def _cell_summary(span) -> str:
     if not span.changes:
         return span.label
     change = max(span.changes, key=lambda c: max(abs(c.delta or 0), c.peak_increase or 0))
-    text = f"{span.label} {change.device.label} {format_delta(change.delta)}"
+    text = f"{span.label} {'host' if change.device.is_host else change.device.label} {format_delta(change.delta)}"
     if change.peak_increase is not None and change.peak_increase > max(change.delta or 0, 0):
         text += f" (peak {format_delta(change.peak_increase)})"
     return text
