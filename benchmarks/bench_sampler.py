@@ -1,20 +1,42 @@
-"""What the live chart costs: the sampler thread's CPU share, one chart update, the timeline's memory.
+"""What the live chart costs: CPU idle and while cells run back to back, one redraw, the bytes a
+saved notebook keeps, and the timeline's memory.
 
-Run from the repository root (about a minute with the defaults)::
+Run from the repository root::
 
-    python benchmarks/bench_sampler.py            # --seconds 10 per CPU measurement
-    python benchmarks/bench_sampler.py --seconds 3 --quick
+    python benchmarks/bench_sampler.py                 # in-process, side by side (about 2 minutes)
+    python benchmarks/bench_sampler.py --quick         # shorter rounds, no memory section
+    python benchmarks/bench_sampler.py --kernel        # also real ipykernel processes (about 3 minutes)
+    python benchmarks/bench_sampler.py --kernel --kernel-path /path/to/other/checkout   # compare another tree
 
-CPU share is measured two ways, side by side: the sampler thread's own CPU time
-(``time.thread_time()`` read inside the thread, ``Sampler.cpu_seconds``) and the whole process's
-CPU time delta (``time.process_time()``) minus an idle baseline taken the same way with no
-sampler. Both are percentages of one core. On a machine without CUDA the probe reads host RSS
-only; with CUDA initialized it also reads torch's allocator counters and NVML.
+**In process, side by side.** One process runs the same workload under each configuration in
+interleaved rounds (A B C A B C ...), so drift and noise hit them alike, and reports the CPU each
+adds over the same workload without a chart, as a percentage of one core and as a ratio:
+
+* ``chart`` — what ships: ``LiveChart`` with the real ``MemoryProbe`` sampling at 4 Hz, an HTML
+  view whose display handle serializes every update the way ipykernel does (JSON + HMAC), the
+  redraw budget and the idle rule.
+* ``every cell end`` — the policy before: the same chart redrawing at every cell's end and at every
+  sampler tick (no budget, no idle rule).
+* ``plotly widget`` — the widget before: a plotly ``FigureWidget`` redrawn at every cell end and
+  tick, with its HTML fallback rebuilt (only when plotly and anywidget are installed).
+
+"Cells back to back" are fake cells on the main thread: the hooks' ``cell_started`` /
+``cell_finished`` around ``--cell-ms`` of sleep, one after the other, as a notebook's Run All does
+(the 1 ms row is a stress case: a real kernel needs about 4 ms per cell for its own messages).
+Each round is measured after 2 s of the same workload, with the redraw budget's initial burst
+(20 ms, a session's first redraws) already spent: the rows show the steady state.
+
+**In a kernel** (``--kernel``): a real ipykernel per configuration (no chart, ``%gpumem chart``,
+``%gpumem chart widget``), idle for ``--seconds`` and then executing ``time.sleep(0.1)`` cells
+back to back from a client; the kernel process's CPU time from ``/proc`` (Linux only).
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
+import hmac
+import json
 import os
 import platform
 import statistics
@@ -24,15 +46,17 @@ import tracemalloc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ipy_gpumem.core.probes import DeviceSample, HostSample, MemoryProbe, Sample  # noqa: E402
-from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord  # noqa: E402
-from ipy_gpumem.chart.sampler import Sampler  # noqa: E402
+from ipy_gpumem.chart.live import LiveChart, RedrawBudget  # noqa: E402
 from ipy_gpumem.chart.svg import timeline_svg  # noqa: E402
 from ipy_gpumem.chart.timeline import Timeline  # noqa: E402
+from ipy_gpumem.chart.views import HtmlChartView, chart_html, timeline_text  # noqa: E402
+from ipy_gpumem.core.probes import DeviceSample, HostSample, MemoryProbe, Sample  # noqa: E402
+from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
 ROWS: list = []  # (measurement, result, notes)
-CPU_ROWS: list = []  # (configuration, samples, redraws, thread CPU %, process CPU - idle %)
+CPU_ROWS: list = []  # (workload, configuration, CPU % of a core over the baseline, ratio, redraws)
+KERNEL_ROWS: list = []
 
 
 def row(what: str, value: str, note: str = "") -> None:
@@ -41,70 +65,338 @@ def row(what: str, value: str, note: str = "") -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# CPU share of the sampler thread
+# In process: the chart's CPU, side by side
 # --------------------------------------------------------------------------------------------
 
 
-def idle_baseline(seconds: float) -> float:
-    """Process CPU share while the main thread just sleeps (the interpreter's own background)."""
+class KernelLikeHandle:
+    """A display handle that pays what ipykernel pays per update_display_data in the calling
+    thread: the bundle serialized to JSON and signed (HMAC-SHA256), then dropped (no socket)."""
+
+    key = b"x" * 32
+
+    def __init__(self):
+        self.updates = 0
+        self.bytes = 0
+
+    def update(self, bundle, raw=True):
+        payload = json.dumps({"data": bundle, "metadata": {}, "transient": {"display_id": "x"}}).encode()
+        hmac.new(self.key, payload, hashlib.sha256).hexdigest()
+        self.updates += 1
+        self.bytes = len(payload)
+
+
+class EveryTimeChart(LiveChart):
+    """The policy before this change: redraw at every cell end and every sampler tick."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.budget = RedrawBudget(share=float("inf"), burst=float("inf"))
+
+    def _on_redraw(self):
+        if self.views:
+            self._redraw(final=self._pending)
+
+
+class PlotlyView:
+    """The widget view before this change (plotly FigureWidget + an HTML fallback), reduced to what
+    a redraw does: every series and cell band pushed to the figure, the fallback rebuilt."""
+
+    inline = True
+    live = True
+
+    def __init__(self, timeline, handle):
+        import threading
+
+        import plotly.graph_objects as go
+
+        self.timeline, self.handle, self.go = timeline, handle, go
+        self.lock = threading.Lock()  # the sampler thread and the main thread both redraw
+        self.figure = go.FigureWidget(layout=dict(height=300, hovermode="x unified"))
+        self._drawn = -1
+        self._keys = None
+        self.draws = 0
+
+    def refresh(self, force=False):
+        with self.lock:
+            return self._refresh(force)
+
+    def _refresh(self, force):
+        snap = self.timeline.snapshot()
+        if snap.version == self._drawn and not force:
+            return False
+        keys = [k for k in snap.series if any(v is not None for v in snap.series[k])]
+        fig, times = self.figure, list(snap.t)
+        with fig.batch_update():
+            if keys != self._keys:
+                fig.data = ()
+                for _ in keys:
+                    fig.add_trace(self.go.Scatter(mode="lines"))
+                fig.add_trace(self.go.Scatter(mode="text"))
+                self._keys = keys
+            for trace, key in zip(fig.data, keys):
+                values = list(snap.series[key])
+                trace.x, trace.y = times, values
+                trace.customdata = [f"{v}" for v in values]
+            spans = list(snap.spans)[-120:]
+            fig.data[len(keys)].x = [s.start for s in spans]
+            fig.data[len(keys)].text = [s.label for s in spans]
+            fig.layout.shapes = [dict(type="rect", x0=s.start, x1=s.end or snap.end, y0=0, y1=1, yref="paper")
+                                 for s in spans]
+        self._drawn = snap.version
+        self.draws += 1
+        return True
+
+    def finalize(self):
+        drew = self.refresh()
+        if drew:
+            snap = self.timeline.snapshot()
+            self.handle.update({"text/html": timeline_svg(snap), "text/plain": timeline_text(snap)})
+        return drew
+
+    def freeze(self):
+        self.live = False
+
+
+def _record(n: int, probe_sample) -> CellRecord:
+    rss = probe_sample.host.rss
+    return CellRecord(n, None, f"step({n})", time.time(), 0.01, host=HostRecord(rss, rss, rss))
+
+
+class Config:
+    """One configuration of the side-by-side rounds: builds its chart, runs cells, reports."""
+
+    def __init__(self, name: str, make):
+        self.name = name
+        self.make = make
+        self.cpu = []
+        self.wall = []
+        self.redraws = 0
+        self.chart = None
+
+    def start(self, probe):
+        self.chart = self.make(probe) if self.make is not None else None
+        if self.chart is not None:
+            # The steady state: a session's first 20 ms of redraws (the budget's burst) are spent.
+            self.chart.budget.spend(self.chart.budget.burst)
+
+    def stop(self):
+        if self.chart is not None:
+            self.chart.close()
+            self.chart = None
+
+
+def _html_chart(probe, cls=LiveChart):
+    chart = cls(probe, lambda: [], lambda: None)
+    chart._ensure_timeline()
+    view = HtmlChartView(chart.timeline)
+    view.handle = KernelLikeHandle()
+    chart.views.append(view)
+    chart.ensure_sampler()
+    return chart
+
+
+def _plotly_chart(probe):
+    chart = EveryTimeChart(probe, lambda: [], lambda: None)
+    chart._ensure_timeline()
+    chart.views.append(PlotlyView(chart.timeline, KernelLikeHandle()))
+    chart.ensure_sampler()
+    return chart
+
+
+def configurations() -> list:
+    configs = [Config("no chart (baseline)", None), Config("chart", _html_chart),
+               Config("every cell end", lambda probe: _html_chart(probe, EveryTimeChart))]
+    try:
+        import plotly.graph_objects as go
+
+        go.FigureWidget()
+        configs.append(Config("plotly widget, every cell end", _plotly_chart))
+    except Exception as exc:  # noqa: BLE001 - plotly or anywidget missing
+        print(f"  (plotly widget configuration skipped: {type(exc).__name__}: {exc})", file=sys.stderr)
+    return configs
+
+
+def _cells(config: Config, probe, seconds: float, cell_s: float) -> None:
+    n, wall0 = 0, time.perf_counter()
+    if cell_s <= 0:
+        time.sleep(seconds)
+        return
+    while time.perf_counter() - wall0 < seconds:
+        n += 1
+        start = probe.sample()
+        if config.chart is not None:
+            config.chart.cell_started(start, f"step({n})")
+        time.sleep(cell_s)
+        end = probe.sample()
+        if config.chart is not None:
+            config.chart.cell_finished(end, _record(n, end))
+
+
+def _updates(config: Config) -> int:
+    if config.chart is None:
+        return 0
+    # Redraws: a plotly view's figure updates, an HTML view's display updates.
+    return sum(getattr(view, "draws", None) or getattr(getattr(view, "handle", None), "updates", 0)
+               for view in config.chart.views)
+
+
+def run_round(config: Config, probe, seconds: float, cell_s: float, warmup: float = 2.0) -> None:
+    """``seconds`` of cells back to back (``cell_s`` each; 0 for idle: no cells at all), measured
+    after ``warmup`` seconds of the same (the redraw budget's initial burst is not the steady state)."""
+    config.start(probe)
+    _cells(config, probe, warmup, cell_s)
+    gc.collect()
+    updates = _updates(config)
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    time.sleep(seconds)
-    return (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+    _cells(config, probe, seconds, cell_s)
+    config.cpu.append(time.process_time() - cpu0)
+    config.wall.append(time.perf_counter() - wall0)
+    config.redraws += _updates(config) - updates
+    config.stop()
 
 
-def sampler_share(hz: float, seconds: float, redraw: bool) -> tuple:
-    """``(thread CPU share, process CPU share, samples, redraws)`` of a real sampler run."""
-    timeline = Timeline()
+def bench_cpu(workload: str, seconds: float, rounds: int, cell_s: float) -> None:
     probe = MemoryProbe()
-    state = {"version": -1}
-
-    def on_redraw():
-        # What the live HTML tier does each redraw: skip when unchanged, else rebuild the SVG.
-        if timeline.version != state["version"]:
-            state["version"] = timeline.version
-            timeline_svg(timeline.snapshot())
-
-    sampler = Sampler(probe, interval=1.0 / hz, on_sample=timeline.add,
-                      redraw_interval=1.0, on_redraw=on_redraw if redraw else None)
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    sampler.start()
-    time.sleep(seconds)
-    sampler.stop()
-    process = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
-    if sampler.error:
-        raise RuntimeError(sampler.error)
-    return sampler.cpu_share, process, sampler.samples, sampler.redraws
-
-
-def bench_cpu(seconds: float, rates: list) -> None:
-    base = idle_baseline(seconds)
-    CPU_ROWS.append(("idle baseline: no sampler, main thread asleep", "", "", "", f"{base * 100:.3f} (absolute)"))
-    for hz, redraw in [(r, False) for r in rates] + [(rates[0], True)]:
-        thread, process, samples, redraws = sampler_share(hz, seconds, redraw)
-        label = f"{hz:g} Hz: probe + Timeline.add" + (" + timeline_svg redraw at 1 Hz" if redraw else "")
-        CPU_ROWS.append((label, str(samples), str(redraws), f"{thread * 100:.3f}", f"{max(process - base, 0) * 100:.3f}"))
+    configs = configurations()
+    for _ in range(rounds):
+        for config in configs:
+            run_round(config, probe, seconds, cell_s)
+    base = configs[0]
+    base_share = sum(base.cpu) / sum(base.wall)
+    chart_extra = None
+    for config in configs:
+        share = sum(config.cpu) / sum(config.wall)
+        extra = share - base_share
+        if config.name == "chart":
+            chart_extra = extra
+        ratio = "" if config is base or chart_extra is None or config.name == "chart" else \
+            f"{extra / chart_extra:.1f}x" if chart_extra > 0 else "n/a"
+        value = f"{base_share * 100:.2f} (absolute)" if config is base else f"{extra * 100:+.2f}"
+        redraws = f"{config.redraws / sum(config.wall):.1f}/s" if config is not base else ""
+        CPU_ROWS.append((workload, config.name, value, ratio, redraws))
         print(f"  {CPU_ROWS[-1]}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------
-# One chart update
+# In real kernels
 # --------------------------------------------------------------------------------------------
 
 
-def session_snapshot(points: int):
-    """A timeline of exactly ``points`` samples, 40 cells, no merging, and 4 drawn series: cuda:0
-    allocated, reserved and used, and cuda:1 allocated (host RSS is kept but not drawn)."""
-    tl = Timeline(max_points=2 * points + 8, max_spans=4 * points)
+def _proc_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _kernel(path: str):
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    km.kernel_spec.argv[0] = sys.executable
+    km.start_kernel(env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=path), cwd=path)
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=120)
+    return km, kc
+
+
+def _execute(kc, code: str, timeout: float = 120) -> str:
+    msg_id = kc.execute(code)
+    text = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            text.append(msg["content"]["text"])
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return "".join(text)
+
+
+def _drain(kc) -> None:
+    while True:
+        try:
+            kc.get_iopub_msg(timeout=0.05)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            return
+
+
+def kernel_run(path: str, kind, seconds: float, cell: str) -> tuple:
+    km, kc = _kernel(path)
+    try:
+        pid = km.provisioner.process.pid
+        _execute(kc, "%load_ext ipy_gpumem")
+        if kind is not None:
+            _execute(kc, f"%gpumem chart {kind}".rstrip())
+        _execute(kc, "x = 1")
+        time.sleep(2.0)
+        _drain(kc)
+        cpu0, wall0 = _proc_cpu(pid), time.perf_counter()
+        time.sleep(seconds)
+        idle = (_proc_cpu(pid) - cpu0) / (time.perf_counter() - wall0)
+        _drain(kc)
+        n = 0
+        cpu0, wall0 = _proc_cpu(pid), time.perf_counter()
+        while time.perf_counter() - wall0 < seconds:
+            _execute(kc, cell)
+            n += 1
+        wall = time.perf_counter() - wall0
+        busy = (_proc_cpu(pid) - cpu0) / wall
+        return idle, busy, n, wall
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def bench_kernels(paths: list, seconds: float, rounds: int) -> None:
+    cell = "import time; time.sleep(0.1)"
+    for path in paths:
+        label = "this tree" if os.path.abspath(path) == os.path.abspath(ROOT) else path
+        results = {}
+        for _ in range(rounds):
+            for kind in (None, "", "widget"):
+                idle, busy, n, wall = kernel_run(path, kind, seconds, cell)
+                acc = results.setdefault(kind, [0.0, 0.0, 0, 0.0])
+                acc[0] += idle * wall
+                acc[1] += busy * wall
+                acc[2] += n
+                acc[3] += wall
+        base_idle, base_busy = results[None][0] / results[None][3], results[None][1] / results[None][3]
+        for kind, (idle_cpu, busy_cpu, n, wall) in results.items():
+            name = "no chart" if kind is None else f"%gpumem chart {kind}".rstrip()
+            if kind is None:
+                KERNEL_ROWS.append((label, name, f"{base_idle * 100:.2f} (absolute)", f"{base_busy * 100:.2f} (absolute)",
+                                    f"{n / wall:.1f}"))
+            else:
+                KERNEL_ROWS.append((label, name, f"{(idle_cpu / wall - base_idle) * 100:+.2f}",
+                                    f"{(busy_cpu / wall - base_busy) * 100:+.2f}", f"{n / wall:.1f}"))
+            print(f"  {KERNEL_ROWS[-1]}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# One redraw, and the bytes it leaves
+# --------------------------------------------------------------------------------------------
+
+
+def session(points: int, cells: int):
+    """A timeline of ``points`` samples, ``cells`` cells, and 4 drawn series: cuda:0 allocated,
+    reserved and used, and cuda:1 allocated (host RSS is kept but not drawn)."""
+    tl = Timeline(max_points=2 * points + 8, max_spans=2 * cells + 8)
     total = int(15.78 * GiB)
+    every = max(1, points // cells)
+    n = 0
     for i in range(points):
         a = GiB + (i * 7919) % (6 * GiB)
         devices = (DeviceSample(0, a, 8 * GiB, None, None, 9 * GiB + i * 512, total),
                    DeviceSample(1, 2 * GiB + (i * 104729) % GiB, None, None, None, None, total))
         tl.add(Sample(i * 0.25, HostSample(2 * GiB + i * 4096, None), devices))
-        if i % (points // 40) == 0:
-            tl.cell_started(i * 0.25, f"[{i}]", f"step({i})")
-        elif i % (points // 40) == points // 80:
-            tl.cell_finished(i * 0.25, None)
+        if i % every == 0:
+            n += 1
+            tl.cell_started(i * 0.25, "[*]", f"y = model(batch_{n})  # a typical first line of a cell")
+        elif i % every == every // 2:
+            dev = DeviceRecord(0, "GPU", GiB, 2 * GiB, 3 * GiB, 4 * GiB, 4 * GiB, 4 * GiB, None, None, total)
+            tl.cell_finished(i * 0.25, CellRecord(n, None, f"y = model(batch_{n})", 0.0, 1.0, devices=(dev,)))
     return tl
 
 
@@ -118,65 +410,44 @@ def median_ms(fn, repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def bench_svg(points: int) -> None:
-    tl = session_snapshot(points)
-    snap = tl.snapshot()
-    drawn = sum(1 for k in snap.series if k.startswith("cuda:"))
-    ms = median_ms(lambda: timeline_svg(snap), 50 if points <= 2000 else 10)
-    size = len(timeline_svg(snap))
-    row(f"timeline_svg, {points} points x {drawn} drawn series + {len(snap.spans)} spans", f"{ms:.2f} ms",
-        f"string build, median; {size / 1024:.0f} KiB of SVG")
-
-    def uncached_snapshot():
-        tl._cached = None  # snapshot() returns its cached copy while nothing changed; time a real one
-        return tl.snapshot()
-
-    ms = median_ms(uncached_snapshot, 20 if points <= 2000 else 5)
-    row(f"Timeline.snapshot(), {points} points x {len(snap.series)} series", f"{ms:.2f} ms",
-        "the copy for drawing, median")
-
-
-def bench_plotly(points: int) -> None:
+def bench_redraw(points: int, cells: int) -> None:
+    snap = session(points, cells).snapshot()
+    html_ms = median_ms(lambda: chart_html(snap), 30)
+    row(f"chart_html (the chart's HTML: image + hover boxes), {points} points x 4 series, {len(snap.spans)} cells",
+        f"{html_ms:.2f} ms", f"median; {len(chart_html(snap)) / 1024:.0f} KiB")
+    svg_ms = median_ms(lambda: timeline_svg(snap), 30)
+    row("timeline_svg (inline SVG with <title> tooltips), same data", f"{svg_ms:.2f} ms",
+        f"median; {len(timeline_svg(snap)) / 1024:.0f} KiB")
+    handle = KernelLikeHandle()
+    view = HtmlChartView.__new__(HtmlChartView)
+    view.size = (760, 240)
+    send_ms = median_ms(lambda: handle.update(view._bundle(snap)), 30)
+    row("one HTML view redraw: bundle + JSON + HMAC, as ipykernel sends it", f"{send_ms:.2f} ms",
+        f"median; {handle.bytes / 1024:.0f} KiB message")
     try:
         import plotly
         import plotly.graph_objects as go
-    except ImportError:
-        row(f"plotly update, {points} points x 4 traces", "n/a", "plotly not installed")
-        return
-    xs = [i * 0.25 for i in range(points)]
-    ys = [[(i * (k + 7919)) % (6 * GiB) for i in range(points)] for k in range(4)]
-    try:
+
         fig = go.FigureWidget()
-        kind = "FigureWidget batch_update"
-    except Exception as exc:  # noqa: BLE001 - plotly>=6 without anywidget raises ImportError
-        fig = go.Figure()
-        kind = f"go.Figure update (FigureWidget unavailable: {type(exc).__name__})"
-    for _ in range(4):
-        fig.add_scatter(x=[0], y=[0], mode="lines")
-    flip = {"n": 0}
+        for _ in range(4):
+            fig.add_scatter(x=[0], y=[0], mode="lines")
+        xs = list(snap.t)
+        keys = [k for k in snap.series if k.device.is_cuda][:4]
 
-    def update():
-        flip["n"] += 1  # new values every time, as a redraw would push
-        with fig.batch_update():
-            for k, trace in enumerate(fig.data):
-                trace.x = xs
-                trace.y = ys[(k + flip["n"]) % 4]
+        def update():
+            with fig.batch_update():
+                for trace, key in zip(fig.data, keys):
+                    trace.x, trace.y = xs, list(snap.series[key])
 
-    ms = median_ms(update, 10 if points <= 2000 else 3)
-    row(f"plotly {plotly.__version__} {kind}, {points} points x 4 traces", f"{ms:.2f} ms",
-        "median; no kernel attached, so no message is sent")
-
-
-def bench_html_widget(points: int) -> None:
-    try:
-        import ipywidgets
-    except ImportError:
-        return
-    snap = session_snapshot(points).snapshot()
-    html = ipywidgets.HTML()
-    ms = median_ms(lambda: setattr(html, "value", timeline_svg(snap) + " "), 20 if points <= 2000 else 5)
-    row(f"ipywidgets.HTML.value = timeline_svg(...), {points} points", f"{ms:.2f} ms",
-        "median; build + trait set, no kernel attached")
+        plotly_ms = median_ms(update, 10)
+        row(f"plotly {plotly.__version__} FigureWidget batch_update, same data (the widget before)",
+            f"{plotly_ms:.2f} ms", f"median, no kernel attached; {plotly_ms / send_ms:.1f}x one HTML view redraw")
+        state = fig.get_state()
+        esm = len(state.get("_esm", "") or "")
+        row("plotly FigureWidget saved state (the widget before)", f"{len(json.dumps(state, default=str)) / MiB:.2f} MiB",
+            f"of which the _esm JavaScript bundle {esm / MiB:.2f} MiB: saved with every chart view")
+    except Exception as exc:  # noqa: BLE001 - plotly or anywidget missing
+        row("plotly comparison", "n/a", f"{type(exc).__name__}: {exc}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,31 +504,49 @@ def bench_memory() -> None:
             "tracemalloc, incl. cached snapshot; 2000 points x 4 series kept")
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=10.0, help="seconds per CPU measurement (default 10)")
-    parser.add_argument("--rates", type=float, nargs="+", default=[4, 50, 100], help="sampling rates in Hz")
-    parser.add_argument("--quick", action="store_true", help="skip the 10k-point and memory measurements")
+    parser.add_argument("--seconds", type=float, default=5.0, help="seconds per round (default 5)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per configuration (default 3)")
+    parser.add_argument("--cell-ms", type=float, default=100.0, help="length of each back-to-back cell (default 100)")
+    parser.add_argument("--quick", action="store_true", help="1 round of 3 s, no memory section")
+    parser.add_argument("--kernel", action="store_true", help="also measure real ipykernel processes (Linux)")
+    parser.add_argument("--kernel-path", action="append", default=None,
+                        help="checkout(s) to measure in kernels (default: this tree); repeat to compare")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.seconds, args.rounds = 3.0, 1
     torch = sys.modules.get("torch")
     cuda = bool(torch is not None and torch.cuda.is_initialized())
-    print(f"# bench_sampler: Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"CUDA {'initialized' if cuda else 'not in use (host RSS only)'}", file=sys.stderr)
-    bench_cpu(args.seconds, args.rates)
-    for points in ((1000,) if args.quick else (1000, 2000, 10_000)):
-        bench_svg(points)
-        bench_html_widget(points)
-        bench_plotly(points)
+    machine = (f"Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs, "
+               f"CUDA {'initialized' if cuda else 'not in use (host RSS only)'}")
+    print(f"# bench_sampler: {machine}", file=sys.stderr)
+    bench_cpu("idle (chart open, no cell running)", args.seconds, args.rounds, 0.0)
+    bench_cpu(f"cells back to back ({args.cell_ms:g} ms each)", args.seconds, args.rounds, args.cell_ms / 1000)
+    bench_cpu("cells back to back (1 ms each)", args.seconds, args.rounds, 0.001)
+    bench_redraw(1000, 300)
+    bench_redraw(1000, 40)
+    if args.kernel:
+        bench_kernels(args.kernel_path or [ROOT], 2 * args.seconds, max(1, args.rounds - 1))
     if not args.quick:
         bench_memory()
     command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
-    print(f"\n`{command}`  \nPython {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"CUDA {'initialized' if cuda else 'not in use (host RSS only)'}\n")
-    print(f"Sampler CPU, % of one core, {args.seconds:g} s each (real MemoryProbe):\n")
-    print("| configuration | samples | redraws | thread CPU % | process CPU - idle % |\n|---|---|---|---|---|")
+    print(f"\n`{command}`  \n{machine}\n")
+    print(f"The chart's CPU in one process, side by side ({args.rounds} interleaved rounds of {args.seconds:g} s): "
+          "% of one core over the same workload without a chart, and the ratio to what ships:\n")
+    print("| workload | configuration | CPU % of a core | ratio to `chart` | redraws |\n|---|---|---|---|---|")
     for cells in CPU_ROWS:
         print("| " + " | ".join(cells) + " |")
-    print("\nOne chart update and the timeline's memory:\n")
+    if KERNEL_ROWS:
+        print("\nIn real kernels (kernel process CPU from /proc, % of one core over the kernel without a chart; "
+              "busy = `time.sleep(0.1)` cells back to back):\n")
+        print("| tree | chart | idle | busy | cells/s |\n|---|---|---|---|---|")
+        for cells in KERNEL_ROWS:
+            print("| " + " | ".join(cells) + " |")
+    print("\nOne redraw, the bytes it leaves, and the timeline's memory:\n")
     print("| measurement | result | notes |\n|---|---|---|")
     for what, value, note in ROWS:
         print(f"| {what} | {value} | {note} |")
