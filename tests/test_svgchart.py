@@ -411,3 +411,11 @@ def test_a_chart_for_an_img_has_no_titles_a_fixed_ink_and_boxes_for_the_html(ses
     assert [box.span.label for box in drawing.boxes] == [span.label for span in session.spans]
     assert all(0 <= box.x0 < box.x1 <= 700 and 0 < box.y0 < box.y1 < 200 for box in drawing.boxes)
     assert len(drawing.svg) < len(timeline_svg(session, width=700, height=200))
+
+
+def test_a_cell_chart_can_be_drawn_for_an_img():
+    rec = record(3, "train()", 2 * GiB, 2 * GiB, 7 * GiB, 3 * GiB, 3 * GiB)
+    for samples in (None, [gpu(i * 0.1, 2 * GiB, 3 * GiB) for i in range(5)]):
+        root = parse(cell_svg(rec, samples=samples, ink=IMG_INK))
+        assert f"color:{IMG_INK}" in root.get("style")
+        assert "color:inherit" in parse(cell_svg(rec, samples=samples)).get("style")

@@ -789,11 +789,11 @@ def _bar(x, w, v0, v1, frame, fill, opacity, hover, extra="") -> str:
     )
 
 
-def _waterfall(record, width: int, height: int, title: Optional[str]) -> str:
+def _waterfall(record, width: int, height: int, title: Optional[str], ink: Optional[str] = None) -> str:
     subject = _subject(record)
     name = series_name(subject.key)
     if subject.before is None and subject.after is None:
-        return empty_svg(f"{record.label}: no memory readings for this cell", width)
+        return empty_svg(f"{record.label}: no memory readings for this cell", width, ink=ink)
     before = subject.before if subject.before is not None else 0
     after = subject.after if subject.after is not None else before
     peak = subject.peak
@@ -812,7 +812,7 @@ def _waterfall(record, width: int, height: int, title: Optional[str]) -> str:
     left = 8 + max(_text_width(format_bytes(int(t))) for t in ticks)
     title = title if title is not None else f"{_record_title(record)} · {name}"
     frame = _Frame(width, height, left, 20, 34, 0.0, float(len(slots) + 2), top, floor)
-    parts = [_svg_open(width, height, title), _y_axis(frame, ticks)]
+    parts = [_svg_open(width, height, title, ink), _y_axis(frame, ticks)]
     capacity = [(subject.key.device, subject.total)] if subject.total else []
     on_scale = subject.total is not None and subject.total <= top
     if capacity and on_scale:
@@ -949,7 +949,8 @@ def _samples_series(samples) -> tuple:
     return snap.t, dict(snap.series), dict(snap.capacities)
 
 
-def cell_svg(record, samples=None, width: int = 480, height: int = 200, title: Optional[str] = None) -> str:
+def cell_svg(record, samples=None, width: int = 480, height: int = 200, title: Optional[str] = None,
+             ink: Optional[str] = None) -> str:
     """The chart of one cell as an SVG string.
 
     Args:
@@ -961,10 +962,13 @@ def cell_svg(record, samples=None, width: int = 480, height: int = 200, title: O
         width: pixels (at least 240 are used).
         height: pixels (at least 120 are used).
         title: text above the plot; defaults to the cell's label and first line.
+        ink: the chart's ``currentColor``; None inherits the page's (inline SVG), :data:`IMG_INK`
+            for an ``<img>`` (``chart.views.svg_data_uri``), which an untrusted notebook keeps
+            where its sanitizer strips inline SVG.
     """
     width, height = max(int(width), MIN_WIDTH), max(int(height), MIN_HEIGHT)
     if record is None:
-        return empty_svg("no record", width)
+        return empty_svg("no record", width, ink=ink)
     try:
         points = [s for s in samples if s is not None and hasattr(s, "host")] if samples is not None else []
     except TypeError:
@@ -979,5 +983,5 @@ def cell_svg(record, samples=None, width: int = 480, height: int = 200, title: O
             if subject.total and subject.key.device.is_cuda:
                 capacities.setdefault(subject.key.device, subject.total)
             return _line_chart(times, series, series, keys, capacities=capacities, end=times[-1] if times else 0.0,
-                               width=width, height=height, title=title or _record_title(record), peak=peak)
-    return _waterfall(record, width, height, title)
+                               width=width, height=height, title=title or _record_title(record), peak=peak, ink=ink)
+    return _waterfall(record, width, height, title, ink)

@@ -32,7 +32,7 @@ from ..display.view import esc
 from .svg import IMG_INK, draw_timeline, span_hover
 from .timeline import HOST_RSS, SeriesKey, TimelineSnapshot
 
-__all__ = ["WIDGETS_HINT", "TIERS", "choose_tier", "make_view", "timeline_text", "status_line", "chart_html",
+__all__ = ["WIDGETS_HINT", "TIERS", "choose_tier", "make_view", "timeline_text", "status_line", "chart_html", "svg_data_uri",
            "sidebar_unavailable", "widgets_status", "HtmlChartView", "WidgetChartView", "TextChartView",
            "StatusLineView"]
 
