@@ -190,7 +190,7 @@ _READ_CAP = 1 << 20  # text read at most: the first 64 KiB and the rest from the
 _HEAD_CAP = 64 * 1024
 _EXACT_ALL = 32 * 1024  # text up to this size is cleaned up and searched as a whole
 _EXACT_PLAIN = 128 * 1024  # and up to this size when it holds little markup (_MARKUP_CAP at most)
-_MARKUP_CAP = 8192
+_MARKUP_CAP = 8192  # substitutions at about 0.3 us each: a few ms of clean-up at most
 _TAIL = 16 * 1024  # longer text: its end is read in full, where a traceback's last message sits
 _CONTEXT_BEFORE = 2048  # cleaned up before a candidate: the lead, the exception type on the line above
 _CONTEXT_AFTER = 9 * 1024  # and after it: _WINDOW_CAP and the line that stops the message
@@ -198,7 +198,7 @@ _LINE_SLACK = 2048  # how far to look for a newline to cut at
 _WINDOWS = 6  # candidates read in full per text, beyond its end; each costs at most about 1.5 ms
 _RANKS = 4
 _SCREEN_CHUNK = 64 * 1024
-_SCREEN_OVERLAP = 512  # longer than any screen match
+_SCREEN_OVERLAP = 2048  # longer than any screen match (a MapAllocator file name may take 1000)
 _SCREEN_BACK = 160  # a screen may match this far into its message
 
 # The lookbehinds keep a match from starting inside a number ("16.83" must not be read as "6.83"
@@ -1329,6 +1329,8 @@ def _parse(text: Any) -> Optional[OomReport]:
     raw = _coerce(text)
     if not raw:
         return None
+    # Text up to 128 KiB is read as a whole, as the old parser read it, unless cleaning it up would
+    # take a substitution per character or two (a flood of entities, tags or colour codes).
     if len(raw) > _EXACT_PLAIN or (len(raw) > _EXACT_ALL and _markup(raw) > _MARKUP_CAP):
         return _parse_long(raw)
     region = _Region(raw, 0, len(raw))
