@@ -8,8 +8,9 @@ with ``confidence`` saying how sure that reading is; they never hide a message t
 memory.
 
 Speed (at most 20 ms for any input up to 1 MiB; benchmarks/bench_parse.py measures it). The old
-parser took 60-170 ms on such input: it cleaned up the whole text (one Python call per line and per
-HTML entity), then ran about 45 case-insensitive regexes over it, twice when nothing matched. A
+parser took 55-115 ms on most megabyte inputs, though it read only their first and last 64 KiB: it
+cleaned that text up (one Python call per line and per HTML entity), then ran about 45
+case-insensitive regexes over it, twice when nothing matched. A
 case-insensitive pattern, or one that starts with a lookbehind or ``^``, gives the regex engine no
 literal to skip to, so it tries every position, about 15 ns each. Now:
 
