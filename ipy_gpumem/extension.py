@@ -22,8 +22,6 @@ runs its body as a nested cell instead, the way ``%%capture`` does.
 from __future__ import annotations
 
 import math
-import os
-import shlex
 import sys
 import warnings
 import weakref
@@ -34,10 +32,11 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Bool, Float, Int, TraitError, Unicode, Union, observe, validate
 
-from .core.devices import cuda, parse_device, parse_device_list
+from .core.devices import cuda, parse_device_list
 from .core.errors import GpuMemWarning
 from .core.probes import MemoryProbe
 from .core.units import parse_bytes
+from .ledger import commands as _commands
 from .ledger import header as _header
 from .ledger.recorder import Ledger
 from .ledger.watcher import CellWatcher, Settings, live_runners
@@ -50,8 +49,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["GpuMemMagics", "load", "unload", "current_magics", "current_ledger", "user_namespace"]
 
-_MODES = ("status", "history", "chart", "sidebar", "who", "free", "on", "off", "clear", "export")
-_MODES_HELP = "status, history [N], chart [widget|html|text], sidebar, who [DEVICE], free [--dry-run], on, off, clear, export PATH"
 #: The most records the ledger keeps; a bigger history would only hold memory nobody reads.
 MAX_HISTORY = 1_000_000
 #: Sampling rates below this are refused: at 0.01 the chart moves once every 100 s.
@@ -101,8 +98,8 @@ class GpuMemMagics(Magics):
     sample_rate = Float(
         4.0,
         help=(f"While a live chart is open, how many times per second a background thread reads memory "
-              f"({MIN_RATE} to {MAX_RATE:g}; 0 updates the chart at cell boundaries only). The chart redraws at "
-              "most once a second."),
+              f"({MIN_RATE} to {MAX_RATE:g}; 0 updates the chart at cell boundaries only). Redraws stay within "
+              "0.3% of a core: fast cells are drawn together, an idle chart every 10 s."),
     ).tag(config=True)
 
     def __init__(self, shell=None, probe: Optional[MemoryProbe] = None, ledger: Optional[Ledger] = None, **kwargs):
@@ -268,91 +265,42 @@ class GpuMemMagics(Magics):
         shell = self.shell
         return ipython_refs(shell.user_ns, getattr(shell, "user_ns_hidden", None), getattr(shell, "displayhook", None))
 
-    # -- %gpumem ---------------------------------------------------------------------------------
+    # -- %gpumem and %%gpumem --------------------------------------------------------------------
 
     @line_magic("gpumem")
     def gpumem_line(self, line: str = ""):
-        """Inspect and control ipy_gpumem's per-cell memory ledger.
-
-        Usage::
-
-            %gpumem                 same as %gpumem status
-            %gpumem status          memory now: per device, allocated by PyTorch, reserved but
-                                    unallocated, used outside PyTorch (CUDA context, other
-                                    processes), free and total; and this process's host RSS
-            %gpumem history [N]     a table of the recorded cells (the last N)
-            %gpumem chart [KIND]    a live chart of the session: per device allocated, reserved
-                                    and device used (host RSS without a GPU), each cell marked
-                                    [n] (hover: its first line, deltas, peak), the running cell
-                                    highlighted, the capacity drawn. KIND is widget (plotly,
-                                    default where widgets work), html (updated in place; Colab's
-                                    default) or text (terminal IPython). Asking again moves it.
-            %gpumem sidebar         the live chart in JupyterLab's right sidebar (sidecar), with
-                                    a live line of numbers left inline; elsewhere, shown inline
-            %gpumem who [DEVICE]    who holds the memory: parameters, gradients, optimizer
-                                    state, graphs kept by your variables, other tensors,
-                                    IPython's caches, and the variables holding them
-            %gpumem free [--dry-run]  release what costs you nothing: IPython's last error and
-                                    its frames, cached outputs holding tensors, then garbage
-                                    collection and the CUDA cache; shows the plan first and
-                                    what was freed after. Never deletes a variable of yours.
-            %gpumem on | off        resume / pause recording (``on`` also recovers after an
-                                    internal error; ``off`` also stops the chart's sampler)
-            %gpumem clear           forget the recorded cells
-            %gpumem export PATH     write the records to PATH as .json or .csv
-
-        Example::
-
-            In [3]: %gpumem status
-            device                allocated by PyTorch  reserved but unallocated  ...
-            cuda:0 (Tesla P100)               3.68 GiB                 20.00 MiB  ...
-
-        Configuration: ``%config GpuMemMagics`` (threshold, track_peaks, quiet, devices,
-        history_size, sample_rate, oom_panel). When a cell fails with out-of-memory, a panel
-        after its traceback explains it (``oom_panel``). From Python: ``ipy_gpumem.history()``,
-        ``ipy_gpumem.last()``.
-        """
         view = self.run_mode(line)
         if view is not None:
             _display(view)
 
+    gpumem_line.__doc__ = _commands.LINE_HELP
+
     def run_mode(self, line: str = ""):
         """Run one ``%gpumem`` mode and return its view (None for modes that only act or print)."""
         try:
-            words = shlex.split(line)
-        except ValueError as exc:
-            raise UsageError(f"%gpumem: cannot read {line.strip()!r}: {exc}") from None
-        mode = words[0].lower() if words else "status"
-        if mode not in _MODES:
-            raise UsageError(f"%gpumem: unknown mode {mode!r}; use one of: {_MODES_HELP} (see %gpumem?)")
-        return getattr(self, f"_mode_{mode}")(words[1:])
+            command = _commands.parse_command(line)
+            return getattr(self, f"_mode_{command.mode}")(command)
+        except _commands.CommandError as exc:
+            raise UsageError(str(exc)) from None
 
-    @staticmethod
-    def _no_args(mode, rest):
-        if rest:
-            raise UsageError(f"%gpumem {mode} takes no arguments (got {' '.join(rest)!r})")
-
-    def _mode_status(self, rest):
-        self._no_args("status", rest)
+    def _mode_status(self, command):
         from .core.memory import DeviceMemory
         from .display.status import status_view
 
         sample = self.probe.sample(self.watcher.settings.devices)
-        memories, names = [], {}
+        names = {}
         for dev in sample.devices:
-            memories.append(DeviceMemory.from_sample(dev))
             try:
                 names[dev.index] = self.probe.cuda.properties(dev.index)[0]
             except Exception:  # noqa: BLE001 - a name is a nicety
                 pass
-        return status_view(memories, sample.host.rss, reason=sample.reason, names=names)
+        return status_view([DeviceMemory.from_sample(d) for d in sample.devices], sample.host.rss,
+                           reason=sample.reason, names=names)
 
-    def _mode_history(self, rest):
-        if len(rest) > 1 or rest and not (rest[0].isdecimal() and rest[0].isascii()):
-            raise UsageError("%gpumem history takes an optional number of cells, e.g. %gpumem history 20")
+    def _mode_history(self, command):
         from .ledger.view import history_view
 
-        return history_view(self.ledger.records(), int(rest[0]) if rest else None)
+        return history_view(self.ledger.records(), command.limit)
 
     def _live(self):
         """The live chart, made on the first chart request."""
@@ -364,15 +312,10 @@ class GpuMemMagics(Magics):
             self.watcher.listener = self.live
         return self.live
 
-    def _mode_chart(self, rest):
-        from .chart.views import TIERS
+    def _mode_chart(self, command):
+        self._live().show(self.shell, command.tier, run=self.watcher.enabled)
 
-        if len(rest) > 1 or (rest and rest[0].lower() not in TIERS):
-            raise UsageError(f"%gpumem chart takes an optional kind: {', '.join(TIERS)} (e.g. %gpumem chart html)")
-        self._live().show(self.shell, rest[0].lower() if rest else None, run=self.watcher.enabled)
-
-    def _mode_sidebar(self, rest):
-        self._no_args("sidebar", rest)
+    def _mode_sidebar(self, command):
         from .chart.views import sidebar_unavailable
 
         reason = sidebar_unavailable(self.shell)
@@ -380,17 +323,6 @@ class GpuMemMagics(Magics):
             self._live().show(self.shell, note=f"{reason}; showing the chart here instead", run=self.watcher.enabled)
         else:
             self._live().show_sidebar(run=self.watcher.enabled)
-
-    def _device_arg(self, text: str, mode: str):
-        """A device typed after a mode: cuda:N (that exists), cuda, or cpu/host."""
-        try:
-            device = parse_device(text)
-        except ValueError:
-            raise UsageError(f"%gpumem {mode}: unknown device {text!r}: use cuda:N, cuda or cpu") from None
-        problem = self._device_problem(device)
-        if problem:
-            raise UsageError(f"%gpumem {mode}: {problem}")
-        return device
 
     def _device_problem(self, device) -> Optional[str]:
         """Why ``device`` cannot be measured here (it does not exist), or None."""
@@ -406,39 +338,36 @@ class GpuMemMagics(Magics):
         if problem:
             raise _header.HeaderError(f"-d {plan.device}: {problem}")
 
-    def _mode_who(self, rest):
-        if len(rest) > 1:
-            raise UsageError("%gpumem who takes an optional device: cuda:N, cuda or cpu (e.g. %gpumem who cuda:0)")
-        device = self._device_arg(rest[0], "who") if rest else None
-        total = None
-        if device is not None and device.is_cuda and device.index is not None:
-            for dev in self.probe.sample([device.index]).devices:
-                total = dev.allocated
+    def _mode_who(self, command):
         from .attribution.view import who_view
         from .attribution.who import who
         from .free.release import kept_errors
 
-        shell = self.shell
+        device, total, shell = command.device, None, self.shell
+        problem = self._device_problem(device)
+        if problem:
+            raise _commands.CommandError(f"%gpumem who: {problem}")
+        if device is not None and device.is_cuda and device.index is not None:
+            for dev in self.probe.sample([device.index]).devices:
+                total = dev.allocated
         # An error IPython could not format is kept only in its last result and its formatter.
-        errors = kept_errors(getattr(shell, "last_execution_result", None),
-                             [f for f in (getattr(shell, "InteractiveTB", None),) if f is not None])
+        errors = kept_errors(getattr(shell, "last_execution_result", None), self._formatters())
         return who_view(who(shell.user_ns, device=device, allocator_total=total, refs=self._refs(), errors=errors))
 
-    def _mode_free(self, rest):
-        if rest and rest != ["--dry-run"]:
-            raise UsageError("%gpumem free takes only --dry-run (show what would be released, release nothing)")
+    def _formatters(self):
+        return [f for f in (getattr(self.shell, "InteractiveTB", None),) if f is not None]
+
+    def _mode_free(self, command):
         from .free.release import free_memory
         from .free.view import free_view
 
         shell = self.shell
-        return free_view(free_memory(shell.user_ns, self._refs(), self.probe, dry_run=bool(rest),
+        return free_view(free_memory(shell.user_ns, self._refs(), self.probe, dry_run=command.dry_run,
                                      last_result=getattr(shell, "last_execution_result", None),
-                                     tb_formatters=[f for f in (getattr(shell, "InteractiveTB", None),) if f is not None],
-                                     displayhook=getattr(shell, "displayhook", None),
+                                     tb_formatters=self._formatters(), displayhook=getattr(shell, "displayhook", None),
                                      hidden=getattr(shell, "user_ns_hidden", None)))
 
-    def _mode_on(self, rest):
-        self._no_args("on", rest)
+    def _mode_on(self, command):
         self.broken = None
         self.watcher.reset()  # nothing left from before: the next cell is measured from a clean slate
         self.watcher.enabled = True
@@ -446,42 +375,19 @@ class GpuMemMagics(Magics):
             self.live.ensure_sampler()
         _say("ipy_gpumem: recording every cell.")
 
-    def _mode_off(self, rest):
-        self._no_args("off", rest)
+    def _mode_off(self, command):
         self.watcher.enabled = False
         if self.live is not None:
             self.live.stop_sampler()
         _say("ipy_gpumem: recording paused (%%gpumem still measures on request). %gpumem on resumes.")
 
-    def _mode_clear(self, rest):
-        self._no_args("clear", rest)
+    def _mode_clear(self, command):
         count = len(self.ledger)
         self.ledger.clear()
         _say(f"ipy_gpumem: forgot {count} recorded cell{'s' if count != 1 else ''}.")
 
-    def _mode_export(self, rest):
-        if len(rest) != 1:
-            raise UsageError("%gpumem export needs one path ending in .json or .csv, e.g. %gpumem export cells.json")
-        path = os.path.expanduser(rest[0])
-        suffix = os.path.splitext(path)[1].lower()
-        if suffix not in (".json", ".csv"):
-            raise UsageError(f"%gpumem export: unknown format {suffix or '(none)'!r}; the path must end in .json or .csv")
-        records = self.ledger.records()
-        try:
-            if suffix == ".json":
-                import json
-
-                with open(path, "w", encoding="utf-8") as fh:
-                    json.dump([r.to_dict() for r in records], fh, indent=1)
-            else:
-                from .core.records import write_csv
-
-                write_csv(path, records)
-        except OSError as exc:
-            raise UsageError(f"%gpumem export: cannot write {path!r}: {exc.strerror or exc}") from None
-        _say(f"ipy_gpumem: wrote {len(records)} cell record{'s' if len(records) != 1 else ''} to {path}")
-
-    # -- %%gpumem --------------------------------------------------------------------------------
+    def _mode_export(self, command):
+        _say(_commands.export(command.path, self.ledger.records()))
 
     @cell_magic("gpumem")
     def gpumem_cell(self, line: str, cell: str):
@@ -496,34 +402,7 @@ class GpuMemMagics(Magics):
         self.watcher.arm(_header.CellHeader(plan, 0, tuple(cell.splitlines())))
         self.shell.run_cell(cell, store_history=False)
 
-    gpumem_cell.__doc__ = f"""Measure one cell in detail: before / after / peak per device and host, optionally per line.
-
-    Usage: {_header.USAGE}
-
-{_header.OPTIONS_HELP}
-
-    The cell runs exactly as it would without the magic (its output, its last expression and its
-    error are unchanged); the report follows it. It combines with other cell magics in either order.
-
-    Example::
-
-        In [4]: %%gpumem --lines -o rec
-           ...: x = torch.ones(2**28, device="cuda")
-           ...: y = x * 2
-           ...: del x
-        %%gpumem [4] · 12 ms
-                              before     after         Δ      peak     peak Δ
-        cuda:0 allocated     0 bytes  1.00 GiB  +1.00 GiB  2.00 GiB  +2.00 GiB
-        ...
-        line  hits  Δallocated  Δreserved  peak in line  ...  source
-           2     1   +1.00 GiB  +1.00 GiB     +1.00 GiB  ...  x = torch.ones(2**28, device="cuda")
-
-        In [5]: rec.devices[0].peak_increase
-        Out[5]: 2147483648
-
-    Per-line changes are summed over a line's executions (hits); for a loop, the report also
-    says what the loop as a whole kept, apart from what its lines allocated and freed again.
-    """
+    gpumem_cell.__doc__ = _commands.CELL_HELP
 
 
 # ---------------------------------------------------------------------------------------------

@@ -111,3 +111,18 @@ def test_this_process_is_recognised_in_a_message_only_when_arithmetic_is_sure():
     two.other_processes = ((4001, 10 * GiB + 300 * MiB), (4002, 11 * GiB))  # either could be us
     mem = DeviceMemory.from_message(two)
     assert mem.process_used is None and [p[0] for p in mem.processes] == [4001, 4002]
+
+
+def test_the_gpumem_line_is_read_into_a_typed_command():
+    from ipy_gpumem.ledger.commands import Command, CommandError, parse_command
+    from ipy_gpumem.chart.views import TIERS
+
+    assert parse_command("") == Command("status") and parse_command("HISTORY 3").limit == 3
+    assert parse_command("chart Text").tier == "text" and parse_command("free --dry-run").dry_run
+    assert parse_command("who cpu").device == HOST and parse_command("export ~/c.csv").path.endswith("/c.csv")
+    for bad in ("history ²", "history x", "chart plotly", "who a b", "free now", "export c.txt", "on now", "zap", '"open'):
+        with pytest.raises(CommandError):
+            parse_command(bad)
+    from ipy_gpumem.ledger import commands
+
+    assert commands.TIERS == TIERS  # the parser and the chart agree on the kinds

@@ -10,6 +10,7 @@ from ipy_gpumem.core.units import MiB
 
 torch = pytest.importorskip("torch")
 
+from conftest import run
 from kernel_helpers import execute, outputs  # noqa: E402
 from test_who import LiveStorages  # noqa: E402 - exact live-byte accounting, shared with test_who
 
@@ -24,12 +25,6 @@ def _clean(ip):
         if hasattr(sys, name):
             setattr(sys, name, None)
     gc.collect()
-
-
-def run(ip, source):
-    with capture_output() as cap:
-        result = ip.run_cell(source, store_history=True)
-    return result, cap
 
 
 def panels(cap):
