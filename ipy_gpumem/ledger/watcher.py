@@ -37,8 +37,8 @@ __all__ = ["Settings", "CellOutcome", "CellWatcher", "REUSE_S", "live_runners"]
 #: A cell starting this soon after the previous one ended starts from that end's reading.
 REUSE_S = 0.02
 
-# A cell made only of our own line magics (and comments): its memory is ipy_gpumem's (plotly's
-# import when a chart opens), not the user's, so it is not recorded.
+# A cell made only of our own line magics (and comments): its memory is ipy_gpumem's (the chart's
+# imports when it opens, %gpumem free's collection), not the user's, so it is not recorded.
 _OURS = re.compile(r"^[ \t]*(?:%gpumem(?:[ \t].*)?|#.*)?$")
 
 
