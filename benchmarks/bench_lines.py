@@ -2,8 +2,9 @@
 
 Each cell runs plain, then under ``%%gpumem`` (whole-cell report), then under ``%%gpumem --lines``,
 alternating for ``--repeat`` rounds; medians are reported with the ratio to the plain cell, and
-the cost per marker: (``--lines`` time - plain time) / markers executed (the hits the record
-counts). A marker runs before each executed statement of the cell's own code (not of the
+the cost per marker two ways: (``--lines`` time - plain time) / markers executed (the hits the
+record counts), and the time measured inside the markers themselves (precise where a cell's own
+time varies by more than its markers cost). A marker runs before each executed statement of the cell's own code (not of the
 functions it calls), so the cost depends on how many cell lines run, not on the work inside them.
 
 ``--kernel`` runs the same cells in a real ipykernel (through jupyter_client, timed from the
@@ -39,6 +40,19 @@ SETUP = (
     "x = torch.randn(64, 512)\n"
 )
 MARKERS = "sum(line.hits for line in _bench_rec.lines)"
+# Time spent inside the markers themselves, measured from inside (a cell's total time varies by
+# more than the markers cost in a training loop): LineTracer.mark wrapped with a timer.
+INSTRUMENT = (
+    "import time as _t\n"
+    "from ipy_gpumem.ledger import lines as _lines\n"
+    "_bench_inside = [0.0, 0]\n"
+    "_bench_mark = _lines.LineTracer.mark\n"
+    "def _bench_timed(self, lineno):\n"
+    "    t0 = _t.perf_counter(); _bench_mark(self, lineno); _bench_inside[0] += _t.perf_counter() - t0\n"
+    "    _bench_inside[1] += 1\n"
+    "_lines.LineTracer.mark = _bench_timed\n"
+)
+INSIDE = "round(_bench_inside[0] / max(_bench_inside[1], 1) * 1e9)"  # ns per marker, over every run so far
 
 
 class Shell:
@@ -50,6 +64,7 @@ class Shell:
         self.ip = InteractiveShell.instance()
         self.run(SETUP)
         self.run("%load_ext ipy_gpumem")
+        self.run(INSTRUMENT)
 
     def run(self, source) -> float:
         from IPython.utils.capture import capture_output
@@ -60,7 +75,7 @@ class Shell:
             return time.perf_counter() - t0
 
     def value(self, expression):
-        return self.ip.ev(expression)
+        return int(self.ip.ev(expression))
 
     def close(self):
         self.run("%unload_ext ipy_gpumem")
@@ -80,6 +95,7 @@ class Kernel:
         self.kc.wait_for_ready(timeout=120)
         self.run(SETUP)
         self.run("%load_ext ipy_gpumem")
+        self.run(INSTRUMENT)
 
     def run(self, source) -> float:
         t0 = time.perf_counter()
@@ -109,8 +125,9 @@ def main():
 
     print(f"{'ipykernel' if args.kernel else 'InteractiveShell'}, IPython {IPython.__version__}, Python "
           f"{sys.version.split()[0]}, {args.repeat} rounds, medians")
-    print("| cell | plain | %%gpumem | %%gpumem --lines | --lines / plain | markers | per marker |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| cell | plain | %%gpumem | %%gpumem --lines | --lines / plain | markers | per marker (difference) "
+          "| per marker (inside) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     try:
         for label, body in CELLS.items():
             plain, whole, lines = [], [], []
@@ -120,11 +137,15 @@ def main():
                 where.run("%gpumem on")
                 whole.append(where.run("%%gpumem\n" + body))
                 lines.append(where.run("%%gpumem --lines -o _bench_rec\n" + body))
+            where.run("_bench_inside[:] = [0.0, 0]")
+            for _ in range(args.repeat):
+                where.run("%%gpumem --lines -o _bench_rec\n" + body)
+            inside = where.value(INSIDE) / 1e3
             markers = where.value(MARKERS)
             p, w, ln = statistics.median(plain), statistics.median(whole), statistics.median(lines)
             per = (ln - p) / markers if markers else float("nan")
             print(f"| {label} | {p * 1e3:.1f} ms | {w * 1e3:.1f} ms | {ln * 1e3:.1f} ms | {ln / p:.2f}x | "
-                  f"{markers:,} | {per * 1e6:.1f} us |")
+                  f"{markers:,} | {per * 1e6:.1f} us | {inside:.1f} us |")
     finally:
         where.close()
 

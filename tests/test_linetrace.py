@@ -218,11 +218,18 @@ class _Exploding(HostProbe):
         super().__init__()
         self.calls = 0
 
-    def rss(self):
+    def _explode(self):
         self.calls += 1
         if self.calls > 2:
             raise RuntimeError("probe exploded")
+
+    def rss(self):
+        self._explode()
         return super().rss()
+
+    def rss_after_reset(self):
+        self._explode()
+        return super().rss_after_reset()
 
 
 def test_a_failing_probe_stops_measuring_without_touching_the_cell():
