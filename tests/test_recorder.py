@@ -12,8 +12,11 @@ from conftest import dev_sample, make_sample
 
 def test_deltas_and_per_cell_peak_from_scripted_allocator(fake_gpu):
     fake, probe = fake_gpu([(1 * GiB, 2 * GiB), (4 * GiB, 6 * GiB), (2 * GiB, 6 * GiB)])
+    fake.peak = [9 * GiB, 9 * GiB]  # an earlier cell's peak, still standing
     m = Measurement.begin(probe, source="x = big()", track_peaks=True)
     assert fake.resets == 1  # the peak counters were reset before the cell ran
+    Measurement.begin(probe, track_peaks=True)
+    assert fake.resets == 1  # a peak already at the current value is left alone
     fake.advance()  # the cell allocates 3 GiB...
     fake.advance()  # ...and frees 2 GiB of it
     rec = m.finish(execution_count=7).record()

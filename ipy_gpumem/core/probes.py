@@ -700,7 +700,10 @@ class MemoryProbe:
         if reset_peaks and devs:
             try:
                 for dev in devs:
-                    self.cuda.reset_peak(dev.index)
+                    # A peak that stands at its value already measures from here: resetting it
+                    # would only cost a call (and touch the user's counters for nothing).
+                    if dev.peak_allocated != dev.allocated or dev.peak_reserved != dev.reserved:
+                        self.cuda.reset_peak(dev.index)
                 reset_devices = frozenset(dev.index for dev in devs)
             except Exception:  # noqa: BLE001 - peaks then come from samples
                 reset_devices = frozenset()
