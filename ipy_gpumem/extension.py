@@ -40,6 +40,7 @@ from .ledger import commands as _commands
 from .ledger import header as _header
 from .ledger.recorder import Ledger
 from .ledger.watcher import CellWatcher, Settings, live_runners
+from .oom import capture as _capture
 
 # Everything else (line markers, the chart, the OOM panel, who, free) is imported where it is
 # first used: %load_ext must stay fast, and most sessions never need most of it.
@@ -185,10 +186,6 @@ class GpuMemMagics(Magics):
         s.threshold, s.devices = parse_bytes(self.threshold), parse_device_list(self.devices)
         s.track_peaks, s.quiet, s.oom_panel = self.track_peaks, self.quiet, self.oom_panel
 
-    @property
-    def threshold_bytes(self) -> int:
-        return self.watcher.settings.threshold
-
     # -- hooks -----------------------------------------------------------------------------------
 
     def pre_run_cell(self, info=None) -> None:
@@ -294,8 +291,9 @@ class GpuMemMagics(Magics):
                 names[dev.index] = self.probe.cuda.properties(dev.index)[0]
             except Exception:  # noqa: BLE001 - a name is a nicety
                 pass
+        capture = _capture.describe() if sample.devices else None  # about CUDA: only where CUDA is up
         return status_view([DeviceMemory.from_sample(d) for d in sample.devices], sample.host.rss,
-                           reason=sample.reason, names=names)
+                           reason=sample.reason, names=names, notes=[capture] if capture else [])
 
     def _mode_history(self, command):
         from .ledger.view import history_view

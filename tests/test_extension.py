@@ -77,9 +77,9 @@ def test_config_reaches_the_magics_through_the_shell_config(ip):
     try:
         ip.run_line_magic("load_ext", "ipy_gpumem")
         magics = ip.magics_manager.registry["GpuMemMagics"]
-        assert magics.threshold_bytes == GiB and magics.track_peaks is False
+        assert magics.watcher.settings.threshold == GiB and magics.track_peaks is False
         ip.run_line_magic("config", "GpuMemMagics.threshold = '2 MiB'")
-        assert magics.threshold_bytes == 2 * MiB
+        assert magics.watcher.settings.threshold == 2 * MiB
     finally:
         ip.run_line_magic("unload_ext", "ipy_gpumem")
         ip.config = old

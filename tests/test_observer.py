@@ -122,3 +122,18 @@ def test_no_torch_means_try_later_and_a_cpu_build_means_never(fresh, monkeypatch
     torch = fresh()
     torch._C._has_cuda = False
     assert capture.watch(lambda c: None) is True and capture.state() == "unsupported"
+
+
+def test_status_says_whether_an_oom_will_be_captured(fresh):
+    assert capture.describe() is None  # nothing known before torch
+    torch = fresh(initialized=False)
+    capture.watch(lambda c: None)
+    assert "waiting for CUDA" in capture.describe()
+    torch.init_cuda()
+    assert capture.describe().startswith("out-of-memory capture: on")
+
+
+def test_status_names_the_allocator_that_has_no_observer(fresh):
+    fresh(backend="cudaMallocAsync")
+    capture.watch(lambda c: None)
+    assert "cudaMallocAsync allocator has no out-of-memory observer" in capture.describe()

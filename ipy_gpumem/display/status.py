@@ -5,7 +5,7 @@ from typing import Mapping, Optional, Sequence
 
 from ..core.memory import DeviceMemory
 from ..core.units import format_bytes
-from .parts import Line, Table, render
+from .parts import Line, Span, Table, render
 from .view import View
 
 __all__ = ["status_view", "STATUS_HEADERS"]
@@ -14,7 +14,7 @@ STATUS_HEADERS = ("device", "allocated by PyTorch", "reserved but unallocated", 
 
 
 def status_view(memories: Sequence[DeviceMemory], host_rss: Optional[int], reason: Optional[str] = None,
-                names: Optional[Mapping[int, str]] = None) -> View:
+                names: Optional[Mapping[int, str]] = None, notes: Sequence[str] = ()) -> View:
     """Per device, who has the memory now; and the process's host RSS. ``View.data`` is ``memories``.
 
     "used outside PyTorch" is the device's used memory minus what torch reserved: the CUDA
@@ -36,4 +36,5 @@ def status_view(memories: Sequence[DeviceMemory], host_rss: Optional[int], reaso
         parts.append(Line(f"No CUDA device in use: {reason or 'none found'}."))
     host = f"host: {format_bytes(host_rss)} resident (process RSS)" if host_rss is not None else "host: RSS unavailable"
     parts.append(Line(host))
+    parts.extend(Line(Span(note, "dim")) for note in notes)
     return render(parts, data=list(memories))

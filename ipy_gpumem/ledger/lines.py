@@ -64,10 +64,6 @@ def remove_hook() -> None:
         delattr(builtins, HOOK_NAME)
 
 
-def hook_installed() -> bool:
-    return getattr(builtins, HOOK_NAME, None) is _HOOK
-
-
 class _Quantity:
     """Running totals of one quantity (host RSS, or one device's allocated/reserved) over a line's hits."""
 

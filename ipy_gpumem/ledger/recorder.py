@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 from ..core.probes import MemoryProbe, Sample
 from ..core.records import CellRecord, DeviceRecord, HostRecord, largest_change
@@ -249,9 +249,6 @@ class Ledger:
         """The last ``count`` records, oldest first (without building the others)."""
         entries = list(self._entries)[-count:] if count > 0 else []
         return [_record(entry) for entry in entries]
-
-    def extend(self, entries: Iterable) -> None:
-        self._entries.extend(entries)
 
     def clear(self) -> None:
         self._entries.clear()

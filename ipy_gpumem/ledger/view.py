@@ -14,13 +14,7 @@ from ..core.units import format_bytes, format_delta, format_seconds
 from ..display.parts import Blank, Line, Para, Raw, Span, Table, render
 from ..display.view import View, delta_class, format_of
 
-__all__ = ["cell_moved", "cell_line", "cell_view", "cell_report_view", "history_view", "loop_summaries"]
-
-
-def cell_moved(record: CellRecord, threshold: int) -> bool:
-    """Whether a cell moved memory by at least ``threshold`` bytes (allocated, reserved or peak;
-    host RSS when no CUDA device is in use)."""
-    return record.moved_bytes >= threshold
+__all__ = ["cell_view", "cell_report_view", "history_view", "loop_summaries"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,13 +59,9 @@ def _line_spans(record: CellRecord, threshold: int = 0) -> List[Span]:
     return spans
 
 
-def cell_line(record: CellRecord, threshold: int = 0) -> str:
+def cell_view(record: CellRecord, threshold: int = 0) -> View:
     """The compact line shown after a cell, e.g.
     ``[7] cuda:0 +2.81 GiB allocated (peak +5.62 GiB) · reserved 9.53 / 15.78 GiB · 1.2 s``."""
-    return "".join(span.text for span in _line_spans(record, threshold))
-
-
-def cell_view(record: CellRecord, threshold: int = 0) -> View:
     return render([Line(*_line_spans(record, threshold))], data=record)
 
 

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional
 
 from ..core.probes import counters_from_stats
 
-__all__ = ["OomCapture", "watch", "unwatch", "attached", "state"]
+__all__ = ["OomCapture", "watch", "unwatch", "attached", "state", "describe"]
 
 
 class OomCapture(NamedTuple):
@@ -136,3 +136,15 @@ def attached() -> bool:
 def state() -> str:
     """``new``, ``queued``, ``attached`` or ``unsupported``."""
     return _STATE["state"]
+
+
+def describe() -> Optional[str]:
+    """One line on whether an out-of-memory will be captured, for ``%gpumem status``; None before torch."""
+    status = _STATE["state"]
+    if status == "attached":
+        return "out-of-memory capture: on (the allocator's numbers at a failure go into the panel)"
+    if status == "queued":
+        return "out-of-memory capture: waiting for CUDA to come up (attached by torch's own initialization)"
+    if status == "unsupported":
+        return f"out-of-memory capture: unavailable ({_STATE['reason']}); the panel reads the error message instead"
+    return None
