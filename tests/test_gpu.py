@@ -116,3 +116,43 @@ def test_real_cuda_oom_is_parsed_explained_and_captured(ip, gpumem):
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
         ip.user_ns.pop("keep", None)
+
+
+def test_the_first_cuda_cells_oom_is_captured(tmp_path):
+    """CUDA comes up in the very cell that runs out of memory: the observer, queued through torch's
+    lazy init, must already be attached (a fresh process: CUDA must not be up before the cell)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "from IPython.utils.capture import capture_output\n"
+        "ip = InteractiveShell.instance()\n"
+        "ip.user_ns['torch'] = torch\n"
+        "ip.run_line_magic('load_ext', 'ipy_gpumem')\n"
+        "ip.run_cell('x = 1', store_history=True)\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "with capture_output() as cap:\n"
+        "    ip.run_cell('big = torch.empty(2**60, dtype=torch.uint8, device=\"cuda\")', store_history=True)\n"
+        "panels = [o.data['text/plain'] for o in cap.outputs if o.data.get('text/plain', '').startswith('Out of memory')]\n"
+        "print(len(panels), 'allocator at OOM' in (panels[0] if panels else ''))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-2:] == ["1", "True"], out.stdout + out.stderr
+
+
+def test_nvml_and_torch_agree_on_the_total(ip, gpumem):
+    """One total for the per-cell line, the chart and the OOM message: torch's (NVML v1 counts the
+    driver's reservation in its own total and used)."""
+    import torch
+
+    torch.zeros(1, device="cuda")
+    sample = gpumem.probe.sample([0])
+    dev = sample.devices[0]
+    assert dev.total == torch.cuda.get_device_properties(0).total_memory
+    free, total = torch.cuda.mem_get_info(0)
+    assert total == dev.total
+    assert abs((total - free) - dev.used) < 256 * MiB  # NVML's used (v2) and cudaMemGetInfo's agree
+    _capture("nvml_vs_torch.json", {"torch_total": dev.total, "used_nvml": dev.used, "used_cuda": total - free,
+                                     "nvml": gpumem.probe.cuda.nvml.reason})

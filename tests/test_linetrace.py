@@ -239,3 +239,16 @@ def test_a_failing_probe_stops_measuring_without_touching_the_cell():
     tracer, lines = run_traced(src, probe, ns)
     assert ns["d"] == 6  # the cell ran to the end
     assert tracer.reason.startswith("line measurement stopped: RuntimeError")
+
+
+def test_a_device_without_a_context_at_the_first_marker_is_found_later(fake_gpu):
+    # CUDA is up but no device has a context when the cell's first marker runs (FAKE: scripted
+    # counters): the device list must not be cached empty for the rest of the cell.
+    fake, probe = fake_gpu([(0, 0), (GiB, GiB), (GiB, GiB)])
+    contexts = []
+    probe.cuda.device_indices = lambda cuda: list(contexts)  # no context until wake() runs
+    src = "wake()\nfake.advance()\nfake.pos = fake.pos\n"
+    tracer, lines = run_traced(src, probe, {"fake": fake, "wake": lambda: contexts.append(0)})
+    by = {ln.lineno: ln for ln in lines}
+    assert by[1].devices[0].allocated_delta == 0  # the context came up during line 1
+    assert by[2].devices[0].allocated_delta == GiB  # and line 2 is measured on it
