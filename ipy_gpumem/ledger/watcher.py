@@ -209,18 +209,15 @@ class CellWatcher:
             self._stack.append(_Frame(info, raw, cell_id=cell_id))
             return
         settings = self.settings
-        devices, include_host = settings.devices, True
+        devices = settings.devices
         if header is not None and header.plan.device is not None:
-            devices = header.plan.cuda_indices
-        measurement = self._begin(devices, settings.track_peaks, cell_id=cell_id,
-                                  source=raw, detailed=header is not None, include_host=include_host,
-                                  outermost=not stack)
+            devices = header.plan.cuda_indices  # () for -d host: the host is always measured
+        measurement = self._begin(devices, settings.track_peaks, cell_id=cell_id, source=raw,
+                                  detailed=header is not None, outermost=not stack)
         tracer = self._start_lines(devices, settings.track_peaks) if header is not None and header.plan.lines else None
-        if measurement.start.devices and not self._watching_oom:
-            self._watching_oom = oom_capture.watch(self.on_oom)
-        elif not self._watching_oom and "torch" in sys.modules:
-            # CUDA is not up yet: torch runs our attach when it initializes, so the first CUDA
-            # cell's out-of-memory (model.to("cuda") on a full device) is captured too.
+        if not self._watching_oom and "torch" in sys.modules:
+            # Attached now if CUDA is up; else torch runs our attach when it initializes, so the
+            # first CUDA cell's out-of-memory (model.to("cuda") on a full device) is captured too.
             self._watching_oom = oom_capture.watch(self.on_oom)
         listener = self.listener
         if listener is not None:
