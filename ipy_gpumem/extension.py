@@ -112,6 +112,7 @@ class GpuMemMagics(Magics):
         self.broken: Optional[str] = None
         self.live = None  # the live chart, made by %gpumem chart / sidebar
         super().__init__(shell=shell, **kwargs)
+        self.watcher.check_plan = self._check_plan  # a %%gpumem naming a missing device is not measured
         if self.ledger.maxlen != self.history_size:
             self.ledger.resize(self.history_size)
         self._settings()
@@ -437,7 +438,6 @@ def load(shell: "_Shell") -> None:
     if getattr(shell, _ATTR, None) is not None:
         return
     magics = GpuMemMagics(shell=shell, ledger=_PARKED.pop(shell, None))
-    magics.watcher.check_plan = magics._check_plan
     shell.register_magics(magics)
     pre, post = magics.pre_run_cell, magics.post_run_cell
     shell.events.register("pre_run_cell", pre)

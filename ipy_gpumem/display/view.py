@@ -12,7 +12,7 @@ from typing import Iterable, Optional, Sequence
 
 from ..core.units import format_bytes
 
-__all__ = ["View", "esc", "format_of", "delta_class", "text_table", "html_table", "wrap_html", "details_html"]
+__all__ = ["View", "esc", "format_of", "delta_class", "text_table", "html_table", "wrap_html"]
 
 _CSS = (
     "<style>"
@@ -119,9 +119,3 @@ def html_table(headers: Sequence[str], rows: Iterable[Sequence[object]], left: S
 
 def wrap_html(inner: str) -> str:
     return f'{_CSS}<div class="ipy-gpumem">{inner}</div>'
-
-
-def details_html(summary: str, body: str, expanded: bool = False) -> str:
-    """A collapsed section: the summary line stays visible, so the diagnosis fits on one screen."""
-    return (f'<details style="margin:2px 0"{" open" if expanded else ""}><summary style="cursor:pointer">'
-            f'{esc(summary)}</summary><div style="margin:2px 0 4px 14px">{body}</div></details>')

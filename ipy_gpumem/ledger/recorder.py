@@ -78,7 +78,7 @@ class Measurement:
         self._seen_host = None
         self._seen_alloc = None
         self._seen_reserved = None
-        self._lock = None  # made by the first observe(): most cells are never observed
+        self._lock = threading.Lock()  # the sampler thread observes while the main thread folds
         self.started_at = time.time()
         self.t0 = time.perf_counter()  # not start.t: a start reading may be the previous cell's end
         self.duration = None
@@ -99,10 +99,7 @@ class Measurement:
 
     def observe(self, sample: Sample) -> None:
         """Fold a reading taken during the cell into the peaks (any thread; cheap)."""
-        lock = self._lock
-        if lock is None:
-            lock = self._lock = threading.Lock()  # benign race: two locks only if two threads start at once
-        with lock:
+        with self._lock:
             if self.samples is not None:
                 self.samples.append(sample)
                 if len(self.samples) > self.MAX_SAMPLES:
@@ -118,13 +115,14 @@ class Measurement:
 
     def observe_peaks(self, host_peak=None, device_peaks=None) -> None:
         """Fold peaks measured elsewhere (per-line peaks) into the cell's peaks."""
-        self._seen_host = _max(self._seen_host, host_peak)
-        if device_peaks:
-            alloc = self._seen_alloc = self._seen_alloc or {}
-            reserved = self._seen_reserved = self._seen_reserved or {}
-            for index, (alloc_peak, reserved_peak) in device_peaks.items():
-                alloc[index] = _max(alloc.get(index), alloc_peak)
-                reserved[index] = _max(reserved.get(index), reserved_peak)
+        with self._lock:
+            self._seen_host = _max(self._seen_host, host_peak)
+            if device_peaks:
+                alloc = self._seen_alloc = self._seen_alloc or {}
+                reserved = self._seen_reserved = self._seen_reserved or {}
+                for index, (alloc_peak, reserved_peak) in device_peaks.items():
+                    alloc[index] = _max(alloc.get(index), alloc_peak)
+                    reserved[index] = _max(reserved.get(index), reserved_peak)
 
     # -- at the end ------------------------------------------------------------------------------
 
