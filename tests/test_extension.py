@@ -109,7 +109,7 @@ def test_every_cell_is_recorded_with_exact_host_deltas(ip, gpumem):
     assert rec.execution_count == res.execution_count
     assert rec.source == "x = torch.ones(2**26)"
     assert 256 * MiB - SLACK <= rec.host.rss_delta <= 256 * MiB + 2 * SLACK
-    assert rec.devices == () and rec.reason == NO_CUDA
+    assert rec.devices == () and rec.devices_note == NO_CUDA
     assert len(cap.outputs) == 1
     line = texts(cap)[0]
     assert line.startswith(f"[{res.execution_count}] host +25")
@@ -444,7 +444,7 @@ def test_the_extension_never_imports_torch_itself():
         "ip.run_cell('%%gpumem --lines\\ny = 1', store_history=True)\n"
         "ip.run_line_magic('gpumem', 'status')\n"
         "import ipy_gpumem\n"
-        "print('RESULT', 'torch' in sys.modules, len(ipy_gpumem.history()), ipy_gpumem.last().reason)\n"
+        "print('RESULT', 'torch' in sys.modules, len(ipy_gpumem.history()), ipy_gpumem.last().devices_note)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     result = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]

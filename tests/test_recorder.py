@@ -53,7 +53,7 @@ def test_device_initialized_during_the_cell_starts_at_zero(fake_gpu):
     rec = m.finish().record()
     dev = rec.devices[0]
     assert (dev.allocated_before, dev.allocated_after, dev.allocated_peak) == (0, 3 * GiB, 3 * GiB)
-    assert dev.used_before is None and rec.reason is None
+    assert dev.used_before is None and rec.devices_note is None
 
 
 def test_cpu_only_record_carries_host_memory(fake_gpu):
@@ -62,7 +62,7 @@ def test_cpu_only_record_carries_host_memory(fake_gpu):
     m = Measurement.begin(probe, source="buf = bytearray(2**26)")
     buf = bytearray(64 * MiB)
     rec = m.finish().record()
-    assert rec.devices == () and rec.reason == "CUDA not initialized yet"
+    assert rec.devices == () and rec.devices_note == "CUDA not initialized yet"
     assert 63 * MiB <= rec.host.rss_delta <= 66 * MiB  # the kernel's per-CPU RSS counters lag a little
     assert rec.host.rss_peak >= rec.host.rss_after
     del buf

@@ -674,6 +674,6 @@ def seed_timeline(timeline: Timeline, records, now_epoch: Optional[float] = None
                              getattr(d, f"used_{which}"), d.total)
                 for d in rec.devices
             )
-            timeline.add(Sample(t, HostSample(getattr(rec.host, f"rss_{which}"), None), devices, rec.reason))
+            timeline.add(Sample(t, HostSample(getattr(rec.host, f"rss_{which}"), None), devices, rec.devices_note))
         timeline.cell_started(start, rec.label, rec.source)
         timeline.cell_finished(end, rec)

@@ -165,6 +165,14 @@ class LineRecord:
     host: HostRecord
     devices: tuple = ()
     duration_s: float = 0.0
+    #: The line's change by role, summed over its hits: ``{device: {role: signed bytes}}``
+    #: (``ipy_gpumem.core.roles``); None when roles were not measured.
+    roles: Optional[dict] = None
+    #: What came and went within the line at its worst hit, per device: the peak above the
+    #: larger of the line's start and end (temporaries); None when unknown.
+    temporaries: Optional[dict] = None
+    #: One sentence saying why the line moved memory, in the user's names; None when nothing moved.
+    reason: Optional[str] = None
 
     def device(self, index: int) -> Optional[DeviceRecord]:
         for dev in self.devices:
@@ -180,6 +188,9 @@ class LineRecord:
             "duration_s": self.duration_s,
             "host": self.host.to_dict(),
             "devices": [d.to_dict() for d in self.devices],
+            "roles": self.roles,
+            "temporaries": self.temporaries,
+            "reason": self.reason,
         }
 
 
@@ -211,7 +222,7 @@ class CellRecord:
     host: HostRecord = field(default_factory=HostRecord)
     devices: tuple = ()
     #: Why ``devices`` is empty: "torch is not imported", "CUDA not initialized yet", ...
-    reason: Optional[str] = None
+    devices_note: Optional[str] = None
     #: Per-line records, for ``%%gpumem --lines`` cells; None otherwise.
     lines: Optional[tuple] = None
     #: The loops of a ``--lines`` cell (``LoopSpan``s, numbered like ``lines``).
@@ -220,6 +231,17 @@ class CellRecord:
     detailed: bool = False
     #: Whether the peaks are per cell (peak counters reset before it) or only sampled.
     peaks: str = "sampled"
+    #: The cell's change by role (``{device: {role: signed bytes}}``), when it was measured.
+    roles: Optional[dict] = None
+    #: One sentence naming what the cell's change is made of, in the user's names; None when
+    #: nothing moved or it was not analysed.
+    reason: Optional[str] = None
+    #: Training phases recognised in the cell (``%%gpumem``): dicts with ``phase``, ``step``,
+    #: ``roles``, ``peak`` (see ``ipy_gpumem.anatomy.phases``); None when none were watched.
+    phases: Optional[tuple] = None
+    #: For a re-run of an earlier cell: ``{"of", "runs", "growth", "suspects", ...}``; None for a
+    #: first run (see ``ipy_gpumem.ledger.reruns``).
+    rerun: Optional[dict] = None
 
     @property
     def failed(self) -> bool:
@@ -254,10 +276,14 @@ class CellRecord:
             "duration_s": self.duration_s,
             "error": self.error,
             "error_message": self.error_message,
-            "reason": self.reason,
+            "devices_note": self.devices_note,
             "peaks": self.peaks,
             "host": self.host.to_dict(),
             "devices": [d.to_dict() for d in self.devices],
+            "roles": self.roles,
+            "reason": self.reason,
+            "phases": None if self.phases is None else [dict(p) for p in self.phases],
+            "rerun": self.rerun,
         }
         if self.lines is not None:
             out["lines"] = [line.to_dict() for line in self.lines]

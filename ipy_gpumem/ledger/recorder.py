@@ -219,7 +219,7 @@ class Measurement:
             execution_count=self.execution_count, cell_id=self.cell_id, source=self.source,
             started_at=self.started_at, duration_s=self.duration or 0.0, error=self.error,
             error_message=self.message, host=host, devices=tuple(devices),
-            reason=end.reason if not devices else None, lines=self.lines, loops=self.loops,
+            devices_note=end.reason if not devices else None, lines=self.lines, loops=self.loops,
             detailed=self.detailed, peaks=peaks,
         )
 

@@ -200,8 +200,8 @@ def cell_report_view(record: CellRecord, source_lines: Optional[Sequence[str]] =
             parts.append(Para("A loop's lines sum their changes over every iteration; what each loop kept:", "dim"))
             parts.extend(Para(text, "dim", indent="  ") for text in summaries)
     notes = []
-    if record.reason and not record.devices:
-        notes.append(f"No CUDA device measured: {record.reason}; showing host memory.")
+    if record.devices_note and not record.devices:
+        notes.append(f"No CUDA device measured: {record.devices_note}; showing host memory.")
     if record.peaks == "sampled":
         notes.append("Peaks are the highest values sampled (peak counters were not reset for this cell).")
     if note:
