@@ -113,6 +113,10 @@ class GpuMemMagics(Magics):
         self.live = None  # the live chart, made by %gpumem chart / sidebar
         super().__init__(shell=shell, **kwargs)
         self.watcher.check_plan = self._check_plan  # a %%gpumem naming a missing device is not measured
+        if shell is not None:
+            # What the anatomy's census counts; read when a cell is analysed, never per cell.
+            self.watcher.namespace = lambda: shell.user_ns
+            self.watcher.baseline()  # never raises: an unreadable namespace is an empty census
         if self.ledger.maxlen != self.history_size:
             self.ledger.resize(self.history_size)
         self._settings()

@@ -102,13 +102,19 @@ class _DeviceStats:
 class _LineStats:
     """Running totals for one line (mutable while tracing; frozen into a LineRecord at the end)."""
 
-    __slots__ = ("hits", "seconds", "host", "devices")
+    __slots__ = ("hits", "seconds", "host", "devices", "temporaries", "change", "first", "last")
 
     def __init__(self):
         self.hits = 0
         self.seconds = 0.0
         self.host = _Quantity()
         self.devices: dict = {}  # device index -> _DeviceStats
+        self.temporaries: dict = {}  # device label -> the most that came and went within one hit
+        # Roles (a census at each boundary): the change summed over hits, and the first and the
+        # latest hit's own change with what held memory before it (for the line's sentence).
+        self.change = None
+        self.first = None  # (Change, seen, before Snapshot, after Snapshot)
+        self.last = None
 
 
 class _Reading(NamedTuple):
@@ -141,8 +147,16 @@ class LineTracer:
     """
 
     def __init__(self, probe: MemoryProbe, devices: Optional[Sequence[int]] = None, track_peaks: bool = True,
-                 include_host: bool = True):
+                 include_host: bool = True, census=None):
         self.probe = probe
+        #: A callable returning a census ``Snapshot`` (``ipy_gpumem.anatomy.census``): the roles of
+        #: each line come from the census at its boundaries. None measures no roles.
+        self.census = census
+        self.first_snapshot = None
+        self._snapshot = None
+        self._seen: set = set()  # (role, owner) pairs that held memory at some boundary so far
+        self._pending_host = None  # peaks read by checkpoint() within the running line
+        self._pending_devices: dict = {}
         self._device_filter = None if devices is None else tuple(devices)
         self._devices: Optional[tuple] = None  # fixed once a device with a context is found
         self._track_peaks = track_peaks
@@ -220,7 +234,11 @@ class LineTracer:
             stats = self._stats[lineno] = _LineStats()
         stats.hits += 1
         stats.seconds += end.t - start.t
-        hit_peak = _mx(end.peak_rss, _mx(start.rss, end.rss))
+        hit_peak = _mx(_mx(end.peak_rss, self._pending_host), _mx(start.rss, end.rss))
+        if hit_peak is not None:
+            temporary = hit_peak - _mx(start.rss, end.rss)
+            if temporary > stats.temporaries.get("cpu", 0):
+                stats.temporaries["cpu"] = temporary
         host = stats.host
         host.fold(start.rss, end.rss, hit_peak)
         if host.peak is not None and (self.host_peak is None or host.peak > self.host_peak):
@@ -233,8 +251,14 @@ class LineTracer:
             dev = stats.devices.get(index)
             if dev is None:
                 dev = stats.devices[index] = _DeviceStats()
-            dev.allocated.fold(a0, a1, _mx(_mx(a0, a1), pa1 if self._track_peaks else None))
-            dev.reserved.fold(r0, r1, _mx(_mx(r0, r1), pr1 if self._track_peaks else None))
+            pending = self._pending_devices.get(index, (None, None)) if self._pending_devices else (None, None)
+            alloc_peak = _mx(_mx(a0, a1), _mx(pa1, pending[0]) if self._track_peaks else None)
+            dev.allocated.fold(a0, a1, alloc_peak)
+            dev.reserved.fold(r0, r1, _mx(_mx(r0, r1), _mx(pr1, pending[1]) if self._track_peaks else None))
+            temporary = alloc_peak - max(a0, a1)
+            label = f"cuda:{index}"
+            if temporary > stats.temporaries.get(label, 0):
+                stats.temporaries[label] = temporary
             old = self.device_peaks.get(index, (None, None))
             self.device_peaks[index] = (_mx(old[0], dev.allocated.peak), _mx(old[1], dev.reserved.peak))
 
@@ -242,6 +266,11 @@ class LineTracer:
         reading = self._read(next_lineno is not None)
         if self._current is not None:
             self._fold(self._current[0], self._current[1], reading)
+            self._pending_host = None
+            if self._pending_devices:
+                self._pending_devices = {}
+        if self.census is not None:
+            self._roles(self._current[0] if self._current is not None else None)
         if next_lineno is None:
             self._current = None
         else:
@@ -249,6 +278,48 @@ class LineTracer:
             # Nothing ran between the read and the reset, so the same reading is where the
             # next line starts, and its peaks are its own.
             self._current = (next_lineno, reading)
+
+    def _roles(self, lineno: Optional[int]) -> None:
+        """Census now; the change since the previous boundary belongs to the line that just ran."""
+        snap = self.census()
+        before = self._snapshot
+        self._snapshot = snap
+        if before is None:
+            self.first_snapshot = snap
+        elif lineno is not None:
+            stats = self._stats.get(lineno)
+            if stats is not None:
+                change = snap.diff(before)
+                stats.change = change if stats.change is None else stats.change.add(change)
+                hit = (change, frozenset(self._seen), before, snap)
+                if stats.first is None:
+                    stats.first = hit
+                stats.last = hit
+        for (_dev, role, owner), value in snap.parts.items():
+            if value > 0:
+                self._seen.add((role, owner))
+
+    @property
+    def last_snapshot(self):
+        """The census at the latest boundary (the cell's end once stopped)."""
+        return self._snapshot
+
+    def checkpoint(self):
+        """A reading in the middle of a line (a phase boundary): ``(t, {device: (current, peak since
+        the previous checkpoint or boundary)})``, resetting the peak counters. The peak still
+        counts for the running line (folded when the line ends)."""
+        reading = self._read(True)
+        out = {}
+        if reading.rss is not None:
+            peak = _mx(reading.peak_rss, reading.rss)
+            self._pending_host = _mx(self._pending_host, peak)
+            out["cpu"] = (reading.rss, peak)
+        for index, (allocated, reserved, peak_a, peak_r) in reading.devices.items():
+            old = self._pending_devices.get(index, (None, None))
+            self._pending_devices[index] = (_mx(old[0], peak_a), _mx(old[1], peak_r))
+            out[f"cuda:{index}"] = (allocated, _mx(peak_a, allocated))
+        self._reset(reading)
+        return reading.t, out
 
     # -- markers -----------------------------------------------------------------------------
 
@@ -309,12 +380,54 @@ class LineTracer:
                     reserved_before=r.before, reserved_after=r.after, reserved_peak=r.peak,
                     allocated_delta_sum=a.net, reserved_delta_sum=r.net, peak_increase_max=a.rise,
                 ))
-            out.append(LineRecord(shown, text, stats.hits, host, tuple(devs), stats.seconds))
+            roles = reason = None
+            if self.census is not None:
+                roles, reason = _line_roles(stats, devs)
+            out.append(LineRecord(shown, text, stats.hits, host, tuple(devs), stats.seconds, roles=roles,
+                                  temporaries=dict(stats.temporaries) or None, reason=reason))
         return tuple(out)
 
     def loop_spans(self, offset: int = 0) -> tuple:
         """The cell's loops in the numbering of :meth:`records`."""
         return tuple(LoopSpan(s.first + offset, s.last + offset, s.kind) for s in self.loops)
+
+
+def _line_roles(stats: _LineStats, devices) -> tuple:
+    """A line's role table (its census change summed over hits, with the GPU-only roles from its
+    counters) and its sentence (from its first hit, and its latest when that differs)."""
+    from ..anatomy.account import gpu_extras, with_extras
+    from ..anatomy.reasons import describe
+
+    change = stats.change
+    parts = change.parts if change is not None else {}
+    extras = {dev.label: gpu_extras(dev, parts) for dev in devices}
+    roles = with_extras(change.table if change is not None else {}, extras)
+    reason = None
+    if stats.first is not None:
+        first_change, seen, before, after = stats.first
+        first_extras = extras if stats.hits == 1 else None
+        temporaries = max(stats.temporaries.values(), default=None) if stats.hits == 1 else None
+        reason = describe(first_change.parts, before, after, seen=seen, temporaries=temporaries,
+                          extra=_merged(first_extras))
+        if stats.hits > 1 and stats.last is not stats.first:
+            last_change, seen, before, after = stats.last
+            later = describe(last_change.parts, before, after, seen=seen)
+            first_text = reason or "nothing"
+            if later != reason:
+                reason = f"first hit: {first_text}; last hit: {later or 'nothing'}"
+            elif reason is not None:
+                reason = f"each hit: {reason}"
+    return roles, reason
+
+
+def _merged(extras):
+    if not extras:
+        return None
+    out: dict = {}
+    for row in extras.values():
+        for role, value in row.items():
+            out[role] = out.get(role, 0) + value
+    return out
 
 
 class LineMarkers(ast.NodeTransformer):

@@ -49,7 +49,7 @@ class Measurement:
     __slots__ = ("probe", "cell_id", "source", "devices", "detailed", "include_host", "lines", "loops",
                  "started_at", "start", "end", "samples", "track_peaks", "host_peak_reset", "reset_devices",
                  "_seen_host", "_seen_alloc", "_seen_reserved", "_lock", "t0", "duration", "error", "message",
-                 "execution_count", "_record")
+                 "execution_count", "roles", "reason", "phases", "rerun", "_record")
 
     #: Most sampler readings a detailed cell keeps for its chart (every other one is dropped
     #: when full, so a long cell keeps its whole span at a coarser step).
@@ -85,6 +85,11 @@ class Measurement:
         self.error = None
         self.message = None
         self.execution_count = None
+        # The anatomy (set by the watcher when the cell was analysed) and the re-run comparison.
+        self.roles = None
+        self.reason = None
+        self.phases = None
+        self.rerun = None
         self._record = None
 
     @classmethod
@@ -220,7 +225,8 @@ class Measurement:
             started_at=self.started_at, duration_s=self.duration or 0.0, error=self.error,
             error_message=self.message, host=host, devices=tuple(devices),
             devices_note=end.reason if not devices else None, lines=self.lines, loops=self.loops,
-            detailed=self.detailed, peaks=peaks,
+            detailed=self.detailed, peaks=peaks, roles=self.roles, reason=self.reason,
+            phases=self.phases, rerun=self.rerun,
         )
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+from ..anatomy.reasons import roles_phrase
 from ..core.devices import cuda
+from ..core.roles import ROLE_SHORT, ROLES
 from ..core.records import CellRecord, DeviceRecord, LineRecord
 from ..core.text import clip
 from ..core.units import format_bytes, format_delta, format_seconds
@@ -61,8 +63,14 @@ def _line_spans(record: CellRecord, threshold: int = 0) -> List[Span]:
 
 def cell_view(record: CellRecord, threshold: int = 0) -> View:
     """The compact line shown after a cell, e.g.
-    ``[7] cuda:0 +2.81 GiB allocated (peak +5.62 GiB) · reserved 9.53 / 15.78 GiB · 1.2 s``."""
-    return render([Line(*_line_spans(record, threshold))], data=record)
+    ``[7] cuda:0 +2.81 GiB allocated (peak +5.62 GiB) · reserved 9.53 / 15.78 GiB · 1.2 s``,
+    and, when the anatomy found what the change is made of, a second line naming its dominant roles
+    (``  activations +2.60 GiB kept by `output`, `loss```)."""
+    parts = [Line(*_line_spans(record, threshold))]
+    phrase = roles_phrase(record.roles, getattr(record, "_parts", None))
+    if phrase:
+        parts.append(Line(Span("  " + phrase, "dim")))
+    return render(parts, data=record)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,14 +113,19 @@ def _lines_table(record: CellRecord, source_lines: Sequence[str]) -> Table:
     for i in indices:
         prefix = f"{cuda(i)} " if len(indices) > 1 else ""
         headers += [f"{prefix}Δallocated", f"{prefix}Δreserved", f"{prefix}peak in line"]
-    headers += ["Δhost RSS", "host peak in line", "time", "source"]
+    headers += ["Δhost RSS", "host peak in line", "time"]
+    with_roles = any(line.roles is not None for line in record.lines or ())
+    if with_roles:
+        headers.append("by role")
+    headers.append("source")
     rows, classes = [], []
     count = max([len(source_lines)] + [ln.lineno for ln in record.lines or ()])
     for lineno in range(1, count + 1):
         text = source_lines[lineno - 1] if lineno <= len(source_lines) else ""
         line = by_line.get(lineno)
         if line is None:
-            rows.append([str(lineno), ""] + [""] * (3 * len(indices)) + ["", "", "", text])
+            rows.append([str(lineno), ""] + [""] * (3 * len(indices)) + ["", "", ""] + ([""] if with_roles else [])
+                        + [text])
             classes.append([])
             continue
         row, cls = [str(lineno), str(line.hits)], ["", ""]
@@ -126,11 +139,38 @@ def _lines_table(record: CellRecord, source_lines: Sequence[str]) -> Table:
             cls += [delta_class(dev.allocated_delta), delta_class(dev.reserved_delta),
                     "up" if (dev.peak_increase or 0) > max(dev.allocated_delta or 0, 0) else "dim"]
         h = line.host
-        row += [format_delta(h.rss_delta), format_delta(h.rss_peak_increase), format_seconds(line.duration_s), text]
-        cls += [delta_class(h.rss_delta), "dim", "dim", ""]
+        row += [format_delta(h.rss_delta), format_delta(h.rss_peak_increase), format_seconds(line.duration_s)]
+        cls += [delta_class(h.rss_delta), "dim", "dim"]
+        if with_roles:
+            row.append(roles_cell(line.roles, line.temporaries))
+            cls.append("")
+        row.append(text)
+        cls.append("")
         rows.append(row)
         classes.append(cls)
     return Table(headers, rows, left=(len(headers) - 1,), classes=classes, src_col=len(headers) - 1)
+
+
+def roles_cell(roles, temporaries=None, count: int = 3) -> str:
+    """A line's roles, compact: ``grad +32.02 MiB · act -4.00 MiB · temp 9.68 MiB`` (biggest first;
+    the device is named when a line moved memory on more than one)."""
+    several = len(roles or {}) > 1
+    items = [(dev, role, v) for dev, row in (roles or {}).items() for role, v in row.items() if v]
+    items.sort(key=lambda item: -abs(item[2]))
+    shown = [f"{dev + ' ' if several else ''}{ROLE_SHORT.get(role, role)} {format_delta(v)}"
+             for dev, role, v in items[:count]]
+    if len(items) > count:
+        shown.append(f"+{len(items) - count} more")
+    temp = max((temporaries or {}).values(), default=0)
+    if temp >= 64 * 1024:
+        shown.append(f"temp {format_bytes(temp)}")
+    return " · ".join(shown)
+
+
+def _reasons(record: CellRecord) -> List[str]:
+    """``line N: why`` for each line that moved memory, then the cell's own sentence."""
+    out = [f"line {line.lineno}: {line.reason}" for line in record.lines or () if line.reason]
+    return out
 
 
 def _line_change(line: LineRecord, index: Optional[int]) -> Optional[int]:
@@ -195,10 +235,18 @@ def cell_report_view(record: CellRecord, source_lines: Optional[Sequence[str]] =
         lines_src = list(source_lines) if source_lines is not None else record.source.splitlines()
         parts.append(Blank())
         parts.append(_lines_table(record, lines_src))
+        reasons = _reasons(record)
+        if reasons:
+            parts.append(Para("Why (by role: param, grad, optim state, act = activations autograd saved for backward, "
+                              "other tensors; temp = what came and went within the line):", "dim"))
+            parts.extend(Para(text, indent="  ") for text in reasons)
         summaries = loop_summaries(record)
         if summaries:
             parts.append(Para("A loop's lines sum their changes over every iteration; what each loop kept:", "dim"))
             parts.extend(Para(text, "dim", indent="  ") for text in summaries)
+    if record.reason:
+        parts.append(Para(f"The cell: {record.reason}."))
+    parts.extend(_phase_parts(record))
     notes = []
     if record.devices_note and not record.devices:
         notes.append(f"No CUDA device measured: {record.devices_note}; showing host memory.")
@@ -208,6 +256,32 @@ def cell_report_view(record: CellRecord, source_lines: Optional[Sequence[str]] =
         notes.append(note)
     parts.extend(Line(Span(n, "dim")) for n in notes)
     return render(parts, data=record)
+
+
+def _phase_parts(record: CellRecord) -> list:
+    """The training phases the cell ran (forward, backward, optimizer step, zero_grad): per phase,
+    how often, the worst peak, and what its first and steady steps changed by role."""
+    phases = record.phases
+    if not phases:
+        return []
+    kinds: dict = {}
+    for phase in phases:
+        kinds.setdefault(phase.get("phase"), []).append(phase)
+    rows = []
+    for kind in ("forward", "backward", "optimizer_step", "zero_grad"):
+        items = kinds.get(kind)
+        if not items:
+            continue
+        peaks = [max((phase.get("peak") or {}).values(), default=0) for phase in items]
+        first = items[0]
+        steady = next((p for p in items if p.get("step") == 2 and p.get("roles") is not None), None)
+        rows.append([kind.replace("_", " "), str(len(items)), format_bytes(max(peaks)) if peaks else "",
+                     roles_cell(first.get("roles")) if first.get("roles") is not None else "",
+                     roles_cell(steady.get("roles")) if steady is not None else ""])
+    if not rows:
+        return []
+    return [Blank(), Line(Span("Training phases (recognised from the modules, autograd and optimizers the cell used)", "dim")),
+            Table(["phase", "count", "worst peak", "first step, by role", "second step, by role"], rows, left=(0, 3, 4))]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from ..core.probes import Sample
 from ..core.units import MiB
 from ..oom import capture as oom_capture
 from .header import CellHeader, find_header
+from ..core.records import DeviceRecord
 from .recorder import Ledger, Measurement
 
 __all__ = ["Settings", "CellOutcome", "CellWatcher", "REUSE_S", "live_runners"]
@@ -63,9 +64,12 @@ class Settings:
 class _Frame:
     """One ``run_cell`` in flight."""
 
-    __slots__ = ("info", "raw", "cell_id", "measurement", "header", "tracer", "marker", "reported_inside")
+    __slots__ = ("info", "raw", "cell_id", "measurement", "header", "tracer", "marker", "reported_inside", "snapshot",
+                 "phases")
 
     def __init__(self, info, raw, measurement=None, header=None, tracer=None, marker=None, cell_id=None):
+        self.snapshot = None  # the census when a %%gpumem cell started (its roles' "before")
+        self.phases = None  # the PhaseWatcher of a %%gpumem cell
         self.info = info
         self.raw = raw
         self.cell_id = cell_id
@@ -111,6 +115,10 @@ class CellOutcome:
     @property
     def record(self):
         return self.measurement.record()
+
+
+def _max2(a, b):
+    return b if a is None else a if b is None else max(a, b)
 
 
 def live_runners(code, skip: int = 1) -> int:
@@ -182,6 +190,12 @@ class CellWatcher:
         #: Raises HeaderError for a %%gpumem plan that cannot run here (a device that does not
         #: exist); such a header is not measured, the magic itself reports the error.
         self.check_plan = None
+        #: A callable returning the user's namespace (the extension's shell.user_ns): what the
+        #: anatomy's census counts. None: no roles.
+        self.namespace = None
+        # The census at the end of the last analysed cell: an ordinary cell that moved more than
+        # the threshold is explained by what changed since (cells under it pay nothing).
+        self._last_snapshot = None
 
     # -- what the hooks call -----------------------------------------------------------------------
 
@@ -215,6 +229,11 @@ class CellWatcher:
         measurement = self._begin(devices, settings.track_peaks, cell_id=cell_id, source=raw,
                                   detailed=header is not None, outermost=not stack)
         tracer = self._start_lines(devices, settings.track_peaks) if header is not None and header.plan.lines else None
+        snapshot = phases = None
+        if header is not None and tracer is None:
+            snapshot = self.census()
+        if header is not None:
+            phases = self._start_phases(measurement, tracer)
         if not self._watching_oom and "torch" in sys.modules:
             # Attached now if CUDA is up; else torch runs our attach when it initializes, so the
             # first CUDA cell's out-of-memory (model.to("cuda") on a full device) is captured too.
@@ -225,7 +244,9 @@ class CellWatcher:
                 measurement.samples = []  # the sampler's readings make the report's cell chart
             if not stack:
                 listener.cell_started(measurement.start._replace(t=time.perf_counter()), raw)
-        stack.append(_Frame(info, raw, measurement, header, tracer, _exception_marker(), cell_id))
+        frame = _Frame(info, raw, measurement, header, tracer, _exception_marker(), cell_id)
+        frame.snapshot, frame.phases = snapshot, phases
+        stack.append(frame)
 
     def finish(self, result) -> Optional[CellOutcome]:
         """``post_run_cell``: close the cell's frame; what to show, or None."""
@@ -233,6 +254,8 @@ class CellWatcher:
         if frame is None:
             return None
         note = None
+        if frame.phases is not None:
+            frame.phases.stop()  # before the lines stop: its last reading folds into the last line
         if frame.tracer is not None:
             self._stop_lines(frame.tracer)
             self._remove_hook()  # the marked cell is over
@@ -267,6 +290,8 @@ class CellWatcher:
                 parent.reported_inside = True
         show_line = (outermost and header is None and not frame.reported_inside and not settings.quiet
                      and measurement.moved(settings.threshold))
+        if header is not None or show_line:
+            self._anatomy(frame, measurement)
         oom = capture = None
         if error is not None and settings.oom_panel and (outermost or header is not None):
             from ..oom.parse import parse_oom  # only when a cell failed
@@ -313,6 +338,126 @@ class CellWatcher:
         if not lines_running:
             self._remove_hook()
         return lines_running
+
+    # -- the anatomy ----------------------------------------------------------------------------------
+
+    def census(self):
+        """A census of the user's namespace now (an empty one without a namespace or torch)."""
+        from ..anatomy.census import EMPTY, take
+
+        if self.namespace is None or "torch" not in sys.modules:
+            return EMPTY
+        try:
+            return take(self.namespace())
+        except Exception:  # noqa: BLE001 - no namespace to read: no roles, never an error in a cell
+            return EMPTY
+
+    def baseline(self) -> None:
+        """Census now, as the reference the next cell that moves memory is compared with."""
+        from ..anatomy.census import EMPTY
+
+        # Without torch nothing holds a tensor: the empty census is exact.
+        self._last_snapshot = self.census() if "torch" in sys.modules else EMPTY
+
+    def _anatomy(self, frame: _Frame, measurement: Measurement) -> None:
+        """Fill the measurement's roles, reason and phases (a %%gpumem cell, or a cell that moved
+        at least the threshold). Never raises: the anatomy is an explanation, not the record."""
+        try:
+            from ..anatomy.account import gpu_extras, with_extras
+            from ..anatomy.reasons import describe
+
+            tracer = frame.tracer
+            if tracer is not None and tracer.census is not None and tracer.first_snapshot is not None:
+                before, after = tracer.first_snapshot, tracer.last_snapshot
+            else:
+                before = frame.snapshot if frame.header is not None else self._last_snapshot
+                after = self.census()
+            self._last_snapshot = after
+            if frame.phases is not None:
+                measurement.phases = tuple(frame.phases.phases) or None
+            if before is None:
+                return
+            change = after.diff(before)
+            extras, temporaries = {}, 0
+            base = {d.index: d for d in measurement.start.devices}
+            for dev in measurement.end.devices:
+                b = base.get(dev.index)
+                rec = DeviceRecord(dev.index, allocated_before=0 if b is None else b.allocated,
+                                   allocated_after=dev.allocated, reserved_before=0 if b is None else b.reserved,
+                                   reserved_after=dev.reserved, used_before=None if b is None else b.used,
+                                   used_after=dev.used)
+                extras[rec.label] = gpu_extras(rec, change.parts)
+                peak = measurement._device_peak(dev, b)
+                if peak is not None:
+                    temporaries = max(temporaries, peak - max(rec.allocated_before, dev.allocated))
+            if not measurement.end.devices:
+                rss0, rss1, peak = measurement.start.host.rss, measurement.end.host.rss, measurement._host_peak()
+                if None not in (rss0, rss1, peak):
+                    temporaries = max(0, peak - max(rss0, rss1))
+            measurement.roles = with_extras(change.table, extras)
+            seen = {(role, owner) for (_d, role, owner), v in before.parts.items() if v > 0}
+            merged: dict = {}
+            for row in extras.values():
+                for role, value in row.items():
+                    merged[role] = merged.get(role, 0) + value
+            measurement.reason = describe(change.parts, before, after, seen=seen, temporaries=temporaries or None,
+                                          extra=merged or None)
+        except Exception:  # noqa: BLE001
+            return
+
+    def _start_phases(self, measurement: Measurement, tracer):
+        """Watch the training phases of a %%gpumem cell (None until torch is imported)."""
+        if "torch" not in sys.modules:
+            return None
+        try:
+            from ..anatomy.phases import PhaseWatcher
+        except Exception:  # noqa: BLE001 - the phases are an addition, never a reason to fail
+            return None
+        read = tracer.checkpoint if tracer is not None else self._phase_reader(measurement)
+        try:
+            from ..anatomy.census import take
+
+            namespace = self.namespace
+
+            def census(modules=(), optimizers=(), tensors=()):
+                return take(namespace() if namespace is not None else None, modules=modules,
+                            optimizers=optimizers, tensors=tensors)
+
+            watcher = PhaseWatcher(read, census)
+            watcher.start()
+            return watcher
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _phase_reader(self, measurement: Measurement):
+        """A phase boundary's reading when no line tracer runs: current and peak per device, the
+        peaks folded into the cell's own and reset (so each phase gets its own)."""
+        probe = self.probe
+
+        def read():
+            t = time.perf_counter()
+            out, device_peaks, host_peak = {}, {}, None
+            devices = measurement.devices
+            sample = probe.sample(devices)
+            if sample.devices:
+                for dev in sample.devices:
+                    peak = _max2(dev.peak_allocated, dev.allocated) if dev.index in measurement.reset_devices else dev.allocated
+                    out[f"cuda:{dev.index}"] = (dev.allocated, peak)
+                    device_peaks[dev.index] = (peak, _max2(dev.peak_reserved, dev.reserved))
+                    try:
+                        probe.cuda.reset_peak(dev.index)
+                    except Exception:  # noqa: BLE001
+                        pass
+            rss = sample.host.rss
+            if rss is not None:
+                host_peak = _max2(sample.host.peak_rss if measurement.host_peak_reset else None, rss)
+                out["cpu"] = (rss, host_peak)
+                if measurement.host_peak_reset:
+                    probe.host.reset_peak()
+            measurement.observe_peaks(host_peak, device_peaks)
+            return t, out
+
+        return read
 
     # -- out-of-memory capture ------------------------------------------------------------------------
 
@@ -365,6 +510,8 @@ class CellWatcher:
         stale = stack[keep:]
         del stack[keep:]
         for frame in stale:
+            if frame.phases is not None:
+                frame.phases.stop()  # its global hooks must not outlive the cell
             if frame.tracer is not None:
                 self._stop_lines(frame.tracer)
 
@@ -391,6 +538,8 @@ class CellWatcher:
                 frame.raw == getattr(info, "raw_cell", None) and frame.cell_id == getattr(info, "cell_id", None)):
             # A frame left by a cell that ended without post_run_cell, and this post belongs to
             # a cell we never saw start: drop the stale frame, report nothing.
+            if frame.phases is not None:
+                frame.phases.stop()
             if frame.tracer is not None:
                 self._stop_lines(frame.tracer)
             return None
@@ -401,7 +550,8 @@ class CellWatcher:
 
         if self._markers is None:
             self._markers = LineMarkers()
-        tracer = LineTracer(self.probe, devices, track_peaks=track_peaks)
+        census = self.census if self.namespace is not None and "torch" in sys.modules else None
+        tracer = LineTracer(self.probe, devices, track_peaks=track_peaks, census=census)
         tracer.start()
         # Markers go into the cell's syntax tree, which IPython builds after this hook.
         self._markers.tracer = tracer
