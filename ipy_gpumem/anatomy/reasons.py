@@ -8,12 +8,12 @@ backward runs or the outputs are deleted.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
-from ..core.roles import ROLE_WORDS, dominant
+from ..core.roles import ROLE_WORDS
 from ..core.units import format_bytes, format_delta
 
-__all__ = ["describe", "roles_phrase", "MIN_BYTES"]
+__all__ = ["describe", "headline", "MIN_BYTES"]
 
 #: Changes smaller than this are not worth a clause (a loss scalar, a step counter).
 MIN_BYTES = 64 * 1024
@@ -23,7 +23,10 @@ _STATE_WORDS = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buf
                 "sum", "grad_avg", "mu_product", "prev", "step_size", "ax", "eta", "exp_inf"}
 
 
-def _names(owners: Iterable[str], limit: int = 3) -> str:
+def _names(owners, limit: int = 3) -> str:
+    """`a`, `b`, `c`, 2 more: a dict of owners is named biggest first."""
+    if isinstance(owners, dict):
+        owners = sorted(owners, key=lambda o: -abs(owners[o]))
     owners = [o for o in owners if o]
     shown = [f"`{o}`" if not o.startswith("(") else o for o in owners[:limit]]
     if len(owners) > limit:
@@ -127,7 +130,7 @@ def describe(parts: Mapping[Tuple[str, str, str], int], before=None, after=None,
         up = {o: v for o, v in others.items() if v > 0}
         down = {o: v for o, v in others.items() if v < 0}
         if up:
-            clauses.append((sum(up.values()), f"{format_delta(sum(up.values()))} in {_names(up)}"))
+            clauses.append((sum(up.values()), f"{format_delta(sum(up.values()))} tensors held by {_names(up)}"))
         if down:
             clauses.append((sum(down.values()), f"{format_delta(sum(down.values()))} released from {_names(down)}"))
     for role, value in (extra or {}).items():
@@ -143,22 +146,13 @@ def describe(parts: Mapping[Tuple[str, str, str], int], before=None, after=None,
     if not clauses:
         return None
     clauses.sort(key=lambda c: -abs(c[0]))
-    return ", ".join(text for _, text in clauses)
+    return "; ".join(text for _, text in clauses)
 
 
-def roles_phrase(table: Optional[Mapping[str, Mapping[str, int]]], parts=None, count: int = 2) -> Optional[str]:
-    """The dominant roles of a change, for the per-cell line: ``activations +2.60 GiB kept by `output`, `loss```."""
-    items = [item for item in dominant(table, count=count) if abs(item[2]) >= MIN_BYTES]
-    if not items:
+def headline(reason: Optional[str], count: int = 2) -> Optional[str]:
+    """The first ``count`` clauses of a :func:`describe` sentence (its biggest changes)."""
+    if not reason:
         return None
-    by_role = _by_role(parts or {})
-    out = []
-    for device, role, value in items:
-        owners = {o: v for o, v in by_role.get(role, {}).items() if (v > 0) == (value > 0) and not o.startswith("(")}
-        text = f"{ROLE_WORDS.get(role, role)} {format_delta(value)}"
-        if owners and role in ("activations", "other_tensors"):
-            text += f" kept by {_names(sorted(owners, key=lambda o: -abs(owners[o])))}" if value > 0 else ""
-        elif owners and role in ("parameters", "gradients", "optimizer_state"):
-            text += f" ({_names([_owner_module(o) for o in sorted(owners, key=lambda o: -abs(owners[o]))])})"
-        out.append(text)
-    return "; ".join(out)
+    clauses = reason.split("; ")
+    return "; ".join(clauses[:count]) + ("; …" if len(clauses) > count else "")
+

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from ..anatomy.reasons import roles_phrase
+from ..anatomy.reasons import headline
 from ..core.devices import cuda
 from ..core.roles import ROLE_SHORT, ROLES
 from ..core.records import CellRecord, DeviceRecord, LineRecord
@@ -65,12 +65,43 @@ def cell_view(record: CellRecord, threshold: int = 0) -> View:
     """The compact line shown after a cell, e.g.
     ``[7] cuda:0 +2.81 GiB allocated (peak +5.62 GiB) · reserved 9.53 / 15.78 GiB · 1.2 s``,
     and, when the anatomy found what the change is made of, a second line naming its dominant roles
-    (``  activations +2.60 GiB kept by `output`, `loss```)."""
+    (``  +2.60 GiB activations saved for backward, kept by `output`, `loss```)."""
     parts = [Line(*_line_spans(record, threshold))]
-    phrase = roles_phrase(record.roles, getattr(record, "_parts", None))
+    phrase = headline(record.reason)
     if phrase:
         parts.append(Line(Span("  " + phrase, "dim")))
+    parts.extend(rerun_parts(record))  # re-runs (issue 12)
     return render(parts, data=record)
+
+
+# -- re-runs (issue 12; the data comes from ipy_gpumem.ledger.reruns) ----------------------------
+
+
+def rerun_parts(record: CellRecord) -> list:
+    """The re-run warning under the per-cell line, once per suspect: what the earlier run left
+    alive, who holds it, and the fix (``record.rerun["warning"]`` and its new causes)."""
+    rerun = record.rerun
+    if not rerun or not rerun.get("warning"):
+        return []
+    parts = [Line(Span("  " + rerun["warning"], "err"))]
+    parts.extend(Para("· " + cause, indent="    ", hanging="      ") for cause in rerun.get("causes_new") or ())
+    return parts
+
+
+def _history_label(rec: CellRecord) -> str:
+    """``[7]``, or ``[7] ↻[3] +64.00 MiB`` for a re-run of [3] that kept 64 MiB more than its previous run."""
+    rerun = rec.rerun
+    if not rerun:
+        return rec.label
+    of = rerun.get("of")
+    text = f"{rec.label} ↻[{of if of is not None else ' '}]"
+    growth = rerun.get("growth")
+    if growth and rerun.get("suspects"):
+        text += f" {format_delta(growth)}"
+    return text
+
+
+_RERUN_NOTE = "↻[n]: a re-run of cell [n], and the memory it kept beyond its previous run when an earlier run's tensors were still held."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,16 +333,16 @@ def history_view(records: Sequence[CellRecord], limit: Optional[int] = None) -> 
         source, error = clip(rec.first_line, 60), rec.error or ""
         host = rec.host
         if not cuda:
-            rows.append([rec.label, format_delta(host.rss_delta), format_delta(host.rss_peak_increase),
+            rows.append([_history_label(rec), format_delta(host.rss_delta), format_delta(host.rss_peak_increase),
                          format_bytes(host.rss_after), format_seconds(rec.duration_s), error, source])
             classes.append(["", delta_class(host.rss_delta), delta_class(host.rss_peak_increase), "", "dim", "err", ""])
             continue
         for dev in rec.devices or (None,):
             if dev is None:
-                row = [rec.label, "host", "", "", "", "", format_delta(host.rss_delta)]
+                row = [_history_label(rec), "host", "", "", "", "", format_delta(host.rss_delta)]
                 cls = ["", "", "", "", "", "", delta_class(host.rss_delta)]
             else:
-                row = [rec.label, dev.label, format_delta(dev.allocated_delta), format_delta(dev.peak_increase),
+                row = [_history_label(rec), dev.label, format_delta(dev.allocated_delta), format_delta(dev.peak_increase),
                        format_delta(dev.reserved_delta), format_bytes(dev.reserved_after), format_delta(host.rss_delta)]
                 cls = ["", "", delta_class(dev.allocated_delta), delta_class(dev.peak_increase),
                        delta_class(dev.reserved_delta), "", delta_class(host.rss_delta)]
@@ -323,4 +354,7 @@ def history_view(records: Sequence[CellRecord], limit: Optional[int] = None) -> 
     else:
         headers = ["cell", "Δhost RSS", "host peak Δ", "resident", "time", "error", "source"]
         left = (0, 5, 6)
-    return render([Table(headers, rows, left=left, classes=classes, src_col=len(headers) - 1)], data=list(records))
+    parts = [Table(headers, rows, left=left, classes=classes, src_col=len(headers) - 1)]
+    if any(rec.rerun for rec in records):  # re-runs (issue 12)
+        parts.append(Line(Span(_RERUN_NOTE, "dim")))
+    return render(parts, data=list(records))

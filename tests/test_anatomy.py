@@ -1,0 +1,318 @@
+"""The anatomy: every byte's role, exact for parameters, gradients and optimizer state, and within 1% for
+activations against what backward really frees (a storage tracker), on five architectures and four
+optimizers; then the seed scenario's rows and reasons in a real kernel.
+"""
+import json
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+from ipy_gpumem.anatomy import census  # noqa: E402
+from ipy_gpumem.anatomy.reasons import describe, headline  # noqa: E402
+from tests.conftest import run  # noqa: E402
+from tests.kernel_helpers import execute, plain  # noqa: E402
+
+
+# -- ground truth: a storage tracker --------------------------------------------------------------
+
+
+class StorageTracker:
+    """Every storage the operators produce while active, each with a weakref that dies with the
+    storage (torch preserves a storage's Python object while the storage lives, as MemTracker relies on)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+        self.refs = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        tracker.add(t)
+                return out
+
+        self.mode = Mode()
+
+    def add(self, t):
+        st = t.untyped_storage()
+        old = self.refs.get(id(st))
+        if (old is None or old[0]() is None) and st.nbytes():  # a dead storage's id may be reused
+            self.refs[id(st)] = (weakref.ref(st), st.nbytes())
+
+    def live(self):
+        return sum(n for ref, n in self.refs.values() if ref() is not None)
+
+
+def _unique_bytes(tensors):
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+# -- five architectures -------------------------------------------------------------------------
+
+
+class Shared(nn.Module):
+    """A block applied twice (weights shared, activations not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(64, 256)
+        self.block = nn.Sequential(nn.Linear(256, 256), nn.GELU())
+        self.out = nn.Linear(256, 10)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = self.block(h)
+        h = self.block(h)
+        return self.out(h)
+
+
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(32, 128, num_layers=2, batch_first=True)
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=256, batch_first=True, dropout=0.0)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.layer(x).mean(1))
+
+
+def _conv():
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
+                         nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+ARCHS = {
+    "mlp (seed)": (lambda: nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                                         nn.Linear(512, 10)), lambda: torch.randn(32, 64)),
+    "conv + batchnorm": (_conv, lambda: torch.randn(8, 3, 32, 32)),
+    "attention": (Attention, lambda: torch.randn(8, 16, 64)),
+    "recurrent (lstm)": (Recurrent, lambda: torch.randn(8, 12, 32)),
+    "block applied twice": (Shared, lambda: torch.randn(32, 64)),
+}
+OPTIMIZERS = {
+    "Adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-3),
+    "SGD momentum": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_roles_are_exact_and_activations_within_one_percent(arch, opt_name):
+    torch.manual_seed(0)
+    make_model, make_input = ARCHS[arch]
+    model, x = make_model(), make_input()
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    ns = {"model": model, "opt": opt, "x": x}
+    params = list(model.parameters()) + list(model.buffers())
+    for step in (1, 2):
+        tracker = StorageTracker()
+        with tracker.mode:
+            output = model(x)
+            loss = output.float().pow(2).mean()
+        ns.update(output=output, loss=loss)
+        snap = census.take(ns)
+        # Parameters (and buffers) exact to the byte.
+        assert snap.role_bytes("parameters") == _unique_bytes(params)
+        # Activations: what backward frees while the outputs stay named, measured by the tracker.
+        live_before = tracker.live()
+        expected_grads_before = _unique_bytes([p.grad for p in model.parameters() if p.grad is not None])
+        assert snap.role_bytes("gradients") == expected_grads_before
+        opt.zero_grad(set_to_none=False) if step == 2 else None
+        loss.backward()
+        freed = live_before - tracker.live()
+        acts = snap.role_bytes("activations")
+        assert freed > 0
+        assert abs(acts - freed) <= 0.01 * freed, (arch, opt_name, step, acts, freed)
+        after = census.take(ns)
+        assert after.role_bytes("activations") == 0
+        assert after.role_bytes("gradients") == _unique_bytes([p.grad for p in model.parameters()])
+        opt.step()
+        stepped = census.take(ns)
+        state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        assert stepped.role_bytes("optimizer_state") == _unique_bytes(state)
+        # The user's named tensors are other tensors, never activations or parameters.
+        assert stepped.role_bytes("other_tensors") == _unique_bytes([x, output, loss])
+        del output, loss
+        ns.pop("output"), ns.pop("loss")
+
+
+def test_a_census_keeps_nothing_alive_and_counts_views_once():
+    t = torch.zeros(1024, 256)
+    ref = weakref.ref(t)
+    ns = {"t": t, "view": t[:10], "again": [t, t.T]}
+    snap = census.take(ns)
+    assert snap.role_bytes("other_tensors") == 1024 * 256 * 4
+    assert snap.parts == {("cpu", "other_tensors", "t"): 1024 * 256 * 4}
+    del t, ns
+    assert ref() is None
+
+
+def test_tied_weights_count_once_and_an_optimizer_alone_still_holds_parameters():
+    emb = nn.Embedding(100, 32)
+    head = nn.Linear(32, 100, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    snap = census.take({"model": model, "opt": opt})
+    assert snap.role_bytes("parameters") == 100 * 32 * 4
+    # The model's name is rebound: its parameters are still held, by the optimizer.
+    ns = {"model": nn.Linear(2, 2), "opt": opt}
+    snap = census.take(ns)
+    assert snap.role_bytes("parameters", owner="opt's parameters") == 100 * 32 * 4
+
+
+def test_a_list_of_losses_keeps_each_iterations_activations():
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
+    x = torch.randn(16, 64)
+    losses = [model(x).mean() for _ in range(3)]
+    snap = census.take({"model": model, "x": x, "losses": losses})
+    one = census.take({"model": model, "x": x, "l": losses[0]}).role_bytes("activations")
+    assert one > 0 and snap.role_bytes("activations", owner="losses") == 3 * one
+
+
+def test_reasons_name_the_users_objects_and_the_mechanism():
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(64, 256)
+    ns = {"model": model, "optimizer": opt, "inputs": x}
+    s0 = census.take(ns)
+    output = model(x)
+    loss = output.square().mean()
+    ns.update(output=output, loss=loss)
+    s1 = census.take(ns)
+    forward = describe(s1.diff(s0).parts, s0, s1)
+    assert "activations saved for backward, kept by `output`" in forward
+    loss.backward()
+    s2 = census.take(ns)
+    back = describe(s2.diff(s1).parts, s1, s2, seen={(r, o) for (_d, r, o) in s1.parts})
+    assert back.startswith("+1.00 GiB") is False and "gradients for `model`'s" in back and "first backward" in back
+    assert "activations released" in back
+    opt.step()
+    s3 = census.take(ns)
+    step = describe(s3.diff(s2).parts, s2, s3)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert "Adam state (exp_avg, exp_avg_sq) in `optimizer`" in step and "created on the first step" in step
+    assert s3.diff(s2).parts[("cpu", "optimizer_state", "optimizer")] == 2 * params + 4 * 4  # + four step counters
+    assert headline(step) == step  # one clause
+    assert describe({}, s3, s3) is None
+
+
+# -- through the shell ---------------------------------------------------------------------------------------
+
+
+SETUP = (
+    "import torch\n"
+    "torch.manual_seed(0)\n"
+    "model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 512))\n"
+    "optimizer = torch.optim.Adam(model.parameters())\n"
+    "inputs = torch.randn(256, 512)\n"
+    "targets = torch.randn(256, 512)\n"
+)
+STEP = (
+    "%%gpumem --lines -o rec\n"
+    "output = model(inputs)\n"
+    "loss = torch.nn.functional.mse_loss(output, targets)\n"
+    "optimizer.zero_grad()\n"
+    "loss.backward()\n"
+    "optimizer.step()\n"
+)
+
+
+def _row(rec, lineno):
+    return next(line for line in rec["lines"] if line["lineno"] == lineno)
+
+
+def _seed_checks(first, second, params):
+    """The seed scenario's rows, first and second step, from to_dict()."""
+    fwd, loss, zero, back, step = (_row(first, n) for n in (2, 3, 4, 5, 6))
+    acts = fwd["roles"]["cpu"]["activations"]
+    assert acts > 0 and fwd["roles"]["cpu"]["other_tensors"] == 256 * 512 * 4  # output's own data
+    assert "activations saved for backward, kept by `output`" in fwd["reason"]
+    assert loss["roles"]["cpu"].get("activations", 0) >= 0
+    assert zero["roles"] == {} and zero["reason"] is None  # no gradients yet on the first step
+    assert back["roles"]["cpu"]["gradients"] == params
+    assert back["roles"]["cpu"]["activations"] == -(acts + loss["roles"]["cpu"].get("activations", 0))
+    assert "first backward" in back["reason"] and "`model`'s" in back["reason"]
+    assert step["roles"]["cpu"]["optimizer_state"] == 2 * params + 4 * 4
+    assert "Adam state (exp_avg, exp_avg_sq) in `optimizer`" in step["reason"]
+    assert "created on the first step" in step["reason"]
+    assert first["roles"]["cpu"]["optimizer_state"] == 2 * params + 4 * 4
+    # Second step: zero_grad frees the gradients, backward re-makes them, Adam's state exists.
+    zero2, back2, step2 = (_row(second, n) for n in (4, 5, 6))
+    assert zero2["roles"]["cpu"]["gradients"] == -params and "freed" in zero2["reason"]
+    assert back2["roles"]["cpu"]["gradients"] == params and "re-made" in back2["reason"]
+    assert "optimizer_state" not in step2["roles"].get("cpu", {})
+    assert "created on the first step" not in (step2["reason"] or "")
+
+
+def test_seed_scenario_roles_in_a_shell(gpumem, ip):
+    run(ip, SETUP)
+    params = sum(p.numel() * 4 for p in ip.user_ns["model"].parameters())
+    run(ip, STEP)
+    first = ip.user_ns["rec"].to_dict()
+    run(ip, STEP)
+    second = ip.user_ns["rec"].to_dict()
+    _seed_checks(first, second, params)
+    json.dumps(first)
+
+
+def test_seed_scenario_in_a_real_kernel():
+    cells = [
+        "%load_ext ipy_gpumem",
+        SETUP,
+        STEP,
+        "import json; first = json.dumps(rec.to_dict())",
+        STEP,
+        "second = json.dumps(rec.to_dict())\n"
+        "params = sum(p.numel() * 4 for p in model.parameters())\n"
+        "print('RESULT', json.dumps({'first': first, 'second': second, 'params': params}))",
+        "big = torch.ones(64, 1024, 1024); out2 = model(inputs)",
+    ]
+    nb = execute(cells)
+    report = "\n".join(plain(nb.cells[2]))
+    assert "by role" in report and "grad +" in report and "optim +" in report
+    assert "Adam state (exp_avg, exp_avg_sq) in `optimizer`" in report
+    line = next(t for t in plain(nb.cells[5]) if t.startswith("RESULT"))
+    data = json.loads(line.split(" ", 1)[1])
+    _seed_checks(json.loads(data["first"]), json.loads(data["second"]), data["params"])
+    # An ordinary cell above the threshold names its dominant roles under its line.
+    shown = "\n".join(plain(nb.cells[6]))
+    assert "+256.50 MiB tensors held by `big`, `out2`" in shown, shown  # 256 MiB + out2 (256x512 floats)
+    assert "activations saved for backward, kept by `out2`" in shown
+
+
+def test_cells_under_the_threshold_take_no_census(gpumem, ip, monkeypatch):
+    run(ip, "import torch\nx = torch.zeros(10)")
+    calls = []
+    real = gpumem.watcher.census
+    monkeypatch.setattr(gpumem.watcher, "census", lambda: calls.append(1) or real())
+    for _ in range(5):
+        run(ip, "y = x + 1")
+    assert calls == []
+    run(ip, "z = torch.zeros(64, 1024, 1024)")
+    assert calls == [1]
