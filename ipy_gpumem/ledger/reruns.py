@@ -83,8 +83,9 @@ class Snapshot:
         keys: the identities (address and size) of every storage, or None past
             :data:`MAX_STORAGES`.
         complete: the walk examined everything (no budget ran out).
-        hooks: ``[(module expression, hook kind, how many hooks share one function)]`` for
-            functions registered more than once on one module.
+        hooks: ``[(module expression, hook kind, how many hooks share one function, the global
+            and free names that function reads)]`` for functions registered more than once on one
+            module.
     """
 
     __slots__ = ("total", "groups", "keys", "complete", "hooks", "elapsed_s")
@@ -206,15 +207,17 @@ def _scan_hooks(torch, namespace: dict, snap: Snapshot, seen: set, keep_keys: bo
             if not isinstance(hooks, dict) or not hooks:
                 continue
             same: Dict[tuple, int] = {}
+            names: Dict[tuple, frozenset] = {}
             for fn in list(hooks.values()):
                 code = getattr(fn, "__code__", None)
                 if code is not None:
                     sig = (getattr(fn, "__qualname__", ""), code.co_code, code.co_firstlineno)
                     same[sig] = same.get(sig, 0) + 1
+                    names[sig] = frozenset(code.co_names) | frozenset(code.co_freevars)
                 _closure_tensors(fn, tensor_base, storage_of, snap, ("hook", expr), seen, keep_keys)
-            most = max(same.values(), default=0)
-            if most >= 2:
-                snap.hooks.append((expr, label, most))
+            for sig, count in same.items():
+                if count >= 2:  # one function registered again on every run
+                    snap.hooks.append((expr, label, count, names[sig]))
         children = attrs.get("_modules")
         if isinstance(children, dict):
             stack.extend((f"{expr}.{name}", child) for name, child in list(children.items())
@@ -505,7 +508,7 @@ class _Wording:
             where = f" (built in [{built}])" if built is not None else ""
             fix = f"re-run [{built}] after this cell" if built is not None else f"re-create `{name}` after this cell"
             return name, f"`{name}`{where} still holds {what} ({size}): {fix}"
-        hooks = list(now.hooks)
+        hooks = [h for h in now.hooks if name in h[3]]  # duplicated hooks that fill this name
         append = re.search(_APPEND.format(name=re.escape(name)), self.source)
         if kinds & {"graph", "shared_graph"} and append:
             item = append.group(1)
@@ -529,7 +532,7 @@ class _Wording:
 
     def _hook_sentence(self, module: str, dup, size: str, lead: str) -> str:
         if dup:
-            mod, label, count = dup[0]
+            mod, label, count = dup[0][:3]
             return (f"a {label} is registered on every run (`{mod}` has {count} copies of it; {lead} {size}): keep "
                     "its handle and call `handle.remove()` before registering it again")
         return f"a hook on `{module}`: {lead} {size}: keep its handle and call `handle.remove()`"
