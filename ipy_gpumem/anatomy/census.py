@@ -142,7 +142,7 @@ def _raw_names(tp: type) -> tuple:
 
 
 class _Census:
-    __slots__ = ("torch", "snap", "parts", "keys", "graph_roots", "visited", "params")
+    __slots__ = ("torch", "snap", "parts", "keys", "graph_roots", "visited", "params", "param_ids")
 
     def __init__(self, torch):
         self.torch = torch
@@ -152,6 +152,7 @@ class _Census:
         self.graph_roots = []  # (owner, grad_fn)
         self.visited = set()
         self.params = []  # (owner, parameter)
+        self.param_ids = set()
 
     def count(self, t, role: str, owner: str) -> bool:
         """Count ``t``'s storage for ``role``/``owner`` unless already counted; True if new."""
@@ -178,6 +179,7 @@ class _Census:
                 if self.count(p, "parameters", owner):
                     info["parameters"] += _nbytes(p)
                 self.params.append((owner, p))
+                self.param_ids.add(id(p))
             for b in module.buffers():
                 self.count(b, "parameters", owner)
         except Exception:  # noqa: BLE001 - a module with a broken parameters() is skipped
@@ -190,12 +192,14 @@ class _Census:
             groups = opt.param_groups
         except Exception:  # noqa: BLE001
             return
+        counted = self.param_ids
         for group in groups:
             for p in group.get("params", ()):
-                info["parameters"] += _nbytes(p)
-                # Parameters only an optimizer still reaches (its model's name was rebound).
-                self.count(p, "parameters", f"{owner}'s parameters")
-                self.params.append((owner, p))
+                info["parameters"] += p.nelement() * p.element_size()
+                if id(p) not in counted:
+                    # Parameters only an optimizer still reaches (its model's name was rebound).
+                    self.count(p, "parameters", f"{owner}'s parameters")
+                    self.params.append((owner, p))
 
     def gradients(self) -> None:
         seen = set()
@@ -313,15 +317,22 @@ def _run(census: _Census, torch, names, modules, optimizers, tensors, skip) -> N
     for owner, value in tensors:
         found_tensors.append((owner, value))
     if names:
-        items = list(names.items())
-        # The user's own names first, IPython's caches (Out, _, _5) last: a tensor both ``output``
-        # and ``Out[7]`` hold belongs to ``output``.
-        items.sort(key=lambda kv: kv[0].startswith("_") or kv[0] in _IPYTHON_NAMES)
-        for owner, value in items:
-            if owner in skip:
-                continue
-            kind = _kind(type(value), torch)
+        kinds = _KINDS
+        user, late = [], []
+        # One dict lookup per value: most of a namespace is ints, strings and functions.
+        for owner, value in list(names.items()):
+            kind = kinds.get(type(value), 0)
             if kind is None:
+                continue
+            if kind == 0:
+                kind = _kind(type(value), torch)
+                if kind is None:
+                    continue
+            # The user's own names first, IPython's caches (Out, _, _5) last: a tensor both
+            # ``output`` and ``Out[7]`` hold belongs to ``output``.
+            (late if owner[:1] == "_" or owner in _IPYTHON_NAMES else user).append((owner, value, kind))
+        for owner, value, kind in user + late:
+            if owner in skip:
                 continue
             if kind == "tensor":
                 found_tensors.append((owner, value))

@@ -27,6 +27,9 @@ from ..core.records import DeviceRecord, HostRecord, LineRecord, LoopSpan
 
 __all__ = ["LineTracer", "LineMarkers", "HOOK_NAME", "remove_hook"]
 
+#: The most of a cell's time the roles' census may take (see ``LineTracer._roles``).
+CENSUS_SHARE = 0.15
+
 #: The name the marker calls use; bound in ``builtins`` while a ``--lines`` cell may run.
 HOOK_NAME = "__ipy_gpumem_line__"
 
@@ -157,6 +160,13 @@ class LineTracer:
         self._seen: set = set()  # (role, owner) pairs that held memory at some boundary so far
         self._pending_host = None  # peaks read by checkpoint() within the running line
         self._pending_devices: dict = {}
+        # The census's cost is kept under CENSUS_SHARE of the cell's time: a boundary that comes
+        # sooner is skipped (a tight loop of trivial lines), and the next census's change goes to
+        # the line that ends there. The report says how many boundaries were skipped.
+        self._census_s = 0.0
+        self._t0 = None
+        self.census_skipped = 0
+        self.census_taken = 0
         self._device_filter = None if devices is None else tuple(devices)
         self._devices: Optional[tuple] = None  # fixed once a device with a context is found
         self._track_peaks = track_peaks
@@ -270,7 +280,7 @@ class LineTracer:
             if self._pending_devices:
                 self._pending_devices = {}
         if self.census is not None:
-            self._roles(self._current[0] if self._current is not None else None)
+            self._roles(self._current[0] if self._current is not None else None, next_lineno is None)
         if next_lineno is None:
             self._current = None
         else:
@@ -279,9 +289,17 @@ class LineTracer:
             # next line starts, and its peaks are its own.
             self._current = (next_lineno, reading)
 
-    def _roles(self, lineno: Optional[int]) -> None:
+    def _roles(self, lineno: Optional[int], final: bool = False) -> None:
         """Census now; the change since the previous boundary belongs to the line that just ran."""
+        now = time.perf_counter()
+        if self._t0 is None:
+            self._t0 = now
+        elif not final and self._census_s > CENSUS_SHARE * (now - self._t0):
+            self.census_skipped += 1
+            return
         snap = self.census()
+        self._census_s += time.perf_counter() - now
+        self.census_taken += 1
         before = self._snapshot
         self._snapshot = snap
         if before is None:

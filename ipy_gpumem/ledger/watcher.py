@@ -32,6 +32,7 @@ from ..oom import capture as oom_capture
 from .header import CellHeader, find_header
 from ..core.records import DeviceRecord
 from .recorder import Ledger, Measurement
+from .reruns import RerunTracker
 
 __all__ = ["Settings", "CellOutcome", "CellWatcher", "REUSE_S", "live_runners"]
 
@@ -193,6 +194,11 @@ class CellWatcher:
         #: A callable returning the user's namespace (the extension's shell.user_ns): what the
         #: anatomy's census counts. None: no roles.
         self.namespace = None
+        # -- re-runs (issue 12; ipy_gpumem.ledger.reruns) --
+        #: Recognises re-runs of a cell and names what keeps an earlier run's memory; the
+        #: extension sets its ``context`` (namespace and IPython's refs). Without it, no tensors
+        #: are measured and only ``rerun["of"]``/``["runs"]`` are filled.
+        self.reruns = RerunTracker()
         # The census at the end of the last analysed cell: an ordinary cell that moved more than
         # the threshold is explained by what changed since (cells under it pay nothing).
         self._last_snapshot = None
@@ -260,6 +266,11 @@ class CellWatcher:
             self._stop_lines(frame.tracer)
             self._remove_hook()  # the marked cell is over
             note = frame.tracer.reason
+            skipped, taken = frame.tracer.census_skipped, frame.tracer.census_taken
+            if skipped:
+                roles = (f"Roles were counted at {taken:,} of {taken + skipped:,} line boundaries (lines faster than a "
+                         "count are joined to the next line counted).")
+                note = f"{note} {roles}" if note else roles
         measurement = frame.measurement
         outermost = not self._stack
         if measurement is None:
@@ -290,6 +301,9 @@ class CellWatcher:
                 parent.reported_inside = True
         show_line = (outermost and header is None and not frame.reported_inside and not settings.quiet
                      and measurement.moved(settings.threshold))
+        # -- re-runs (issue 12): a dict lookup per cell; a walk only after a run that kept memory --
+        if outermost and self.reruns.after_cell(measurement, settings.threshold, self.ledger):
+            show_line = show_line or (header is None and not frame.reported_inside and not settings.quiet)
         if header is not None or show_line:
             self._anatomy(frame, measurement)
         oom = capture = None
