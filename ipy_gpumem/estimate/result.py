@@ -1,0 +1,115 @@
+"""The result of an estimate (:class:`Estimate`, plain data with ``to_dict()`` and ``fits()``) and the error raised when a step cannot be estimated."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from ..core.units import format_bytes
+
+__all__ = ["Estimate", "EstimateError", "Fit"]
+
+
+class EstimateError(RuntimeError):
+    """A step could not be run on fake tensors; the message names the line of the user's code."""
+
+    def __init__(self, message: str, line: Optional[tuple] = None):
+        super().__init__(message)
+        #: (filename, line number, source) of the user's line, when known
+        self.line = line
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Whether an estimate fits one GPU, and by how much (bytes)."""
+
+    gpu: str
+    capacity: int
+    needed: int
+    fits: bool
+    #: the modelled allocator, replayed with the capacity left after the fixed costs, ran out
+    oom: bool
+
+    @property
+    def headroom(self) -> int:
+        return self.capacity - self.needed
+
+    def __bool__(self) -> bool:
+        return self.fits
+
+
+@dataclass
+class Estimate:
+    """A training step's memory, worked out on fake tensors (bytes throughout).
+
+    ``peak_allocated`` and ``peak_reserved`` are what torch's own counters
+    (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``) would read after the two calls
+    from a fresh process holding the step's arguments; ``fixed_costs`` are what the process pays on
+    top (CUDA context, cuBLAS workspace); ``total_needed`` is their sum.
+    """
+
+    device: str
+    peak_allocated: int
+    peak_reserved: int
+    #: live tensor bytes before the first call (parameters, gradients, optimizer state, inputs)
+    start_allocated: int
+    #: role table at the peak moment: {device: {role: bytes}}
+    roles: Dict[str, Dict[str, int]]
+    #: [{"phase", "step", "peak", "roles"}], in order
+    phases: List[dict]
+    #: top modules by activation bytes: [{"module", "type", "activations", "peak", "calls"}]
+    modules: List[dict]
+    fixed_costs: Dict[str, int]
+    #: which call (1 or 2) and phase the peak happened in
+    peak_step: int = 2
+    peak_phase: str = "other"
+    notes: List[str] = field(default_factory=list)
+    seconds: float = 0.0
+    #: allocation events, (key, size) with size -1 for a free; kept for fits() (not in to_dict)
+    events: list = field(default_factory=list, repr=False)
+
+    @property
+    def total_needed(self) -> int:
+        return self.peak_reserved + sum(self.fixed_costs.values())
+
+    def fits(self, gpu="this GPU") -> Fit:
+        """Whether the step fits ``gpu`` (a name such as "T4" or "A100-80", "this GPU", or bytes).
+
+        The allocations are replayed through the allocator model with the GPU's capacity less the
+        fixed costs, so a step that only fits after torch frees its cache (as it does before
+        raising out-of-memory) fits.
+        """
+        from .allocator import replay
+        from .gpus import fixed_costs, resolve_gpu
+
+        card = resolve_gpu(gpu)
+        costs = fixed_costs(card) if self.device.startswith("cuda") else {}
+        room = card.capacity - sum(costs.values())
+        run = replay(self.events, capacity=max(room, 0), series=False)
+        needed = self.peak_reserved + sum(costs.values())
+        ok = run.oom_at is None
+        return Fit(card.name, card.capacity, needed, ok, not ok)
+
+    def to_dict(self) -> dict:
+        """Plain, JSON-serialisable data (no events)."""
+        return {
+            "device": self.device,
+            "peak_allocated": self.peak_allocated,
+            "peak_reserved": self.peak_reserved,
+            "start_allocated": self.start_allocated,
+            "fixed_costs": dict(self.fixed_costs),
+            "total_needed": self.total_needed,
+            "roles": {d: dict(r) for d, r in self.roles.items()},
+            "phases": [dict(p, roles={d: dict(r) for d, r in p["roles"].items()}) for p in self.phases],
+            "modules": [dict(m) for m in self.modules],
+            "peak_step": self.peak_step,
+            "peak_phase": self.peak_phase,
+            "notes": list(self.notes),
+            "seconds": self.seconds,
+        }
+
+    def __repr__(self) -> str:
+        roles = ", ".join(f"{role} {format_bytes(v)}" for row in self.roles.values() for role, v in row.items() if v)
+        text = (f"Estimate({self.device}: peak allocated {format_bytes(self.peak_allocated)}, "
+                f"reserved {format_bytes(self.peak_reserved)}, total needed {format_bytes(self.total_needed)}; "
+                f"at the peak ({self.peak_phase}, call {self.peak_step}): {roles})")
+        return text + "".join(f"\n  note: {n}" for n in self.notes)
