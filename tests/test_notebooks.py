@@ -37,6 +37,13 @@ def test_quickstart(tmp_path):
     assert "host:" in texts(find(nb, "%gpumem status"))
     report = texts(find(nb, "%%gpumem --lines -o rec"))
     assert report.startswith("%%gpumem [") and "optimizer.step()" in report
+    # The anatomy: the table's roles and the reasons in the user's names.
+    assert "by role" in report and "grad +" in report and "optim +" in report and "act +" in report
+    assert "Adam state (exp_avg, exp_avg_sq) in `optimizer`" in report and "first backward" in report
+    roles = texts(find(nb, "# The record is plain data"))
+    assert "optimizer_state" in roles and "created on the first step" in roles
+    again = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith("%%gpumem --lines\noutput")]
+    assert "re-made after" in texts(again[0]) and "Training phases" in texts(again[0])
     assert "cell" in texts(find(nb, "%gpumem history")) and "wrote" in texts(find(nb, "%gpumem export"))
     assert "UsageError" in texts(find(nb, "%gpumem sideways"))
 
