@@ -316,3 +316,25 @@ def test_cells_under_the_threshold_take_no_census(gpumem, ip, monkeypatch):
     assert calls == []
     run(ip, "z = torch.zeros(64, 1024, 1024)")
     assert calls == [1]
+
+
+def test_gpu_only_roles_come_from_torchs_counters():
+    """On a GPU the census is completed by the allocator's counters (the records here are built by
+    hand: no GPU on this machine)."""
+    from ipy_gpumem.anatomy.account import gpu_extras, with_extras
+    from ipy_gpumem.core.records import DeviceRecord
+
+    MiB = 2**20
+    dev = DeviceRecord(0, allocated_before=100 * MiB, allocated_after=400 * MiB, reserved_before=128 * MiB,
+                       reserved_after=512 * MiB, used_before=600 * MiB, used_after=1100 * MiB)
+    parts = {("cuda:0", "activations", "output"): 200 * MiB, ("cuda:0", "other_tensors", "output"): 64 * MiB,
+             ("cpu", "other_tensors", "x"): 999}
+    extras = gpu_extras(dev, parts)
+    # 300 MiB allocated, 264 MiB found by name: 36 MiB no name reaches; the cache grew 84 MiB;
+    # outside PyTorch (used - reserved) grew 116 MiB (a context, a workspace).
+    assert extras == {"other_tensors": 36 * MiB, "allocator_cache": 84 * MiB, "outside_pytorch": 116 * MiB}
+    table = with_extras({"cuda:0": {"activations": 200 * MiB, "other_tensors": 64 * MiB}}, {"cuda:0": extras})
+    assert table == {"cuda:0": {"activations": 200 * MiB, "other_tensors": 100 * MiB, "allocator_cache": 84 * MiB,
+                                "outside_pytorch": 116 * MiB}}
+    reason = describe(parts, extra=extras)
+    assert "reserved but unallocated" in reason and "outside PyTorch" in reason and "no name reaches" in reason

@@ -312,7 +312,7 @@ def _phase_parts(record: CellRecord) -> list:
     if not rows:
         return []
     return [Blank(), Line(Span("Training phases (recognised from the modules, autograd and optimizers the cell used)", "dim")),
-            Table(["phase", "count", "worst peak", "first step, by role", "second step, by role"], rows, left=(0, 3, 4))]
+            Table(["phase", "count", "peak above its start", "first step, by role", "second step, by role"], rows, left=(0, 3, 4))]
 
 
 # ---------------------------------------------------------------------------------------------
