@@ -1,6 +1,6 @@
 """Inline SVG charts: valid XML, torch-spelled ticks, capacity, labelled and escaped spans and
 their hover texts, missed peaks, the running cell, empty data, charts for an <img>, and one-cell
-charts from samples, lines or the record alone."""
+charts from samples, lines (stacked by role where they carry roles) or the record alone."""
 import ast
 import re
 import sys
@@ -11,13 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import run
 from ipy_gpumem.ledger.lines import LineMarkers, LineTracer
 from ipy_gpumem.core.probes import DeviceSample, HostSample, MemoryProbe, Sample
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord, LineRecord
-from ipy_gpumem.chart.svg import (FAILED_COLOR, IMG_INK, RUNNING_COLOR, byte_ticks, cell_svg, draw_timeline,
-                                  format_time, span_hover, time_ticks, timeline_svg)
+from ipy_gpumem.chart.svg import (FAILED_COLOR, IMG_INK, ROLE_COLORS, RUNNING_COLOR, UP_COLOR, byte_ticks, cell_svg,
+                                  draw_timeline, format_time, span_hover, time_ticks, timeline_svg)
 from ipy_gpumem.chart.timeline import Timeline
-from ipy_gpumem.core.units import GiB, MiB, format_bytes, parse_bytes
+from ipy_gpumem.core.roles import ROLE_WORDS, ROLES
+from ipy_gpumem.core.text import clip
+from ipy_gpumem.core.units import GiB, MiB, format_bytes, format_delta, parse_bytes
 
 SVG = "{http://www.w3.org/2000/svg}"
 TOTAL = int(15.78 * GiB)
@@ -419,3 +422,209 @@ def test_a_cell_chart_can_be_drawn_for_an_img():
         root = parse(cell_svg(rec, samples=samples, ink=IMG_INK))
         assert f"color:{IMG_INK}" in root.get("style")
         assert "color:inherit" in parse(cell_svg(rec, samples=samples)).get("style")
+
+
+# --------------------------------------------------------------------------------------------
+# Lines stacked by role (LineRecord.roles): segments, colours, legend and hover
+# --------------------------------------------------------------------------------------------
+
+
+def role_groups(root) -> list:
+    """``[(role, rect attributes, title)]`` of the role segments, in drawing order."""
+    return [(g.get("data-role"), g.find(SVG + "rect").attrib, g.find(SVG + "title").text)
+            for g in root.iter(SVG + "g") if g.get("class") == "role"]
+
+
+def _height(attrs) -> float:
+    return float(attrs["height"])
+
+
+def _gpu_line(no, src, d, pk, roles=None, reason=None, temporaries=None):
+    dev = DeviceRecord(0, allocated_delta_sum=d, peak_increase_max=pk)
+    return LineRecord(no, src, 1, HostRecord(), (dev,), 0.01, roles=roles, temporaries=temporaries, reason=reason)
+
+
+def _training_record(extra_line=None):
+    """A hand-built CUDA cell: parameters, a forward pass, a backward (gradients up, activations
+    released), a print, an optimizer step; with ``extra_line`` appended."""
+    lines = [
+        _gpu_line(1, "model = Net().cuda()", 400 * MiB, 400 * MiB,
+                  {"cuda:0": {"parameters": 400 * MiB, "allocator_cache": 112 * MiB, "outside_pytorch": 300 * MiB}},
+                  "+400.00 MiB parameters of `model` (Net)"),
+        _gpu_line(2, "out = model(x)", 900 * MiB, 1200 * MiB,
+                  {"cuda:0": {"activations": 880 * MiB, "other_tensors": 20 * MiB}},
+                  "+880.00 MiB activations saved for backward, kept by `out`", {"cuda:0": 300 * MiB}),
+        _gpu_line(3, "out.sum().backward()", -480 * MiB, 500 * MiB,
+                  {"cuda:0": {"gradients": 400 * MiB, "activations": -880 * MiB}},
+                  "+400.00 MiB gradients for `model`; -880.00 MiB activations released"),
+        _gpu_line(4, "print('<done>')", 0, 0, {}),
+        _gpu_line(5, "opt.step()", 800 * MiB, 800 * MiB, {"cuda:0": {"optimizer_state": 800 * MiB}},
+                  "+800.00 MiB Adam state (exp_avg, exp_avg_sq) in `opt`"),
+    ]
+    if extra_line is not None:
+        lines.append(extra_line)
+    after = GiB + sum(ln.devices[0].allocated_delta_sum for ln in lines)
+    return record(5, "\n".join(ln.source for ln in lines), GiB, after, 3 * GiB, GiB, 3 * GiB,
+                  total=16 * GiB, lines=tuple(lines))
+
+
+def test_lines_with_roles_are_stacked_by_role_with_one_colour_each_a_legend_and_hovers():
+    root = parse(cell_svg(_training_record(), width=640))
+    groups = role_groups(root)
+    # one segment per role in each line (ROLES order within a line; released ones first)
+    assert [g[0] for g in groups] == ["parameters", "activations", "other_tensors", "activations", "gradients",
+                                      "optimizer_state"]
+    assert all(attrs["fill"] == ROLE_COLORS[role] for role, attrs, _ in groups)
+    assert len(set(ROLE_COLORS.values())) == len(ROLES) and set(ROLE_COLORS) == set(ROLES)
+    # allocated is drawn: the allocator's cache and memory outside PyTorch are not segments
+    assert "allocator_cache" not in {g[0] for g in groups} and "outside_pytorch" not in {g[0] for g in groups}
+    params, act, other, released, grads, optim = (g[1] for g in groups)
+    # exact bytes on the chart's own scale: 880 MiB of activations is 2.2 times 400 MiB of parameters
+    assert _height(act) / _height(params) == pytest.approx(880 / 400, rel=0.02)
+    assert (_height(act) + _height(other)) / _height(optim) == pytest.approx(900 / 800, rel=0.02)
+    # the backward both released and added: side by side, released (outlined) left of added
+    assert float(released["width"]) == pytest.approx(float(grads["width"])) == pytest.approx(float(params["width"]) / 2)
+    assert float(released["x"]) < float(grads["x"])
+    assert released.get("stroke-dasharray") and "stroke-dasharray" not in grads
+    bottom = lambda a: float(a["y"]) + _height(a)  # noqa: E731
+    assert bottom(released) == pytest.approx(bottom(grads), abs=0.2)  # gradients rise from where activations fell
+    assert _height(released) / _height(grads) == pytest.approx(880 / 400, rel=0.02)
+    # legend: the roles drawn, in ROLES order, and "released"; no scaling note (exact bytes)
+    words = texts(root)
+    legend = [w for w in words if w in {ROLE_WORDS[r] for r in ROLES} | {"released"}]
+    assert legend == ["parameters", "gradients", "optimizer state", "activations", "other tensors", "released"]
+    assert not any("scaled" in (w or "") for w in words)
+    assert "grew" not in words and "shrank" not in words  # every moving line is coloured by role
+    swatches = {r.get("fill") for r in root.iter(SVG + "rect") if r.get("width") == "14"}
+    assert {ROLE_COLORS[r] for r in ("parameters", "gradients", "optimizer_state", "activations",
+                                     "other_tensors")} <= swatches
+    # each segment's hover: the role and its exact bytes, the line, and the line's reason
+    hover = groups[4][2].splitlines()
+    assert hover[0] == "gradients +400.00 MiB"
+    assert hover[1] == "line 3 ×1: out.sum().backward()"
+    assert "  +400.00 MiB gradients for `model`; -880.00 MiB activations released" in hover
+    assert groups[3][2].splitlines()[0] == "activations -880.00 MiB"
+    first = groups[0][2]
+    assert "beside allocated: reserved but unallocated +112.00 MiB, outside PyTorch +300.00 MiB" in first
+    assert "temporaries: 300.00 MiB came and went" in groups[1][2]
+    # the delta and the peak are still written at their column
+    assert {"+900.00 MiB", "-480.00 MiB", "peak +1.17 GiB", "line 1", "line 5"} <= set(words)
+
+
+def test_a_line_without_roles_beside_lines_with_roles_is_drawn_as_before():
+    plain = _gpu_line(6, "cache = torch.empty(2**28)", GiB, GiB)  # roles not measured
+    root = parse(cell_svg(_training_record(plain), width=640))
+    red = [r for r in root.iter(SVG + "rect") if r.get("fill") == UP_COLOR]
+    assert len(red) == 1 and red[0].get("fill-opacity") == "0.75" and "stroke" not in red[0].attrib
+    assert {"grew", "shrank", "parameters"} <= set(texts(root))  # plain bars are explained again
+    hover = next(t for t in titles(root) if t.startswith("line 6"))
+    assert hover.splitlines() == ["line 6 ×1: cache = torch.empty(2**28)",
+                                  "  cuda:0 allocated +1024.00 MiB, peak +1024.00 MiB · 10 ms"]
+
+
+def test_roles_of_another_device_change_nothing():
+    def strip(rec, roles):
+        lines = tuple(LineRecord(ln.lineno, ln.source, ln.hits, ln.host, ln.devices, ln.duration_s, roles=roles(ln),
+                                 reason=ln.reason) for ln in rec.lines)
+        return CellRecord(rec.execution_count, None, rec.source, rec.started_at, 1.0, devices=rec.devices, lines=lines)
+
+    rec = _training_record()
+    on_cpu = strip(rec, lambda ln: {"cpu": (ln.roles or {}).get("cuda:0", {})})  # the chart shows cuda:0
+    assert cell_svg(on_cpu, width=640) == cell_svg(strip(rec, lambda ln: None), width=640)
+    assert 'class="role"' not in cell_svg(on_cpu)
+
+
+def test_host_rss_chart_scales_exact_role_bytes_to_the_rss_change_and_says_so():
+    def line(no, src, rss, roles, reason):
+        return LineRecord(no, src, 1, HostRecord(rss_delta_sum=rss, rss_peak_increase_max=max(rss, 0)), (), 0.01,
+                          roles={"cpu": roles}, reason=reason)
+
+    lines = (line(1, "model = make()", 12 * MiB, {"parameters": 8 * MiB}, "+8.00 MiB parameters of `model`"),
+             line(2, "loss.backward()", 6 * MiB, {"gradients": 8 * MiB, "activations": -4 * MiB}, "grads; acts freed"),
+             line(3, "del out", 0, {"activations": -2 * MiB}, "-2.00 MiB activations released"),  # RSS kept its pages
+             line(4, "torch.cuda.empty_cache()", 2 * MiB, {"activations": -1 * MiB}, "odd"),  # opposite ways
+             line(5, "import scipy; t = torch.ones(1)", 64 * MiB, {"other_tensors": 4}, "+4 bytes in `t`"))  # not it
+    rec = CellRecord(3, None, "x", time.time(), 1.0, host=HostRecord(GiB, GiB + 84 * MiB, GiB + 84 * MiB), lines=lines)
+    root = parse(cell_svg(rec, width=640))
+    groups = role_groups(root)
+    assert [(g[0], g[2].splitlines()[1][:6]) for g in groups] == [
+        ("parameters", "line 1"), ("activations", "line 2"), ("gradients", "line 2")]
+    params, released, grads = (g[1] for g in groups)
+    # scaled to the bar's own change: 8 MiB of parameters fill the +12 MiB bar, and in line 2
+    # +8 MiB -4 MiB (net +4) are drawn as +12 MiB -6 MiB (net +6, the RSS change)
+    assert _height(grads) / _height(params) == pytest.approx(1.0, rel=0.02)
+    assert _height(released) / _height(params) == pytest.approx(0.5, rel=0.02)
+    assert "roles: exact tensor bytes, scaled to the RSS change" in texts(root)
+    assert groups[0][2].splitlines()[0] == ("parameters +8.00 MiB (exact tensor bytes; drawn as +12.00 MiB, "
+                                            "scaled to the host RSS change)")
+    assert "+8.00 MiB parameters of `model`" in groups[0][2]
+    # lines whose roles cannot fill their bar are plain, with the roles in their hover
+    hover = next(t for t in titles(root) if t.startswith("line 3"))
+    assert "roles (exact tensor bytes): activations -2.00 MiB" in hover and "-2.00 MiB activations released" in hover
+    hover = next(t for t in titles(root) if t.startswith("line 5"))
+    assert "roles (exact tensor bytes): other tensors +4 bytes" in hover  # too small to be what moved RSS
+    assert len([r for r in root.iter(SVG + "rect") if r.get("fill") == UP_COLOR]) == 2  # lines 4 and 5, as before
+    assert {"grew", "shrank", "released"} <= set(texts(root))
+
+
+@settings(max_examples=60, deadline=None)
+@given(roles=st.lists(st.dictionaries(st.sampled_from(ROLES + ("made_up <role>",)), st.integers(-2**40, 2**40),
+                                      max_size=4), min_size=1, max_size=12),
+       deltas=st.lists(st.integers(-2**40, 2**40), min_size=12, max_size=12), on_device=st.booleans(),
+       width=st.integers(0, 900))
+def test_any_role_table_renders_valid_xml(roles, deltas, on_device, width):
+    label = "cuda:0" if on_device else "cpu"
+    lines = tuple(LineRecord(i + 1, "x", 1, HostRecord(rss_delta_sum=d),
+                             (DeviceRecord(0, allocated_delta_sum=d),) if on_device else (), 0.0,
+                             roles={label: row}, reason="<why>")
+                  for i, (row, d) in enumerate(zip(roles, deltas)))
+    devices = (DeviceRecord(0, None, 2**40, 2**41, None),) if on_device else ()
+    rec = CellRecord(1, None, "x", 0.0, 0.1, devices=devices, host=HostRecord(2**40, 2**41, None), lines=lines)
+    root = parse(cell_svg(rec, width=width))
+    for role, attrs, title in role_groups(root):
+        assert attrs["fill"] == ROLE_COLORS.get(role, "#999999") and title.endswith("<why>")
+
+
+@linux
+def test_a_real_training_cell_is_stacked_by_role(ip, gpumem):
+    """A real ``%%gpumem --lines`` cell on CPU tensors: an MLP, a backward and an Adam step.
+
+    The first layer holds 36 MiB of weights (and as much again in gradients, twice in Adam's
+    state), above glibc's largest mmap threshold: each role's memory comes from fresh pages and
+    moves host RSS.
+    """
+    pytest.importorskip("torch")  # the census counts roles once torch is imported (before the cell)
+    try:  # with a shell running, ipywidgets registers a comm target when first imported: let that
+        import ipywidgets  # noqa: F401 - happen here, not in a later test that fakes ipykernel
+    except ImportError:
+        pass
+    run(ip, "import torch")
+    res, _ = run(ip, "%%gpumem --lines -o roles_rec\n"
+                     "from torch import nn\n"
+                     "mlp = nn.Sequential(nn.Linear(3072, 3072), nn.ReLU(), nn.Linear(3072, 8))\n"
+                     "opt = torch.optim.Adam(mlp.parameters())\n"
+                     "loss = mlp(torch.randn(16, 3072)).square().mean()\n"
+                     "loss.backward()\n"
+                     "opt.step()\n")
+    assert res.success, res.error_in_exec
+    rec = ip.user_ns.pop("roles_rec")
+    for name in ("nn", "mlp", "opt", "loss"):
+        ip.user_ns.pop(name, None)
+    by = {ln.lineno: ln for ln in rec.lines}
+    assert by[3].roles["cpu"]["parameters"] > 36 * MiB
+    assert by[6].roles["cpu"]["gradients"] == by[3].roles["cpu"]["parameters"]
+    assert by[7].roles["cpu"]["optimizer_state"] >= 2 * by[3].roles["cpu"]["parameters"]  # exp_avg, exp_avg_sq, step
+
+    root = parse(cell_svg(rec, width=640))
+    groups = role_groups(root)
+    where = {(role, title.splitlines()[1].split(" ×")[0]) for role, _a, title in groups}
+    assert {("parameters", "line 3"), ("gradients", "line 6"), ("optimizer_state", "line 7")} <= where
+    assert all(attrs["fill"] == ROLE_COLORS[role] for role, attrs, _ in groups)
+    words = texts(root)
+    assert {"parameters", "gradients", "optimizer state"} <= set(words)
+    assert "roles: exact tensor bytes, scaled to the RSS change" in words  # RSS moves by pages, roles by bytes
+    for role, lineno in (("parameters", 3), ("gradients", 6), ("optimizer_state", 7)):
+        title = next(t for r, _a, t in groups if r == role and t.splitlines()[1].startswith(f"line {lineno} "))
+        exact = by[lineno].roles["cpu"][role]
+        assert title.startswith(f"{ROLE_WORDS[role]} {format_delta(exact)} (exact tensor bytes; drawn as ")
+        assert by[lineno].reason and clip(by[lineno].reason, 400) in title

@@ -14,7 +14,10 @@ Two charts, both pure functions from plain data to a string:
   bar, one floating bar per executed source line (or one for the whole cell) going up or down
   by the line's delta with a whisker up to its peak, and an ``after`` bar. We know before, peak
   and after but not *when* the peak happened, so we draw no invented time axis; the waterfall
-  shows exactly what was measured and points at the line that moved memory.
+  shows exactly what was measured and points at the line that moved memory. A line whose record
+  carries roles (``LineRecord.roles``) for the charted device has its bar stacked by role (see
+  :func:`_role_plan`): one Okabe–Ito colour per role, released roles outlined, a legend of the
+  roles drawn and a hover per segment with the role, its exact bytes and the line's reason.
 
 Text and axes use ``currentColor`` and fills are semi-transparent, so the charts read in light
 and dark themes; a chart meant for an ``<img>`` (where nothing is inherited) sets that colour to
@@ -30,13 +33,14 @@ from functools import lru_cache
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 from ..core.devices import Device, cuda
+from ..core.roles import ROLE_WORDS, ROLES, TENSOR_ROLES
 from ..core.text import clip, first_line
 from ..core.units import GiB, KiB, MiB, format_bytes, format_delta, format_seconds
 from ..display.view import esc
 from .timeline import HOST_RSS, Change, SeriesKey, Span, Timeline, TimelineSnapshot, missed_peaks
 
 __all__ = ["timeline_svg", "cell_svg", "empty_svg", "byte_ticks", "time_ticks", "format_time", "span_hover",
-           "series_name", "change_text", "IMG_INK"]
+           "series_name", "change_text", "IMG_INK", "ROLE_COLORS"]
 
 FONT = "-apple-system,BlinkMacSystemFont,'Segoe UI',Helvetica,Arial,sans-serif"
 #: Line colours per CUDA device (mid tones: readable on white and on a dark theme).
@@ -46,6 +50,21 @@ RUNNING_COLOR = "#f59e0b"
 FAILED_COLOR = "#ef4444"
 UP_COLOR = "#ef4444"
 DOWN_COLOR = "#22c55e"
+#: One colour per role (``core.roles.ROLES``): the Okabe–Ito palette, told apart with any colour
+#: vision and readable on light and dark pages. A role this version does not know is grey.
+ROLE_COLORS = {
+    "parameters": "#0072B2",       # blue
+    "gradients": "#E69F00",        # orange
+    "optimizer_state": "#CC79A7",  # reddish purple
+    "activations": "#009E73",      # bluish green
+    "other_tensors": "#56B4E9",    # sky blue
+    "allocator_cache": "#F0E442",  # yellow
+    "outside_pytorch": "#D55E00",  # vermillion
+}
+OTHER_ROLE_COLOR = "#999999"
+#: Roles are scaled to a column's change by at most this factor: tensors that make up less than
+#: 1/16 of what a line did to host RSS did not make that change, and are not painted over it.
+MAX_ROLE_SCALE = 16.0
 #: Dash pattern per series kind: allocated solid, reserved dashed, used dotted.
 DASHES = {"allocated": "", "reserved": "6 3", "used": "1.5 2.5", "rss": ""}
 #: ``currentColor`` of a chart drawn for an ``<img>``: a grey that reads on light and dark pages.
@@ -262,7 +281,11 @@ def _legend(items: list, x: float, y: float, right: float, note: str = "") -> st
         width = swatch + 2 + _text_width(label)
         if x + width > right:
             break  # a legend that would overflow the chart is cut, never wrapped over the plot
-        if color is not None:
+        if dash in ("box", "box-out"):  # a role: a filled swatch (outlined for released memory)
+            style = (f'fill="{color}" fill-opacity="0.85"' if dash == "box" else
+                     f'fill="{color}" fill-opacity="0.3" stroke="{color}" stroke-dasharray="3 2"')
+            out.append(f'<rect x="{_num(x + 1)}" y="{_num(y - 8)}" width="14" height="8" {style}/>')
+        elif color is not None:
             dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
             out.append(f'<line x1="{_num(x)}" y1="{_num(y - 3.5)}" x2="{_num(x + 16)}" y2="{_num(y - 3.5)}" '
                        f'stroke="{color}" stroke-width="2"{dash_attr}/>')
@@ -718,6 +741,9 @@ class _Slot(NamedTuple):
     hover: str
     first: Optional[int] = None
     last: Optional[int] = None
+    #: ``((role, exact signed bytes), ...)`` of the roles that make up the charted quantity
+    #: (ROLES order, zeros dropped); empty when the lines carry no roles for the device.
+    roles: tuple = ()
 
     @property
     def tick(self) -> str:
@@ -726,8 +752,60 @@ class _Slot(NamedTuple):
         return str(self.first) if self.first == self.last else f"{self.first}–{self.last}"
 
 
+def _role_order(item) -> tuple:
+    return (ROLES.index(item[0]) if item[0] in ROLES else len(ROLES), str(item[0]))
+
+
+def _line_roles(line, device: Device) -> Optional[tuple]:
+    """``(in the bar, beside it)`` of a line's roles on ``device``, each ``((role, bytes), ...)``;
+    None when the line carries no roles for it.
+
+    Host RSS holds every role of the "cpu" row. A CUDA chart draws allocated memory: the tensor
+    roles make it up exactly; the allocator's cache and memory outside PyTorch are beside it.
+    """
+    table = getattr(line, "roles", None)
+    if not isinstance(table, dict) or not isinstance(table.get(device.label), dict):
+        return None
+    inside, beside = [], []
+    for role, value in sorted(table[device.label].items(), key=_role_order):
+        try:
+            value = int(value)
+        except (TypeError, ValueError):
+            continue
+        if value:
+            (inside if device.is_host or role in TENSOR_ROLES else beside).append((role, value))
+    return tuple(inside), tuple(beside)
+
+
+def _role_list(items) -> str:
+    return ", ".join(f"{ROLE_WORDS.get(role, role)} {format_delta(value)}" for role, value in items)
+
+
+def _line_hover(line, key: SeriesKey, name: str, d, p, roles) -> str:
+    """A line's part of its column's hover; with roles, what they are and why the line moved."""
+    text = (f"line {line.lineno} ×{line.hits}: {clip(line.source.strip(), 80)}\n  {name} {format_delta(d)}"
+            f"{'' if p is None else ', peak ' + format_delta(p)} · {format_seconds(line.duration_s)}")
+    if roles is None:
+        return text
+    inside, beside = roles
+    if inside:
+        text += f"\n  roles (exact tensor bytes): {_role_list(inside)}"
+    if beside:
+        text += f"\n  beside allocated: {_role_list(beside)}"
+    temporaries = getattr(line, "temporaries", None)
+    temp = temporaries.get(key.device.label) if isinstance(temporaries, dict) else None
+    if isinstance(temp, int) and temp > 0:
+        text += f"\n  temporaries: {format_bytes(temp)} came and went"
+    if line.reason:
+        text += f"\n  {clip(line.reason, 400)}"
+    return text
+
+
 def _line_slots(record, subject: _Subject, max_slots: int) -> list:
-    """One slot per executed line (source order), grouped into runs when there are too many."""
+    """One slot per executed line (source order), grouped into runs when there are too many.
+
+    A slot carries roles when every line in it has roles for the charted device (their sum).
+    """
     lines = sorted(record.lines or (), key=lambda ln: ln.lineno)
     if not lines:
         return []
@@ -736,17 +814,77 @@ def _line_slots(record, subject: _Subject, max_slots: int) -> list:
     slots = []
     for i in range(0, len(lines), group):
         chunk = lines[i:i + group]
-        delta, peak, level, texts = 0, None, 0, []
+        delta, peak, level, texts, sums, measured = 0, None, 0, [], {}, True
         for line in chunk:
             d, p = _line_values(line, subject.key)
             if p is not None:
                 peak = max(peak if peak is not None else p, level + p)
             level += d or 0
             delta += d or 0
-            texts.append(f"line {line.lineno} ×{line.hits}: {clip(line.source.strip(), 80)}\n  {name} {format_delta(d)}"
-                         f"{'' if p is None else ', peak ' + format_delta(p)} · {format_seconds(line.duration_s)}")
-        slots.append(_Slot(delta, peak, "\n".join(texts[:12]), chunk[0].lineno, chunk[-1].lineno))
+            roles = _line_roles(line, subject.key.device)
+            measured = measured and roles is not None
+            for role, value in (roles or ((), ()))[0]:
+                sums[role] = sums.get(role, 0) + value
+            texts.append(_line_hover(line, subject.key, name, d, p, roles))
+        drawn = tuple(sorted(((r, v) for r, v in sums.items() if v), key=_role_order)) if measured else ()
+        slots.append(_Slot(delta, peak, "\n".join(texts[:12]), chunk[0].lineno, chunk[-1].lineno, drawn))
     return slots
+
+
+class _Segment(NamedTuple):
+    """One role's part of a column: ``v0`` to ``v1`` in chart bytes, ``exact`` the role's bytes."""
+
+    role: str
+    exact: int
+    v0: float
+    v1: float
+    left: bool  # released (drawn in the left half when the column also has added roles)
+
+
+class _RolePlan(NamedTuple):
+    segments: tuple
+    low: float  # the lowest level the column reaches (released roles hang from its start)
+    scale: float  # chart bytes per role byte (1.0: drawn exactly)
+    split: bool  # released and added roles side by side, each in half the column
+
+
+def _role_plan(slot: _Slot, start: int, end: int) -> Optional[_RolePlan]:
+    """How a column with roles is stacked; None when it is drawn plainly.
+
+    Released roles (negative) hang down from the line's start level, then added roles (positive)
+    rise from there to its end level: the column ends where the line did and never rises above
+    the larger of start and end, so it cannot contradict the measured peak (the whisker). We do
+    not know in which order the line released and allocated, so when it did both the two stacks
+    stand side by side (released left, added right) instead of one on top of the other.
+
+    The roles are exact tensor bytes. When they do not add up to the charted change (always on a
+    host RSS chart, where the allocator's pages and non-tensor objects count too) they are scaled
+    to add up to it, and the legend says so; when they cannot be (no change, roles netting to the
+    other direction, or roles far too small to be what moved it: :data:`MAX_ROLE_SCALE`) the
+    column is drawn plainly and the roles are in its hover only.
+    """
+    if not slot.roles:
+        return None
+    delta = end - start
+    net = sum(value for _role, value in slot.roles)
+    if not delta or not net or (delta > 0) != (net > 0):
+        return None
+    scale = delta / net
+    if scale > MAX_ROLE_SCALE:
+        return None
+    downs = [(role, value) for role, value in slot.roles if value < 0]
+    ups = [(role, value) for role, value in slot.roles if value > 0]
+    segments, level = [], float(start)
+    for role, value in downs + ups:
+        top = level + value * scale
+        segments.append(_Segment(role, value, level, top, value < 0))
+        level = top
+    low = start + sum(value for _role, value in downs) * scale
+    return _RolePlan(tuple(segments), min(low, start, end), scale, bool(downs and ups))
+
+
+def _scaled(scale: float) -> bool:
+    return abs(scale - 1.0) > 1e-3
 
 
 def _waterfall_levels(before: int, slots: list) -> list:
@@ -806,35 +944,81 @@ def _waterfall(record, width: int, height: int, title: Optional[str], ink: Optio
                  f"{'' if peak is None else f', peak {format_bytes(peak)} ({format_delta(increase)})'}")
         slots = [_Slot(delta, increase, hover)]
     levels = _waterfall_levels(before, slots)
+    plans = [_role_plan(slot, start, end) for slot, (start, end, _w) in zip(slots, levels)]
     marks = [before, after] + [v for level in levels for v in level if v is not None]
     marks += [v for v in (peak,) + tuple(subject.reserved) if v is not None]
+    marks += [plan.low for plan in plans if plan is not None]
     floor, top, ticks = _waterfall_range(min(marks), max(marks))
     left = 8 + max(_text_width(format_bytes(int(t))) for t in ticks)
     title = title if title is not None else f"{_record_title(record)} · {name}"
-    frame = _Frame(width, height, left, 20, 34, 0.0, float(len(slots) + 2), top, floor)
+    role_rows = _legend_rows(_role_legend(plans, subject.key), left, width - 4)
+    frame = _Frame(width, height, left, 20, 34 + 13 * len(role_rows), 0.0, float(len(slots) + 2), top, floor)
     parts = [_svg_open(width, height, title, ink), _y_axis(frame, ticks)]
     capacity = [(subject.key.device, subject.total)] if subject.total else []
     on_scale = subject.total is not None and subject.total <= top
     if capacity and on_scale:
         parts.append(_capacities(capacity, frame, False))
     parts.append(_end_bar(0, before, subject.reserved[0], "before", frame))
-    parts += _slot_marks(slots, levels, frame)
+    parts += _slot_marks(slots, levels, frame, plans, name)
     parts.append(_end_bar(len(slots) + 1, after, subject.reserved[1], "after", frame))
-    legend = _waterfall_legend(subject.reserved)
+    plain = any(plan is None and start != end for plan, (start, end, _w) in zip(plans, levels))
+    legend = _waterfall_legend(subject.reserved, grew=plain or all(plan is None for plan in plans))
     if slots[0].first is not None and not _tick_words(slots, frame.sx):
         legend.append(("ticks: source lines", None, ""))
-    parts.append(_legend(legend, frame.px0, height - 5, width - 4, "" if on_scale else _off_scale(capacity, False)))
+    y = height - 5 - 13 * len(role_rows)
+    parts.append(_legend(legend, frame.px0, y, width - 4, "" if on_scale else _off_scale(capacity, False)))
+    for row in role_rows:
+        y += 13
+        parts.append(_legend(row, frame.px0, y, width - 4))
     parts.append(f'<text x="{_num(frame.px0)}" y="13" font-size="11" font-weight="600" fill="currentColor">'
                  f'{_text(title)}</text></svg>')
     return "".join(parts)
 
 
-def _waterfall_legend(reserved) -> list:
-    items = [("before / after", "currentColor", ""), ("grew", UP_COLOR, ""), ("shrank", DOWN_COLOR, ""),
-             ("peak", "currentColor", "2 2")]
+def _waterfall_legend(reserved, grew: bool = True) -> list:
+    """The waterfall's own legend row; ``grew``/``shrank`` only when a column is drawn plainly."""
+    items = [("before / after", "currentColor", "")]
+    if grew:
+        items += [("grew", UP_COLOR, ""), ("shrank", DOWN_COLOR, "")]
+    items.append(("peak", "currentColor", "2 2"))
     if any(r is not None for r in reserved):
         items.append(("reserved", "currentColor", "4 2"))
     return items
+
+
+def role_color(role: str) -> str:
+    return ROLE_COLORS.get(role, OTHER_ROLE_COLOR)
+
+
+def _role_legend(plans: list, key: SeriesKey) -> list:
+    """The roles drawn (ROLES order), ``released`` when a role was drawn going down, and a note
+    when the roles were scaled to the charted change."""
+    segments = [seg for plan in plans if plan is not None for seg in plan.segments]
+    if not segments:
+        return []
+    roles = sorted({seg.role for seg in segments}, key=lambda role: _role_order((role, 0)))
+    items = [(ROLE_WORDS.get(role, role), role_color(role), "box") for role in roles]
+    if any(seg.exact < 0 for seg in segments):
+        items.append(("released", "currentColor", "box-out"))
+    if any(_scaled(plan.scale) for plan in plans if plan is not None):
+        quantity = "RSS" if key.device.is_host else key.quantity
+        items.append((f"roles: exact tensor bytes, scaled to the {quantity} change", None, ""))
+    return items
+
+
+def _legend_rows(items: list, x: float, right: float, max_rows: int = 3) -> list:
+    """``items`` wrapped into legend rows from ``x`` to ``right`` (the widths :func:`_legend` uses)."""
+    rows, row, used = [], [], 0.0
+    for item in items:
+        width = (0 if item[1] is None else 20) + 2 + _text_width(item[0]) + 10
+        if row and x + used + width - 10 > right:
+            rows.append(row)
+            row, used = [], 0.0
+        row.append(item)
+        used += width
+    if row:
+        rows.append(row)
+    return rows[:max_rows]
 
 
 def _end_bar(slot: int, value: int, reserved, label: str, frame: _Frame) -> str:
@@ -873,24 +1057,26 @@ def _label(x: float, y: float, text: str, extra: str = "") -> str:
             f'{_text(text)}</text>')
 
 
-def _slot_texts(slot: _Slot, start: int, end: int, whisker, cx: float, w: float, room: float, frame: _Frame) -> str:
+def _slot_texts(slot: _Slot, start: int, end: int, whisker, cx: float, w: float, room: float, frame: _Frame,
+                low: Optional[float] = None) -> str:
     """The delta at its bar and the peak at its whisker, each only where it fits.
 
     The delta is written at the bar it belongs to, never at the whisker's top, where it would
     read as the peak: above a growing bar without a whisker, inside a growing bar tall enough to
     hold it (under the whisker otherwise), below a shrinking one. The whisker gets its own
-    ``peak +X`` above it.
+    ``peak +X`` above it. A column stacked by role (``low``: its lowest level) keeps its label
+    outside the coloured segments.
     """
     out = ""
     delta = end - start
     text = format_delta(delta)
     if delta != 0 and _fits(text, room):
-        top, bottom = frame.y(max(start, end)), frame.y(min(start, end))
+        top, bottom = frame.y(max(start, end)), frame.y(min(start, end) if low is None else low)
         if delta < 0:
             out += _label(cx, bottom + 10, text)
         elif whisker is None:
             out += _label(cx, top - 3, text)
-        elif bottom - top >= 13 and _fits(text, w):
+        elif low is None and bottom - top >= 13 and _fits(text, w):
             out += _label(cx, top + 10, text, ' fill-opacity="0.95" style="fill:#fff"')
         else:
             out += _label(cx, bottom + 10, text)
@@ -907,22 +1093,53 @@ def _tick_words(slots: list, slot_w: float) -> bool:
     return all(_fits(f"lines {s.tick}", slot_w - 4) for s in slots if s.first is not None)
 
 
-def _slot_marks(slots: list, levels: list, frame: _Frame) -> list:
-    """The floating bars, peak whiskers, connectors and the line ticks (``line 3``, or bare
-    numbers when the columns are narrow)."""
+def _segment_hover(slot: _Slot, seg: _Segment, plan: _RolePlan, name: str) -> str:
+    """A role segment's tooltip: the role and its exact bytes (what it was drawn as when
+    scaled), then the column's own hover (the line, its change, its roles and its reason)."""
+    text = f"{ROLE_WORDS.get(seg.role, seg.role)} {format_delta(seg.exact)}"
+    if _scaled(plan.scale):
+        text += f" (exact tensor bytes; drawn as {format_delta(round(seg.v1 - seg.v0))}, scaled to the {name} change)"
+    return f"{text}\n{slot.hover}"
+
+
+def _role_column(slot: _Slot, plan: _RolePlan, x: float, w: float, frame: _Frame, name: str) -> str:
+    """The column's role segments, each a ``<g class="role" data-role=...>`` with its own title."""
+    out = []
+    for seg in plan.segments:
+        sx, sw = (x, w / 2) if plan.split and seg.left else (x + w / 2, w / 2) if plan.split else (x, w)
+        color = role_color(seg.role)
+        style = (f'fill="{color}" fill-opacity="0.3" stroke="{color}" stroke-width="1" stroke-dasharray="3 2"'
+                 if seg.exact < 0 else f'fill="{color}" fill-opacity="0.85"')
+        y0, y1 = frame.y(max(seg.v0, seg.v1)), frame.y(min(seg.v0, seg.v1))
+        hover = _text(_segment_hover(slot, seg, plan, name))
+        out.append(f'<g class="role" data-role="{_text(seg.role)}"><title>{hover}</title>'
+                   f'<rect x="{_num(sx)}" y="{_num(y0)}" width="{_num(sw)}" height="{_num(max(y1 - y0, 1.0))}" '
+                   f'{style}/></g>')
+    return "".join(out)
+
+
+def _slot_marks(slots: list, levels: list, frame: _Frame, plans: Optional[list] = None, name: str = "") -> list:
+    """The floating bars (stacked by role where ``plans`` says so), peak whiskers, connectors and
+    the line ticks (``line 3``, or bare numbers when the columns are narrow)."""
     out = []
     slot_w = frame.sx
     every = max(1, math.ceil(_text_width("00–00", 9) / max(slot_w, 1e-6)))
     words = _tick_words(slots, slot_w)
-    for i, (slot, (start, end, whisker)) in enumerate(zip(slots, levels)):
+    plans = plans or [None] * len(slots)
+    for i, (slot, (start, end, whisker), plan) in enumerate(zip(slots, levels, plans)):
         x = frame.x(i + 1) + slot_w * 0.15
         w = max(slot_w * 0.7, 1.0)
         color = UP_COLOR if end > start else DOWN_COLOR if end < start else "currentColor"
         extra = ""
         if whisker is not None:
             extra += _whisker(x + w / 2, w, frame.y(max(start, end)), frame.y(whisker))
-        extra += _slot_texts(slot, start, end, whisker, x + w / 2, w, slot_w - 2, frame)
-        out.append(_bar(x, w, start, end, frame, color, 0.75 if end != start else 0.3, slot.hover, extra))
+        extra += _slot_texts(slot, start, end, whisker, x + w / 2, w, slot_w - 2, frame,
+                             None if plan is None else plan.low)
+        if plan is None:
+            out.append(_bar(x, w, start, end, frame, color, 0.75 if end != start else 0.3, slot.hover, extra))
+        else:
+            out.append(f'<g><title>{_text(slot.hover)}</title>{extra}</g>')
+            out.append(_role_column(slot, plan, x, w, frame, name))
         # A connector from the previous column's level shows where this one starts.
         out.append(f'<line x1="{_num(frame.x(i + 0.85))}" y1="{_num(frame.y(start))}" x2="{_num(x)}" '
                    f'y2="{_num(frame.y(start))}" stroke="currentColor" stroke-opacity="0.35"/>')
