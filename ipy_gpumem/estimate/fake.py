@@ -161,6 +161,10 @@ class FakeWorld:
 
         mode = self.fake_mode
         if shape is None and real.device.type == "cpu" and real.layout == torch.strided:
+            if real.numel() <= 1 and not real.requires_grad and not isinstance(real, torch.nn.Parameter):
+                # A scalar (an optimizer's step count) keeps its value, so .item() on it is exact.
+                # The constant is a clone: fake in-place ops (step += 1) update the constant itself.
+                return mode.fake_tensor_converter.from_real_tensor(mode, real.detach().clone(), make_constant=True)
             return mode.from_tensor(real)
         # Another device (a fake run computes on the CPU) or another batch size: a new fake tensor
         # of the same kind. Storage shared between such tensors is not kept (each is counted).

@@ -1,0 +1,95 @@
+"""The pre-flight estimate: accuracy on the zoo against real CPU runs, and the time of a GPT-2-small estimate and of a max-batch search.
+
+Accuracy: each member of tests/test_estimate_zoo.py runs twice for real on the CPU under the exact
+storage tracker (the ground truth) and is estimated on fake tensors with ``device="cpu"``.
+Speed: a GPT-2-small-sized model (124 M parameters, nanoGPT's layout, tied embedding and head)
+with AdamW, batch 8 x 1024 tokens, estimated with ``device="cuda"``; then the largest batch that
+fits an A100-80 (the search starts at batch 8). Prints markdown tables.
+
+    python benchmarks/bench_estimate.py [--skip-zoo] [--skip-gpt2] [--gpu A100-80]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+
+def zoo_table():
+    from test_estimate_zoo import ZOO, real_peak
+
+    from ipy_gpumem.estimate.run import estimate
+
+    print("| architecture | optimizer | real peak (bytes) | estimated | error | estimate time |")
+    print("|---|---|---:|---:|---:|---:|")
+    worst = 0.0
+    for name, opt, step, args in ZOO:
+        real = real_peak(step, args)
+        t0 = time.perf_counter()
+        est = estimate(step, *args, device="cpu")
+        took = time.perf_counter() - t0
+        err = (est.peak_allocated - real) / real * 100
+        worst = max(worst, abs(err))
+        print(f"| {name} | {opt} | {real:,} | {est.peak_allocated:,} | {err:+.2f}% | {took:.2f} s |")
+    print(f"\nworst error {worst:.2f}%\n")
+
+
+def gpt2(batch=8, context=1024):
+    import torch
+    from torch import nn
+
+    from test_estimate_zoo import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=50257, dim=768, heads=12, layers=12, context=context)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    idx = torch.randint(0, 50257, (batch, context))
+    return model, opt, idx, torch.roll(idx, -1, 1)
+
+
+def gpt2_table(gpu):
+    import ipy_gpumem
+    from ipy_gpumem.core.units import format_bytes
+    from test_estimate_zoo import lm_step
+
+    t0 = time.perf_counter()
+    model, opt, idx, targets = gpt2()
+    built = time.perf_counter() - t0
+    params = sum(p.numel() for p in model.parameters())
+    t0 = time.perf_counter()
+    est = ipy_gpumem.estimate(lm_step, model, opt, idx, targets, device="cuda", gpu=gpu)
+    took = time.perf_counter() - t0
+    print(f"GPT-2-small-sized: {params / 1e6:.1f} M parameters, batch 8 x 1024, AdamW (model built in {built:.1f} s)\n")
+    print("| measure | value |")
+    print("|---|---|")
+    print(f"| estimate time | {took:.2f} s |")
+    print(f"| peak allocated | {format_bytes(est.peak_allocated)} |")
+    print(f"| peak reserved | {format_bytes(est.peak_reserved)} |")
+    print(f"| total needed ({gpu} fixed costs) | {format_bytes(est.total_needed)} |")
+    print(f"| peak in | {est.peak_phase}, call {est.peak_step} |")
+    roles = ", ".join(f"{k} {format_bytes(v)}" for k, v in est.roles["cuda:0"].items())
+    print(f"| at the peak | {roles} |")
+    t0 = time.perf_counter()
+    best = ipy_gpumem.max_batch_size(lm_step, model, opt, idx, targets, gpu=gpu)
+    took = time.perf_counter() - t0
+    print(f"| max batch on {gpu} | {int(best)} ({len(best.tried)} estimates) |")
+    print(f"| max-batch search time | {took:.2f} s |")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--skip-zoo", action="store_true")
+    parser.add_argument("--skip-gpt2", action="store_true")
+    parser.add_argument("--gpu", default="A100-80")
+    args = parser.parse_args()
+    if not args.skip_zoo:
+        zoo_table()
+    if not args.skip_gpt2:
+        gpt2_table(args.gpu)
+
+
+if __name__ == "__main__":
+    main()

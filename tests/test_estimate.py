@@ -1,0 +1,170 @@
+"""estimate() and max_batch_size(): the user's objects are untouched, errors name the line, globals are faked, phases and roles add up, GPUs resolve, the batch search lands on the boundary."""
+import copy
+import json
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+F = torch.nn.functional
+
+import ipy_gpumem  # noqa: E402
+from ipy_gpumem.estimate.gpus import GPUS, resolve_gpu  # noqa: E402
+from ipy_gpumem.estimate.result import EstimateError  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
+    return model, opt, x, y
+
+
+def step(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    print("loss", loss.item())
+    return loss
+
+
+def _snapshot(model, opt, x, y):
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "ptrs": [p.data_ptr() for p in model.parameters()],
+        "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "buffers": [b.clone() for b in model.buffers()],
+        "state": copy.deepcopy(opt.state_dict()),
+        "training": [m.training for m in model.modules()],
+        "rng": torch.random.get_rng_state(),
+        "x": x.clone(), "y": y.clone(),
+    }
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(i, j) for i, j in zip(a, b))
+    return a == b
+
+
+def test_the_users_objects_are_bitwise_unchanged(capsys):
+    model, opt, x, y = _mlp()
+    step(model, opt, x, y)  # real state: grads and optimizer state exist
+    model.eval()
+    model[0].train()
+    before = _snapshot(model, opt, x, y)
+    est = ipy_gpumem.estimate(step, model, opt, x, y, device="cpu")
+    after = _snapshot(model, opt, x, y)
+    for key in before:
+        assert _same(before[key], after[key]), key
+    assert est.peak_allocated > est.start_allocated > 0
+    assert capsys.readouterr().out.count("loss") == 1  # only the real call printed
+    assert any(".item()" in n for n in est.notes) and any("printed" in n for n in est.notes)
+
+
+def test_globals_and_closures_are_faked_not_used():
+    model, opt, x, y = _mlp()
+    g = {"model": model, "opt": opt, "x": x, "y": y, "F": F}
+    code = "def train():\n    opt.zero_grad()\n    F.cross_entropy(model(x), y).backward()\n    opt.step()\n"
+    exec(code, g)
+    before = _snapshot(model, opt, x, y)
+    est = ipy_gpumem.estimate(g["train"], device="cpu")
+    assert all(_same(before[k], v) for k, v in _snapshot(model, opt, x, y).items())
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert est.roles["cpu"]["optimizer_state"] >= 2 * params
+
+    def make():
+        m, o, xx, yy = model, opt, x, y
+
+        def inner():
+            o.zero_grad()
+            F.cross_entropy(m(xx), yy).backward()
+            o.step()
+        return inner
+    est2 = ipy_gpumem.estimate(make(), device="cpu")
+    assert est2.peak_allocated == est.peak_allocated
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+
+
+def test_a_data_dependent_shape_is_an_estimate_error_naming_the_line():
+    model, opt, x, y = _mlp()
+
+    def bad(model, x):
+        keep = torch.nonzero(x > 0)  # the size depends on the values
+        return model(x[keep[:, 0]]).sum()
+    with pytest.raises(EstimateError) as info:
+        ipy_gpumem.estimate(bad, model, x, device="cpu")
+    assert "torch.nonzero(x > 0)" in str(info.value) and info.value.line is not None
+
+
+HIDDEN = torch.ones(4)
+
+
+def _helper(x):
+    return x * HIDDEN.sum()  # a real tensor the step cannot reach through its arguments
+
+
+def test_a_real_tensor_out_of_reach_is_reported_not_mixed_in():
+    def uses_helper(x):
+        return _helper(x)
+    with pytest.raises(EstimateError) as info:
+        ipy_gpumem.estimate(uses_helper, torch.randn(4), device="cpu")
+    assert "argument" in str(info.value)
+
+
+def test_phases_roles_and_dict():
+    model, opt, x, y = _mlp()
+    est = ipy_gpumem.estimate(step, model, opt, x, y, device="cuda", gpu="T4")
+    names = [(p["phase"], p["step"]) for p in est.phases]
+    for phase in ("zero_grad", "forward", "backward", "optimizer_step"):
+        assert (phase, 1) in names and (phase, 2) in names, names
+    roles = est.roles["cuda:0"]
+    tensor_bytes = sum(v for k, v in roles.items() if k not in ("allocator_cache", "outside_pytorch"))
+    assert tensor_bytes == est.peak_allocated
+    assert est.peak_reserved >= est.peak_allocated and est.peak_allocated % 512 == 0
+    assert est.peak_reserved % (2 * MiB) == 0
+    assert est.total_needed == est.peak_reserved + sum(est.fixed_costs.values())
+    assert {"cuda_context", "cublas_workspace"} <= set(est.fixed_costs)
+    d = json.loads(json.dumps(est.to_dict()))
+    assert d["peak_allocated"] == est.peak_allocated and d["phases"][0]["phase"] == "zero_grad"
+    assert est.modules and est.modules[0]["activations"] >= est.modules[-1]["activations"]
+    assert est.fits("T4") and not est.fits(100 * MiB)
+
+
+def test_gpu_names_resolve():
+    assert resolve_gpu("T4").capacity == GPUS["T4"].capacity
+    assert resolve_gpu("a100-80").name == "A100-80" and resolve_gpu("H100").name == "H100-80"
+    assert resolve_gpu(16 * 2 ** 30).capacity == 16 * 2 ** 30
+    assert resolve_gpu("24 GiB").capacity == 24 * 2 ** 30
+    with pytest.raises(ValueError):
+        resolve_gpu("GTX 9999")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError):
+            resolve_gpu("this GPU")
+
+
+def test_max_batch_size_lands_on_the_boundary():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(8, 1024)
+
+    def train(model, opt, x):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    cap = 900 * MiB
+    best = ipy_gpumem.max_batch_size(train, model, opt, x, gpu=cap)
+    assert isinstance(best, int) and best > 8
+    assert best.tried[int(best)][0] and not best.tried[int(best) + 1][0]
+    assert len(best.tried) <= 16
+    assert x.shape == (8, 1024)
