@@ -21,6 +21,8 @@ __all__ = [
     "history_frame",
     "parse_oom",
     "who",
+    "estimate",
+    "max_batch_size",
     "format_bytes",
     "parse_bytes",
 ]
@@ -99,6 +101,29 @@ def who(namespace=None, device=None, allocator_total=None):
             if namespace is None or namespace is shell_ns:
                 namespace, refs = shell_ns, shell_refs
     return _who(namespace, device=device, allocator_total=allocator_total, refs=refs)
+
+
+def estimate(step, *args, device="cuda", gpu=None, **kwargs):
+    """The peak memory of ``step(*args, **kwargs)`` as a training step, worked out on fake tensors.
+
+    The step runs twice (the second call is the steady state, with optimizer state) on fake copies
+    of every tensor, module and optimizer reachable from its arguments; no memory is used, no GPU
+    is needed, and your objects are left exactly as they were. Returns an ``Estimate``
+    (``peak_allocated``, ``peak_reserved``, ``total_needed``, ``roles``, ``phases``, ``fits(gpu)``,
+    ``to_dict()``); raises ``EstimateError`` naming the line when the step cannot run on fake tensors.
+    """
+    from .estimate.run import estimate as _estimate
+
+    return _estimate(step, *args, device=device, gpu=gpu, **kwargs)
+
+
+def max_batch_size(step, *args, gpu="this GPU", batch_dim=0, **kwargs):
+    """The largest batch size for which ``step(*args, **kwargs)`` fits ``gpu`` ("T4", "A100-80", "this
+    GPU", or bytes), found by re-estimating on fake tensors with the batch arguments resized along
+    ``batch_dim``. Returns an ``int`` that also carries what was tried (``.tried``, ``.estimate``)."""
+    from .estimate.batch import max_batch_size as _max_batch_size
+
+    return _max_batch_size(step, *args, gpu=gpu, batch_dim=batch_dim, **kwargs)
 
 
 def format_bytes(size):
