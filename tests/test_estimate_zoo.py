@@ -190,7 +190,7 @@ def test_estimate_matches_a_real_cpu_run_within_one_percent(member):
     assert est.start_allocated > 0 and est.peak_allocated >= est.start_allocated
 
 
-def test_a_step_that_only_reads_values_at_the_end_estimates_the_same_on_the_second_call():
+def test_the_peak_holds_the_parameters_and_the_optimizer_state_of_the_first_call():
     _name, _opt, step, args = ZOO[0]
     est = estimate(step, *args, device="cpu")
     # the second call holds the optimizer state the first one created
