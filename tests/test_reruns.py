@@ -14,6 +14,21 @@ torch = pytest.importorskip("torch")
 MiB = 2**20
 
 
+@pytest.fixture(autouse=True)
+def _default_threshold(request):
+    """Shell tests run at the default threshold whatever earlier tests configured on the shared shell."""
+    if "gpumem" not in request.fixturenames:
+        yield
+        return
+    magics = request.getfixturevalue("gpumem")
+    before = magics.threshold
+    magics.threshold = "16 MiB"
+    try:
+        yield
+    finally:
+        magics.threshold = before
+
+
 def _rec(gpumem):
     return gpumem.ledger.last()
 
