@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 def zoo_table():
     from test_estimate_zoo import ZOO, real_peak
 
-    from ipy_gpumem.estimate.run import estimate
+    from ipy_gpumem.preflight.run import estimate
 
     print("| architecture | optimizer | real peak (bytes) | estimated | error | estimate time |")
     print("|---|---|---:|---:|---:|---:|")

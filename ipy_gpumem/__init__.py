@@ -112,7 +112,7 @@ def estimate(step, *args, device="cuda", gpu=None, **kwargs):
     (``peak_allocated``, ``peak_reserved``, ``total_needed``, ``roles``, ``phases``, ``fits(gpu)``,
     ``to_dict()``); raises ``EstimateError`` naming the line when the step cannot run on fake tensors.
     """
-    from .estimate.run import estimate as _estimate
+    from .preflight.run import estimate as _estimate
 
     return _estimate(step, *args, device=device, gpu=gpu, **kwargs)
 
@@ -121,7 +121,7 @@ def max_batch_size(step, *args, gpu="this GPU", batch_dim=0, **kwargs):
     """The largest batch size for which ``step(*args, **kwargs)`` fits ``gpu`` ("T4", "A100-80", "this
     GPU", or bytes), found by re-estimating on fake tensors with the batch arguments resized along
     ``batch_dim``. Returns an ``int`` that also carries what was tried (``.tried``, ``.estimate``)."""
-    from .estimate.batch import max_batch_size as _max_batch_size
+    from .preflight.batch import max_batch_size as _max_batch_size
 
     return _max_batch_size(step, *args, gpu=gpu, batch_dim=batch_dim, **kwargs)
 

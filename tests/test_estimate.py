@@ -10,8 +10,8 @@ nn = torch.nn
 F = torch.nn.functional
 
 import ipy_gpumem  # noqa: E402
-from ipy_gpumem.estimate.gpus import GPUS, resolve_gpu  # noqa: E402
-from ipy_gpumem.estimate.result import EstimateError  # noqa: E402
+from ipy_gpumem.preflight.gpus import GPUS, resolve_gpu  # noqa: E402
+from ipy_gpumem.preflight.result import EstimateError  # noqa: E402
 
 MiB = 1 << 20
 
@@ -168,3 +168,15 @@ def test_max_batch_size_lands_on_the_boundary():
     assert best.tried[int(best)][0] and not best.tried[int(best) + 1][0]
     assert len(best.tried) <= 16
     assert x.shape == (8, 1024)
+
+
+def test_importing_the_room_leaves_the_public_function_a_function():
+    """The room is ``preflight``: a subpackage named ``estimate`` would replace ipy_gpumem.estimate on import."""
+    import subprocess
+    import sys
+
+    code = ("import ipy_gpumem, ipy_gpumem.preflight.run, ipy_gpumem.preflight.batch, types\n"
+            "print(type(ipy_gpumem.estimate) is types.FunctionType, type(ipy_gpumem.max_batch_size) is types.FunctionType)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
+    assert isinstance(ipy_gpumem.estimate, types.FunctionType)

@@ -3,9 +3,9 @@ import pytest
 
 from hypothesis import given, settings, strategies as st
 
-from ipy_gpumem.estimate.allocator import (LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_BUFFER,
-                                           SMALL_SIZE, CachingAllocatorModel, OutOfMemory, is_small, replay,
-                                           round_size, segment_size)
+from ipy_gpumem.preflight.allocator import (LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_BUFFER,
+                                            SMALL_SIZE, CachingAllocatorModel, OutOfMemory, is_small, replay,
+                                            round_size, segment_size)
 
 MiB = 1 << 20
 sizes = st.one_of(st.integers(0, 4096), st.integers(0, 2 * MiB), st.integers(0, 64 * MiB))

@@ -10,9 +10,9 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 F = torch.nn.functional
 
-from ipy_gpumem.estimate.fake import collect_tensors  # noqa: E402
-from ipy_gpumem.estimate.run import estimate, run_steps  # noqa: E402
-from ipy_gpumem.estimate.tracker import StorageTracker  # noqa: E402
+from ipy_gpumem.preflight.fake import collect_tensors  # noqa: E402
+from ipy_gpumem.preflight.run import estimate, run_steps  # noqa: E402
+from ipy_gpumem.preflight.tracker import StorageTracker  # noqa: E402
 
 
 # -- the zoo ---------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ The package is a stack of rooms, one folder each (see the README's Develop secti
     extension.py                 the IPython adapter (the only module that imports IPython at module level)
     ledger/                      per-cell records, %%gpumem (header, lines, watcher) and their views
     oom/   free/                 out-of-memory diagnosis and panel; %gpumem free
-    estimate/                    the pre-flight estimate on fake tensors, the allocator model, max batch size
+    preflight/                   the pre-flight estimate on fake tensors, the allocator model, max batch size
     anatomy/                     roles of every byte (parameters, gradients, ...), per line and per phase
     attribution/   chart/        who holds the memory; the live chart
     display/                     View, tables, the parts that render to text and HTML, the status view
@@ -25,7 +25,7 @@ import pytest
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ipy_gpumem")
 
 #: Each room and its level; a module may import rooms at a lower level, or its own room.
-LEVELS = {"core": 0, "display": 1, "attribution": 2, "chart": 2, "anatomy": 3, "estimate": 4, "free": 5, "oom": 5,
+LEVELS = {"core": 0, "display": 1, "attribution": 2, "chart": 2, "anatomy": 3, "preflight": 4, "free": 5, "oom": 5,
           "ledger": 6}
 #: Modules that draw: inside a room, no other module imports them.
 DRAWING = {"view", "panel", "svg", "views", "live"}

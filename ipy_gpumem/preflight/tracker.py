@@ -18,13 +18,13 @@ from typing import Any, Callable, Dict, List, Optional
 
 __all__ = ["StorageTracker", "Run", "user_frame"]
 
-_OWN = ("/torch/", "/ipy_gpumem/estimate/", "/contextlib.py", "/copy.py", "/functools.py")
+_OWN = ("/torch/", "/ipy_gpumem/preflight/", "/contextlib.py", "/copy.py", "/functools.py")
 
 
 def user_frame(frame=None, tb=None):
     """(filename, line number, source line) of the innermost frame of the user's code, or None.
 
-    The user's code is any frame outside torch, this package's estimate room and the standard
+    The user's code is any frame outside torch, this package's preflight room and the standard
     library helpers it runs through.
     """
     import linecache
