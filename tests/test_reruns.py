@@ -70,7 +70,8 @@ def test_no_walk_for_cells_that_keep_nothing(ip, gpumem, monkeypatch):
 
 def test_optimizer_from_another_cell_is_named_with_the_cell_to_rerun(ip, gpumem):
     run(ip, "import torch")
-    cell = "rr_model = torch.nn.Linear(2048, 2048)"
+    # 64 MiB: above glibc's largest mmap threshold, so RSS (the trigger) grows even in a long-lived shell
+    cell = "rr_model = torch.nn.Linear(4096, 4096)"
     run(ip, cell)
     run(ip, "rr_opt = torch.optim.SGD(rr_model.parameters(), lr=0.1)")
     built = _rec(gpumem).execution_count
@@ -99,15 +100,15 @@ def test_rebinding_frees_the_old_object_and_says_nothing(ip, gpumem):
 
 def test_history_marks_reruns_and_their_growth(ip, gpumem):
     run(ip, "import torch\nrr_keep = []")
-    cell = "rr_keep.append(torch.ones(2**22) * 1)"
+    cell = "rr_keep.append(torch.ones(2**24) * 1)"  # 64 MiB: see above
     for _ in range(3):
         run(ip, cell)
     rec = _rec(gpumem)
-    assert rec.rerun["suspects"] == ["rr_keep"] and rec.rerun["growth"] == 16 * MiB
+    assert rec.rerun["suspects"] == ["rr_keep"] and rec.rerun["growth"] == 64 * MiB
     view = gpumem.run_mode("history")
     rows = [line for line in view.text.splitlines() if "rr_keep.append" in line]
     assert len(rows) == 3
-    assert "↻" not in rows[0] and f"↻[{rec.rerun['of']}] +16.00 MiB" in rows[2]
+    assert "↻" not in rows[0] and f"↻[{rec.rerun['of']}] +64.00 MiB" in rows[2]
     assert "re-run of cell [n]" in view.text
     run(ip, "del rr_keep")
 
@@ -117,7 +118,7 @@ def test_quiet_says_nothing_but_records(ip, gpumem):
     ip.run_line_magic("config", "GpuMemMagics.quiet = True")
     try:
         for _ in range(3):
-            _, cap = run(ip, "rr_q.append(torch.ones(2**22) + 1)")
+            _, cap = run(ip, "rr_q.append(torch.ones(2**24) + 1)")
             assert texts(cap) == []
         assert _rec(gpumem).rerun["suspects"] == ["rr_q"]
     finally:
