@@ -43,7 +43,7 @@ def test_failed_cell_names_its_error_and_no_peak_when_peak_is_the_delta():
 
 def test_cpu_line_uses_host_rss():
     rec = CellRecord(3, None, "x = torch.ones(2**26)", 0.0, 0.4, host=HostRecord(100 * MiB, 356 * MiB, 612 * MiB),
-                     reason="CUDA not initialized yet")
+                     devices_note="CUDA not initialized yet")
     assert cell_line(rec) == "[3] host +256.00 MiB RSS (peak +512.00 MiB) · 356.00 MiB resident · 400 ms"
 
 
