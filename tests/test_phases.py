@@ -1,4 +1,5 @@
-"""PhaseWatcher on real CPU training: phases, peaks and roles of a loop written in a function, hooks gone afterwards, nothing kept alive."""
+"""PhaseWatcher on real CPU training: the phases, peaks and roles of a loop written in a function, the hooks gone
+afterwards, nothing kept alive."""
 from __future__ import annotations
 
 import gc
@@ -255,6 +256,31 @@ def test_zero_grad_set_to_none_before_forward_frees_gradients():
     assert [roles(p, "gradients") for p in w.phases if p["phase"] == "backward"][:2] == [param_bytes(model)] * 2
 
 
+def test_zero_grad_is_recognised_on_a_deep_model_from_a_sample_of_its_gradients():
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])  # 40 parameters
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w, _ = watch(train_one_epoch, model, opt, [torch.randn(2, 8) for _ in range(2)])
+    assert [p["phase"] for p in w.phases].count("zero_grad") == 2
+    w, _ = watch(train_one_epoch, model, opt, [torch.randn(2, 8) for _ in range(2)], True)
+    zg = [p for p in w.phases if p["phase"] == "zero_grad"]
+    assert len(zg) == 2 and roles(zg[0], "gradients") == -param_bytes(model)
+
+
+def test_gradient_clipping_between_backward_and_step_is_not_zero_grad():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loop(model, opt, data):
+        for x in data:
+            model(x).sum().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # rewrites every gradient in place
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+    w, _ = watch(loop, model, opt, [torch.randn(4, 32) for _ in range(2)])
+    assert [p["phase"] for p in w.phases] == ["forward", "backward", "optimizer_step", "zero_grad"] * 2
+
+
 def test_the_bench_loop_zero_grad_between_forward_and_backward_and_census_every_tenth():
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -443,3 +469,17 @@ def test_start_without_torch_modules_and_stop_twice_are_harmless():
     w.stop()
     w.stop()
     assert w.phases == [] and w.summary() == {} and w.layers == []
+
+
+def test_a_long_loop_keeps_a_bounded_list_and_counts_every_phase(monkeypatch):
+    from ipy_gpumem.anatomy import phases
+
+    monkeypatch.setattr(phases, "MAX_PHASES", 20)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w, _ = watch(train_one_epoch, model, opt, [torch.randn(2, 4)] * 25, True)
+    listed = w.phases
+    assert 20 <= len(listed) < 40 and {p["step"] for p in listed[20:]} <= {10, 20}
+    s = w.summary()
+    assert s["forward"]["count"] == 25 and s["zero_grad"]["count"] == 25
+    assert s["forward"]["peak"]["cpu"] >= max(p["peak"]["cpu"] for p in listed if p["phase"] == "forward")

@@ -1,4 +1,5 @@
-"""Training phases of a cell (forward, backward, optimizer step, zero_grad) with their peaks and roles, recognised from the modules, autograd graphs and optimizers the cell used, through hooks that exist only while the cell runs.
+"""Training phases of a cell (forward, backward, optimizer step, zero_grad) with their peaks and roles, recognised
+from the modules, autograd graphs and optimizers the cell used, through hooks that exist only while the cell runs.
 
 The loop does not have to be written in the cell: ``train_one_epoch(model, opt, data)`` is seen
 from inside, because every hook is global (torch calls it for any module, any optimizer) and is
@@ -65,7 +66,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -79,6 +79,10 @@ PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 MAX_ROOTS = 64
 #: Autograd nodes walked to find the layers' activations (a model with more is cut there).
 MAX_LAYER_NODES = 100_000
+#: Phases listed one by one; past this, only censused ones (the others are counted in the summary).
+MAX_PHASES = 400
+#: Parameters whose gradients are read at each boundary to recognise zero_grad (spread evenly).
+GRAD_SAMPLE = 8
 #: How many layers :attr:`PhaseWatcher.layers` names.
 TOP_LAYERS = 5
 
@@ -98,10 +102,10 @@ class _GraphRoot:
 class _Mark:
     """The state at a phase boundary: the memory reading, the census (or None), the gradients."""
 
-    __slots__ = ("current", "snap", "grads", "step", "detail")
+    __slots__ = ("reading", "snap", "grads", "step", "detail")
 
-    def __init__(self, current, snap, grads, step, detail):
-        self.current, self.snap, self.grads, self.step, self.detail = current, snap, grads, step, detail
+    def __init__(self, reading, snap, grads, step, detail):
+        self.reading, self.snap, self.grads, self.step, self.detail = reading, snap, grads, step, detail
 
 
 class PhaseWatcher:
@@ -110,7 +114,8 @@ class PhaseWatcher:
     Args:
         read: called at each phase boundary (a few times per iteration, never inside a forward);
             returns ``(perf_counter time, {device label: (current bytes, peak bytes since the
-            previous read)})`` and resets the peak counters it reads.
+            previous read)})``, a new mapping each call (it is kept as given), and resets the peak
+            counters it reads.
         census: ``census(modules, optimizers, tensors)``, each an iterable of ``(name, object)``
             pairs, returning a snapshot with ``.totals`` and ``.diff(before).table`` (role
             tables), or None; without it phases carry no roles.
@@ -137,6 +142,7 @@ class PhaseWatcher:
         #: Why watching stopped early (an internal error, one line), or None.
         self.reason: Optional[str] = None
         self._raw: List[dict] = []
+        self._folded: Dict[str, dict] = {}  # per kind: count and worst peak of phases not listed
         self._layers: Optional[List[Tuple[str, int]]] = None
         self._reset()
 
@@ -155,6 +161,7 @@ class PhaseWatcher:
         self._module_ids: Dict[int, Any] = {}
         self._optim_ids: Dict[int, Any] = {}
         self._params: List[Any] = []  # weakrefs to the parameters seen (for zero_grad)
+        self._sample: List[Any] = []  # the few of them whose gradients are read at each boundary
         self._param_ids: set = set()
         self._roots: List[Tuple[str, Any]] = []  # (name, weakref) inputs/outputs of outermost forwards
         self._names: Dict[str, int] = {}
@@ -174,6 +181,7 @@ class PhaseWatcher:
         """Register the global hooks for this cell; a no-op without torch or when already watching."""
         if self._handles or self._on:
             return
+        self._depth, self._open, self._bw_node, self._bw_task = 0, None, None, None
         torch = sys.modules.get("torch")
         if torch is None or not hasattr(torch, "nn") or not hasattr(torch, "optim"):
             return  # nothing to watch: a cell that never imported torch runs no module
@@ -246,7 +254,7 @@ class PhaseWatcher:
     @property
     def phases(self) -> List[dict]:
         """The phases in the order they ran: dicts ``phase``, ``step``, ``peak``, ``delta``, ``roles``
-        (and ``incomplete: True`` for one that raised).
+        (and ``incomplete: True`` for one that raised); past :data:`MAX_PHASES`, the censused ones.
 
         ``step`` counts optimizer steps when the cell stepped one (forward and backward belong to
         the step that follows them, zero_grad to the phase before it), otherwise outermost forwards.
@@ -261,7 +269,13 @@ class PhaseWatcher:
             else:
                 step = p["forward"] or 1
             previous = step
-            item = {"phase": p["phase"], "step": step, "peak": dict(p["peak"]), "delta": dict(p["delta"]),
+            # peak: how far the phase rose above its start at its highest (the end reading's peak
+            # covers the whole phase: the start reading reset it); delta: end minus start.
+            start, end = p["start"], p["end"]
+            base = {dev: int(start.get(dev, (cur,))[0]) for dev, (cur, _peak) in end.items()}
+            item = {"phase": p["phase"], "step": step,
+                    "peak": {dev: max(0, int(peak) - base[dev]) for dev, (_cur, peak) in end.items()},
+                    "delta": {dev: int(cur) - base[dev] for dev, (cur, _peak) in end.items()},
                     "roles": p["roles"]}
             if p.get("incomplete"):
                 item["incomplete"] = True
@@ -275,13 +289,14 @@ class PhaseWatcher:
         phases = self.phases
         for kind in PHASES:
             mine = [p for p in phases if p["phase"] == kind]
-            if not mine:
+            folded = self._folded.get(kind, {"count": 0, "peak": {}})
+            if not mine and not folded["count"]:
                 continue
-            worst: Dict[str, int] = {}
+            worst: Dict[str, int] = dict(folded["peak"])
             for p in mine:
                 for dev, value in p["peak"].items():
                     worst[dev] = max(worst.get(dev, 0), int(value))
-            out[kind] = {"count": len(mine), "peak": worst, "first": _step_roles(mine, 1),
+            out[kind] = {"count": len(mine) + folded["count"], "peak": worst, "first": _step_roles(mine, 1),
                          "steady": _step_roles(mine, 2)}
         return out
 
@@ -294,8 +309,7 @@ class PhaseWatcher:
 
     # -- boundaries --------------------------------------------------------------------------------
     def _reading(self) -> Dict[str, Tuple[int, int]]:
-        _t, devices = self._read()
-        return {str(dev): (int(cur), int(peak)) for dev, (cur, peak) in dict(devices).items()}
+        return self._read()[1]  # kept as given: a new mapping per call (peaks are worked out on demand)
 
     def _live_step(self) -> int:
         return self._steps_done + 1 if self._optims else max(self._forwards, 1)
@@ -312,11 +326,13 @@ class PhaseWatcher:
         return self._census([m for m in modules if m[1] is not None], [o for o in optims if o[1] is not None],
                             [t for t in tensors if t[1] is not None] + list(extra))
 
-    def _begin(self, kind: str, forward: int = 0, extra=(), register: Optional[Callable[[], bool]] = None) -> None:
+    def _begin(self, kind: str, forward: int = 0, extra=(), register: Optional[Callable[[bool], bool]] = None) -> None:
         """Open a phase: one reading (which also closes the span since the last phase) and, on a
         censused step, a census. ``register`` adds what the phase brings (its module and inputs, an
         optimizer) after the span is closed, so the span is compared with the same objects at both
-        ends; a second census is taken only when it added something."""
+        ends; a second census is taken only when it added something. ``register(detail)`` is
+        told whether this phase is censused: the inputs and outputs of forwards are kept as census
+        roots only then (a root added on a step that is not censused would serve no census)."""
         if self._open is not None:  # a phase that raised without its closing hook (a failed backward)
             self._end(incomplete=True)
         reading = self._reading()
@@ -329,12 +345,12 @@ class PhaseWatcher:
         if zeroed:
             self._span_phase(reading, snap)
         snap = snap if detail else None
-        if register is not None and register():
+        if register is not None and register(detail):
             step = self._live_step()
             if detail:
                 snap = self._take(extra)
         self._open = {"phase": kind, "forward": forward, "steps_done": self._steps_done,
-                      "current": {dev: cur for dev, (cur, _peak) in reading.items()}, "snap": snap,
+                      "start": reading, "snap": snap,
                       "detail": detail, "step": step}
 
     def _end(self, extra=(), incomplete: bool = False) -> None:
@@ -345,39 +361,49 @@ class PhaseWatcher:
             self._bw_node, self._bw_task = None, None
         reading = self._reading()
         snap = self._take(extra) if phase["detail"] else None
-        start = phase.pop("current")
         before = phase.pop("snap")
-        phase["peak"] = {dev: max(0, peak - start.get(dev, cur)) for dev, (cur, peak) in reading.items()}
-        phase["delta"] = {dev: cur - start.get(dev, cur) for dev, (cur, _peak) in reading.items()}
+        phase["end"] = reading  # peak and delta are worked out when `phases` is read, not here
         phase["roles"] = _roles(snap, before)
         if incomplete:
             phase["incomplete"] = True
-        self._raw.append(phase)
-        self._mark = _Mark({dev: cur for dev, (cur, _peak) in reading.items()}, snap, self._grads(),
-                           phase["step"], phase["detail"])
+        self._record(phase)
+        self._mark = _Mark(reading, snap, self._grads(), phase["step"], phase["detail"])
 
     def _span_phase(self, reading, snap) -> None:
         """The span since the last phase freed or zeroed the gradients: record it as zero_grad."""
         mark = self._mark
-        self._raw.append({
-            "phase": "zero_grad", "forward": 0, "steps_done": self._steps_done, "step": mark.step,
-            "detail": mark.detail,
-            "peak": {dev: max(0, peak - mark.current.get(dev, cur)) for dev, (cur, peak) in reading.items()},
-            "delta": {dev: cur - mark.current.get(dev, cur) for dev, (cur, _peak) in reading.items()},
-            "roles": _roles(snap, mark.snap),
-        })
+        self._record({"phase": "zero_grad", "forward": 0, "steps_done": self._steps_done, "step": mark.step,
+                      "detail": mark.detail, "start": mark.reading, "end": reading, "roles": _roles(snap, mark.snap)})
+
+    def _record(self, phase: dict) -> None:
+        """Keep a phase; past :data:`MAX_PHASES`, only censused ones are kept and the rest are folded
+        into per-kind counts and worst peaks (a loop of 100k steps must not grow a list of 400k)."""
+        if len(self._raw) < MAX_PHASES or phase["detail"]:
+            self._raw.append(phase)
+            return
+        fold = self._folded.setdefault(phase["phase"], {"count": 0, "peak": {}})
+        fold["count"] += 1
+        start = phase["start"]
+        for dev, (cur, peak) in phase["end"].items():
+            rise = max(0, int(peak) - int(start.get(dev, (cur,))[0]))
+            fold["peak"][dev] = max(fold["peak"].get(dev, 0), rise)
 
     # -- zero_grad -----------------------------------------------------------------------------------
     def _grads(self) -> list:
-        """``(id, _version)`` of each seen parameter's gradient (None where it has none)."""
+        """``(id, _version)`` of the gradients of a sample of the parameters seen (None where one
+        has none). A sample (:data:`GRAD_SAMPLE`, spread over the model) because zero_grad touches
+        every gradient, and reading ``.grad`` of each of a large model's parameters at each phase
+        boundary would cost more than the rest of the watcher."""
         out = []
-        for ref in self._params:
+        for ref in self._sample:
             p = ref()
             g = None if p is None else p.grad
             out.append(None if g is None else (id(g), g._version))
         return out
 
     def _zeroed(self, before: list, after: list) -> bool:
+        if before == after:
+            return False
         present = [i for i, b in enumerate(before) if b is not None and i < len(after)]
         if not present:
             return False
@@ -389,7 +415,7 @@ class PhaseWatcher:
         # scales them. Read the smallest one to tell which.
         smallest = None
         for i in present:
-            p = self._params[i]()
+            p = self._sample[i]()
             g = None if p is None else p.grad
             if g is not None and (smallest is None or g.numel() < smallest.numel()):
                 smallest = g
@@ -407,6 +433,10 @@ class PhaseWatcher:
             if id(p) not in self._param_ids:
                 self._param_ids.add(id(p))
                 self._params.append(weakref.ref(p))
+        n = len(self._params)
+        picks = range(n) if n <= GRAD_SAMPLE else sorted({round(i * (n - 1) / (GRAD_SAMPLE - 1))
+                                                          for i in range(GRAD_SAMPLE)})
+        self._sample = [self._params[i] for i in picks]
 
     def _see_module(self, module) -> bool:
         ref = self._module_ids.get(id(module))
@@ -457,9 +487,9 @@ class PhaseWatcher:
                 self._forwards += 1
                 inputs = _tensors(self._torch, args)
 
-                def register():
+                def register(detail):
                     new_module = self._see_module(module)
-                    return self._keep_roots("inputs", inputs) or new_module
+                    return (detail and self._keep_roots("inputs", inputs)) or new_module
 
                 self._begin("forward", forward=self._forwards, register=register)
                 self._open["module"] = id(module)
@@ -490,7 +520,8 @@ class PhaseWatcher:
             # always_call runs this hook from forward's `except` block too: the forward raised.
             failed = sys.exc_info()[1] is not None
             outputs = [] if failed else _tensors(self._torch, output)
-            self._keep_roots("outputs", outputs)
+            if phase["detail"]:
+                self._keep_roots("outputs", outputs)
             phase.pop("module", None)
             lay, self._lay = self._lay, None
             self._end(incomplete=failed)
@@ -503,7 +534,8 @@ class PhaseWatcher:
 
     def _watch_backward(self, outputs, forward: int) -> None:
         """A pre-hook on each output's grad_fn; it holds only a weakref to this watcher."""
-        self._node_handles = [h for h in self._node_handles if h.hooks_dict_ref() is not None]
+        if len(self._node_handles) > 32:  # handles of graphs already freed
+            self._node_handles = [h for h in self._node_handles if h.hooks_dict_ref() is not None]
         me = weakref.ref(self)
         seen = set()
         for t in outputs:
@@ -528,7 +560,9 @@ class PhaseWatcher:
                 # The same backward reaching another output of ours, one nested in it, or
                 # autograd.grad inside a forward or a step: part of the phase already open.
                 return
-            node = self._current_node()
+            # The engine's node is the census's way into a graph whose output the user dropped:
+            # fetched (and held until the end of this backward) only on a censused step.
+            node = self._current_node() if self._detailed(self._live_step()) else None
             extra = [("autograd graph", _GraphRoot(node))] if node is not None else []
             self._begin("backward", forward=forward, extra=extra)
             self._bw_node, self._bw_task = node, self._task_id()
@@ -564,7 +598,7 @@ class PhaseWatcher:
                 return None
             if self._open is not None and self._open["phase"] != "backward":
                 return None  # an optimizer stepping inside another (a wrapper): one phase
-            self._begin("optimizer_step", register=lambda: self._see_optimizer(opt))
+            self._begin("optimizer_step", register=lambda _detail: self._see_optimizer(opt))
             self._open["optimizer"] = id(opt)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "optimizer step pre-hook")
@@ -611,6 +645,8 @@ def _tensors(torch, value) -> list:
     tensor = torch.Tensor
     if isinstance(value, tensor):
         return [value]
+    if type(value) is tuple and all(isinstance(v, tensor) for v in value):
+        return list(value)  # the common case (a module's positional args), without pytree's walk
     try:
         from torch.utils._pytree import tree_flatten  # what ModuleTracker uses for the same job
 
