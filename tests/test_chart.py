@@ -41,12 +41,20 @@ class FakeShell:
     """A stand-in shell object for tier choice: only its class name matters (fake)."""
 
 
+def _fake_ipykernel():
+    """A stand-in ``ipykernel`` module (the test is about telling front ends apart); ipywidgets,
+    imported while it is in place, reads its version."""
+    module = types.ModuleType("ipykernel")
+    module.version_info = (7, 0, 0)
+    return module
+
+
 def test_tier_follows_the_front_end(monkeypatch):
     monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
     assert choose_tier(None) == ("text", None)
     tier, note = choose_tier(None, prefer="widget")
     assert tier == "text" and "terminal" in note
-    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    monkeypatch.setitem(sys.modules, "ipykernel", _fake_ipykernel())
     zmq_shell = type("ZMQInteractiveShell", (), {})()
     # In a kernel the HTML chart is the default: it needs no widget state to be seen again.
     assert choose_tier(zmq_shell) == ("html", None)
@@ -65,7 +73,7 @@ def test_sidebar_reasons(monkeypatch):
     sys = __import__("sys")
     monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
     assert "terminal" in sidebar_unavailable(None)
-    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    monkeypatch.setitem(sys.modules, "ipykernel", _fake_ipykernel())
     shell = type("ZMQInteractiveShell", (), {})()
     assert "VS Code" in sidebar_unavailable(shell, environ={"VSCODE_PID": "1"})
     monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
