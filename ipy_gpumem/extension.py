@@ -402,10 +402,32 @@ class GpuMemMagics(Magics):
             self._check_plan(plan)
         except _header.HeaderError as exc:
             raise UsageError(str(exc)) from None
+        if plan.estimate is not None:
+            return self._estimate_cell(plan, cell)
         self.watcher.arm(_header.CellHeader(plan, 0, tuple(cell.splitlines())))
         self.shell.run_cell(cell, store_history=False)
 
     gpumem_cell.__doc__ = _commands.CELL_HELP
+
+    def _estimate_cell(self, plan, cell: str) -> None:
+        """``--estimate``: the body's code runs twice on fake copies of the objects it reads, never for real
+        (the transformer leaves an --estimate header in place, so every such cell comes here)."""
+        from .preflight.cell import estimate_cell
+        from .preflight.result import EstimateError
+        from .preflight.view import estimate_view
+
+        # The cell that runs this magic is ipy_gpumem's work (the fake run's imports), not the user's:
+        # no per-cell line for it.
+        for frame in getattr(self.watcher, "_stack", ()):
+            frame.reported_inside = True
+        try:
+            result = estimate_cell(self.shell.transform_cell(cell), self.shell.user_ns, gpu=plan.estimate, first_line=2)
+        except EstimateError as exc:
+            _say(f"%%gpumem --estimate: {exc}")
+            return
+        if plan.output:
+            self.shell.user_ns[plan.output] = result.estimate  # -o NAME: asked for by name
+        _display(estimate_view(result))
 
 
 # ---------------------------------------------------------------------------------------------

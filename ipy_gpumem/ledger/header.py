@@ -22,7 +22,7 @@ __all__ = ["CellPlan", "CellHeader", "HeaderError", "parse_args", "header_args",
            "USAGE", "OPTIONS_HELP", "PROG"]
 
 PROG = "%%gpumem"
-USAGE = "%%gpumem [-l] [-o NAME] [-d DEVICE]"
+USAGE = "%%gpumem [-l] [-o NAME] [-d DEVICE] [--estimate [GPU]]"
 
 # IPython's own names in every user namespace, and its numbered caches (_5, _i5): storing a record
 # there would break IPython (``-o get_ipython`` breaks every later magic) or be overwritten by it.
@@ -44,11 +44,14 @@ class CellPlan:
         output: the name to store the ``CellRecord`` under (``-o NAME``), or None.
         device: ``-d``: one CUDA device, every CUDA device (``cuda``) or the host only; None
             means the configured devices (``GpuMemMagics.devices``).
+        estimate: ``--estimate [GPU]``: the GPU to judge the cell against ("T4", "this GPU"); the
+            cell is not run, its code is estimated on fake copies of your objects. None: run it.
     """
 
     lines: bool = False
     output: Optional[str] = None
     device: Optional[Device] = None
+    estimate: Optional[str] = None
 
     @property
     def host_only(self) -> bool:
@@ -98,8 +101,15 @@ def _make_parser() -> _Parser:
                         help="store the CellRecord in your namespace as NAME")
     parser.add_argument("-d", "--device", metavar="DEVICE",
                         help="measure only this device: cuda:N, cuda (every GPU) or host")
+    parser.add_argument("--estimate", metavar="GPU", nargs="?", const=THIS_GPU,
+                        help="do not run the cell: predict its peak by running its code twice on fake copies of "
+                             "your objects, per line, with the verdict against GPU (T4, A100-80, ...; default: "
+                             "this GPU); -o stores the Estimate")
     return parser
 
+
+#: What ``--estimate`` without a GPU name judges against.
+THIS_GPU = "this GPU"
 
 _PARSER = _make_parser()
 
@@ -143,6 +153,19 @@ def _check_device(text: str) -> Device:
     return device
 
 
+def _check_gpu(text: str) -> str:
+    from ..preflight.gpus import GPUS, resolve_gpu  # only when --estimate is asked for
+
+    if text.strip().lower() in ("this gpu", "this", "current"):
+        return THIS_GPU
+    try:
+        resolve_gpu(text)
+    except ValueError:
+        raise HeaderError(f"--estimate {text}: unknown GPU; name one of {', '.join(GPUS)}, or give a size "
+                          "such as 16GiB (without a name: this GPU)") from None
+    return text
+
+
 def parse_args(arg: str) -> CellPlan:
     """The plan of a ``%%gpumem`` argument string (``"--lines -o rec"``).
 
@@ -151,7 +174,7 @@ def parse_args(arg: str) -> CellPlan:
 
     Examples:
         >>> parse_args("-l -o rec -d cuda:1")
-        CellPlan(lines=True, output='rec', device=Device(type='cuda', index=1))
+        CellPlan(lines=True, output='rec', device=Device(type='cuda', index=1), estimate=None)
     """
     try:
         words = shlex.split(arg or "")
@@ -160,7 +183,11 @@ def parse_args(arg: str) -> CellPlan:
     args = _PARSER.parse_args(words)
     output = None if args.output is None else _check_output(args.output)
     device = None if args.device is None else _check_device(args.device)
-    return CellPlan(bool(args.lines), output, device)
+    estimate = None if args.estimate is None else _check_gpu(args.estimate)
+    if estimate is not None and device is not None:
+        raise HeaderError("--estimate and -d do not combine: the estimate runs on no device; name the GPU to "
+                          "judge against instead (--estimate T4)")
+    return CellPlan(bool(args.lines), output, device, estimate)
 
 
 def header_args(line: str) -> Optional[str]:
@@ -179,7 +206,8 @@ def find_header(raw_cell: str, check: Optional[Callable[[CellPlan], None]] = Non
 
     Returns None as well when the header's arguments are bad, or ``check(plan)`` raises
     :class:`HeaderError` (a device that does not exist): the magic itself then raises the
-    ``UsageError`` when IPython runs it, and the cell is not measured.
+    ``UsageError`` when IPython runs it, and the cell is not measured. And for ``--estimate``: the
+    magic estimates the cell instead of running it, so there is nothing to measure.
     """
     if PROG not in raw_cell[:4096]:
         return None
@@ -201,6 +229,8 @@ def find_header(raw_cell: str, check: Optional[Callable[[CellPlan], None]] = Non
             if check is not None:
                 check(plan)
         except HeaderError:
+            return None
+        if plan.estimate is not None:
             return None
         # The measured code starts after the magic lines, except that the transformer blanks
         # (rather than removes) the %%gpumem line when it is the last one, keeping numbering.
@@ -226,7 +256,8 @@ def strip_header(lines: List[str], check: Optional[Callable[[CellPlan], None]] =
     """The cleanup transform: blank a leading ``%%gpumem`` line so the cell runs as an ordinary cell.
 
     The line is blanked rather than removed so the code keeps the line numbers the user sees. A
-    header with bad arguments is left in place: the magic then raises the ``UsageError``. When
+    header with bad arguments is left in place: the magic then raises the ``UsageError``; so is an
+    ``--estimate`` header: the magic estimates the body instead of running it. When
     another cell magic follows, the header is removed instead (a cell magic must come first), and
     the measurement applies to the whole cell.
     """
@@ -240,6 +271,8 @@ def strip_header(lines: List[str], check: Optional[Callable[[CellPlan], None]] =
         if check is not None:
             check(plan)
     except HeaderError:
+        return lines
+    if plan.estimate is not None:
         return lines
     if len(lines) > 1 and lines[1].startswith("%%"):
         return lines[1:]

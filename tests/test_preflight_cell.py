@@ -1,0 +1,170 @@
+"""%%gpumem --estimate: a cell's code estimated on fake copies of the namespace's objects, never run for real; the table, the verdict, -o, bad GPU names; in a shell and in a real kernel."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import run, texts  # noqa: E402
+
+from ipy_gpumem.ledger.header import HeaderError, parse_args, strip_header  # noqa: E402
+from ipy_gpumem.preflight.cell import estimate_cell  # noqa: E402
+from ipy_gpumem.preflight.gpus import GPUS  # noqa: E402
+from ipy_gpumem.preflight.result import Estimate, EstimateError  # noqa: E402
+
+SETUP = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+inputs, targets = torch.randn(64, 256), torch.randint(0, 10, (64,))
+counter = 0
+losses = []
+def loss_of(out):
+    global counter
+    counter += 1
+    return F.cross_entropy(out, targets)
+"""
+STEP = """optimizer.zero_grad()
+loss = loss_of(model(inputs))
+loss.backward()
+optimizer.step()
+losses.append(float(loss))
+counter += 1
+print("THIS MUST NOT APPEAR")
+"""
+
+
+def _state(ns):
+    model, opt = ns["model"], ns["optimizer"]
+    return {"params": [p.detach().clone() for p in model.parameters()],
+            "grads": [p.grad for p in model.parameters()],
+            "state": {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in opt.state.items()},
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            "inputs": ns["inputs"].clone(), "rng": torch.random.get_rng_state(),
+            "counter": ns["counter"], "losses": list(ns["losses"]), "attrs": (set(vars(model)), set(vars(opt)))}
+
+
+def _same(a, b):
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_the_header_reads_estimate_and_leaves_the_cell_to_the_magic():
+    assert parse_args("--estimate").estimate == "this GPU"
+    plan = parse_args("--estimate T4 -o est")
+    assert (plan.estimate, plan.output) == ("T4", "est")
+    assert parse_args("-o est --estimate").estimate == "this GPU"
+    assert parse_args("-l").estimate is None
+    with pytest.raises(HeaderError) as err:
+        parse_args("--estimate GTX9999")
+    assert "\n" not in str(err.value) and "T4" in str(err.value) and "A100-80" in str(err.value)
+    with pytest.raises(HeaderError):
+        parse_args("--estimate T4 -d cuda:0")
+    lines = ["%%gpumem --estimate T4\n", "x = 1\n"]
+    assert strip_header(list(lines)) == lines  # the magic must run: the cell is not run as itself
+
+
+def test_estimate_cell_is_exact_about_roles_and_leaves_everything_alone():
+    ns = {}
+    exec(SETUP, ns)
+    before = _state(ns)
+    cell = estimate_cell(STEP, ns, gpu="T4", first_line=2)
+    assert _same(before, _state(ns))  # weights, grads, optimizer state, RNG, the counter, the list
+    assert all(p.grad is None for p in ns["model"].parameters()) and not ns["optimizer"].state
+    est = cell.estimate
+    # torch's CUDA counters count blocks, rounded up to 512 bytes
+    params = sum(-(-p.numel() * 4 // 512) * 512 for p in ns["model"].parameters())
+    row = est.roles["cuda:0"]
+    assert row["parameters"] == params and row["gradients"] == params
+    steps = 512 * len(list(ns["model"].parameters()))  # Adam's step count per parameter, one block each
+    assert row["optimizer_state"] == 2 * params + steps  # exp_avg and exp_avg_sq
+    assert est.peak_allocated >= 4 * params and est.total_needed == est.peak_reserved + sum(est.fixed_costs.values())
+    assert cell.fit is not None and cell.fit.fits and cell.fit.gpu == "T4"
+    # per line, numbered as the user sees them under the %%gpumem line
+    by_line = {ln.lineno: ln for ln in cell.lines}
+    assert sorted(by_line) == list(range(2, 9))
+    assert by_line[4].allocated_delta > 0  # backward makes the gradients (steady state: zero_grad freed them)
+    assert by_line[2].allocated_delta == -params  # zero_grad(set_to_none=True) frees them
+    assert by_line[8].allocated_delta == 0
+    assert any("printed" in note for note in est.notes)
+    assert set(cell.faked) >= {"model", "optimizer", "inputs", "targets", "losses"}
+
+
+def test_a_cell_that_cannot_be_estimated_names_its_line():
+    ns = {}
+    exec(SETUP, ns)
+    with pytest.raises(EstimateError) as err:
+        estimate_cell("y = inputs.sum()\nidx = inputs.nonzero()\n", ns, first_line=2)
+    assert "line 3" in str(err.value)
+    with pytest.raises(EstimateError):
+        estimate_cell("get_ipython().run_line_magic('time', 'x = 1')\n", ns)
+
+
+def test_estimate_in_a_shell(ip, gpumem):
+    run(ip, SETUP)
+    ns = ip.user_ns
+    before = _state(ns)
+    result, cap = run(ip, "%%gpumem --estimate T4 -o est\n" + STEP)
+    assert result.success, result.error_in_exec
+    assert "THIS MUST NOT APPEAR" not in cap.stdout
+    shown = "\n".join(texts(cap))
+    assert "%%gpumem --estimate" in shown and "peak allocated" in shown and "total needed" in shown
+    assert "Verdict: fits with " in shown and "to spare on T4 (14.75 GiB usable)" in shown
+    assert "At the peak" in shown and "optimizer state" in shown
+    assert "Δallocated" in shown and "loss.backward()" in shown and "forward" in shown
+    assert "CUDA context (assumed)" in shown
+    est = ns["est"]
+    assert isinstance(est, Estimate) and est.fits("T4")
+    assert _same(before, _state(ns))
+    assert ns["counter"] == 0 and ns["losses"] == []
+    # the verdict the other way round, and a size
+    _, cap = run(ip, "%%gpumem --estimate 100MiB\n" + STEP)
+    assert "does not fit on 100MiB: needs " in "\n".join(texts(cap))
+    # no GPU named on a machine without one: it says what it compared with
+    if not torch.cuda.is_available():
+        _, cap = run(ip, "%%gpumem --estimate\n" + STEP)
+        assert "no GPU here: compared with a T4" in "\n".join(texts(cap))
+
+
+def test_bad_gpu_name_is_a_one_line_usage_error(ip, gpumem):
+    run(ip, SETUP)
+    result, cap = run(ip, "%%gpumem --estimate GTX9999\n" + STEP)
+    assert not result.success and type(result.error_in_exec).__name__ == "UsageError"
+    message = str(result.error_in_exec)
+    assert "\n" not in message and "GTX9999" in message and all(name in message for name in GPUS)
+    assert ip.user_ns["counter"] == 0
+
+
+def test_an_estimate_that_fails_says_so_in_one_line(ip, gpumem):
+    run(ip, SETUP)
+    result, cap = run(ip, "%%gpumem --estimate T4\nidx = inputs.nonzero()\n")
+    assert result.success
+    assert cap.stdout.strip().startswith("%%gpumem --estimate: ") and "line 2" in cap.stdout
+    assert "idx" not in ip.user_ns
+
+
+def test_estimate_in_a_real_kernel():
+    from kernel_helpers import execute, plain
+
+    nb = execute(["%load_ext ipy_gpumem", SETUP,
+                  "%%gpumem --estimate T4 -o est\n" + STEP,
+                  "print('RESULT', counter, len(losses), all(p.grad is None for p in model.parameters()), "
+                  "len(optimizer.state), type(est).__name__, est.fits('T4').fits)",
+                  "%%gpumem --estimate NoSuchGPU\nx = 1"])
+    report = "\n".join(plain(nb.cells[2]))
+    printed = "".join(o.text for o in nb.cells[2].outputs if o.output_type == "stream")
+    assert "THIS MUST NOT APPEAR" not in printed and "THIS MUST NOT APPEAR" in report  # shown as source only
+    assert "Verdict: fits with " in report and "on T4" in report and "Δallocated" in report
+    line = next(t for t in plain(nb.cells[3]) if t.startswith("RESULT"))
+    assert line.split() == ["RESULT", "0", "0", "True", "0", "Estimate", "True"]
+    # IPython shows a UsageError as one line on stderr, never a traceback
+    streams = [o for o in nb.cells[4].outputs if o.output_type == "stream"]
+    assert len(streams) == 1 and streams[0].name == "stderr"
+    assert streams[0].text.startswith("UsageError: --estimate NoSuchGPU: unknown GPU; name one of K80")
+    assert streams[0].text.strip().count("\n") == 0
