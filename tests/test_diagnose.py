@@ -156,7 +156,7 @@ def assert_well_formed(findings, code=""):
 
 
 def test_every_rule_is_registered_once_and_documented():
-    assert len(set(RULES)) == len(RULES) == 15
+    assert len(set(RULES)) == len(RULES) == 16
     for rule in RULES + (device.shortfall,):
         assert rule.__doc__, rule.__name__
         assert rule.__name__ in FINDING_KEYS

@@ -23,6 +23,7 @@ FINDING_KEYS = (
     "request_exceeds_device", "activations", "graphs_kept", "optimizer_state", "gradients",
     "fragmentation", "other_processes", "cuda_context_and_libraries", "checkpoint_on_gpu",
     "ipython_refs", "earlier_cells", "cpu_oom", "cublas_cudnn", "mps", "other_runtime", "shortfall",
+    "batch_size",
 )
 CONFIDENCES = ("certain", "likely", "possible")
 MAX_FINDINGS = 6
@@ -78,6 +79,7 @@ def explain(
     modules: Optional[Iterable[str]] = None,
     maybe_own: Iterable[int] = (),
     on_error: Optional[Callable[[str, BaseException], None]] = None,
+    batch: Any = None,
 ) -> List[Finding]:
     """Ranked findings, most useful first: certain before likely before possible, then by bytes freed.
 
@@ -96,14 +98,16 @@ def explain(
         maybe_own: pids in ``memory.processes`` that may be this kernel: never offered for ``kill``.
         on_error: called with a rule's name and its exception when the rule fails; the other
             findings are returned all the same.
+        batch: the batch size that fits, estimated on fake tensors (``oom.fitting.BatchFit``), or None.
 
     Returns:
         At most :data:`MAX_FINDINGS` findings; never empty when ``oom`` is given. When the request
-        alone is larger than the device, only what bears on the request's size is returned:
+        alone is larger than the device, only what bears on the request's size is returned (the
+        request itself, and an estimated batch size that fits):
         nothing that frees memory can make it fit, so no such finding may look "likely".
     """
     facts = Facts.build(oom, memory, who, earlier, failing=failing, failing_source=failing_source, frames=frames,
-                        env=env, requested=requested, modules=modules, maybe_own=maybe_own)
+                        env=env, requested=requested, modules=modules, maybe_own=maybe_own, batch=batch)
     found: List[Finding] = []
     for rule in RULES:
         try:
@@ -116,7 +120,8 @@ def explain(
             found.append(finding)
     impossible = [f for f in found if f.key == "request_exceeds_device"]
     if impossible:
-        found = impossible
+        # The batch size that fits (or the line that estimates it) is about the request's size: it stays.
+        found = impossible + [f for f in found if f.key == "batch_size"]
     if not found and oom is not None:
         found.append(device.shortfall(facts))
     found.sort(key=rank)

@@ -65,6 +65,8 @@ class Facts:
         cats: bytes per ``who()`` category.
         holders: ``who()``'s typed ``Holder`` rows that hold bytes, largest first.
         model_names: how the user reaches each ``nn.Module`` (``model``, ``trainer.model``).
+        batch: the batch size that fits, estimated on fake tensors (``oom.fitting.BatchFit``), or
+            None when it was not tried.
     """
 
     oom: Any
@@ -84,12 +86,13 @@ class Facts:
     cats: Dict[str, int] = field(default_factory=dict)
     holders: Tuple[Any, ...] = ()
     model_names: Tuple[str, ...] = ()
+    batch: Any = None
 
     @classmethod
     def build(cls, oom, memory: DeviceMemory, who=None, earlier: Sequence[Any] = (), *, failing=None,
               failing_source: Optional[str] = None, frames: Sequence[Sequence[str]] = (),
               env: Optional[Mapping[str, str]] = None, requested: Optional[int] = None,
-              modules: Optional[Iterable[str]] = None, maybe_own: Iterable[int] = ()) -> "Facts":
+              modules: Optional[Iterable[str]] = None, maybe_own: Iterable[int] = (), batch=None) -> "Facts":
         """Derive the facts; ``env`` and ``modules`` default to this process's."""
         if failing_source is None:
             failing_source = getattr(failing, "source", "") or ""
@@ -102,6 +105,7 @@ class Facts:
             modules=frozenset(sys.modules if modules is None else modules),
             maybe_own=frozenset(maybe_own or ()),
             kind=oom.kind if oom is not None else ("cpu" if memory.is_host else ""),
+            batch=batch,
         )
         if who is not None:
             facts.cats = {k: int(v) for k, v in (who.categories or {}).items() if v is not None}

@@ -1,4 +1,4 @@
-"""Rules about a training step: activations kept for backward, graphs kept alive, optimizer state and gradients."""
+"""Rules about a training step: activations kept for backward, graphs kept alive, optimizer state, gradients, and the batch size that fits."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ from . import Finding
 from .facts import BACKWARD_CALL, BATCH, OPTIM_FILE, Facts, call_args, device_record
 from .words import b, cap, pct, where
 
-__all__ = ["RULES", "activations", "graphs_kept", "optimizer_state", "gradients"]
+__all__ = ["RULES", "activations", "graphs_kept", "optimizer_state", "gradients", "batch_size"]
 
 _OPTIM_CTOR = re.compile(r"\b((?:torch\.)?optim\.|bnb\.optim\.|bitsandbytes\.optim\.)(\w+)\s*\(")
 _OPTIM_BY_FILE = {
@@ -59,7 +59,9 @@ def activations(x: Facts) -> Optional[Finding]:
               + (f" ({basis})." if acts is not None else "."))
     batch = x.find(BATCH)
     frees = acts // 2 if acts else None
-    if batch and acts:
+    if x.batch is not None and x.batch.known and x.batch.best < x.batch.size:
+        detail += f" Estimated on fake tensors: {x.batch.sentence()} (see the batch-size finding)."
+    elif batch and acts:
         size = int(batch[2].group(1))
         new = _fitting_batch(size, acts, x.requested, x.free)
         detail += f" Halving batch_size={size} frees about {b(acts // 2)}"
@@ -312,4 +314,38 @@ def gradients(x: Facts) -> Optional[Finding]:
     )
 
 
-RULES = (activations, graphs_kept, optimizer_state, gradients)
+def batch_size(x: Facts) -> Optional[Finding]:
+    """The batch that fits, worked out by re-estimating the failing cell on fake tensors; otherwise the line that estimates it."""
+    fit = x.batch
+    if fit is None:
+        return None
+    names = ", ".join(f"`{n}`" for n in fit.faked[:4]) or "your objects"
+    if fit.known and fit.best < fit.size:
+        where = "the host's available RAM" if x.is_host else "the device less other processes"
+        detail = (f"The failing cell's code, run twice as re-running the cell does (what the first run assigned is "
+                  f"alive during the second) on fake copies of {names} (nothing ran for real), with `{fit.name}` "
+                  f"resized along its first dimension, needs {b(fit.needed)} at batch {fit.size} against "
+                  f"{b(fit.capacity)} ({where})"
+                  + (f"; at batch {fit.best} it needs {b(fit.best_needed)}." if fit.best else
+                     "; not even a batch of 1 fits, so the model or what the step keeps must shrink first."))
+        fix = (f"Use a batch of {fit.best} (accumulate gradients over {-(-fit.size // fit.best)} batches to keep the "
+               f"effective size {fit.size})." if fit.best else
+               "Shrink the model or the step (mixed precision, activation checkpointing) before the batch.")
+        snippet = (f"{fit.name} = {fit.name}[:{fit.best}]   # or batch_size={fit.best} in your DataLoader\n"
+                   f"# check before running: put {fit.line} on the cell" if fit.best else
+                   f"# estimate each change before running it: put {fit.line} on the cell")
+        return Finding("batch_size", cap(fit.sentence()), detail, fix, snippet,
+                       (fit.needed - fit.best_needed) if fit.best and fit.needed and fit.best_needed else None, "likely")
+    training = x.phase in ("forward", "backward", "step") or BACKWARD_CALL.search(x.failing_source or "")
+    if not training or (fit.known and fit.best >= fit.size):
+        return None
+    return Finding(
+        "batch_size", f"Find the batch that fits before running it: {fit.line}",
+        f"The batch size that fits was not worked out here: {(fit.reason or '').rstrip('.')}. {fit.line} on the cell runs its code on fake "
+        "copies of your objects (no memory, nothing runs for real) and says whether it fits, line by line; change "
+        "the batch until it does" + (f" (the failing request was {b(x.requested)})." if x.requested else "."),
+        "Put the line on the failing cell, lower the batch until the verdict says it fits, then run it.",
+        f"{fit.line}\n# ... the failing cell's code, with a smaller batch", None, "possible")
+
+
+RULES = (activations, graphs_kept, optimizer_state, gradients, batch_size)
