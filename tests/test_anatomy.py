@@ -12,7 +12,7 @@ nn = torch.nn
 
 from ipy_gpumem.anatomy import census  # noqa: E402
 from ipy_gpumem.anatomy.reasons import describe, headline  # noqa: E402
-from tests.conftest import run  # noqa: E402
+from tests.conftest import run, texts  # noqa: E402
 from tests.kernel_helpers import execute, plain  # noqa: E402
 
 
@@ -338,3 +338,46 @@ def test_gpu_only_roles_come_from_torchs_counters():
                                 "outside_pytorch": 116 * MiB}}
     reason = describe(parts, extra=extras)
     assert "reserved but unallocated" in reason and "outside PyTorch" in reason and "no name reaches" in reason
+
+
+TRAIN = (
+    "def train_one_epoch(model, optimizer, batches):\n"
+    "    for inputs, targets in batches:\n"
+    "        loss = torch.nn.functional.mse_loss(model(inputs), targets)\n"
+    "        optimizer.zero_grad()\n"
+    "        loss.backward()\n"
+    "        optimizer.step()\n"
+    "batches = [(torch.randn(64, 512), torch.randn(64, 512)) for _ in range(3)]\n"
+)
+
+
+def test_phases_of_a_training_loop_called_as_a_function(gpumem, ip):
+    run(ip, SETUP + TRAIN)
+    params = sum(p.numel() * 4 for p in ip.user_ns["model"].parameters())
+    run(ip, "%%gpumem -o rec\ntrain_one_epoch(model, optimizer, batches)")
+    rec = ip.user_ns["rec"].to_dict()
+    kinds = [(p["phase"], p["step"]) for p in rec["phases"]]
+    for step in (1, 2, 3):
+        assert ("forward", step) in kinds and ("backward", step) in kinds and ("optimizer_step", step) in kinds
+    order = [k for k, s in kinds if s == 1 and k != "zero_grad"]
+    assert order == ["forward", "backward", "optimizer_step"]
+    first = {p["phase"]: p for p in rec["phases"] if p["step"] == 1}
+    assert first["forward"]["roles"]["cpu"]["activations"] > 0
+    assert first["backward"]["roles"]["cpu"]["gradients"] == params
+    assert first["optimizer_step"]["roles"]["cpu"]["optimizer_state"] == 2 * params + 4 * 4
+    second = {p["phase"]: p for p in rec["phases"] if p["step"] == 2}
+    assert "optimizer_state" not in (second["optimizer_step"]["roles"] or {}).get("cpu", {})
+    assert all(p["peak"] for p in rec["phases"] if p["phase"] != "zero_grad")
+    # The loop's locals are gone with the function: what the cell kept is the gradients and Adam's state.
+    assert rec["roles"]["cpu"]["optimizer_state"] == 2 * params + 4 * 4
+    assert rec["layers"] and rec["layers"][0]["activations"] > 0
+    _, cap = run(ip, "%%gpumem\ntrain_one_epoch(model, optimizer, batches)")
+    report = "\n".join(texts(cap))
+    assert "Training phases" in report and "optimizer step" in report and "Heaviest activations" in report
+    # Every hook is gone after the cell.
+    from torch.nn.modules import module as mod
+    from torch.optim import optimizer as optim
+
+    assert not mod._global_forward_pre_hooks and not mod._global_forward_hooks
+    assert not optim._global_optimizer_pre_hooks and not optim._global_optimizer_post_hooks
+

@@ -239,6 +239,9 @@ class CellRecord:
     #: Training phases recognised in the cell (``%%gpumem``): dicts with ``phase``, ``step``,
     #: ``roles``, ``peak`` (see ``ipy_gpumem.anatomy.phases``); None when none were watched.
     phases: Optional[tuple] = None
+    #: The submodules whose activations weigh most in the cell's first forward:
+    #: ``((qualified name, bytes), ...)``, heaviest first; None when no forward was watched.
+    layers: Optional[tuple] = None
     #: For a re-run of an earlier cell: ``{"of", "runs", "growth", "suspects", ...}``; None for a
     #: first run (see ``ipy_gpumem.ledger.reruns``).
     rerun: Optional[dict] = None
@@ -283,6 +286,7 @@ class CellRecord:
             "roles": self.roles,
             "reason": self.reason,
             "phases": None if self.phases is None else [dict(p) for p in self.phases],
+            "layers": None if self.layers is None else [{"module": m, "activations": b} for m, b in self.layers],
             "rerun": self.rerun,
         }
         if self.lines is not None:

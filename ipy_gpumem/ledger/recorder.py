@@ -49,7 +49,7 @@ class Measurement:
     __slots__ = ("probe", "cell_id", "source", "devices", "detailed", "include_host", "lines", "loops",
                  "started_at", "start", "end", "samples", "track_peaks", "host_peak_reset", "reset_devices",
                  "_seen_host", "_seen_alloc", "_seen_reserved", "_lock", "t0", "duration", "error", "message",
-                 "execution_count", "roles", "reason", "phases", "rerun", "_record")
+                 "execution_count", "roles", "reason", "phases", "layers", "rerun", "_record")
 
     #: Most sampler readings a detailed cell keeps for its chart (every other one is dropped
     #: when full, so a long cell keeps its whole span at a coarser step).
@@ -89,6 +89,7 @@ class Measurement:
         self.roles = None
         self.reason = None
         self.phases = None
+        self.layers = None
         self.rerun = None
         self._record = None
 
@@ -226,7 +227,7 @@ class Measurement:
             error_message=self.message, host=host, devices=tuple(devices),
             devices_note=end.reason if not devices else None, lines=self.lines, loops=self.loops,
             detailed=self.detailed, peaks=peaks, roles=self.roles, reason=self.reason,
-            phases=self.phases, rerun=self.rerun,
+            phases=self.phases, layers=self.layers, rerun=self.rerun,
         )
 
 

@@ -311,8 +311,13 @@ def _phase_parts(record: CellRecord) -> list:
                      roles_cell(steady.get("roles")) if steady is not None else ""])
     if not rows:
         return []
-    return [Blank(), Line(Span("Training phases (recognised from the modules, autograd and optimizers the cell used)", "dim")),
-            Table(["phase", "count", "peak above its start", "first step, by role", "second step, by role"], rows, left=(0, 3, 4))]
+    parts = [Blank(), Line(Span("Training phases (recognised from the modules, autograd and optimizers the cell used)", "dim")),
+             Table(["phase", "count", "peak above its start", "first step, by role", "second step, by role"], rows,
+                   left=(0, 3, 4))]
+    if record.layers:
+        parts.append(Para("Heaviest activations (first forward): " + ", ".join(
+            f"`{name}` {format_bytes(size)}" for name, size in record.layers), "dim"))
+    return parts
 
 
 # ---------------------------------------------------------------------------------------------

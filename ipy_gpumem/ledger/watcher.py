@@ -389,6 +389,7 @@ class CellWatcher:
             self._last_snapshot = after
             if frame.phases is not None:
                 measurement.phases = tuple(frame.phases.phases) or None
+                measurement.layers = tuple(frame.phases.layers) or None
             if before is None:
                 return
             change = after.diff(before)
