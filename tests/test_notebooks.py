@@ -46,6 +46,16 @@ def test_quickstart(tmp_path):
     assert "re-made after" in texts(again[0]) and "Training phases" in texts(again[0])
     assert "cell" in texts(find(nb, "%gpumem history")) and "wrote" in texts(find(nb, "%gpumem export"))
     assert "UsageError" in texts(find(nb, "%gpumem sideways"))
+    # Pre-flight: the step's peak on fake tensors, the verdict for a T4, the batch that fits, and a cell estimated.
+    est = texts(find(nb, "def train_step"))
+    assert est.startswith("Estimate(cuda:0: peak allocated ") and "total needed" in est and "optimizer_state" in est
+    assert texts(find(nb, 'fit = est.fits("T4")')).startswith("(True, '")
+    best = texts(find(nb, "best = ipy_gpumem.max_batch_size"))
+    assert best.startswith("(MaxBatch(") and "gpu='T4'" in best
+    assert int(best.split("MaxBatch(")[1].split(",")[0]) > 512  # a small MLP: a T4 takes far more than 512
+    cell = texts(find(nb, "%%gpumem --estimate T4"))
+    assert cell.startswith("%%gpumem --estimate") and "Verdict: fits with " in cell and "on T4 (14.75 GiB usable)" in cell
+    assert "Δallocated" in cell and "optimizer.step()" in cell and "At the peak" in cell
 
 
 def test_oom_walkthrough_ends_in_a_real_oom_and_its_panel(tmp_path):
