@@ -116,6 +116,8 @@ class GpuMemMagics(Magics):
         if shell is not None:
             # What the anatomy's census counts; read when a cell is analysed, never per cell.
             self.watcher.namespace = lambda: shell.user_ns
+            # Re-runs (issue 12): the namespace and IPython's own names, read only after a run kept memory.
+            self.watcher.reruns.context = lambda: (shell.user_ns, self._refs())
             self.watcher.baseline()  # never raises: an unreadable namespace is an empty census
         if self.ledger.maxlen != self.history_size:
             self.ledger.resize(self.history_size)
