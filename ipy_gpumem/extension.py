@@ -420,8 +420,7 @@ class GpuMemMagics(Magics):
 
         # The cell that runs this magic is ipy_gpumem's work (the fake run's imports), not the user's:
         # no per-cell line for it.
-        for frame in getattr(self.watcher, "_stack", ()):
-            frame.reported_inside = True
+        self.watcher.no_line_for_running_cells()
         try:
             result = estimate_cell(self.shell.transform_cell(cell), self.shell.user_ns, gpu=plan.estimate, first_line=2)
         except EstimateError as exc:

@@ -320,6 +320,11 @@ class CellWatcher:
             return None
         return CellOutcome(measurement, outermost, header, show_line, oom, capture, note, chart_message)
 
+    def no_line_for_running_cells(self) -> None:
+        """The cells in flight show no per-cell line (their memory is ours: ``--estimate``'s imports)."""
+        for frame in self._stack:
+            frame.reported_inside = True
+
     def in_flight(self) -> Optional[Measurement]:
         """The measurement of the cell running now (read from the sampler thread)."""
         try:
