@@ -47,6 +47,15 @@ def ip():
 
 
 @pytest.fixture
+def restore_user_ns(ip):
+    """The test shell is shared by the whole suite: names a test makes are removed after it."""
+    before = set(ip.user_ns)
+    yield
+    for name in set(ip.user_ns) - before:
+        ip.user_ns.pop(name, None)
+
+
+@pytest.fixture
 def gpumem(ip):
     """The extension loaded on the test shell; unloaded (and checked clean) afterwards."""
     ip.run_line_magic("load_ext", "ipy_gpumem")

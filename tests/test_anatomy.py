@@ -225,6 +225,11 @@ def test_reasons_name_the_users_objects_and_the_mechanism():
 # -- through the shell ---------------------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _leave_the_shell_as_found(restore_user_ns):
+    """Names these tests make in the shared shell are removed after each."""
+
+
 SETUP = (
     "import torch\n"
     "torch.manual_seed(0)\n"

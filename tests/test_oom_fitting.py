@@ -12,6 +12,9 @@ from conftest import run  # noqa: E402
 from ipy_gpumem.core.memory import DeviceMemory  # noqa: E402
 from ipy_gpumem.oom.fitting import fit_batch  # noqa: E402
 
+# Names a test makes in the suite's shared shell are removed after it.
+pytestmark = pytest.mark.usefixtures("restore_user_ns")
+
 RAM = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 #: float32 elements per sample: an eighth of the machine's RAM, so a batch of 32 asks for 4x the RAM
 PER_SAMPLE = RAM // 8 // 4
@@ -19,6 +22,7 @@ PER_SAMPLE = RAM // 8 // 4
 SETUP = f"""
 import torch
 from torch import nn
+
 torch.manual_seed(0)
 model = nn.Linear(16, 16)
 inputs = torch.randn(32, 16)

@@ -10,10 +10,14 @@ from ipy_gpumem.preflight.cell import estimate_cell  # noqa: E402
 from ipy_gpumem.preflight.gpus import GPUS  # noqa: E402
 from ipy_gpumem.preflight.result import Estimate, EstimateError  # noqa: E402
 
+# Names a test makes in the suite's shared shell are removed after it.
+pytestmark = pytest.mark.usefixtures("restore_user_ns")
+
 SETUP = """
 import torch
 from torch import nn
 import torch.nn.functional as F
+
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -143,6 +147,7 @@ def test_bad_gpu_name_is_a_one_line_usage_error(ip, gpumem):
 
 def test_an_estimate_that_fails_says_so_in_one_line(ip, gpumem):
     run(ip, SETUP)
+    ip.user_ns.pop("idx", None)  # an earlier test of the shared shell may have made one
     result, cap = run(ip, "%%gpumem --estimate T4\nidx = inputs.nonzero()\n")
     assert result.success
     assert cap.stdout.strip().startswith("%%gpumem --estimate: ") and "line 2" in cap.stdout

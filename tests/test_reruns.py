@@ -9,6 +9,9 @@ import pytest
 from conftest import run, texts
 from kernel_helpers import execute, plain
 
+# Names a test makes in the suite's shared shell are removed after it.
+pytestmark = pytest.mark.usefixtures("restore_user_ns")
+
 torch = pytest.importorskip("torch")
 
 MiB = 2**20
