@@ -43,7 +43,9 @@ def test_quickstart(tmp_path):
     roles = texts(find(nb, "# The record is plain data"))
     assert "optimizer_state" in roles and "created on the first step" in roles
     again = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith("%%gpumem --lines\noutput")]
-    assert "re-made after" in texts(again[0]) and "Training phases" in texts(again[0])
+    assert "re-made after" in texts(again[0])
+    phases = texts(find(nb, "%%gpumem -o epoch"))
+    assert "Training phases" in phases and "optimizer step" in phases and "Heaviest activations" in phases
     assert "cell" in texts(find(nb, "%gpumem history")) and "wrote" in texts(find(nb, "%gpumem export"))
     assert "UsageError" in texts(find(nb, "%gpumem sideways"))
     # Pre-flight: the step's peak on fake tensors, the verdict for a T4, the batch that fits, and a cell estimated.

@@ -105,6 +105,7 @@ class Change(NamedTuple):
         return dict(sorted(out.items(), key=lambda kv: -abs(kv[1])))
 
 
+_LABELS: Dict[Any, str] = {}  # torch.device -> "cpu", "cuda:0"
 _KINDS: Dict[type, Optional[str]] = {}  # type -> "tensor" | "module" | "optim" | "seq" | "map" | None
 
 
@@ -163,7 +164,9 @@ class _Census:
             device = t.device
         except Exception:  # noqa: BLE001 - sparse, meta or fake tensors have no storage to count
             return False
-        dev = "cpu" if device.type == "cpu" else str(device)
+        dev = _LABELS.get(device)
+        if dev is None:
+            dev = _LABELS[device] = "cpu" if device.type == "cpu" else str(device)
         key = (ptr, dev)
         if key in self.keys or (ptr == 0 and nbytes == 0):
             return False

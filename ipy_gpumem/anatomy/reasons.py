@@ -15,6 +15,8 @@ from ..core.units import format_bytes, format_delta
 
 __all__ = ["describe", "headline", "MIN_BYTES"]
 
+_TEMPORARIES = " temporaries at the peak"
+
 #: Changes smaller than this are not worth a clause (a loss scalar, a step counter).
 MIN_BYTES = 64 * 1024
 
@@ -142,7 +144,7 @@ def describe(parts: Mapping[Tuple[str, str, str], int], before=None, after=None,
             text = ROLE_WORDS.get(role, role)
         clauses.append((value, f"{format_delta(value)} {text}"))
     if temporaries is not None and temporaries >= minimum:
-        clauses.append((temporaries, f"{format_delta(temporaries)} temporaries at the peak"))
+        clauses.append((temporaries, f"{format_delta(temporaries)}{_TEMPORARIES}"))
     if not clauses:
         return None
     clauses.sort(key=lambda c: -abs(c[0]))
@@ -153,6 +155,7 @@ def headline(reason: Optional[str], count: int = 2) -> Optional[str]:
     """The first ``count`` clauses of a :func:`describe` sentence (its biggest changes)."""
     if not reason:
         return None
-    clauses = reason.split("; ")
+    # The roles, not what came and went: a cell's line names what it kept.
+    clauses = [c for c in reason.split("; ") if not c.endswith(_TEMPORARIES)] or reason.split("; ")
     return "; ".join(clauses[:count]) + ("; …" if len(clauses) > count else "")
 

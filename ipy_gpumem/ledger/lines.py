@@ -28,7 +28,7 @@ from ..core.records import DeviceRecord, HostRecord, LineRecord, LoopSpan
 __all__ = ["LineTracer", "LineMarkers", "HOOK_NAME", "remove_hook"]
 
 #: The most of a cell's time the roles' census may take (see ``LineTracer._roles``).
-CENSUS_SHARE = 0.15
+CENSUS_SHARE = 0.10
 
 #: The name the marker calls use; bound in ``builtins`` while a ``--lines`` cell may run.
 HOOK_NAME = "__ipy_gpumem_line__"
@@ -158,8 +158,6 @@ class LineTracer:
         self.first_snapshot = None
         self._snapshot = None
         self._seen: set = set()  # (role, owner) pairs that held memory at some boundary so far
-        self._pending_host = None  # peaks read by checkpoint() within the running line
-        self._pending_devices: dict = {}
         # The census's cost is kept under CENSUS_SHARE of the cell's time: a boundary that comes
         # sooner is skipped (a tight loop of trivial lines), and the next census's change goes to
         # the line that ends there. The report says how many boundaries were skipped.
@@ -244,7 +242,7 @@ class LineTracer:
             stats = self._stats[lineno] = _LineStats()
         stats.hits += 1
         stats.seconds += end.t - start.t
-        hit_peak = _mx(_mx(end.peak_rss, self._pending_host), _mx(start.rss, end.rss))
+        hit_peak = _mx(end.peak_rss, _mx(start.rss, end.rss))
         if hit_peak is not None:
             temporary = hit_peak - _mx(start.rss, end.rss)
             if temporary > stats.temporaries.get("cpu", 0):
@@ -261,10 +259,9 @@ class LineTracer:
             dev = stats.devices.get(index)
             if dev is None:
                 dev = stats.devices[index] = _DeviceStats()
-            pending = self._pending_devices.get(index, (None, None)) if self._pending_devices else (None, None)
-            alloc_peak = _mx(_mx(a0, a1), _mx(pa1, pending[0]) if self._track_peaks else None)
+            alloc_peak = _mx(_mx(a0, a1), pa1 if self._track_peaks else None)
             dev.allocated.fold(a0, a1, alloc_peak)
-            dev.reserved.fold(r0, r1, _mx(_mx(r0, r1), _mx(pr1, pending[1]) if self._track_peaks else None))
+            dev.reserved.fold(r0, r1, _mx(_mx(r0, r1), pr1 if self._track_peaks else None))
             temporary = alloc_peak - max(a0, a1)
             label = f"cuda:{index}"
             if temporary > stats.temporaries.get(label, 0):
@@ -276,9 +273,6 @@ class LineTracer:
         reading = self._read(next_lineno is not None)
         if self._current is not None:
             self._fold(self._current[0], self._current[1], reading)
-            self._pending_host = None
-            if self._pending_devices:
-                self._pending_devices = {}
         if self.census is not None:
             self._roles(self._current[0] if self._current is not None else None, next_lineno is None)
         if next_lineno is None:
@@ -321,23 +315,6 @@ class LineTracer:
     def last_snapshot(self):
         """The census at the latest boundary (the cell's end once stopped)."""
         return self._snapshot
-
-    def checkpoint(self):
-        """A reading in the middle of a line (a phase boundary): ``(t, {device: (current, peak since
-        the previous checkpoint or boundary)})``, resetting the peak counters. The peak still
-        counts for the running line (folded when the line ends)."""
-        reading = self._read(True)
-        out = {}
-        if reading.rss is not None:
-            peak = _mx(reading.peak_rss, reading.rss)
-            self._pending_host = _mx(self._pending_host, peak)
-            out["cpu"] = (reading.rss, peak)
-        for index, (allocated, reserved, peak_a, peak_r) in reading.devices.items():
-            old = self._pending_devices.get(index, (None, None))
-            self._pending_devices[index] = (_mx(old[0], peak_a), _mx(old[1], peak_r))
-            out[f"cuda:{index}"] = (allocated, _mx(peak_a, allocated))
-        self._reset(reading)
-        return reading.t, out
 
     # -- markers -----------------------------------------------------------------------------
 

@@ -237,9 +237,11 @@ class CellWatcher:
         tracer = self._start_lines(devices, settings.track_peaks) if header is not None and header.plan.lines else None
         snapshot = phases = None
         if header is not None and tracer is None:
+            # A whole-cell %%gpumem: the census around it, and the training phases of whatever it
+            # calls (a --lines cell has its rows instead: its phases would tax every step of a
+            # loop written in the cell for what its rows already say).
             snapshot = self.census()
-        if header is not None:
-            phases = self._start_phases(measurement, tracer)
+            phases = self._start_phases(measurement)
         if not self._watching_oom and "torch" in sys.modules:
             # Attached now if CUDA is up; else torch runs our attach when it initializes, so the
             # first CUDA cell's out-of-memory (model.to("cuda") on a full device) is captured too.
@@ -261,7 +263,7 @@ class CellWatcher:
             return None
         note = None
         if frame.phases is not None:
-            frame.phases.stop()  # before the lines stop: its last reading folds into the last line
+            frame.phases.stop()
         if frame.tracer is not None:
             self._stop_lines(frame.tracer)
             self._remove_hook()  # the marked cell is over
@@ -425,7 +427,7 @@ class CellWatcher:
         except Exception:  # noqa: BLE001
             return
 
-    def _start_phases(self, measurement: Measurement, tracer):
+    def _start_phases(self, measurement: Measurement):
         """Watch the training phases of a %%gpumem cell (None until torch is imported)."""
         if "torch" not in sys.modules:
             return None
@@ -433,7 +435,7 @@ class CellWatcher:
             from ..anatomy.phases import PhaseWatcher
         except Exception:  # noqa: BLE001 - the phases are an addition, never a reason to fail
             return None
-        read = tracer.checkpoint if tracer is not None else self._phase_reader(measurement)
+        read = self._phase_reader(measurement)
         try:
             from ..anatomy.census import take
 
@@ -443,7 +445,9 @@ class CellWatcher:
                 return take(namespace() if namespace is not None else None, modules=modules,
                             optimizers=optimizers, tensors=tensors)
 
-            watcher = PhaseWatcher(read, census)
+            # Roles on the first two steps only (the first and the steady one, which the report
+            # shows); later steps get their peaks, without a census.
+            watcher = PhaseWatcher(read, census, every=0)
             watcher.start()
             return watcher
         except Exception:  # noqa: BLE001
@@ -451,29 +455,44 @@ class CellWatcher:
 
     def _phase_reader(self, measurement: Measurement):
         """A phase boundary's reading when no line tracer runs: current and peak per device, the
-        peaks folded into the cell's own and reset (so each phase gets its own)."""
+        peaks folded into the cell's own and reset (so each phase gets its own). On Linux the host
+        part is the line tracer's trick: read the peak, reset the mark, read the RSS back from it
+        (one ``/proc`` access per boundary)."""
         probe = self.probe
+        host = probe.host
+        resets = measurement.host_peak_reset and host.can_reset_peak
+        counters = probe.cuda.counters
+        indices = [d.index for d in measurement.start.devices]
+        # No device at the start: on a machine with CUDA one may come up during the cell (read the
+        # devices each time then); a CPU-only build never has one.
+        look = not indices and probe.cuda.device_count() > 0
 
         def read():
             t = time.perf_counter()
             out, device_peaks, host_peak = {}, {}, None
-            devices = measurement.devices
-            sample = probe.sample(devices)
-            if sample.devices:
-                for dev in sample.devices:
-                    peak = _max2(dev.peak_allocated, dev.allocated) if dev.index in measurement.reset_devices else dev.allocated
-                    out[f"cuda:{dev.index}"] = (dev.allocated, peak)
-                    device_peaks[dev.index] = (peak, _max2(dev.peak_reserved, dev.reserved))
+            if resets:
+                peak = host.peak_rss()
+                rss = host.rss_after_reset() if host.reset_peak() else host.rss()
+                host_peak = _max2(peak, rss)
+            else:
+                rss = host.rss()
+                host_peak = rss
+            if rss is not None:
+                out["cpu"] = (rss, host_peak)
+            for index in ([d.index for d in probe.sample(measurement.devices).devices] if look else indices):
+                try:
+                    allocated, reserved, peak_a, peak_r = counters(index)
+                except Exception:  # noqa: BLE001 - a device that went away: no reading
+                    continue
+                own = index in measurement.reset_devices
+                peak = _max2(peak_a, allocated) if own else allocated
+                out[f"cuda:{index}"] = (allocated, peak)
+                device_peaks[index] = (peak, _max2(peak_r, reserved) if own else reserved)
+                if own and (peak_a != allocated or peak_r != reserved):
                     try:
-                        probe.cuda.reset_peak(dev.index)
+                        probe.cuda.reset_peak(index)
                     except Exception:  # noqa: BLE001
                         pass
-            rss = sample.host.rss
-            if rss is not None:
-                host_peak = _max2(sample.host.peak_rss if measurement.host_peak_reset else None, rss)
-                out["cpu"] = (rss, host_peak)
-                if measurement.host_peak_reset:
-                    probe.host.reset_peak()
             measurement.observe_peaks(host_peak, device_peaks)
             return t, out
 
