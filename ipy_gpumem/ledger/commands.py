@@ -161,8 +161,9 @@ CELL_HELP = f"""Measure one cell in detail: before / after / peak per device and
 
     The cell runs exactly as it would without the magic (its output, its last expression and its
     error are unchanged); the report follows it: the change by role (parameters, gradients,
-    optimizer state, activations, other tensors) with a sentence naming your objects, and the
-    training phases it ran (forward, backward, optimizer step, zero_grad). It combines with other
+    optimizer state, activations, other tensors) with a sentence naming your objects, and, without
+    --lines, the training phases it ran (forward, backward, optimizer step, zero_grad), also inside
+    the functions it calls. It combines with other
     cell magics in either order. With ``--estimate [GPU]`` the cell does NOT run: its code runs
     twice on fake copies of the objects it reads (no memory, no GPU), and the report predicts its
     peak per line and says whether it fits on GPU.
