@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Tuple
 
 from ..core.probes import Sample
+from ..core.records import DeviceRecord
 from ..core.units import MiB
 from ..oom import capture as oom_capture
 from .header import CellHeader, find_header
-from ..core.records import DeviceRecord
 from .recorder import Ledger, Measurement
 from .reruns import RerunTracker
 
