@@ -294,7 +294,7 @@ def test_cell_waterfall_from_real_line_records():
                      host=HostRecord(measurement_start.host.rss, end.host.rss, end.host.rss))
     root = parse(cell_svg(rec))
     assert {"line 1", "line 2", "line 3"} <= set(texts(root)) and texts(root)[-1].endswith("host RSS")
-    assert any(t.startswith("line 1 ×1: a = bytearray") and "host RSS +4" in t for t in titles(root))
+    assert any(t.startswith("line 1 ×1: a = bytearray") and "host RSS +4" in t for t in titles(root)), titles(root)
 
 
 def test_many_lines_are_grouped_into_runs():
