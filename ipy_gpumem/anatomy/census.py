@@ -131,7 +131,8 @@ def _kind(tp: type, torch) -> Optional[str]:
 _RAW_NAMES: Dict[type, tuple] = {}
 
 
-def _raw_names(tp: type) -> tuple:
+def raw_saved_names(tp: type) -> tuple:
+    """The ``_raw_saved_*`` attributes of an autograd node type (read without unpack hooks), cached."""
     names = _RAW_NAMES.get(tp)
     if names is None:
         try:
@@ -140,6 +141,11 @@ def _raw_names(tp: type) -> tuple:
             names = ()
         _RAW_NAMES[tp] = names
     return names
+
+
+def saved_tensor_type(torch):
+    """The class of what ``_raw_saved_*`` returns (``torch._C._autograd.SavedTensor``), or None."""
+    return getattr(torch._C, "_SavedTensor", None) or getattr(getattr(torch._C, "_autograd", None), "SavedTensor", None)
 
 
 class _Census:
@@ -247,7 +253,7 @@ class _Census:
 
     def graphs(self) -> None:
         visited = self.visited
-        saved_type = getattr(self.torch._C, "_SavedTensor", None) if hasattr(self.torch, "_C") else None
+        saved_type = saved_tensor_type(self.torch)
         tensor = self.torch.Tensor
         budget = MAX_NODES
         for owner, fn in self.graph_roots:
@@ -268,7 +274,7 @@ class _Census:
                 for nxt, _ in nexts:
                     if nxt is not None and id(nxt) not in visited:
                         stack.append(nxt)
-                for attr in _raw_names(type(node)):
+                for attr in raw_saved_names(type(node)):
                     try:
                         raw = getattr(node, attr)
                     except Exception:  # noqa: BLE001 - released by backward: nothing saved

@@ -70,6 +70,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..core.roles import add_tables
+from .census import raw_saved_names, saved_tensor_type
 
 __all__ = ["PhaseWatcher", "PHASES"]
 
@@ -766,26 +767,11 @@ def _layers_finish(lay, outputs, torch) -> List[Tuple[str, int]]:
     return ranked[:TOP_LAYERS]
 
 
-_RAW_NAMES: Dict[type, tuple] = {}
-
-
-def _raw_names(tp: type) -> tuple:
-    names = _RAW_NAMES.get(tp)
-    if names is None:
-        try:
-            names = tuple(a for a in dir(tp) if a.startswith("_raw_saved_"))
-        except Exception:  # noqa: BLE001
-            names = ()
-        _RAW_NAMES[tp] = names
-    return names
-
-
 def _walk_saved(lay, outputs, stop, torch):
     """``(storage key, bytes)`` of the tensors saved by the nodes new since the last walk, from
     ``outputs`` back to ``stop`` (the grad_fns of the call's inputs)."""
     visited, keep = lay["visited"], lay["keep"]
-    saved_type = getattr(torch._C, "_SavedTensor", None) or getattr(getattr(torch._C, "_autograd", None),
-                                                                   "SavedTensor", None)
+    saved_type = saved_tensor_type(torch)
     stack = []
     for t in outputs:
         fn = t.grad_fn
@@ -804,7 +790,7 @@ def _walk_saved(lay, outputs, stop, torch):
         for nxt, _ in node.next_functions:
             if nxt is not None and id(nxt) not in visited and id(nxt) not in stop:
                 stack.append(nxt)
-        for attr in _raw_names(type(node)):
+        for attr in raw_saved_names(type(node)):
             try:
                 raw = getattr(node, attr)
             except Exception:  # noqa: BLE001

@@ -224,19 +224,26 @@ def find_header(raw_cell: str, check: Optional[Callable[[CellPlan], None]] = Non
         arg = header_args(line)
         if arg is None:
             continue
-        try:
-            plan = parse_args(arg)
-            if check is not None:
-                check(plan)
-        except HeaderError:
-            return None
-        if plan.estimate is not None:
+        plan = _measured_plan(arg, check)
+        if plan is None:
             return None
         # The measured code starts after the magic lines, except that the transformer blanks
         # (rather than removes) the %%gpumem line when it is the last one, keeping numbering.
         offset = blank + len(magics) - (1 if k == len(magics) - 1 else 0)
         return CellHeader(plan, offset, tuple(lines))
     return None
+
+
+def _measured_plan(arg: str, check: Optional[Callable[[CellPlan], None]] = None) -> Optional[CellPlan]:
+    """The plan of a header whose cell runs measured; None when its arguments are bad (the magic
+    reports them) or it asks for ``--estimate`` (the magic predicts the cell instead of running it)."""
+    try:
+        plan = parse_args(arg)
+        if check is not None:
+            check(plan)
+    except HeaderError:
+        return None
+    return None if plan.estimate is not None else plan
 
 
 def _dedent(lines: Sequence[str]) -> List[str]:
@@ -266,13 +273,7 @@ def strip_header(lines: List[str], check: Optional[Callable[[CellPlan], None]] =
     arg = header_args(lines[0])
     if arg is None:
         return lines
-    try:
-        plan = parse_args(arg)
-        if check is not None:
-            check(plan)
-    except HeaderError:
-        return lines
-    if plan.estimate is not None:
+    if _measured_plan(arg, check) is None:
         return lines
     if len(lines) > 1 and lines[1].startswith("%%"):
         return lines[1:]

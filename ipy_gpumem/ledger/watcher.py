@@ -230,6 +230,11 @@ class CellWatcher:
             return
         settings = self.settings
         devices = settings.devices
+        if header is not None and "torch" in sys.modules:
+            # What a %%gpumem cell uses is imported before its measurement starts: the memory of
+            # our modules is not the user's cell's (a first import takes a few MiB).
+            from ..anatomy import census, phases  # noqa: F401
+            from . import lines  # noqa: F401
         if header is not None and header.plan.device is not None:
             devices = header.plan.cuda_indices  # () for -d host: the host is always measured
         measurement = self._begin(devices, settings.track_peaks, cell_id=cell_id, source=raw,
