@@ -132,9 +132,9 @@ def standin_census(modules, optimizers, tensors):
 
 
 def real_census():
-    census = pytest.importorskip("ipy_gpumem.anatomy.census")
-    return lambda modules, optimizers, tensors: census.take(modules=modules, optimizers=optimizers,
-                                                            tensors=tensors)
+    census = pytest.importorskip("ipy_gpumem.tensors.census")
+    return lambda modules, optimizers, tensors: census.take(
+        extra=list(modules) + list(optimizers) + list(tensors), user_modules=False)
 
 
 CENSUSES = {"stand-in": lambda: standin_census, "real": real_census}

@@ -14,6 +14,7 @@ from ipy_gpumem.core.probes import (
     CudaProbe, HostProbe, MemoryProbe, NvmlProbe, counters_from_stats, parse_visible_devices,
 )
 from ipy_gpumem.core.units import MiB
+from ipy_gpumem.tensors.torch_api import api as torch_api  # the adapter the extension wires in
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="procfs is Linux-only")
 
@@ -188,7 +189,7 @@ def _fake_torch(stats_by_device, contexts=(0,), raise_in=None, uuid=None):
         get_device_properties=lambda i: maybe_raise("props") or Props(i),
         reset_peak_memory_stats=lambda i: maybe_raise("reset") or calls.append(("reset", i)),
         mem_get_info=lambda i: maybe_raise("mem_get_info") or calls.append(("mem_get_info", i)) or (4 * 2**30, 16 * 2**30),
-        memory_stats_as_nested_dict=lambda i: stats_by_device[i],
+        memory_stats_as_nested_dict=lambda i: maybe_raise("stats") or stats_by_device[i],
     )
     torch.cuda = cuda
     torch._C = types.SimpleNamespace(
@@ -216,7 +217,7 @@ class _NoNvml:
 
 def test_cuda_probe_reads_only_devices_with_a_context():
     torch = _fake_torch([_stats(1 * MiB, 2 * MiB), _stats(0, 0), _stats(5 * MiB, 8 * MiB, 9 * MiB, 10 * MiB)], contexts=(0, 2))
-    probe = MemoryProbe(HostProbe(), CudaProbe(NvmlProbe(_NoNvml()), torch_module=torch))
+    probe = MemoryProbe(HostProbe(), CudaProbe(NvmlProbe(_NoNvml()), torch_module=torch, internals=torch_api))
     sample = probe.sample()
     assert [d.index for d in sample.devices] == [0, 2]
     d2 = sample.devices[1]
@@ -234,7 +235,7 @@ def test_devices_named_explicitly_are_read_only_with_a_context():
     # GpuMemMagics.devices = "0,1", -d cuda:1: reading cuda:1, which has no context, would create
     # one (cudaMemGetInfo, cudaMallocAsync's peak reset): hundreds of MiB the user never asked for.
     torch = _fake_torch([_stats(1 * MiB, 2 * MiB), _stats(0, 0), _stats(5 * MiB, 8 * MiB)], contexts=(0,))
-    probe = MemoryProbe(HostProbe(), CudaProbe(NvmlProbe(_NoNvml()), torch_module=torch))
+    probe = MemoryProbe(HostProbe(), CudaProbe(NvmlProbe(_NoNvml()), torch_module=torch, internals=torch_api))
     sample, _, reset = probe.start([0, 1], reset_peaks=True)
     assert [d.index for d in sample.devices] == [0] and reset == frozenset({0})
     assert "cuda:1 not used by your code yet" in sample.reason
@@ -246,7 +247,7 @@ def test_devices_named_explicitly_are_read_only_with_a_context():
 @pytest.mark.parametrize("where", ["is_initialized", "stats", "props"])
 def test_torch_raising_mid_session_never_escapes(where):
     torch = _fake_torch([_stats(1, 2)], raise_in=where)
-    probe = MemoryProbe(HostProbe(), CudaProbe(NvmlProbe(_NoNvml()), torch_module=torch))
+    probe = MemoryProbe(HostProbe(), CudaProbe(NvmlProbe(_NoNvml()), torch_module=torch, internals=torch_api))
     sample = probe.sample()  # must not raise
     assert sample.devices == ()
     assert sample.reason

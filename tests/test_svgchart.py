@@ -472,13 +472,13 @@ def test_lines_with_roles_are_stacked_by_role_with_one_colour_each_a_legend_and_
     root = parse(cell_svg(_training_record(), width=640))
     groups = role_groups(root)
     # one segment per role in each line (ROLES order within a line; released ones first)
-    assert [g[0] for g in groups] == ["parameters", "activations", "other_tensors", "activations", "gradients",
+    assert [g[0] for g in groups] == ["parameters", "other_tensors", "activations", "activations", "gradients",
                                       "optimizer_state"]
     assert all(attrs["fill"] == ROLE_COLORS[role] for role, attrs, _ in groups)
     assert len(set(ROLE_COLORS.values())) == len(ROLES) and set(ROLE_COLORS) == set(ROLES)
     # allocated is drawn: the allocator's cache and memory outside PyTorch are not segments
     assert "allocator_cache" not in {g[0] for g in groups} and "outside_pytorch" not in {g[0] for g in groups}
-    params, act, other, released, grads, optim = (g[1] for g in groups)
+    params, other, act, released, grads, optim = (g[1] for g in groups)
     # exact bytes on the chart's own scale: 880 MiB of activations is 2.2 times 400 MiB of parameters
     assert _height(act) / _height(params) == pytest.approx(880 / 400, rel=0.02)
     assert (_height(act) + _height(other)) / _height(optim) == pytest.approx(900 / 800, rel=0.02)
@@ -492,7 +492,7 @@ def test_lines_with_roles_are_stacked_by_role_with_one_colour_each_a_legend_and_
     # legend: the roles drawn, in ROLES order, and "released"; no scaling note (exact bytes)
     words = texts(root)
     legend = [w for w in words if w in {ROLE_WORDS[r] for r in ROLES} | {"released"}]
-    assert legend == ["parameters", "gradients", "optimizer state", "activations", "other tensors", "released"]
+    assert legend == ["parameters", "gradients", "optimizer state", "other tensors", "activations", "released"]
     assert not any("scaled" in (w or "") for w in words)
     assert "grew" not in words and "shrank" not in words  # every moving line is coloured by role
     swatches = {r.get("fill") for r in root.iter(SVG + "rect") if r.get("width") == "14"}

@@ -26,7 +26,8 @@ from ipy_gpumem.attribution.view import who_view  # noqa: E402
 
 # ``from ipy_gpumem import who`` is the package's lazy function, not this module.
 who_module = importlib.import_module("ipy_gpumem.attribution.who")
-walk_module = importlib.import_module("ipy_gpumem.attribution.walk")
+storage_module = importlib.import_module("ipy_gpumem.tensors.storage")
+from ipy_gpumem.tensors.torch_api import api as torch_api  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -646,12 +647,12 @@ def test_cuda_storages_are_rounded_to_allocator_blocks():
             return 0x7F0000000000
 
     def walk(wanted):
-        return walk_module.Walk(torch, {}, wanted, None, 1.0, 100, 0.0)
+        return storage_module.Storages(torch_api(torch), wanted)
 
-    key, nbytes, dev = walk(None).storage_entry(FakeCudaStorage())
+    key, nbytes, dev = walk(None).entry(FakeCudaStorage())
     assert (key[1], nbytes, dev) == (0x7F0000000000, 1024, cuda(1))
-    assert walk(cuda(0)).storage_entry(FakeCudaStorage()) is walk_module._NOTHING
-    assert walk(Device("cuda")).storage_entry(FakeCudaStorage())[1] == 1024
+    assert walk(cuda(0)).entry(FakeCudaStorage()) is storage_module.NOTHING
+    assert walk(Device("cuda")).entry(FakeCudaStorage())[1] == 1024
     assert not torch.cuda.is_initialized()
 
 
@@ -781,7 +782,7 @@ def test_hostile_namespace_never_raises():
     cycle_list.append(cycle_list)
     cycle_dict = {}
     cycle_dict["self"] = cycle_dict
-    nested = [[[[[[torch.randn(7)]]]]]]
+    nested = [[[[[[[[torch.randn(7)]]]]]]]]
     ns = {
         "hostile": Hostile(), "grad_fn_prop": GradFnProperty(),
         "hdict": HostileDict(a=torch.ones(2)),
@@ -818,7 +819,7 @@ def test_hostile_namespace_never_raises():
     assert names["raising"] == 16
     assert names["keyed[<HostileKey>]"] == 24
     assert names["huge[1000000]"] == 32  # a million scalars are skipped in C, not capped
-    assert any("deeper than 4" in note and "nested[0][0][0][0]" in note for note in report.notes)
+    assert any("deeper than 6" in note and "nested[0][0][0][0][0][0]" in note for note in report.notes)
     assert names["trainer.model"] == 48  # a plain object's attributes are walked too ...
     assert "trainer.optimizer (params)" not in names  # ... and the module outranks the optimizer
     assert names["trainer.history[0]"] == 12

@@ -5,26 +5,10 @@ The loop does not have to be written in the cell: ``train_one_epoch(model, opt, 
 from inside, because every hook is global (torch calls it for any module, any optimizer) and is
 removed when the cell ends. Which torch mechanism recognises each phase, and why that one:
 
-``forward``
-    The outermost module call: ``torch.nn.modules.module.register_module_forward_pre_hook`` and
-    ``register_module_forward_hook(always_call=True)`` with a depth count, which is how
-    ``torch.utils.module_tracker.ModuleTracker`` follows the module tree. ``always_call`` runs the
-    closing hook even when ``forward`` raises (an OOM inside forward closes the phase, marked
-    ``incomplete``). Module calls made while autograd runs (activation checkpointing's
-    recomputation) belong to the backward and are not phases.
-``backward``
-    A pre-hook on the ``grad_fn`` of each outermost forward's outputs (``Node.register_prehook``)
-    opens it when the engine reaches the model's graph; the end is a callback queued on the engine
-    from inside that hook (``Variable._execution_engine.queue_callback``, as ModuleTracker does),
-    which the engine runs when the whole graph task is done. Global *full backward* module hooks
-    are not used: they wrap every module's outputs in ``BackwardHookFunction``, so an in-place op
-    on an output fails ("a view ... is being modified inplace"), which a watcher must not cause.
-    The engine runs the loss's few nodes before it reaches the model's outputs, so the backward
-    phase starts after them (their bytes fall in the span before it).
-``optimizer_step``
-    ``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook`` (global, every
-    ``Optimizer.step`` goes through ``profile_hook_step``). The outermost step only: an optimizer
-    wrapping another, or LBFGS running forward and backward inside ``step(closure)``, is one phase.
+``forward``, ``backward``, ``optimizer_step``
+    The outermost module call, the backward through its outputs' graph, and ``Optimizer.step``,
+    marked by the tensors room's global hooks (``tensors.hooks.PhaseHooks``, which says why each
+    mechanism was chosen and keeps the hooks off torch's per-module slow path between marks).
 ``zero_grad``
     ``Optimizer.zero_grad`` and ``Module.zero_grad`` have no hooks (only a profiler
     ``record_function``), and patching the user's objects is off limits, so it is recognised from
@@ -46,31 +30,24 @@ long loop pays for a census only on a few steps; the other phases carry peaks an
 outputs of the outermost forwards (held by ``weakref`` only), and, during a backward, the node
 the engine is running (the only handle on a graph whose output the user no longer holds).
 
-Layers: during the first outermost forward with autograd on, the autograd nodes each submodule
-call creates are walked from its outputs back to its inputs (``next_functions``), and the
-tensors they saved for backward are read raw (``_raw_saved_*`` and ``SavedTensor.data``, as the
-census and ``who()`` read them: no unpack hook runs). ``saved_tensors_hooks`` is not used: its
-docstring says a pack hook returning the tensor itself makes a reference cycle (a saved output
-holds its own ``grad_fn``), a detached copy would change how autograd checks versions, and only
-the innermost pair of hooks applies, so ours would silently replace a user's. A saved tensor
-belongs to the submodule whose call created it: one that is an input of the call that saved it
-goes to the call that output it.
+Layers: the first outermost forward with autograd on has its submodule calls reported, and
+:class:`~ipy_gpumem.anatomy.layers.LayerTracker` names the heaviest activations.
 
 Nothing here holds a tensor, an output or a graph past its phase: modules, optimizers,
 parameters, inputs and outputs are held by ``weakref``; the engine's node is held from the start
-of a backward to its end; hook handles only hold a weak reference to the dict of hooks. No hook
-raises into the user's code: every hook body is guarded, and an internal error stops the watching
-(hooks go inert at once and are removed by :meth:`PhaseWatcher.stop`) and sets ``reason``.
+of a backward to its end. No hook raises into the user's code: an internal error stops the
+watching (the hooks go inert at once and are removed by :meth:`PhaseWatcher.stop`) and sets ``reason``.
 """
 from __future__ import annotations
 
-import sys
-import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..core.roles import add_tables
-from .census import raw_saved_names, saved_tensor_type
+from ..tensors.hooks import PhaseHooks
+from ..tensors.torch_api import api as torch_api
+from ..tensors.walk import GraphHandle, Walk
+from .layers import LayerTracker
 
 __all__ = ["PhaseWatcher", "PHASES"]
 
@@ -78,26 +55,14 @@ __all__ = ["PhaseWatcher", "PHASES"]
 PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 #: Inputs and outputs of outermost forwards kept (weakly) as census roots.
 MAX_ROOTS = 64
-#: Autograd nodes walked to find the layers' activations (a model with more is cut there).
-MAX_LAYER_NODES = 100_000
 #: Phases listed one by one; past this, only censused ones (the others are counted in the summary).
 MAX_PHASES = 400
 #: Parameters whose gradients are read at each boundary to recognise zero_grad (spread evenly).
 GRAD_SAMPLE = 8
-#: How many layers :attr:`PhaseWatcher.layers` names.
-TOP_LAYERS = 5
 
 Reading = Tuple[float, Dict[str, Tuple[int, int]]]
 
 
-class _GraphRoot:
-    """A stand-in the census takes for a tensor: it counts no storage of its own, and its
-    ``grad_fn`` is the autograd node the engine is running (the graph's only handle left)."""
-
-    __slots__ = ("grad_fn",)
-
-    def __init__(self, grad_fn):
-        self.grad_fn = grad_fn
 
 
 class _Mark:
@@ -150,11 +115,8 @@ class PhaseWatcher:
     # -- state -------------------------------------------------------------------------------------
     def _reset(self) -> None:
         self._on = False
-        self._torch = None
-        self._thread = None
-        self._handles: list = []       # global hook handles
-        self._node_handles: list = []  # grad_fn pre-hook handles (each holds only a weakref to its dict)
-        self._depth = 0
+        self._api = None
+        self._hooks: Optional[PhaseHooks] = None
         self._open: Optional[dict] = None
         self._mark: Optional[_Mark] = None
         self._modules: List[Tuple[str, Any]] = []  # (census name, weakref)
@@ -169,8 +131,7 @@ class PhaseWatcher:
         self._forwards = 0
         self._steps_done = 0
         self._bw_node = None
-        self._bw_task = None
-        self._lay: Optional[dict] = None
+        self._lay: Optional[LayerTracker] = None
 
     @property
     def watching(self) -> bool:
@@ -180,37 +141,22 @@ class PhaseWatcher:
     # -- start / stop ------------------------------------------------------------------------------
     def start(self) -> None:
         """Register the global hooks for this cell; a no-op without torch or when already watching."""
-        if self._handles or self._on:
+        if self._hooks is not None or self._on:
             return
-        self._depth, self._open, self._bw_node, self._bw_task = 0, None, None, None
-        torch = sys.modules.get("torch")
-        if torch is None or not hasattr(torch, "nn") or not hasattr(torch, "optim"):
+        self._open, self._bw_node = None, None
+        api = torch_api()
+        if api is None or not hasattr(api.torch, "nn") or not hasattr(api.torch, "optim"):
             return  # nothing to watch: a cell that never imported torch runs no module
-        # Imported here, not at module level: the user has already imported torch.
-        from torch.nn.modules import module as nn_module
-        from torch.optim import optimizer as optim_module
-
-        self._torch = torch
-        self._thread = threading.get_ident()
-        compiler = getattr(torch, "compiler", None)
-        self._compiling = getattr(compiler, "is_compiling", None) or (lambda: False)
-        self._task_id = torch._C._current_graph_task_id
-        self._current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
-        try:
-            self._handles = [
-                nn_module.register_module_forward_pre_hook(self._forward_pre),
-                nn_module.register_module_forward_hook(self._forward_post, always_call=True),
-                optim_module.register_optimizer_step_pre_hook(self._step_pre),
-                optim_module.register_optimizer_step_post_hook(self._step_post),
-            ]
-        except Exception as exc:  # noqa: BLE001 - an old torch without one of them: watch nothing
-            self._remove_handles()
-            self.reason = _one_line("hooks unavailable", exc)
+        self._api = api
+        hooks = PhaseHooks(api, self)
+        if not hooks.start():
+            self.reason = hooks.reason
             return
+        self._hooks = hooks
         self._on = True
 
     def stop(self) -> None:
-        """Remove every hook (global and per graph); closes the last span. Idempotent, never raises."""
+        """Remove every hook (global, per module and per graph); closes the last span. Idempotent, never raises."""
         try:
             if self._on:
                 self._on = False
@@ -219,24 +165,16 @@ class PhaseWatcher:
             self.reason = self.reason or _one_line("stop", exc)
         finally:
             self._on = False
-            self._remove_handles()
+            hooks, self._hooks = self._hooks, None
+            if hooks is not None:
+                hooks.stop()
+                self.reason = self.reason or (f"phases stopped in {hooks.reason}" if hooks.reason else None)
             self._bw_node = None
             self._lay = None
             self._roots = []
 
-    def _remove_handles(self) -> None:
-        for handle in self._handles + self._node_handles:
-            try:
-                handle.remove()
-            except Exception:  # noqa: BLE001 - the graph (and its dict of hooks) is gone already
-                pass
-        self._handles = []
-        self._node_handles = []
-
-    def _fail(self, exc: BaseException, where: str) -> None:
-        """Stop watching after an internal error. Hooks are not removed here: torch may be iterating
-        over the dict that holds them (``profile_hook_step`` iterates the global step hooks lazily),
-        so they go inert and :meth:`stop` removes them."""
+    def failed(self, exc: BaseException, where: str) -> None:
+        """The hooks met an internal error: stop watching (they go inert; :meth:`stop` removes them)."""
         self._on = False
         self._open = None
         self._bw_node = None
@@ -359,7 +297,7 @@ class PhaseWatcher:
         if phase is None:
             return
         if phase["phase"] == "backward":
-            self._bw_node, self._bw_task = None, None
+            self._bw_node = None
         reading = self._reading()
         snap = self._take(extra) if phase["detail"] else None
         before = phase.pop("snap")
@@ -469,157 +407,83 @@ class PhaseWatcher:
         self._roots = roots[-MAX_ROOTS:]
         return added
 
-    # -- hooks ---------------------------------------------------------------------------------------
-    def _ours(self) -> bool:
-        """A hook call that concerns us: same thread as the cell, not inside autograd (modules
-        recomputed by checkpointing) and not while torch.compile traces."""
-        return threading.get_ident() == self._thread and self._task_id() == -1 and not self._compiling()
-
-    def _forward_pre(self, module, args):
+    # -- what the hooks report (tensors.hooks.PhaseHooks calls these) ------------------------------
+    def forward_start(self, module, args) -> bool:
+        """An outermost forward begins; True asks for its submodule calls (the layers of the first one)."""
         if not self._on:
-            return None
-        try:
-            if not self._ours():
-                return None
-            self._depth += 1
-            if self._depth == 1:
-                if self._open is not None and self._open["phase"] != "backward":
-                    return None  # inside another phase (LBFGS's closure): not a phase of its own
-                self._forwards += 1
-                inputs = _tensors(self._torch, args)
+            return False
+        if self._open is not None and self._open["phase"] != "backward":
+            return False  # inside another phase (LBFGS's closure): not a phase of its own
+        self._forwards += 1
+        inputs = self._hooks.tensors(args)
 
-                def register(detail):
-                    new_module = self._see_module(module)
-                    return (detail and self._keep_roots("inputs", inputs)) or new_module
+        def register(detail):
+            new_module = self._see_module(module)
+            return (detail and self._keep_roots("inputs", inputs)) or new_module
 
-                self._begin("forward", forward=self._forwards, register=register)
-                self._open["module"] = id(module)
-                if self._layers is None and self._lay is None and self._torch.is_grad_enabled():
-                    self._lay = _layers_start(module, inputs)
-            elif self._lay is not None and self._open is not None and self._open.get("module") is not None:
-                _layers_enter(self._lay, module, args, self._depth, self._torch)
-        except Exception as exc:  # noqa: BLE001 - never into the user's forward
-            self._fail(exc, "forward pre-hook")
-        return None
+        self._begin("forward", forward=self._forwards, register=register)
+        self._open["module"] = id(module)
+        if self._layers is None and self._lay is None and self._api.torch.is_grad_enabled():
+            self._lay = LayerTracker(Walk(self._api, None, caches=False, user_modules=False), module, inputs)
+            return True
+        return False
 
-    def _forward_post(self, module, args, output):
-        if not self._on:
-            return None
-        try:
-            if not self._ours():
-                return None
-            self._depth = max(0, self._depth - 1)
-            phase = self._open
-            if phase is None or phase["phase"] != "forward" or phase.get("module") is None:
-                return None
-            if self._depth > 0:
-                if self._lay is not None:
-                    _layers_exit(self._lay, module, output, self._depth + 1, self._torch)
-                return None
-            if phase["module"] != id(module):
-                return None
-            # always_call runs this hook from forward's `except` block too: the forward raised.
-            failed = sys.exc_info()[1] is not None
-            outputs = [] if failed else _tensors(self._torch, output)
-            if phase["detail"]:
-                self._keep_roots("outputs", outputs)
-            phase.pop("module", None)
-            lay, self._lay = self._lay, None
-            self._end(incomplete=failed)
-            if lay is not None and not failed:
-                self._layers = _layers_finish(lay, outputs, self._torch)
-            self._watch_backward(outputs, phase["forward"])
-        except Exception as exc:  # noqa: BLE001
-            self._fail(exc, "forward hook")
-        return None
+    def submodule_enter(self, module, args, depth: int) -> None:
+        if self._lay is not None:
+            self._lay.enter(module, self._hooks.tensors(args), depth)
 
-    def _watch_backward(self, outputs, forward: int) -> None:
-        """A pre-hook on each output's grad_fn; it holds only a weakref to this watcher."""
-        if len(self._node_handles) > 32:  # handles of graphs already freed
-            self._node_handles = [h for h in self._node_handles if h.hooks_dict_ref() is not None]
-        me = weakref.ref(self)
-        seen = set()
-        for t in outputs:
-            fn = t.grad_fn
-            if fn is None or id(fn) in seen:
-                continue
-            seen.add(id(fn))
+    def submodule_exit(self, module, output, depth: int) -> None:
+        if self._lay is not None:
+            self._lay.exit(module, self._hooks.tensors(output))
 
-            def prehook(grad_outputs, _me=me, _forward=forward):
-                watcher = _me()
-                if watcher is not None:
-                    watcher._backward_pre(_forward)
-                return None
-
-            self._node_handles.append(fn.register_prehook(prehook))
-
-    def _backward_pre(self, forward: int) -> None:
-        if not self._on:
+    def forward_end(self, module, args, outputs: list, failed: bool) -> None:
+        phase = self._open
+        if not self._on or phase is None or phase["phase"] != "forward" or phase.get("module") != id(module):
             return
-        try:
-            if self._open is not None:
-                # The same backward reaching another output of ours, one nested in it, or
-                # autograd.grad inside a forward or a step: part of the phase already open.
-                return
-            # The engine's node is the census's way into a graph whose output the user dropped:
-            # fetched (and held until the end of this backward) only on a censused step.
-            node = self._current_node() if self._detailed(self._live_step()) else None
-            extra = [("autograd graph", _GraphRoot(node))] if node is not None else []
-            self._begin("backward", forward=forward, extra=extra)
-            self._bw_node, self._bw_task = node, self._task_id()
-            me = weakref.ref(self)
+        if phase["detail"]:
+            self._keep_roots("outputs", outputs)
+        phase.pop("module", None)
+        lay, self._lay = self._lay, None
+        self._end(incomplete=failed)
+        if lay is not None:
+            try:
+                self._layers = lay.finish(outputs) if not failed else None
+            finally:
+                lay.walk.store.memo = {}
 
-            def done(_me=me):
-                watcher = _me()
-                if watcher is not None:
-                    watcher._backward_end()
+    def backward_start(self, forward: int) -> bool:
+        """A backward reaches an outermost forward's graph; False when it is part of a phase already open."""
+        if not self._on or self._open is not None:
+            # The same backward reaching another output of ours, one nested in it, or
+            # autograd.grad inside a forward or a step: part of the phase already open.
+            return False
+        # The engine's node is the census's way into a graph whose output the user dropped:
+        # fetched (and held until the end of this backward) only on a censused step.
+        node = self._api.current_node() if self._detailed(self._live_step()) else None
+        extra = [("autograd graph", GraphHandle(node))] if node is not None else []
+        self._begin("backward", forward=forward, extra=extra)
+        self._bw_node = node
+        return True
 
-            self._torch.autograd.Variable._execution_engine.queue_callback(done)
-        except Exception as exc:  # noqa: BLE001 - never into the engine
-            self._fail(exc, "backward pre-hook")
-
-    def _backward_end(self) -> None:
+    def backward_end(self) -> None:
         """The engine's final callback: the graph task is done (gradients accumulated)."""
-        node = self._bw_node
-        if not self._on:
-            self._bw_node = None
+        node, self._bw_node = self._bw_node, None
+        if self._on and self._open is not None and self._open["phase"] == "backward":
+            self._end(extra=[("autograd graph", GraphHandle(node))] if node is not None else [])
+
+    def step_start(self, opt) -> None:
+        if not self._on or (self._open is not None and self._open["phase"] != "backward"):
+            return  # an optimizer stepping inside another (a wrapper): one phase
+        self._begin("optimizer_step", register=lambda _detail: self._see_optimizer(opt))
+        self._open["optimizer"] = id(opt)
+
+    def step_end(self, opt) -> None:
+        phase = self._open
+        if not self._on or phase is None or phase["phase"] != "optimizer_step" or phase.get("optimizer") != id(opt):
             return
-        try:
-            if self._open is not None and self._open["phase"] == "backward":
-                self._end(extra=[("autograd graph", _GraphRoot(node))] if node is not None else [])
-        except Exception as exc:  # noqa: BLE001
-            self._fail(exc, "backward end")
-        self._bw_node = None
-
-    def _step_pre(self, opt, args, kwargs):
-        if not self._on:
-            return None
-        try:
-            if not self._ours():
-                return None
-            if self._open is not None and self._open["phase"] != "backward":
-                return None  # an optimizer stepping inside another (a wrapper): one phase
-            self._begin("optimizer_step", register=lambda _detail: self._see_optimizer(opt))
-            self._open["optimizer"] = id(opt)
-        except Exception as exc:  # noqa: BLE001
-            self._fail(exc, "optimizer step pre-hook")
-        return None
-
-    def _step_post(self, opt, args, kwargs):
-        if not self._on:
-            return None
-        try:
-            if not self._ours():
-                return None
-            phase = self._open
-            if phase is None or phase["phase"] != "optimizer_step" or phase.get("optimizer") != id(opt):
-                return None
-            phase.pop("optimizer", None)
-            self._steps_done += 1
-            self._end()
-        except Exception as exc:  # noqa: BLE001
-            self._fail(exc, "optimizer step hook")
-        return None
+        phase.pop("optimizer", None)
+        self._steps_done += 1
+        self._end()
 
 
 # -- helpers -------------------------------------------------------------------------------------------
@@ -639,170 +503,3 @@ def _step_roles(phases: List[dict], step: int) -> Optional[dict]:
     if not tables or any(t is None for t in tables):
         return None
     return add_tables(*tables)
-
-
-def _tensors(torch, value) -> list:
-    """The tensors in a module's inputs or outputs (tuples, lists, dicts, ``ModelOutput``)."""
-    tensor = torch.Tensor
-    if isinstance(value, tensor):
-        return [value]
-    if type(value) is tuple and all(isinstance(v, tensor) for v in value):
-        return list(value)  # the common case (a module's positional args), without pytree's walk
-    try:
-        from torch.utils._pytree import tree_flatten  # what ModuleTracker uses for the same job
-
-        leaves, _spec = tree_flatten(value)
-    except Exception:  # noqa: BLE001
-        leaves = list(value) if isinstance(value, (list, tuple)) else []
-    return [t for t in leaves if isinstance(t, tensor)]
-
-
-# -- layers ------------------------------------------------------------------------------------------
-# The first outermost forward's submodule calls (depth 2 = the root's own calls, depth 3 = theirs),
-# each walked at its end from its outputs back to its inputs. ``keep`` holds the node objects seen
-# until the root's forward ends, so ``id()`` stays unique while they are compared; they are all
-# reachable from the forward's live outputs anyway, and the whole record is dropped at its end.
-
-def _storage_key(t):
-    """``((data pointer, device), bytes)`` of a tensor's storage, or None (sparse, nested, fake)."""
-    try:
-        st = t.untyped_storage()
-        return (st.data_ptr(), str(t.device)), st.nbytes()
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _keys(tensors) -> set:
-    return {k[0] for k in map(_storage_key, tensors) if k is not None}
-
-
-def _layers_start(root, inputs) -> dict:
-    names = {}
-    try:
-        names = {id(m): name for name, m in root.named_modules() if name}
-    except Exception:  # noqa: BLE001
-        pass
-    exclude = set()
-    try:
-        for t in list(root.parameters()) + list(root.buffers()):
-            key = _storage_key(t)
-            if key is not None:
-                exclude.add(key[0])
-    except Exception:  # noqa: BLE001
-        pass
-    lay = {"root": type(root).__name__, "names": names, "exclude": exclude, "visited": set(), "keep": [],
-           "stack": [], "owner": {}, "sizes": {}, "pending": {}, "outs": {}, "parent": {}, "budget": MAX_LAYER_NODES}
-    lay["root_stop"] = _stop_set(lay, inputs)
-    lay["root_inputs"] = _keys(inputs)
-    return lay
-
-
-def _stop_set(lay, tensors) -> set:
-    stop = set()
-    for t in tensors:
-        fn = t.grad_fn
-        if fn is not None:
-            lay["keep"].append(fn)
-            stop.add(id(fn))
-    return stop
-
-
-def _layers_enter(lay, module, args, depth, torch) -> None:
-    if depth > 3:
-        return
-    inputs = _tensors(torch, args)
-    name = lay["names"].get(id(module)) or type(module).__name__
-    if depth == 3 and lay["stack"]:
-        lay["parent"].setdefault(name, lay["stack"][-1]["name"])
-    lay["stack"].append({"module": id(module), "name": name, "depth": depth, "stop": _stop_set(lay, inputs),
-                         "inputs": _keys(inputs)})
-
-
-def _layers_exit(lay, module, output, depth, torch) -> None:
-    if depth > 3 or not lay["stack"] or lay["stack"][-1]["module"] != id(module):
-        return
-    frame = lay["stack"].pop()
-    outputs = _tensors(torch, output)
-    for key in _keys(outputs):
-        lay["outs"].setdefault(key, frame["name"])
-    for key, nbytes in _walk_saved(lay, outputs, frame["stop"] | lay["root_stop"], torch):
-        if key in frame["inputs"]:
-            lay["pending"][key] = nbytes  # created before this call: goes to the call that output it
-        else:
-            _attribute(lay, key, nbytes, frame["name"])
-
-
-def _attribute(lay, key, nbytes, name) -> None:
-    if key in lay["exclude"] or key in lay["owner"]:
-        return
-    lay["owner"][key] = name
-    lay["sizes"][name] = lay["sizes"].get(name, 0) + nbytes
-
-
-def _layers_finish(lay, outputs, torch) -> List[Tuple[str, int]]:
-    own = f"({lay['root']}.forward)"  # ops the root's own forward ran outside any submodule
-    for key, nbytes in _walk_saved(lay, outputs, lay["root_stop"], torch):
-        if key not in lay["root_inputs"]:
-            lay["pending"].setdefault(key, nbytes)
-    for key, nbytes in lay["pending"].items():
-        if key in lay["root_inputs"]:
-            continue  # the caller's input, saved by the first layer: no layer made it
-        _attribute(lay, key, nbytes, lay["outs"].get(key, own))
-    sizes, parent = lay["sizes"], lay["parent"]
-    lay["keep"].clear()
-    top: Dict[str, int] = {}
-    for name, nbytes in sizes.items():
-        top[parent.get(name, name)] = top.get(parent.get(name, name), 0) + nbytes
-    total = sum(top.values())
-    if len(top) == 1 and total:
-        # One submodule holds it all (a wrapper such as ``model.backbone``): name what is inside it.
-        only = next(iter(top))
-        inner = {name: n for name, n in sizes.items() if parent.get(name) == only}
-        if inner:
-            inner_total = sum(inner.values())
-            if sizes.get(only, 0) or inner_total < total:
-                inner[only] = total - inner_total
-            top = inner
-    ranked = sorted(((name, n) for name, n in top.items() if n > 0), key=lambda kv: -kv[1])
-    return ranked[:TOP_LAYERS]
-
-
-def _walk_saved(lay, outputs, stop, torch):
-    """``(storage key, bytes)`` of the tensors saved by the nodes new since the last walk, from
-    ``outputs`` back to ``stop`` (the grad_fns of the call's inputs)."""
-    visited, keep = lay["visited"], lay["keep"]
-    saved_type = saved_tensor_type(torch)
-    stack = []
-    for t in outputs:
-        fn = t.grad_fn
-        if fn is not None:
-            stack.append(fn)
-    found = []
-    while stack:
-        node = stack.pop()
-        if id(node) in visited or id(node) in stop:
-            continue
-        lay["budget"] -= 1
-        if lay["budget"] < 0:
-            break
-        visited.add(id(node))
-        keep.append(node)
-        for nxt, _ in node.next_functions:
-            if nxt is not None and id(nxt) not in visited and id(nxt) not in stop:
-                stack.append(nxt)
-        for attr in raw_saved_names(type(node)):
-            try:
-                raw = getattr(node, attr)
-            except Exception:  # noqa: BLE001
-                continue
-            for item in raw if type(raw) in (list, tuple) else (raw,):
-                if item is None or (saved_type is not None and type(item) is not saved_type):
-                    continue
-                try:
-                    data = item.data
-                    key = _storage_key(data) if isinstance(data, torch.Tensor) else None
-                    if key is not None:
-                        found.append(key)
-                except Exception:  # noqa: BLE001 - released, or no storage (a checkpoint placeholder)
-                    continue
-    return found

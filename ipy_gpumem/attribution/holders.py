@@ -30,6 +30,7 @@ HOLDER_KINDS = (
     "out_cache",         # IPython's output cache entry ``expr`` (``Out[3]``)
     "underscore",        # IPython's ``_``, ``__``, ``___`` or ``_N`` (``expr``)
     "traceback_local",   # local ``expr`` of function ``frame`` in IPython's last traceback
+    "module_global",     # a global of a module the user wrote that no name holds (``helpers.CACHE``)
     "rest",              # ``count`` smaller holders summed into one row
 )
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import heapq
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -30,10 +29,26 @@ from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from ..core.devices import Device, parse_device
 from ..core.units import format_bytes
+from ..tensors.claims import GRAPH, IPYTHON, RELATION_KINDS, VAR
+from ..tensors.graphs import MORE
+from ..tensors.torch_api import api as torch_api
+from ..tensors.walk import MAX_DEPTH, MAX_VISITS, Walk
 from .holders import Holder, IPythonRefs
-from .walk import CATEGORIES, MAX_DEPTH, MAX_HOLDER_ROWS, MAX_VISITS, Walk
 
-__all__ = ["BUDGET_S", "CATEGORIES", "CATEGORY_LABELS", "MAX_VISITS", "WhoReport", "who"]
+__all__ = ["BUDGET_S", "CATEGORIES", "CATEGORY_LABELS", "MAX_VISITS", "WhoReport", "who", "holder", "category_of"]
+
+#: The attributed categories, highest precedence first: the walk's roles (activations are the
+#: graphs the user's tensors keep: "retained graphs"), then everything only IPython keeps.
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "other_tensors",
+    "retained_graphs",
+    "ipython_caches",
+)
+_CACHES = len(CATEGORIES) - 1
+MAX_HOLDER_ROWS = 500  # holder rows kept; the rest are summed into one row per category and device
 
 #: How each category reads in a table (the panel and %gpumem who use the same words).
 CATEGORY_LABELS = {
@@ -167,8 +182,8 @@ def who(namespace: Any, device: Any = None, allocator_total: Optional[int] = Non
     start = time.perf_counter()
     wanted = None if device is None else parse_device(device)
     total = None if allocator_total is None else int(allocator_total)
-    torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "_C"):
+    api = torch_api()
+    if api is None or api.tensor_base is None:
         return _empty_report("torch is not imported", wanted, total, start)
     if not isinstance(namespace, dict):
         return _empty_report("namespace is not a dict", wanted, total, start)
@@ -179,9 +194,9 @@ def who(namespace: Any, device: Any = None, allocator_total: Optional[int] = Non
     if gc_was_enabled:
         gc.disable()
     try:
-        walk = Walk(torch, namespace, wanted, refs, budget_s, max_visits, start, tuple(errors))
-        with walk.no_torch_function():
-            walk.run()
+        walk = Walk(api, namespace, wanted=wanted, ipython_names=refs.names if refs is not None else (),
+                    budget_s=budget_s, max_visits=max_visits, start=start, errors=tuple(errors))
+        walk.run()
         return _report(walk, wanted, total, start)
     except Exception as exc:  # the walk guards each object; this is the last line of defence
         return _empty_report(f"who() failed: {type(exc).__name__}: {exc}", wanted, total, start)
@@ -213,21 +228,22 @@ def _report(walk: Walk, device: Optional[Device], allocator_total: Optional[int]
     # ((category, order, role, ref), storage key's device id) -> minus the bytes, so that sorting
     # the (value, key) pairs puts the largest first and breaks ties by precedence, then walk order.
     rows: Dict[tuple, int] = {}
-    for (dev_id, _ptr), (category, _priority, _depth, _weight, order, role, ref, nbytes, dev) in walk.claims.items():
+    for (dev_id, _ptr), (level, role, _priority, _depth, _weight, order, relation, ref, nbytes, dev) in walk.claims.items():
+        category = category_of(level, role)
         totals[category] += nbytes
         per_dev = by_device.get(dev)
         if per_dev is None:
             per_dev = by_device[dev] = [0] * len(CATEGORIES)
         per_dev[category] += nbytes
-        row = ((category, order, role, ref), dev_id)
+        row = ((category, order, relation, ref), dev_id)
         rows[row] = rows.get(row, 0) - nbytes
     device_of = {id(dev): dev for dev in by_device}
     categories: Dict[str, Optional[int]] = dict(zip(CATEGORIES, totals))
     attributed = sum(totals)
     categories["unattributed"] = None if allocator_total is None else allocator_total - attributed
     top = heapq.nsmallest(MAX_HOLDER_ROWS, zip(rows.values(), rows.keys()))
-    holders = [walk.holder(category, role, ref, device_of[dev_id], -negative)
-               for negative, ((category, _order, role, ref), dev_id) in top]
+    holders = [holder(walk, category, relation, ref, device_of[dev_id], -negative)
+               for negative, ((category, _order, relation, ref), dev_id) in top]
     if len(rows) > len(top):  # the rest: one row per category and device
         # Rows per (category, device) counted in C; minus the rows shown, in bytes and in number.
         counts = Counter(zip(map(itemgetter(0), map(itemgetter(0), rows)), map(itemgetter(1), rows)))
@@ -273,3 +289,47 @@ def _notes(walk: Walk, device: Optional[Device], allocator_total: Optional[int],
         notes.append("allocator_total is smaller than the attributed bytes (another "
                       "device's total, or taken at another moment?)")
     return notes
+
+
+def category_of(level: int, role: int) -> int:
+    """The ``who()`` category (an index into :data:`CATEGORIES`) of a claim's tier and role."""
+    return _CACHES if level == IPYTHON else role
+
+
+def holder(walk: Walk, category: int, relation: int, ref: Any, dev: Device, nbytes: int) -> Holder:
+    """The typed row for the ``nbytes`` on ``dev`` that claims of ``(category, relation, ref)`` won."""
+    if relation == GRAPH:
+        return _graph_holder(walk, category, ref, dev, nbytes)
+    root_kind, roots, frame, keys = walk.root_facts(ref)
+    _, text = walk.expr(ref)
+    kind = root_kind if relation == VAR else RELATION_KINDS[relation]
+    return Holder(kind, CATEGORIES[category], dev, nbytes, roots=roots, expr=text, frame=frame, keys=keys)
+
+
+def _graph_holder(walk: Walk, category: int, owners: tuple, dev: Device, nbytes: int) -> Holder:
+    """The row of the bytes that only the graphs of the roots ``owners`` keep alive."""
+    tier = walk.tiers[1] if category == _CACHES else walk.tiers[0]
+    more = owners[-1] == MORE
+    exprs: List[str] = []
+    roots: List[str] = []
+    keys: List[Any] = []
+    frames: List[str] = []
+    for index in owners:
+        if index == MORE:
+            continue
+        pid = tier.roots[index].path
+        _, text = walk.expr(pid)
+        _kind, names, frame, entry = walk.root_facts(pid)
+        if frame:
+            text = f"last traceback: {frame}() local {text!r}" if len(owners) > 1 else text
+            frames.append(frame)
+        if text not in exprs:
+            exprs.append(text)
+        roots.extend(n for n in names if n not in roots)
+        keys.extend(k for k in entry if k not in keys)
+    category_name = CATEGORIES[category]
+    if len(exprs) == 1 and not more:
+        return Holder("graph", category_name, dev, nbytes, roots=tuple(roots), expr=exprs[0],
+                      frame=frames[0] if frames else "", keys=tuple(keys))
+    return Holder("shared_graph", category_name, dev, nbytes, roots=tuple(roots), expr=" + ".join(exprs),
+                  more=more, keys=tuple(keys))

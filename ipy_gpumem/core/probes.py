@@ -82,6 +82,7 @@ class HostProbe:
 
     def __init__(self, psutil_module=None, use_procfs: bool | None = None):
         self._pid = None
+        self._reopen_pending = False
         self._statm = None  # fd of /proc/self/statm, kept open: a pread is 10x cheaper than open+read
         self._status = None  # fd of /proc/self/status, only when getrusage cannot give the peak
         self._clear_refs = None
@@ -153,10 +154,21 @@ class HostProbe:
         self.can_reset_peak = False
 
     def _after_fork(self) -> None:
-        # A child (DataLoader worker) inherits our /proc/self fds, which still describe the parent.
+        # A child (DataLoader worker, a sealed estimate) inherits our /proc/self fds, which still
+        # describe the parent: closed now, reopened when the child first reads (a child that never
+        # reads, such as the sealed copy of an estimate, then opens nothing, and asks for nothing
+        # its seal would have to refuse).
         if self._pid is not None and self._pid != os.getpid():
-            self._open()
+            self.close()
+            self._reopen_pending = True
 
+    def _reopen(self) -> bool:
+        """After a fork, open this process's own /proc/self files on first use; True if it did."""
+        if not self._reopen_pending:
+            return False
+        self._reopen_pending = False
+        self._open()
+        return True
 
     def rss(self) -> int | None:
         """Resident set size of this process, in bytes."""
@@ -170,7 +182,7 @@ class HostProbe:
                 return int(self._process.memory_info().rss)
             except Exception:  # noqa: BLE001 - psutil may raise anything from AccessDenied up
                 return None
-        return None
+        return self.rss() if self._reopen() else None
 
     def peak_rss(self) -> int | None:
         """Peak RSS since the last reset (Linux, Windows), or None where the OS keeps none."""
@@ -189,7 +201,7 @@ class HostProbe:
                 return None if peak is None else int(peak)
             except Exception:  # noqa: BLE001
                 return None
-        return None
+        return self.peak_rss() if self._reopen() else None
 
     def rss_after_reset(self) -> int | None:
         """The RSS right after :meth:`reset_peak`: the reset high-water mark, one cheap syscall.
@@ -231,7 +243,7 @@ class HostProbe:
     def reset_peak(self) -> bool:
         """Reset the kernel's RSS high-water mark to the current RSS; False if unsupported."""
         if self._clear_refs is None:
-            return False
+            return self.reset_peak() if self._reopen() else False
         try:
             if not self._peak_source_chosen:
                 self._choose_peak_source()
@@ -491,12 +503,34 @@ class CudaProbe:
     is avoided on devices without a context because it would create one (hundreds of MiB).
     """
 
-    def __init__(self, nvml: NvmlProbe | None = None, torch_module=None):
+    def __init__(self, nvml: NvmlProbe | None = None, torch_module=None, internals=None):
         self._torch_override = torch_module
         self.nvml = nvml if nvml is not None else NvmlProbe()
+        #: ``internals(torch)`` -> torch's private fast paths (``tensors.torch_api.api``: the one
+        #: adapter to torch's private names, which this foundation may not import); None: public APIs only.
+        self._internals = internals
         self._props: dict = {}
         self._stats_fn = None
         self._cpu_only = None  # the torch module found to be a CPU-only build
+
+    def _api(self):
+        torch = self._torch()
+        if self._internals is None or torch is None:
+            return None
+        try:
+            return self._internals(torch)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _built_with_cuda(self, torch) -> bool:
+        """False for a CPU-only build (a build flag: reading it initializes nothing)."""
+        api = self._api()
+        if api is not None:
+            return api.cuda_built()
+        try:
+            return bool(torch.backends.cuda.is_built())
+        except Exception:  # noqa: BLE001
+            return True
 
     def _torch(self):
         if self._torch_override is not None:
@@ -514,8 +548,7 @@ class CudaProbe:
         try:
             if cuda is None or not cuda.is_initialized():
                 # A CPU-only build never initializes CUDA: say so, rather than "not yet".
-                # (torch._C._has_cuda is a build flag; reading it initializes nothing.)
-                if getattr(getattr(torch, "_C", None), "_has_cuda", True) is False:
+                if not self._built_with_cuda(torch):
                     self._cpu_only = torch
                     return None, CPU_ONLY
                 return None, "CUDA not initialized yet"
@@ -536,14 +569,15 @@ class CudaProbe:
             except Exception:  # noqa: BLE001
                 return None
         torch = self._torch()
-        if torch is not None and getattr(getattr(torch, "_C", None), "_has_cuda", True) is False:
+        if torch is not None and not self._built_with_cuda(torch):
             return 0  # a CPU-only build: no CUDA device will ever exist in this process
         return self.nvml.visible_count()
 
     def device_indices(self, cuda) -> list:
         """torch indices of devices with a CUDA context (the ones the user's code touched)."""
         count = cuda.device_count()
-        has_context = getattr(getattr(self._torch(), "_C", None), "_cuda_hasPrimaryContext", None)
+        api = self._api()
+        has_context = api.cuda_has_context() if api is not None else None
         if has_context is None:
             # Older torch: the current device, plus any device whose allocator holds memory.
             current = cuda.current_device()
@@ -551,12 +585,11 @@ class CudaProbe:
         return [i for i in range(count) if has_context(i)]
 
     def _nested_stats(self, index: int) -> dict:
-        # torch._C._cuda_memoryStats returns the nested dict directly (~7x cheaper than the
+        # The adapter's private call returns the nested dict directly (~7x cheaper than the
         # flattened torch.cuda.memory_stats, which rebuilds ~120 keys on every call).
         if self._stats_fn is None:
-            torch = self._torch()
-            fn = getattr(getattr(torch, "_C", None), "_cuda_memoryStats", None)
-            self._stats_fn = fn if fn is not None else torch.cuda.memory_stats_as_nested_dict
+            api = self._api()
+            self._stats_fn = api.cuda_stats() if api is not None else self._torch().cuda.memory_stats_as_nested_dict
         return self._stats_fn(index)
 
     def counters(self, index: int) -> tuple:

@@ -13,8 +13,10 @@ from typing import Dict, Iterable, Mapping, Optional
 __all__ = ["ROLES", "TENSOR_ROLES", "ROLE_WORDS", "ROLE_SHORT", "RoleTable", "add_tables", "sub_tables",
            "clean_table", "table_total", "dominant"]
 
-#: Every role, in the order tables and legends list them.
-ROLES = ("parameters", "gradients", "optimizer_state", "activations", "other_tensors",
+#: Every role, in the one order the package uses: tables and legends list them so, and a storage
+#: reached in two roles counts in the first (a parameter a name also holds is a parameter; an
+#: activation the user holds is the user's tensor, which backward would not free).
+ROLES = ("parameters", "gradients", "optimizer_state", "other_tensors", "activations",
          "allocator_cache", "outside_pytorch")
 #: The roles of live tensors (the rest exist only on a GPU: the caching allocator and the driver).
 TENSOR_ROLES = ROLES[:5]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from decimal import ROUND_HALF_UP, Context, Decimal, InvalidOperation
+from typing import Optional
 
 __all__ = ["KiB", "MiB", "GiB", "TiB", "format_bytes", "format_delta", "format_seconds", "parse_bytes"]
 

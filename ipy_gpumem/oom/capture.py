@@ -1,6 +1,6 @@
 """Capture the CUDA allocator's state at the moment it raises out-of-memory, through torch's OOM observer.
 
-``torch._C._cuda_attach_out_of_memory_observer(cb)`` calls ``cb(device, alloc_size, limit,
+torch's out-of-memory observer (through the adapter, ``tensors.torch_api``) calls ``cb(device, alloc_size, limit,
 device_free)`` inside the failing allocation, after the allocator released its lock and before the
 error is raised, where ``limit`` is the per-process cap when a memory fraction is set, else the
 device's total. Three facts shape this module:
@@ -10,11 +10,11 @@ device's total. Three facts shape this module:
   nothing). The state lives here because ``%reload_ext`` reloads only the package's top module.
 * It can only be attached once CUDA is up, and the commonest first OOM happens in the very cell
   that brings CUDA up (``model.to("cuda")``). So before CUDA is up, :func:`watch` queues the
-  attach with ``torch.cuda._lazy_call``: torch runs it inside its own lazy initialization, before
+  attach with torch's lazy-call queue: torch runs it inside its own lazy initialization, before
   the user's first allocation. The queued call never raises (a raising queued call would break
   the user's CUDA initialization).
 * Only the native caching allocator has observers; with ``cudaMallocAsync`` attaching raises. The
-  backend is read from torch (``torch._C._cuda_getAllocatorBackend()``), not guessed from the
+  backend is read from torch (the adapter's ``allocator_backend()``), not guessed from the
   environment, and the answer is remembered: nothing is retried on every cell.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 from typing import Callable, NamedTuple, Optional
 
 from ..core.probes import counters_from_stats
+from ..tensors.torch_api import api as torch_api
 
 __all__ = ["OomCapture", "watch", "unwatch", "attached", "state", "describe"]
 
@@ -52,10 +53,10 @@ def _observer(device, alloc, limit, device_free) -> None:
     try:
         # Reading the stats here is safe: the allocator released its lock before calling us.
         torch = sys.modules.get("torch")
+        adapter = torch_api(torch) if torch is not None else None
         allocated = reserved = None
-        stats_fn = getattr(getattr(torch, "_C", None), "_cuda_memoryStats", None)
-        if stats_fn is not None:
-            allocated, reserved, _, _ = counters_from_stats(stats_fn(int(device)))
+        if adapter is not None:
+            allocated, reserved, _, _ = counters_from_stats(adapter.cuda_stats()(int(device)))
         target(OomCapture(time.perf_counter(), int(device), int(alloc), int(limit) if limit else None,
                           int(device_free) if device_free is not None else None, allocated, reserved))
     except BaseException:  # noqa: BLE001 - this runs inside torch's allocator: never raise there
@@ -65,12 +66,12 @@ def _observer(device, alloc, limit, device_free) -> None:
 def _attach_now(torch) -> None:
     """Attach the observer (CUDA is up). Never raises: it may run inside torch's lazy CUDA init."""
     try:
-        backend_fn = getattr(torch._C, "_cuda_getAllocatorBackend", None)
-        backend = str(backend_fn()) if backend_fn is not None else "native"
+        adapter = torch_api(torch)
+        backend = adapter.allocator_backend() or "native"
         if backend != "native":
             _STATE.update(state="unsupported", reason=f"the {backend} allocator has no out-of-memory observer")
             return
-        attach_fn = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+        attach_fn = adapter.attach_oom_observer()
         if attach_fn is None:
             _STATE.update(state="unsupported", reason="this torch has no out-of-memory observer")
             return
@@ -106,13 +107,14 @@ def watch(target: Callable[[OomCapture], None]) -> bool:
         return False
     try:
         cuda = torch.cuda
-        if getattr(getattr(torch, "_C", None), "_has_cuda", True) is False:
+        adapter = torch_api(torch)
+        if not adapter.cuda_built():
             _STATE.update(state="unsupported", reason="this torch build has no CUDA")
             return True
         if cuda.is_initialized():
             _attach_now(torch)
             return True
-        lazy_call = getattr(cuda, "_lazy_call", None)
+        lazy_call = adapter.lazy_cuda_call()
         if lazy_call is None:
             return False  # an old torch: try again when CUDA is up
         _STATE["state"] = "queued"

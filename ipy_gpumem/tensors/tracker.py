@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 __all__ = ["StorageTracker", "Run", "user_frame"]
 
-_OWN = ("/torch/", "/ipy_gpumem/preflight/", "/contextlib.py", "/copy.py", "/functools.py")
+_OWN = ("/torch/", "/ipy_gpumem/", "/contextlib.py", "/copy.py", "/functools.py")
 
 
 def user_frame(frame=None, tb=None):
@@ -68,15 +68,24 @@ class Run:
         #: user lines that asked for a tensor's value (fake runs): (filename, line, source)
         self.value_reads: List[tuple] = []
         self.sizes: Dict[int, int] = {}
+        #: keys of storages that existed before the run and that an op of the run read or wrote, or
+        #: that the run freed: the step's own state. What it never touched is not its working set.
+        self.touched: set = set()
+
+    def unused_existing(self) -> set:
+        """Keys of storages there before the run that the run never touched."""
+        return set(self.initial_roles) - self.touched
 
 
 def _make_mode_class():
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+    from .torch_api import api
 
+    adapter = api()
+    torch = adapter.torch
+    TorchDispatchMode = adapter.dispatch_mode
+    tree_leaves = adapter.tree_leaves
     aten = torch.ops.aten
-    _graph_task = torch._C._current_graph_task_id
+    _graph_task = adapter.graph_task_id
     # Ops whose meta kernel reports an empty workspace that the real CPU kernel does allocate
     # (oneDNN's RNN keeps one for backward): sized by running the real kernel once per shape.
     real_sized = {getattr(aten, name).default for name in ("mkldnn_rnn_layer",) if hasattr(aten, name)}
@@ -103,6 +112,8 @@ def _make_mode_class():
             if tracker.redirect is not None and "device" in kwargs:
                 kwargs = dict(kwargs)
                 kwargs["device"] = tracker.redirect(kwargs["device"])
+            if tracker.run.initial_roles:
+                tracker.touch(args)
             out = func(*args, **kwargs)
             if tracker.fake and func in real_sized:
                 out = tracker.real_workspace(func, args, kwargs, out)
@@ -112,12 +123,26 @@ def _make_mode_class():
                 for t in tree_leaves(out):
                     if isinstance(t, Tensor):
                         tracker.saw(t)
+            if tracker.after_op is not None:
+                tracker.after_op(func)
             return out
 
     return _Mode
 
 
 _MODE_CLASS = None
+
+
+def _adapter():
+    from .torch_api import api
+
+    return api()
+
+
+def _tensor_type():
+    from .torch_api import api
+
+    return api().torch.Tensor
 
 
 class StorageTracker:
@@ -148,7 +173,11 @@ class StorageTracker:
         self._phase = None
         self._saved_hooks = None
         self._tensor_cls = None
+        self._tensor_type = _tensor_type()
         self._workspace_sizes: Dict[str, int] = {}
+        #: called as ``after_op(func)`` once each operator has run (a CUDA estimate adds cuBLAS's
+        #: workspace at the first matrix multiply there)
+        self.after_op: Optional[Callable[[Any], None]] = None
 
     # -- storages ----------------------------------------------------------------------------
     def key_of(self, tensor) -> Optional[int]:
@@ -163,6 +192,17 @@ class StorageTracker:
         key = self._track(tensor)
         if key is not None and key not in self.run.initial_roles:
             self.run.initial_roles[key] = role
+
+    def touch(self, args) -> None:
+        """Mark the existing storages among an op's arguments (tensors, and lists of them) as used."""
+        initial, touched, tensor = self.run.initial_roles, self.run.touched, self._tensor_type
+        for arg in args:
+            items = arg if type(arg) in (list, tuple) else (arg,)
+            for item in items:
+                if isinstance(item, tensor):
+                    key = self.key_of(item)
+                    if key is not None and key in initial:
+                        touched.add(key)
 
     def saw(self, tensor) -> None:
         try:
@@ -203,18 +243,38 @@ class StorageTracker:
         weakref.finalize(storage, self._free, cdata, key)
         return key
 
+    def allocate(self, size: int) -> int:
+        """Count ``size`` bytes the run allocates outside any tensor and keeps to its end (cuBLAS's
+        workspace, which torch takes from the caching allocator): an allocation never freed. Its key."""
+        key = self._next_key
+        self._next_key += 1
+        self.run.sizes[key] = size
+        self.run.events.append((key, size))
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        if self._stack and self.live > self._stack[-1][3]:
+            self._stack[-1][3] = self.live
+        return key
+
     def _free(self, cdata, key):
         if self._keys.get(cdata) != key:
             return
+        if key in self.run.initial_roles:
+            self.run.touched.add(key)  # the step freed something that was there: part of its world
         del self._keys[cdata]
         self.run.events.append((key, -1))
         self.live -= self.run.sizes[key]
 
     def real_workspace(self, func, args, kwargs, out):
         """``out`` with its last output (the workspace) resized to what the real CPU kernel allocates."""
-        import torch
-        from torch.utils._python_dispatch import _disable_current_modes
-        from torch.utils._pytree import tree_map
+        from .torch_api import api
+
+        adapter = api()
+        torch = adapter.torch
+        _disable_current_modes = adapter.disable_current_modes
+
+        def tree_map(fn, value):
+            return adapter.tree_map(fn, value)
 
         key = (str(func), repr(tree_map(lambda a: (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a,
                                         (args, kwargs))))
@@ -290,26 +350,26 @@ class StorageTracker:
                         self.run.grad_keys.add(key)
 
     def _pack(self, tensor):
+        """Note when autograd saves a storage (an activation from then on), and save a detached alias:
+        saving the tensor itself would make an output saved by its own op (``relu``, ``sigmoid``,
+        ``softmax``) hold its own ``grad_fn``, a cycle that keeps a dropped graph alive until a garbage
+        collection, so a forward called twice would count its first graph into the second."""
         key = self.key_of(tensor)
         if key is not None and key not in self.run.saved_at and key not in self.run.initial_roles:
             self.run.saved_at[key] = len(self.run.events)
             size = self.run.sizes[key]
             for frame in self._stack:
                 frame[1] += size
-        return tensor
+        return tensor.detach()
 
     def _pre_forward(self, module, args):
-        import torch
-
-        if not torch._C._current_graph_task_id() == -1:
+        if _adapter().in_backward():
             return  # a forward recomputed during backward (checkpointing) stays in backward
         self.mark("forward")
         self._stack.append([self._module_names.get(id(module), type(module).__name__), 0, self.live, self.live])
 
     def _post_forward(self, module, args, output):
-        import torch
-
-        if not torch._C._current_graph_task_id() == -1 or not self._stack:
+        if _adapter().in_backward() or not self._stack:
             return
         name, saved, start, peak = self._stack.pop()
         if self._stack and peak > self._stack[-1][3]:
@@ -361,6 +421,4 @@ class StorageTracker:
         return False
 
     def in_backward(self) -> bool:
-        import torch
-
-        return torch._C._current_graph_task_id() != -1
+        return _adapter().in_backward()

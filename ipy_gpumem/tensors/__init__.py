@@ -1,0 +1,18 @@
+"""Tensors as memory: the one room that talks to torch's internals, and the one count of every tensor storage.
+
+    torch_api.py   the adapter: every private torch name once, with its fallback and the versions checked
+    storage.py     a tensor's storages: key, size and device (dense, sparse, nested, quantized, wrappers; CUDA blocks)
+    saved.py       what an autograd node keeps alive (saved tensors, pack-hook payloads, checkpointed inputs)
+    claims.py      the one role order, tiers and holder relations of a walk's claims
+    kinds.py       how each type is walked, and the cheap proof that a container holds only scalars
+    paths.py       how a walk names what it reached (``batch[0]``, ``type(trainer).history``)
+    graphs.py      the autograd half of the walk
+    walk.py        the walk: namespace -> (storage, role, holder path), counted once, on a budget
+    census.py      the role view of a walk: bytes by (device, role, owner)
+    hooks.py       the global hooks that mark training phases (forward, backward, optimizer step)
+    tracker.py     live storages of a run as it executes (the estimate's accounting), by dispatch
+
+The census, ``who()``, re-runs, phases, the estimate and the OOM analysis count through this room
+and nowhere else; no other module names a private torch attribute (``tests/test_tensors.py`` checks it).
+Importing it imports nothing heavy: torch is read from ``sys.modules`` when the user imported it.
+"""

@@ -1,0 +1,187 @@
+"""The autograd half of a walk: what the graphs of the tensors it found keep alive (NOTES §7).
+
+A depth-first walk from each root's ``grad_fn`` over ``next_functions`` marks which roots reach
+each node (up to a few, then "many"), reads what every node keeps alive (:mod:`.saved`: saved
+tensors without running unpack hooks, pack-hook payloads, checkpointed inputs, an
+``AccumulateGrad``'s leaf, a custom Function's ``ctx`` tensors), and claims each storage as an
+activation of the roots that reach it: only deleting all of them frees it.
+
+:class:`GraphWalk` is a part of :class:`~ipy_gpumem.tensors.walk.Walk` and uses the walk's tiers
+(``roots``, ``spread``, ``nodes``, ``owners_of``), claims, storages, saved-tensor reader, budget
+and notes.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+from .claims import ACTIVATIONS, GRAPH
+
+__all__ = ["GraphNode", "GraphRoot", "GraphWalk", "MAX_NODES", "MORE"]
+
+MAX_NODES = 1_000_000  # autograd nodes per tier
+_SHARED_NAMES = 4  # variables named in a shared-graph row before "+ more"
+MORE = -1  # last item of an owner tuple: reached from more roots than we name
+
+
+def _union(old: Optional[tuple], new: tuple) -> tuple:
+    """Union of two owner tuples; past ``_SHARED_NAMES`` owners the tuple ends in ``MORE``."""
+    if old is None or old == new:
+        return new
+    merged = sorted(set(old) | set(new))
+    more = merged[0] == MORE
+    if more:
+        del merged[0]
+    if more or len(merged) > _SHARED_NAMES:
+        return tuple(merged[:_SHARED_NAMES]) + (MORE,)
+    return tuple(merged)
+
+
+class GraphRoot(NamedTuple):
+    """A tensor with an autograd graph: its path, its top-level order, and its ``grad_fn``
+    (dropped, set to None, when the walk ends)."""
+
+    path: int
+    order: int
+    fn: Any
+
+
+class GraphNode:
+    """One autograd node reached by the walk: which roots reach it, and what it saves."""
+
+    __slots__ = ("node", "owners", "children", "collected", "saved")
+
+    def __init__(self, node: Any, owners: tuple, children: tuple):
+        self.node = node  # held so that id(node) stays unique while the walk runs
+        self.owners = owners  # indices into the tier's roots, ending in MORE past _SHARED_NAMES
+        self.children = children
+        self.collected: Optional[tuple] = None  # the owners when its saved storages were last counted
+        self.saved: Optional[List[Tuple[int, int]]] = None  # keys of the storages it saves
+
+
+class GraphWalk:
+    """The graph half of a walk: spread from roots, read what nodes save, claim it for its owners.
+
+    ``shared_owners`` (the walk's): record every root that reaches a node (``who()`` names the
+    variables that share a graph); False records the first only, which is all a census needs.
+    """
+
+    shared_owners = True
+
+    def graphs(self) -> None:
+        """Spread from the graph roots found since the last call, then read what new nodes save."""
+        for tier in self.tiers:
+            roots = tier.roots
+            while tier.spread < len(roots):
+                if self.out_of_budget():
+                    left = len(roots) - tier.spread
+                    self.unexamined.append(f"the autograd graphs of {left:,} tensors (e.g. "
+                                           f"{self.label(roots[tier.spread].path)})")
+                    tier.spread = len(roots)
+                    break
+                index = tier.spread
+                tier.spread += 1
+                if not self.spread(tier, roots[index].fn, index):
+                    self.notes.append(f"autograd graphs larger than {MAX_NODES:,} nodes were only partly examined")
+                    tier.spread = len(roots)
+                    break
+            self.collect(tier)
+
+    def spread(self, tier: Any, fn: Any, index: int) -> bool:
+        """Mark every node reachable from ``fn`` as reached by root ``index``; False if capped.
+
+        Each node records which roots reach it (up to ``_SHARED_NAMES`` of them, then "many"),
+        and is re-entered only when that set grows, so a node is visited at most a handful of
+        times however many variables share it.
+        """
+        nodes = tier.nodes
+        stack = [fn]
+        while stack:
+            node = stack.pop()
+            rec = nodes.get(id(node))
+            if rec is None:
+                if len(nodes) >= MAX_NODES:
+                    return False
+                try:
+                    children = tuple(nxt for nxt, _ in node.next_functions if nxt is not None)
+                except Exception:
+                    children = ()
+                rec = nodes[id(node)] = GraphNode(node, (index,), children)
+            else:
+                owners = rec.owners
+                if owners[-1] == MORE or index in owners or not self.shared_owners:
+                    continue  # (a census names one owner per storage: the first root that reaches it)
+                rec.owners = owners + ((index,) if len(owners) < _SHARED_NAMES else (MORE,))
+            stack.extend(rec.children)
+        return True
+
+    def collect(self, tier: Any) -> None:
+        """For each node that is new or gained owners: its saved storages belong to the union of their owners.
+
+        A storage saved by several nodes belongs to the union of their roots: only deleting all
+        of those variables frees it. The storages of the new nodes' tensors are read together
+        (``Storages.bulk``: C descriptors over the whole list), and node types that keep nothing
+        (``TBackward0``, ``ViewBackward0``...) are passed over without reading them.
+        """
+        owners_of, sizes, saved = tier.owners_of, self.sizes, self.saved
+        pending = []  # (node record, its tensors) of the nodes read for the first time
+        for count, rec in enumerate(list(tier.nodes.values())):
+            if rec.collected is rec.owners:
+                continue
+            if not count & 1023 and self.out_of_budget():
+                self.unexamined.append("part of the autograd graphs' saved tensors")
+                break
+            if rec.saved is None:
+                raw_names, is_accumulate, is_custom = saved.describe(type(rec.node))
+                if not raw_names and not is_accumulate and not is_custom:
+                    rec.saved = []  # a node that keeps nothing alive
+                else:
+                    try:
+                        pending.append((rec, list(saved.tensors(rec.node))))
+                    except Exception as exc:  # noqa: BLE001
+                        self.errors.append(f"autograd node {type(rec.node).__name__}: {type(exc).__name__}")
+                        self.error_count += 1
+                        rec.saved = []
+        if pending:
+            self._read_saved(pending)
+        for rec in list(tier.nodes.values()):
+            owners = rec.owners
+            if rec.collected is owners or rec.saved is None:
+                continue
+            for key in rec.saved:
+                owners_of[key] = _union(owners_of.get(key), owners)
+            rec.collected = owners
+
+    def _read_saved(self, pending: List[Tuple[Any, List[Any]]]) -> None:
+        """The storage keys of the tensors the pending nodes keep, read in bulk where they are plain."""
+        sizes, store = self.sizes, self.store
+        flat = [t for _rec, tensors in pending for t in tensors]
+        entries = store.bulk(flat)
+        if entries is None:
+            entries = [store.entries(t) for t in flat]
+        else:
+            entries = [[e] for e in entries]
+        position = 0
+        for rec, tensors in pending:
+            keys = []
+            for found in entries[position:position + len(tensors)]:
+                for key, nbytes, dev in found:
+                    if key not in sizes:
+                        sizes[key] = (nbytes, dev)
+                    keys.append(key)
+            position += len(tensors)
+            rec.saved = keys
+
+    def claim_graphs(self) -> None:
+        """Claim each saved storage as an activation of its owners, in the tier of those owners."""
+        claims, sizes = self.claims, self.sizes
+        for tier in self.tiers:
+            roots, level = tier.roots, tier.level
+            orders: Dict[tuple, int] = {}
+            for key, owners in tier.owners_of.items():
+                order = orders.get(owners)
+                if order is None:
+                    order = orders[owners] = min(roots[i].order for i in owners if i != MORE)
+                claim = (level, ACTIVATIONS, 0, 0, 0, order, GRAPH, owners) + sizes[key]
+                old = claims.get(key)
+                if old is None or claim < old:
+                    claims[key] = claim

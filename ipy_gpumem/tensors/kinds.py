@@ -1,0 +1,465 @@
+"""How a walk treats each object, decided once per type: tensor, module, optimizer, container, the user's code, or nothing to look at; and the cheap proof that a container holds only scalars.
+
+Most of a namespace is scalars, strings, numpy arrays and containers of them. Those are recognised
+in C, a whole group of containers of one type at a time (``set(map(type, chain.from_iterable(...)))``),
+so a million small variables cost a few hundred milliseconds and none of them a Python step.
+A very large container (a list of a million ints) is proven scalar-only once, in full, and then
+re-checked a slice at a time on later walks while its length stays the same (:class:`_Inert`), so
+a count that runs at every line boundary stays within a few milliseconds; its verdict is dropped
+the moment a slice, or its length, says otherwise.
+
+The user's code is walked too, because it holds tensors: a function's closure cells and default
+arguments, a class's attributes, a module's globals. Only code the user wrote counts (defined in a
+notebook or in a file outside the Python installation and its site-packages); a library's
+functions and modules are its own business and are not walked.
+
+Type decisions are kept across walks (per torch), so a census at every line pays for them once.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import site
+import sys
+import sysconfig
+import types
+from collections import deque
+from itertools import chain, compress, islice, repeat
+from operator import is_
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+__all__ = ["SKIP", "TENSOR", "PARAM", "MODULE", "OPTIM", "DICT", "SEQ", "OBJECT", "FUNC", "CLASS", "MODOBJ",
+           "TypeCache", "type_cache", "KindsMixin", "is_user_file"]
+
+# How an object is walked. SKIP is 0 so that "kind" reads as a truth value; kinds >= DICT are
+# opened a level at a time (their contents wait for the next level).
+SKIP, TENSOR, PARAM, MODULE, OPTIM, DICT, SEQ, OBJECT, FUNC, CLASS, MODOBJ = range(11)
+
+SCALAR_TYPES = (
+    int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
+    type(Ellipsis), type(NotImplemented), memoryview,
+)
+# Never opened: code objects, frames and friends (functions, classes and modules have kinds of their own).
+_OPAQUE_TYPES = (
+    types.BuiltinFunctionType, types.CodeType, types.FrameType, types.TracebackType, types.GeneratorType,
+    types.CoroutineType, types.AsyncGeneratorType, BaseException, property, staticmethod, classmethod,
+    types.WrapperDescriptorType, types.MethodWrapperType, types.MethodDescriptorType,
+    types.ClassMethodDescriptorType, types.GetSetDescriptorType, types.MemberDescriptorType,
+)
+_SEQ_BASES = (list, tuple, set, frozenset, deque)
+# Packages whose objects are the session's machinery, not the user's data. Walking them would
+# find the user namespace again (e.g. ``exit._ip.user_ns``) under misleading names.
+SKIP_PACKAGES = frozenset((
+    "IPython", "ipykernel", "traitlets", "jupyter_client", "jupyter_core", "zmq", "tornado",
+    "ipywidgets", "plotly", "matplotlib", "asyncio", "logging", "threading", "concurrent",
+    "multiprocessing", "socket", "ssl", "subprocess", "ipy_gpumem", "comm", "debugpy", "numpy", "pandas",
+))
+_C_DESCRIPTORS = (types.GetSetDescriptorType, types.MemberDescriptorType)
+_GROUP = 1024  # containers of one type tested together for "holds only scalars"
+_SLICE = 1 << 16  # items scanned in C between two looks at the clock
+#: A container whose proof touched more items than this is remembered and re-checked a slice per walk.
+LARGE = 1 << 16
+#: Builtin containers longer than this are proven one by one (so that the proof can be remembered).
+_ALONE = 1024
+_MEMO_SIZE = 256
+_GONE = object()
+
+
+def _library_prefixes() -> Tuple[str, ...]:
+    paths = set()
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        try:
+            paths.add(sysconfig.get_paths()[key])
+        except Exception:  # noqa: BLE001
+            pass
+    try:
+        paths.update(site.getsitepackages())
+    except Exception:  # noqa: BLE001 - some virtualenvs' site module lacks it
+        pass
+    try:
+        paths.add(site.getusersitepackages())
+    except Exception:  # noqa: BLE001
+        pass
+    for prefix in (sys.prefix, sys.base_prefix, sys.exec_prefix):
+        paths.add(os.path.join(prefix, "lib"))
+    return tuple(sorted(os.path.realpath(p) + os.sep for p in paths if p))
+
+
+_PREFIXES: Optional[Tuple[str, ...]] = None
+_USER_FILES: Dict[str, bool] = {}
+
+
+def is_user_file(filename: Any) -> bool:
+    """Whether code from ``filename`` is the user's: a notebook cell, a script, a module of theirs,
+    not the standard library or an installed package (and never ipy_gpumem)."""
+    global _PREFIXES
+    if not isinstance(filename, str) or not filename:
+        return False
+    known = _USER_FILES.get(filename)
+    if known is not None:
+        return known
+    if filename.startswith("<"):
+        # "<ipython-input-3-...>", "<cell>", "<string>"; "<frozen ...>" is Python's own.
+        verdict = not filename.startswith(("<frozen", "<built"))
+    else:
+        if _PREFIXES is None:
+            _PREFIXES = _library_prefixes()
+        real = os.path.realpath(filename)
+        verdict = not real.startswith(_PREFIXES) and f"{os.sep}ipy_gpumem{os.sep}" not in real
+    if len(_USER_FILES) > 10_000:
+        _USER_FILES.clear()
+    _USER_FILES[filename] = verdict
+    return verdict
+
+
+class _Inert:
+    """A large container proven to hold only scalars ``levels`` deep: its type and length then, how
+    many of its items a re-check takes (about :data:`LARGE` items below them), and where the next starts."""
+
+    __slots__ = ("tp", "length", "levels", "stride", "cursor")
+
+    def __init__(self, tp: type, length: int, levels: int, stride: int):
+        self.tp, self.length, self.levels, self.stride, self.cursor = tp, length, levels, stride, 0
+
+
+class TypeCache:
+    """What is decided once per type (and per user file), kept across walks for one torch."""
+
+    def __init__(self, api: Any):
+        torch = api.torch
+        self.tensor_type = torch.Tensor
+        nn_module = sys.modules.get("torch.nn.modules.module")
+        parameter = sys.modules.get("torch.nn.parameter")
+        optimizer = sys.modules.get("torch.optim.optimizer")
+        self.module_type = getattr(nn_module, "Module", None)
+        self.parameter_type = getattr(parameter, "Parameter", None)
+        self.optimizer_type = getattr(optimizer, "Optimizer", None)
+        self.plain_tensor_types = {torch.Tensor} | ({self.parameter_type} if self.parameter_type else set())
+        # An nn.Module's own bookkeeping (what Module.__init__ sets): walked by the module's own rules.
+        try:
+            self.module_internals = frozenset(self.module_type().__dict__) if self.module_type else frozenset()
+        except Exception:  # noqa: BLE001
+            self.module_internals = frozenset()
+        self.kinds: Dict[type, int] = dict.fromkeys(SCALAR_TYPES, SKIP)
+        self.skip_types = set(SCALAR_TYPES)  # the types whose kind is SKIP, for tests in C
+        self.seq_iter: Dict[type, Any] = {}
+        self.dict_desc: Dict[type, Any] = {}
+        self.slot_desc: Dict[type, tuple] = {}
+        self.user_modules: Dict[str, bool] = {}
+        self.user_classes: Dict[type, bool] = {}  # classes the user wrote (filled by classify)
+        self.inert: Dict[int, _Inert] = {}  # id of a large container -> its verdict
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:  # arrays hold numbers in their own buffer (object arrays are left out)
+            self.kinds[numpy.ndarray] = SKIP
+            self.skip_types.add(numpy.ndarray)
+
+    def classify(self, tp: type) -> int:
+        """Decide once per type how its instances are walked."""
+        try:
+            kind = self._classify(tp)
+        except Exception:  # noqa: BLE001
+            kind = SKIP
+        self.kinds[tp] = kind
+        if kind == SKIP:
+            self.skip_types.add(tp)
+        return kind
+
+    def _classify(self, tp: type) -> int:
+        if issubclass(tp, self.tensor_type):
+            if self.parameter_type is not None and issubclass(tp, self.parameter_type):
+                return PARAM
+            return TENSOR
+        if self.module_type is not None and issubclass(tp, self.module_type):
+            return MODULE
+        if self.optimizer_type is not None and issubclass(tp, self.optimizer_type):
+            return OPTIM
+        if issubclass(tp, dict):
+            return DICT
+        for base in _SEQ_BASES:
+            if issubclass(tp, base):
+                # The base's C methods: a subclass's Python __iter__/__len__ never run.
+                self.seq_iter[tp] = base.__iter__
+                return SEQ
+        if tp is types.FunctionType or tp is types.MethodType or tp is functools.partial:
+            return FUNC
+        if issubclass(tp, type):
+            return CLASS
+        if issubclass(tp, types.ModuleType):
+            return MODOBJ
+        if issubclass(tp, _OPAQUE_TYPES) or issubclass(tp, SCALAR_TYPES):
+            return SKIP
+        module = type.__dict__["__module__"].__get__(tp)
+        if not isinstance(module, str) or module.partition(".")[0] in SKIP_PACKAGES:
+            return SKIP
+        desc = self._dict_descriptor(tp)
+        slots = self._slot_descriptors(tp)
+        if desc is None and not slots:
+            return SKIP
+        if desc is not None:
+            self.dict_desc[tp] = desc
+        self.slot_desc[tp] = slots
+        owner = sys.modules.get(module)
+        self.user_classes[tp] = owner is not None and self.is_user_module(owner)
+        return OBJECT
+
+    @staticmethod
+    def _dict_descriptor(tp: type) -> Any:
+        """The C ``__dict__`` getter of ``tp``, or None if instances have no plain ``__dict__``.
+
+        A class may define ``__dict__`` as a property (proxies do); then we stay out.
+        """
+        for klass in type.__dict__["__mro__"].__get__(tp):
+            desc = type.__dict__["__dict__"].__get__(klass).get("__dict__")
+            if desc is not None:
+                # C getters only (classes' getset, SimpleNamespace's member); a Python
+                # property named __dict__ would be user code.
+                return desc if type(desc) in _C_DESCRIPTORS else None
+        return None
+
+    @staticmethod
+    def _slot_descriptors(tp: type) -> tuple:
+        """``(name, C member descriptor)`` of every ``__slots__`` entry along the MRO (dataclasses with slots)."""
+        out = []
+        for klass in type.__dict__["__mro__"].__get__(tp):
+            if klass is object:
+                continue
+            attrs = type.__dict__["__dict__"].__get__(klass)
+            slots = attrs.get("__slots__")
+            if not slots:
+                continue
+            for name in (slots,) if isinstance(slots, str) else slots:
+                desc = attrs.get(name) if isinstance(name, str) else None
+                if type(desc) is types.MemberDescriptorType:
+                    out.append((name, desc))
+        return tuple(out)
+
+    def is_user_module(self, module: Any) -> bool:
+        """A module the user wrote: ``__main__``, or a file outside the installation's libraries."""
+        try:
+            name = types.ModuleType.__dict__["__dict__"].__get__(module).get("__name__")
+        except Exception:  # noqa: BLE001
+            return False
+        if not isinstance(name, str):
+            return False
+        if name == "__main__":
+            return True  # the notebook's (or the script's) own module
+        known = self.user_modules.get(name)
+        if known is None:
+            attrs = types.ModuleType.__dict__["__dict__"].__get__(module)
+            top = name.partition(".")[0]
+            known = top not in SKIP_PACKAGES and top != "torch" and is_user_file(attrs.get("__file__"))
+            self.user_modules[name] = known
+        return known
+
+
+_CACHES: Dict[int, TypeCache] = {}
+
+
+def type_cache(api: Any) -> TypeCache:
+    """The :class:`TypeCache` of one torch (made on first use)."""
+    cache = _CACHES.get(id(api))
+    if cache is None:
+        cache = _CACHES[id(api)] = TypeCache(api)
+    return cache
+
+
+class KindsMixin:
+    """The part of a walk that classifies objects and proves containers scalar-only.
+
+    Uses the walk's ``types`` (:class:`TypeCache`), ``visits`` and :meth:`out_of_budget`.
+    """
+
+    types: TypeCache
+
+    def kind_of(self, value: Any) -> int:
+        """How ``value`` is walked, decided by its type (never by ``__class__``)."""
+        kind = self.types.kinds.get(type(value))
+        return self.types.classify(type(value)) if kind is None else kind
+
+    def is_tensor(self, value: Any) -> bool:
+        """True for real tensors (by type, never by ``__class__``)."""
+        kind = self.kind_of(value)
+        return kind == TENSOR or kind == PARAM
+
+    def instance_dict(self, obj: Any) -> Optional[dict]:
+        """``obj.__dict__`` read through the C descriptor (no ``__getattr__``), or None."""
+        tp = type(obj)
+        cache = self.types
+        desc = cache.dict_desc.get(tp)
+        if desc is None:
+            desc = cache._dict_descriptor(tp)
+            if desc is None:
+                return None
+            cache.dict_desc[tp] = desc
+        try:
+            value = desc.__get__(obj, tp)
+        except Exception:  # noqa: BLE001
+            return None
+        return value if isinstance(value, dict) else None
+
+    def attributes(self, obj: Any) -> Optional[dict]:
+        """An object's attributes: its ``__dict__`` and its slots (read through C descriptors), or None."""
+        slots = self.types.slot_desc.get(type(obj), ())
+        attrs = self.instance_dict(obj)
+        if not slots:
+            return attrs
+        out = dict(attrs) if attrs is not None else {}
+        for name, desc in slots:
+            try:
+                out[name] = desc.__get__(obj, type(obj))
+            except AttributeError:  # an unset slot
+                continue
+        return out
+
+    def values_of(self, obj: Any, kind: int) -> Any:
+        """An iterator over what container ``obj`` holds, through builtin C methods only; None if unreadable."""
+        if kind == DICT:
+            return dict.values(obj)
+        if kind == SEQ:
+            return self.types.seq_iter[type(obj)](obj)
+        if kind == OBJECT:
+            attrs = self.attributes(obj)
+            return None if attrs is None else dict.values(attrs)
+        return None  # code: opened one by one
+
+    def scalars_only(self, obj: Any, kind: int) -> bool:
+        """True when container ``obj`` holds only values of skipped types (one C pass, or a slice of a
+        large container already proven)."""
+        if kind > OBJECT:
+            return False  # the user's code: looked at one by one
+        if kind == OBJECT and self.types.user_classes.get(type(obj)):
+            return False  # an instance of the user's class: its class attributes are looked at too
+        try:
+            if type(obj) in (list, tuple, dict) and len(obj) > _ALONE:
+                return self.inert(type(obj), [obj], 1)
+            values = self.values_of(obj, kind)
+            return values is None or self.types.skip_types.issuperset(map(type, values))
+        except Exception:  # noqa: BLE001 - changed size during iteration (another thread)
+            return False
+
+    def inert(self, tp: type, group: List[Any], levels: int) -> bool:
+        """True when no container in ``group`` (all of type ``tp``) holds anything but scalars
+        within ``levels`` levels: ``levels=1`` looks at their items, ``2`` also inside those.
+
+        All in C (``chain.from_iterable`` of the builtin C iterators, ``map(type, ...)``), so a
+        million small records cost a few passes over memory instead of a Python step each. One
+        list, tuple or dict whose proof touched more than :data:`LARGE` items is remembered and,
+        while its length stays the same, re-checked a slice of about :data:`LARGE` items per walk.
+        """
+        cache = self.types
+        kind = cache.kinds[tp]
+        if kind > OBJECT or (kind == OBJECT and cache.user_classes.get(tp)):
+            return False  # the user's code, and instances of the user's classes (class attributes): one by one
+        single = group[0] if len(group) == 1 and tp in (list, tuple, dict) else None
+        if single is not None:
+            known = cache.inert.get(id(single))
+            if known is not None:
+                if known.tp is tp and known.length == len(single) and known.levels >= levels:
+                    return self._recheck(single, known)
+                cache.inert.pop(id(single), None)
+        before = self.visits
+        verdict = self._inert(tp, group, levels)
+        if verdict and single is not None and self.visits - before > LARGE:
+            memo = cache.inert
+            if len(memo) >= _MEMO_SIZE:
+                memo.pop(next(iter(memo)))
+            memo[id(single)] = _Inert(tp, len(single), levels, max(1, len(single) * LARGE // (self.visits - before)))
+        return verdict
+
+    def _recheck(self, container: Any, known: "_Inert") -> bool:
+        """One slice of a container proven scalar-only before: still so? (Drops the verdict if not.)"""
+        start, stop = known.cursor, known.cursor + known.stride
+        part = list(islice(dict.values(container), start, stop)) if known.tp is dict else list(container[start:stop])
+        if self._inert(list, [part], known.levels):
+            known.cursor = 0 if stop >= known.length else stop
+            return True
+        self.types.inert.pop(id(container), None)
+        return False
+
+    def _inert(self, tp: type, group: List[Any], levels: int) -> bool:
+        cache = self.types
+        found: set = set()
+        try:
+            children = self.children(tp, group)
+            self.visits += len(group)
+            # Types only, without holding the children (listing them, and dropping the list, would
+            # touch every object twice more). A slice at a time, with a look at the clock between
+            # slices: a list of fifty million ints must not stall the kernel either.
+            while True:
+                found.update(map(type, islice(children, _SLICE)))
+                following = next(children, _GONE)
+                if following is _GONE:
+                    break
+                found.add(type(following))
+                self.visits += _SLICE
+                if self.out_of_budget():
+                    return False  # not proven empty: the caller's walk reports it as not examined
+            others = found.difference(cache.skip_types)
+            if not others:
+                return True
+            if levels <= 1:
+                return False
+            values = list(self.children(tp, group))  # something else is there: look closer
+        except Exception:  # noqa: BLE001 - an odd instance: let the item-by-item path look at each one
+            return False
+        tps = list(map(type, values))
+        for other in others:
+            kind = cache.kinds.get(other)
+            if kind is None:
+                kind = cache.classify(other)
+            if not kind:
+                continue
+            if kind < DICT or not self.inert(other, list(compress(values, map(is_, tps, repeat(other)))), levels - 1):
+                return False
+        return True
+
+    def children(self, tp: type, group: List[Any]) -> Iterator[Any]:
+        """What the containers in ``group`` (all of type ``tp``) hold, chained, through C iterators only."""
+        cache = self.types
+        kind = cache.kinds[tp]
+        if kind == DICT:
+            return chain.from_iterable(map(dict.values, group))
+        if kind == SEQ:
+            return chain.from_iterable(map(cache.seq_iter[tp], group))
+        if cache.slot_desc.get(tp):
+            return chain.from_iterable(dict.values(self.attributes(obj) or {}) for obj in group)
+        return chain.from_iterable(map(dict.values, map(cache.dict_desc[tp].__get__, group)))
+
+    def suspects(self, values: List[Any], levels: int) -> List[int]:
+        """Positions of ``values`` that may hold a tensor within ``levels`` levels, in order.
+
+        Scalars are dropped by type; containers are tested in groups of one type (``_GROUP`` at
+        a time) with :meth:`inert`, so only groups that hold something are walked item by item.
+        """
+        tps = list(map(type, values))
+        cache = self.types
+        kinds, classify = cache.kinds, cache.classify
+        for tp in set(tps):  # every type gets a kind first, so that kinds.get never answers None below
+            if tp not in kinds:
+                classify(tp)
+        # One pass keeps what is not a scalar; the per-type passes then run over that rest only.
+        positions = list(compress(range(len(values)), map(kinds.__getitem__, tps)))
+        rest = list(map(tps.__getitem__, positions))
+        kept: List[int] = []
+        for tp in set(rest):
+            mine = list(compress(positions, map(is_, rest, repeat(tp))))
+            if kinds[tp] < DICT or kinds[tp] > OBJECT:
+                kept.extend(mine)
+                continue
+            if tp in (list, tuple, dict):
+                # A large builtin container goes alone, through the memo of proven ones.
+                sizes = list(map(len, map(values.__getitem__, mine)))
+                large = [p for p, n in zip(mine, sizes) if n > _ALONE] if max(sizes, default=0) > _ALONE else []
+                for position in large:
+                    if not self.inert(tp, [values[position]], levels):
+                        kept.append(position)
+                if large:
+                    mine = [p for p, n in zip(mine, sizes) if n <= _ALONE]
+            if len(mine) > _GROUP and self.inert(tp, list(map(values.__getitem__, mine)), levels):
+                continue  # the usual case, in one go: a million records of scalars
+            for start in range(0, len(mine), _GROUP):
+                chunk = mine[start:start + _GROUP]
+                if not self.inert(tp, list(map(values.__getitem__, chunk)), levels):
+                    kept.extend(chunk)
+        kept.sort()
+        return kept

@@ -1,0 +1,362 @@
+"""The one adapter to torch's private names: each is read here once, with its fallback and the versions it was checked on.
+
+Everything else in the package reaches torch's internals through :func:`api` (an :class:`Api`
+bound to the torch the user imported), the way ``torch/cuda/memory.py`` wraps each
+``torch._C._cuda_*`` call once for the rest of torch. When torch renames or drops a name, this
+is the one file to edit, and :data:`DEPENDENCIES` is the list a test checks against the installed
+torch. Nothing here imports torch: the module is read through ``sys.modules`` (the user's), and a
+name missing from an older or newer torch resolves to its fallback (None, or a public API), never
+to an error.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Tuple
+
+__all__ = ["Api", "api", "Dependency", "DEPENDENCIES", "CHECKED_ON"]
+
+#: The torch releases every entry of :data:`DEPENDENCIES` was checked on (the CPU build here; the
+#: CUDA names on a CUDA build through ``tests/test_gpu.py`` when a GPU is lent).
+CHECKED_ON = ("2.13.0",)
+
+
+class Dependency(NamedTuple):
+    """One private torch name we use: where it lives, what for, and what happens without it."""
+
+    name: str
+    purpose: str
+    fallback: str
+
+
+DEPENDENCIES: Tuple[Dependency, ...] = (
+    Dependency("torch._C.TensorBase (torch._C._TensorBase before 2.1)",
+               "C descriptors of tensor state (untyped_storage, grad, grad_fn, is_leaf, layout): read without a "
+               "subclass's Python overrides or __torch_function__", "required (every torch since 1.0 has one of them)"),
+    Dependency("torch._C.StorageBase", "C descriptors of a storage (device, nbytes, data_ptr) for bulk reads",
+               "per-tensor reads through the public UntypedStorage methods"),
+    Dependency("torch._C._autograd.SavedTensor (.data, .unpack_hook)",
+               "what an autograd node saved, read without running saved-tensor unpack hooks; the unpack hook's "
+               "closure holds what a pack hook kept elsewhere (non-reentrant checkpointing keeps its inputs there)",
+               "no saved tensors are read (activations count as 0, with a note)"),
+    Dependency("autograd node attributes _raw_saved_*", "the SavedTensor objects of a node",
+               "none: as above"),
+    Dependency("torch.autograd.function.BackwardCFunction", "tells a custom Function's node (whose ctx attributes "
+               "keep tensors) from a built-in one", "ctx attributes are not read"),
+    Dependency("torch._C.DisableTorchFunctionSubclass", "keeps tensor subclasses' __torch_function__ from running "
+               "while the walk reads tensors", "torch._C.DisableTorchFunction, else nothing"),
+    Dependency("torch._C._current_graph_task_id", "tells code that runs inside backward (checkpoint recomputation) "
+               "from the forward", "assumed outside backward"),
+    Dependency("torch._C._current_autograd_node", "the node the engine is running: the only handle on a graph "
+               "whose output nobody holds any more", "that graph is not counted during its backward"),
+    Dependency("torch.autograd.Variable._execution_engine.queue_callback", "a callback when a backward's graph "
+               "task ends (how torch.utils.module_tracker finds the end of backward)", "no end of backward: the "
+               "phase closes at the next boundary"),
+    Dependency("torch.utils._python_dispatch (TorchDispatchMode, _get_current_dispatch_mode_stack, "
+               "_disable_current_modes, is_traceable_wrapper_subclass)", "the estimate's storage tracker; inner "
+               "tensors of wrapper subclasses (NJT, DTensor, float8)", "no estimate; wrapper subclasses read through "
+               "their instance attributes"),
+    Dependency("torch.utils._pytree (tree_leaves, tree_flatten, tree_map)", "tensors inside a module's inputs and "
+               "outputs (tuples, dicts, ModelOutput)", "plain tuples, lists and dicts only"),
+    Dependency("torch._subclasses.fake_tensor.FakeTensorMode", "tensors with shapes and no memory for the estimate",
+               "no estimate"),
+    Dependency("Tensor._indices(), Tensor._values() (sparse COO)", "the storages of an uncoalesced sparse tensor "
+               "(the public indices() requires a coalesced one)", "coalesced tensors only, through indices()"),
+    Dependency("torch._C._has_cuda", "a CPU-only build (public: torch.backends.cuda.is_built())", "the public call"),
+    Dependency("torch._C._cuda_hasPrimaryContext", "which devices the user's code touched (reading another would "
+               "create a context there)", "the current device, plus devices whose allocator holds memory"),
+    Dependency("torch._C._cuda_memoryStats", "the allocator's counters as a nested dict, ~7x cheaper than the "
+               "public memory_stats()", "torch.cuda.memory_stats_as_nested_dict"),
+    Dependency("torch._C._cuda_attach_out_of_memory_observer", "the allocator's state at the failing allocation",
+               "no capture: the panel reads the error message and a reading taken after it"),
+    Dependency("torch._C._cuda_getAllocatorBackend", "native caching allocator or cudaMallocAsync (observers exist "
+               "only for the native one)", "assumed native"),
+    Dependency("torch.cuda._lazy_call", "attach the OOM observer inside CUDA's lazy initialisation, so the first "
+               "CUDA cell's OOM is captured", "attach once CUDA is up"),
+    Dependency("torch._C._ExcludeDispatchKeyGuard, torch._C.DispatchKeySet, torch._C.DispatchKey.AutocastCPU",
+               "the estimate's CUDA autocast emulation: its AutocastCPU kernels run an op below the autocast key "
+               "(as torch.library.register_autocast does) or let it fall through to the next key",
+               "no emulation: a CUDA autocast region runs as CPU autocast (the CPU's op lists), with a note"),
+    Dependency("torch._C._dispatch_get_all_op_names, torch._C._dispatch_has_kernel_for_dispatch_key",
+               "the ops CPU autocast casts (those not in CUDA's lists fall through under the emulation) and CUDA's "
+               "own list in this torch (a test checks the emulation's table against it)",
+               "the CPU-only ops keep the CPU's casts"),
+    Dependency("OpOverload._schema.arguments", "where an op takes its optional dtype (CUDA autocast's "
+               "fp32_set_opt_dtype policy sets it)", "the dtype is passed by keyword"),
+    Dependency("Tensor._is_view()", "autocast's weight cache keeps casts of leaves that are not views",
+               "every leaf counts as not a view"),
+    Dependency("torch.library.Library._destroy", "takes the emulation's kernels off the dispatcher when it ends "
+               "(the tests; a batch search estimates several times in one child)",
+               "the kernels stay registered in the sealed child, which dies with them"),
+)
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    """``obj.a.b.c`` or None when any step is missing (never raises)."""
+    for part in dotted.split("."):
+        try:
+            obj = getattr(obj, part)
+        except Exception:  # noqa: BLE001 - a missing or broken attribute is a missing name
+            return None
+    return obj
+
+
+def _submodule(name: str) -> Any:
+    """A torch submodule if torch already imported it (torch imports all of these itself)."""
+    return sys.modules.get(name)
+
+
+class Api:
+    """torch's private names, resolved once for one torch module (``api(torch)`` caches it).
+
+    Attributes are the resolved objects (None when this torch has no such name); methods wrap
+    the ones that need a guard. Reading an attribute never imports anything.
+    """
+
+    def __init__(self, torch: Any):
+        self.torch = torch
+        C = getattr(torch, "_C", None)
+        self.tensor_base = _get(C, "TensorBase") or _get(C, "_TensorBase")
+        self.storage_base = _get(C, "StorageBase")
+        self.saved_tensor = _get(C, "_autograd.SavedTensor") or _get(C, "_SavedTensor")
+        # SavedTensor.data (torch >= 2.4 or so) is what was saved, or what a pack hook returned,
+        # without running unpack hooks; SavedTensor.unpack_hook (checked on 2.13) is the hook.
+        self.saved_has_data = self.saved_tensor is not None and hasattr(self.saved_tensor, "data")
+        self.saved_has_unpack_hook = self.saved_tensor is not None and hasattr(self.saved_tensor, "unpack_hook")
+        function = _submodule("torch.autograd.function")
+        self.backward_cfunction = getattr(function, "BackwardCFunction", None)
+        self.disable_torch_function = _get(C, "DisableTorchFunctionSubclass") or _get(C, "DisableTorchFunction")
+        self._task_id = _get(C, "_current_graph_task_id")
+        self._current_node = _get(C, "_current_autograd_node")
+        self._engine = _get(torch, "autograd.Variable._execution_engine")
+        dispatch = _submodule("torch.utils._python_dispatch")
+        self.dispatch_mode = getattr(dispatch, "TorchDispatchMode", None)
+        self._mode_stack = getattr(dispatch, "_get_current_dispatch_mode_stack", None)
+        self.disable_current_modes = getattr(dispatch, "_disable_current_modes", None)
+        self._is_wrapper = getattr(dispatch, "is_traceable_wrapper_subclass", None)
+        self._pytree = _submodule("torch.utils._pytree")
+        self._has_cuda = _get(C, "_has_cuda")
+        self._has_primary_context = _get(C, "_cuda_hasPrimaryContext")
+        self._memory_stats = _get(C, "_cuda_memoryStats")
+        self._attach_oom = _get(C, "_cuda_attach_out_of_memory_observer")
+        self._allocator_backend = _get(C, "_cuda_getAllocatorBackend")
+        self._lazy_call = _get(torch, "cuda._lazy_call")
+        self._exclude_keys = _get(C, "_ExcludeDispatchKeyGuard")
+        self._keyset = _get(C, "DispatchKeySet")
+        self._autocast_cpu = _get(C, "DispatchKey.AutocastCPU")
+        self._all_ops = _get(C, "_dispatch_get_all_op_names")
+        self._has_kernel = _get(C, "_dispatch_has_kernel_for_dispatch_key")
+
+    # -- autograd --------------------------------------------------------------------------------
+    def raw_saved_names(self, node_type: type) -> Tuple[str, ...]:
+        """The ``_raw_saved_*`` attributes of an autograd node type (``SavedTensor`` objects)."""
+        try:
+            return tuple(a for a in dir(node_type) if a.startswith("_raw_saved_"))
+        except Exception:  # noqa: BLE001
+            return ()
+
+    def graph_task_id(self) -> int:
+        """The running backward's graph task id, -1 outside backward."""
+        fn = self._task_id
+        if fn is None:
+            return -1
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001
+            return -1
+
+    def in_backward(self) -> bool:
+        return self.graph_task_id() != -1
+
+    def current_node(self) -> Any:
+        """The autograd node the engine is running now (None outside backward or on an old torch)."""
+        fn = self._current_node
+        try:
+            return fn() if fn is not None else None
+        except Exception:  # noqa: BLE001
+            return None
+
+    def queue_backward_callback(self, callback: Callable[[], None]) -> bool:
+        """Run ``callback`` when the current backward's graph task ends; False if it cannot be queued."""
+        engine = self._engine
+        if engine is None:
+            return False
+        engine.queue_callback(callback)
+        return True
+
+    def no_torch_function(self) -> Any:
+        """A context in which tensor subclasses' ``__torch_function__`` does not run."""
+        ctx = self.disable_torch_function
+        return ctx() if ctx is not None else _Null()
+
+    # -- dispatch and fake tensors ---------------------------------------------------------------
+    def dispatch_modes(self) -> tuple:
+        """The dispatch modes active now, outermost first."""
+        fn = self._mode_stack
+        try:
+            return tuple(fn()) if fn is not None else ()
+        except Exception:  # noqa: BLE001
+            return ()
+
+    def fake_tensor_mode(self) -> Any:
+        """The ``FakeTensorMode`` class (importing it, the first time, is the estimate's own cost)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415 - only when estimating
+
+        return FakeTensorMode
+
+    def fake_loggers(self) -> Tuple[str, ...]:
+        """The loggers FakeTensorMode writes to (silenced while an estimate runs)."""
+        return ("torch._subclasses.fake_tensor", "torch._subclasses.meta_utils", "torch.fx.experimental.symbolic_shapes")
+
+    def is_wrapper_subclass(self, t: Any) -> bool:
+        """True for a traceable wrapper subclass (``__tensor_flatten__``): NJT, DTensor, float8."""
+        fn = self._is_wrapper
+        if fn is not None:
+            try:
+                return bool(fn(t))
+            except Exception:  # noqa: BLE001
+                return False
+        return hasattr(type(t), "__tensor_flatten__")
+
+    def inner_tensors(self, t: Any) -> Iterator[Any]:
+        """The tensors a wrapper subclass is made of (``__tensor_flatten__``'s attributes)."""
+        try:
+            names, _ctx = t.__tensor_flatten__()
+        except Exception:  # noqa: BLE001
+            return
+        for name in names:
+            try:
+                value = getattr(t, name)
+            except Exception:  # noqa: BLE001
+                continue
+            if value is not None:
+                yield value
+
+    def tree_leaves(self, value: Any) -> list:
+        """The leaves of a pytree (tuples, lists, dicts, ModelOutput); the value itself without pytree."""
+        fn = getattr(self._pytree, "tree_leaves", None)
+        if fn is None:
+            return list(value) if isinstance(value, (list, tuple)) else [value]
+        return fn(value)
+
+    def tree_map(self, fn: Callable, value: Any) -> Any:
+        return self._pytree.tree_map(fn, value)
+
+    # -- what a tensor without a storage of its own is made of ------------------------------------
+    def component_tensors(self, t: Any, layout: Any) -> tuple:
+        """The tensors holding a sparse or quantized tensor's memory (empty for a plain one)."""
+        torch = self.torch
+        if layout == torch.sparse_coo:
+            try:
+                return (t._indices(), t._values())
+            except Exception:  # noqa: BLE001 - a torch without the private pair
+                return (t.indices(), t.values())
+        if layout in (getattr(torch, "sparse_csr", None), getattr(torch, "sparse_bsr", None)):
+            return (t.crow_indices(), t.col_indices(), t.values())
+        if layout in (getattr(torch, "sparse_csc", None), getattr(torch, "sparse_bsc", None)):
+            return (t.ccol_indices(), t.row_indices(), t.values())
+        return ()
+
+    def quantizer_tensors(self, t: Any) -> tuple:
+        """A per-channel quantized tensor's scales and zero points (stored beside its data), else ()."""
+        torch = self.torch
+        try:
+            if not t.is_quantized or t.qscheme() not in (torch.per_channel_affine, torch.per_channel_symmetric,
+                                                        getattr(torch, "per_channel_affine_float_qparams", None)):
+                return ()
+            return (t.q_per_channel_scales(), t.q_per_channel_zero_points())
+        except Exception:  # noqa: BLE001
+            return ()
+
+    # -- CUDA ---------------------------------------------------------------------------------------
+    def cuda_built(self) -> bool:
+        """False for a CPU-only build (a build flag: reading it initialises nothing)."""
+        flag = self._has_cuda
+        return True if flag is None else bool(flag)
+
+    def cuda_has_context(self) -> Optional[Callable[[int], bool]]:
+        """``f(index)``: whether a device has a primary context (None on a torch without the call)."""
+        return self._has_primary_context
+
+    def cuda_stats(self) -> Callable[[int], dict]:
+        """``f(index)`` -> the allocator's counters as a nested dict (the fast private call, else the public one)."""
+        return self._memory_stats if self._memory_stats is not None else self.torch.cuda.memory_stats_as_nested_dict
+
+    def allocator_backend(self) -> Optional[str]:
+        fn = self._allocator_backend
+        try:
+            return str(fn()) if fn is not None else None
+        except Exception:  # noqa: BLE001
+            return None
+
+    def attach_oom_observer(self) -> Optional[Callable[[Callable], None]]:
+        return self._attach_oom
+
+    def lazy_cuda_call(self) -> Optional[Callable[[Callable], None]]:
+        return self._lazy_call
+
+
+    # -- the dispatcher (the estimate's CUDA emulation, in its sealed child) ------------------------
+    def autocast_kernels_supported(self) -> bool:
+        """Whether Python kernels can be put on the AutocastCPU key and run below it."""
+        return None not in (self._exclude_keys, self._keyset, self._autocast_cpu)
+
+    def below_autocast_cpu(self) -> Any:
+        """A context in which ops skip the AutocastCPU key (what an autocast kernel runs its op in)."""
+        return self._exclude_keys(self._keyset(self._autocast_cpu))
+
+    def without_autocast_cpu(self, keyset: Any) -> Any:
+        """``keyset`` less AutocastCPU: redispatching with it falls through to the next key."""
+        return keyset.remove(self._autocast_cpu)
+
+    def ops_with_kernel(self, key: str) -> Tuple[str, ...]:
+        """The qualified names of the operators with a kernel of their own for dispatch key ``key``."""
+        if self._all_ops is None or self._has_kernel is None:
+            return ()
+        try:
+            return tuple(n for n in self._all_ops() if self._has_kernel(n, key))
+        except Exception:  # noqa: BLE001
+            return ()
+
+    def op_argument_names(self, op: Any) -> Tuple[Tuple[str, bool], ...]:
+        """``(name, keyword only)`` of an OpOverload's arguments, in order (() when unknown)."""
+        try:
+            return tuple((a.name, bool(a.kwarg_only)) for a in op._schema.arguments)
+        except Exception:  # noqa: BLE001
+            return ()
+
+    def is_view(self, t: Any) -> bool:
+        try:
+            return bool(t._is_view())
+        except Exception:  # noqa: BLE001
+            return False
+
+    def drop_library(self, lib: Any) -> bool:
+        """Take a ``torch.library.Library``'s kernels off the dispatcher; False when this torch cannot."""
+        destroy = getattr(lib, "_destroy", None)
+        if destroy is None:
+            return False
+        destroy()
+        return True
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_CACHE: dict = {}
+
+
+def api(torch: Any = None) -> Optional[Api]:
+    """The adapter for ``torch`` (default: the torch the user imported); None when torch is not imported."""
+    if torch is None:
+        torch = sys.modules.get("torch")
+        if torch is None or not hasattr(torch, "Tensor"):
+            return None
+    cached = _CACHE.get(id(torch))
+    if cached is None or cached.torch is not torch:
+        cached = _CACHE[id(torch)] = Api(torch)
+    return cached

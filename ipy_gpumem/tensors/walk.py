@@ -1,0 +1,578 @@
+"""The one walk from a namespace to every tensor storage it keeps alive: (storage, role, holder path), counted once, within a budget.
+
+The census, ``who()``, the re-run tracker, the phases and the estimate all count through it.
+It visits, breadth first, the user's names (and roots a caller adds), then IPython's own
+references (the output cache, ``_``/``_N``, the last error's frames), then the modules the user
+wrote, one level deeper at a time down to :data:`MAX_DEPTH`: containers, plain objects' attributes
+and slots (dataclasses included), nn.Modules (parameters, buffers, other attributes, hooks),
+optimizers (state, param groups), the user's functions (closure cells, default arguments, the
+globals of their module), classes (class attributes) and modules (globals), and the autograd
+graphs of the tensors found (:mod:`.graphs`). Scalars and containers of scalars are recognised in
+C without a Python step each (:mod:`.kinds`).
+
+Each storage is *claimed* by every holder that reaches it; the best claim wins (see
+:mod:`.claims`: the user's names before IPython's, then the one role order), so the order of the
+walk never changes the result, only what a budget leaves out. The work is done in order of
+importance, so a budget that runs out costs the least useful part: the names themselves and
+IPython's references, then the graphs of the tensors found so far, then the contents of
+containers, then the graphs found in them. When a budget stops it, :attr:`Walk.stopped` says why
+and :attr:`Walk.unexamined` what was left.
+
+Nothing here calls user code (every read goes through a builtin type's own C method or
+descriptor, and tensor subclasses' ``__torch_function__`` is off), allocates tensors, imports
+torch, or keeps a reference after :meth:`Walk.run` returns.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import time
+import types
+from itertools import compress
+from operator import itemgetter, not_
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from ..core.devices import Device
+from .claims import IPYTHON, USER
+from .graphs import GraphNode, GraphRoot, GraphWalk
+from .holding import MAX_ITEMS, HoldingMixin
+from .kinds import (CLASS, DICT, FUNC, MODOBJ, MODULE as K_MODULE, OBJECT, OPTIM as K_OPTIM, PARAM, KindsMixin,
+                    is_user_file, type_cache)
+from .paths import ATTR, CELL, CLASSOF, EXTRA, ITEM, LOCAL, MODROOT, NAME, OUT, UNDER, Local, PathsMixin, clip, key_text
+from .saved import SavedReader
+from .storage import Storages
+
+__all__ = ["Walk", "GraphHandle", "MAX_DEPTH", "MAX_VISITS", "MAX_ITEMS"]
+
+MAX_DEPTH = 6  # containers/attributes below a name, e.g. ckpt['a']['b']['c']['d']['e']['f']
+MAX_VISITS = 50_000_000  # items examined in all containers together (the deterministic budget)
+_BULK = 64  # containers larger than this have their children sorted by type in C first
+_TENSORS = 1 << 14  # tensors read in bulk between two looks at the clock
+# The budget covers the report too: turning claims into rows takes about this long per claim
+# (0.8 us measured on a loaded 2-core machine), so the walk stops early enough to leave it time.
+_REPORT_S_PER_CLAIM = 1e-6
+
+_EXC_TRACEBACK = BaseException.__dict__["__traceback__"]
+_EXC_CAUSE = BaseException.__dict__["__cause__"]
+_EXC_CONTEXT = BaseException.__dict__["__context__"]
+_UNDERSCORES = ("_", "__", "___")
+_OUT_NAMES = ("Out", "_oh")
+_FIRST = itemgetter(0)
+_GONE = object()  # a name deleted while the walk ran
+_MODULE_DICT = types.ModuleType.__dict__["__dict__"]
+_TYPE_DICT = type.__dict__["__dict__"]
+
+
+class GraphHandle:
+    """A root that holds no storage of its own, only an autograd graph: the node the engine is
+    running during a backward (the only handle on a graph whose output nobody holds)."""
+
+    __slots__ = ("grad_fn",)
+
+    def __init__(self, grad_fn: Any):
+        self.grad_fn = grad_fn
+
+
+class _Tier:
+    """One pass of attribution: the user's names, or IPython's references. Each has its own
+    seen-set, levels to open, graph roots and graph nodes."""
+
+    def __init__(self, level: int, namespace_id: int):
+        self.level = level  # USER or IPYTHON
+        self.seen: Dict[int, int] = {namespace_id: -1}  # id -> depth it was opened at
+        self.levels: List[List[Tuple[int, Any, int]]] = [[] for _ in range(MAX_DEPTH + 1)]
+        self.roots: List[GraphRoot] = []  # tensors with a graph
+        self.spread = 0  # roots[:spread] are in ``nodes``
+        self.nodes: Dict[int, GraphNode] = {}  # by id(node)
+        self.owners_of: Dict[Any, tuple] = {}
+
+
+class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
+    """One walk; holds references to the user's objects only until :meth:`run` returns.
+
+    Args:
+        api: the torch adapter (``torch_api.api()``).
+        namespace: the user's names (``shell.user_ns``), or None.
+        wanted: count only storages on this device (None: every device).
+        ipython_names: the names of ``namespace`` that IPython bound (their values count in the
+            IPython tier, by identity: ``attribution.holders.ipython_refs``).
+        extra: more roots, ``(name, object)``: modules, optimizers, tensors, :class:`GraphHandle`.
+        budget_s, max_visits: when to stop, in seconds and in items examined.
+        errors: exceptions or tracebacks IPython keeps besides ``sys.last_*``.
+        caches: walk IPython's references and the last error (the IPython tier).
+        user_modules: walk the globals of the modules the user wrote that the names reach (through
+            their functions and classes, or bound by name).
+        shared_owners: name every root that shares a graph (``who()``); False: the first only.
+
+    After :meth:`run` the results are plain values: :attr:`claims` (storage key -> winning claim,
+    whose last two fields are its bytes and Device), :attr:`info` (per owner: a module's class and
+    parameter bytes, an optimizer's class and state names), the paths, the notes.
+    """
+
+    def __init__(self, api: Any, namespace: Optional[dict], *, wanted: Optional[Device] = None,
+                 ipython_names: Iterable[str] = (), extra: Iterable[Tuple[str, Any]] = (), budget_s: float = 0.75,
+                 max_visits: int = MAX_VISITS, start: Optional[float] = None, errors: Tuple[Any, ...] = (),
+                 caches: bool = True, user_modules: bool = True, shared_owners: bool = True):
+        self.api = api
+        self.shared_owners = shared_owners
+        self.namespace = namespace if isinstance(namespace, dict) else {}
+        self.ipython_names = frozenset(ipython_names)
+        self.extra = list(extra)
+        self.errors_kept = errors
+        self.walk_caches = caches
+        self.walk_user_modules = user_modules
+        self.budget_s = budget_s
+        self.deadline = (time.perf_counter() if start is None else start) + budget_s
+        self.max_visits = max_visits
+        self.types = type_cache(api)
+        self.store = Storages(api, wanted)
+        self.wanted = wanted
+        self.saved = SavedReader(api, self.is_tensor, self.instance_dict)
+        # storage key -> its best claim (see .claims); ``sizes`` keeps (bytes, Device) of the
+        # storages that autograd graphs keep, until their claims are made.
+        self.claims: Dict[Tuple[int, int], tuple] = {}
+        self.sizes: Dict[Tuple[int, int], Tuple[int, Device]] = {}
+        self.info: Dict[str, dict] = {}
+        self.p_parent: List[int] = []
+        self.p_step: List[int] = []
+        self.p_key: List[Any] = []
+        self.p_order: List[int] = []
+        self._exprs: Dict[int, Tuple[int, str]] = {}
+        self.order = 0
+        self.visits = 0
+        self.tiers = (_Tier(USER, id(self.namespace)), _Tier(IPYTHON, id(self.namespace)))
+        self.local_orders: set = set()  # orders of traceback locals, walked one level deep by design
+        self.modules_to_walk: Dict[int, Tuple[str, Any]] = {}  # user modules met through functions' globals
+        self.stopped: Optional[str] = None  # why a budget stopped the walk, in words
+        self.unexamined: List[str] = []  # what the walk did not look at because of it
+        self.notes: List[str] = []
+        self.too_deep = 0
+        self.too_deep_path = -1
+        self.errors: List[str] = []
+        self.error_count = 0
+
+    # ----------------------------------------------------------------- driver
+    def run(self) -> None:
+        """Walk in order of importance (see the module docstring), then drop every reference."""
+        users, caches = self.tiers
+        try:
+            with self.api.no_torch_function():
+                self.top_variables(users)
+                self.top_extra(users)
+                if self.walk_caches:
+                    self.top_caches(caches)
+                self.graphs()
+                for depth in range(MAX_DEPTH + 1):
+                    if depth == 1 and self.walk_user_modules:
+                        self.top_modules(users)  # their globals: level 1, after the names' own contents
+                    for tier in self.tiers:
+                        self.open_level(tier, depth)
+                self.graphs()
+                self.claim_graphs()
+        finally:
+            for tier in self.tiers:
+                tier.levels = []
+                tier.roots = [root._replace(fn=None) for root in tier.roots]  # no graph node kept
+                tier.nodes = {}
+            self.namespace = None
+            self.store.memo = {}  # it holds the tensors it read
+            self.extra = []
+            self.errors_kept = ()
+            self.modules_to_walk = {}
+            self.saved.closures_seen = set()
+
+    @property
+    def complete(self) -> bool:
+        """Nothing left out: no budget ran out and no container was deeper than :data:`MAX_DEPTH`."""
+        return self.stopped is None and not self.too_deep
+
+    def out_of_budget(self) -> bool:
+        """True once the time or visit budget is spent (and from then on)."""
+        if self.stopped is not None:
+            return True
+        if self.visits >= self.max_visits:
+            self.stopped = f"stopped after examining {self.max_visits:,} items (the visit budget)"
+        elif time.perf_counter() + len(self.claims) * _REPORT_S_PER_CLAIM >= self.deadline:
+            self.stopped = f"stopped after {self.budget_s:g} s (the time budget)"
+        return self.stopped is not None
+
+    def root(self, tier: _Tier, step: int, key: Any, value: Any, kind: int, depth: int, parent: int = -1) -> None:
+        """A named value under its own order number; nothing it holds can make the walk raise."""
+        if DICT <= kind <= OBJECT and self.scalars_only(value, kind):
+            return  # most containers in a namespace: no path, no order number, nothing to open
+        self.order += 1
+        pid = self.path(parent, step, key, self.order)
+        if step == LOCAL:
+            self.local_orders.add(self.order)
+        try:
+            self.visit(tier, value, kind, pid, depth, self.order)
+        except Exception as exc:  # noqa: BLE001
+            self.error(pid, exc)
+
+    def error(self, pid: int, exc: BaseException) -> None:
+        """Remember that the object at path ``pid`` could not be examined (as text only)."""
+        self.error_count += 1
+        if len(self.errors) < 3:
+            try:
+                text = clip(str(exc), 80)
+            except Exception:  # noqa: BLE001 - an exception whose __str__ raises
+                text = "?"
+            self.errors.append(f"{self.label(pid)}: {type(exc).__name__}: {text}")
+
+    # ------------------------------------------------------------ the roots
+    def top_variables(self, tier: _Tier) -> None:
+        """The namespace's names: every one is the user's variable except those IPython bound."""
+        ns = self.namespace
+        # Two C calls instead of a million (name, value) tuples; each suspect is checked against
+        # the namespace below, so a name another thread rebinds in between is never mislabelled.
+        names, values = list(dict.keys(ns)), list(dict.values(ns))
+        self.visits += len(values)
+        # Values at depth 0 hold tensors at most MAX_DEPTH levels below them.
+        positions = self.suspects(values, MAX_DEPTH + 1) if len(names) == len(values) else range(len(values))
+        owned = self.ipython_names
+        kinds, classify, root = self.types.kinds, self.types.classify, self.root
+        for count, position in enumerate(positions):
+            if count and not count & 1023 and self.out_of_budget():  # the first names always count
+                first = names[position] if position < len(names) else "?"
+                self.unexamined.append(f"{len(positions) - count:,} of the namespace's names (from "
+                                       f"{first if type(first) is str else key_text(first)} on)")
+                return
+            name = names[position] if position < len(names) else None
+            if type(name) is not str or name in owned:
+                continue
+            value = dict.get(ns, name, _GONE)
+            if value is _GONE:
+                continue
+            kind = kinds.get(type(value))
+            if kind is None:
+                kind = classify(type(value))
+            if kind:
+                root(tier, NAME, name, value, kind, 0)
+
+    def top_extra(self, tier: _Tier) -> None:
+        """Roots the caller added (the phases' modules, optimizers, inputs and a running graph)."""
+        for name, value in self.extra:
+            if type(value) is GraphHandle:
+                if value.grad_fn is not None:
+                    self.order += 1
+                    tier.roots.append(GraphRoot(self.path(-1, EXTRA, name, self.order), self.order, value.grad_fn))
+                continue
+            kind = self.kind_of(value)
+            if kind:
+                self.root(tier, EXTRA, name, value, kind, 0)
+
+    def top_modules(self, tier: _Tier) -> None:
+        """The globals of the modules the user wrote that the names reach without holding them: the
+        module of a function or class of theirs (``from helpers import train`` reaches ``helpers``)."""
+        ns_id = id(self.namespace)
+        for name, module in list(self.modules_to_walk.values()):
+            try:
+                attrs = _MODULE_DICT.__get__(module)
+            except Exception:  # noqa: BLE001
+                continue
+            if id(attrs) == ns_id or tier.seen.get(id(module), MAX_DEPTH + 1) <= 0:
+                continue  # the notebook's own module is the namespace; a module a name holds is walked there
+            tier.seen[id(module)] = 0
+            self.order += 1
+            pid = self.path(-1, MODROOT, name, self.order)
+            try:
+                self.open_code(tier, pid, module, MODOBJ, 0)
+            except Exception as exc:  # noqa: BLE001
+                self.error(pid, exc)
+
+    def top_caches(self, tier: _Tier) -> None:
+        """IPython's own references: its output cache, ``_``/``__``/``___``/``_N``, the last error's frames.
+
+        Only names IPython bound count (``ipython_names``); the last error is read from ``sys``.
+        """
+        ns, owned = self.namespace, self.ipython_names
+        if owned:
+            walked = set()
+            for name in _OUT_NAMES:
+                cache = dict.get(ns, name) if name in owned else None
+                if not isinstance(cache, dict) or id(cache) in walked:
+                    continue
+                walked.add(id(cache))
+                self.order += 1
+                out = self.path(-1, OUT, name, self.order)
+                for key, value in list(dict.items(cache)):
+                    kind = self.kind_of(value)
+                    if kind:
+                        self.root(tier, ITEM, key, value, kind, 0, parent=out)
+            numbered = sorted((int(n[1:]), n) for n in owned
+                              if n[:1] == "_" and n[1:].isdecimal() and n[1:].isascii())
+            for name in [n for n in _UNDERSCORES if n in owned] + [n for _, n in numbered]:
+                value = dict.get(ns, name)
+                kind = self.kind_of(value)
+                if kind:
+                    self.root(tier, UNDER, name, value, kind, 0)
+        self.walk_tracebacks(tier)
+
+    def walk_tracebacks(self, tier: _Tier) -> None:
+        """Locals of the frames of the last exception's traceback (and chained exceptions), and of
+        the other errors IPython keeps that the caller passed."""
+        tracebacks = []
+        exceptions = [getattr(sys, "last_exc", None), getattr(sys, "last_value", None)]
+        for kept in (getattr(sys, "last_traceback", None),) + tuple(self.errors_kept):
+            if isinstance(kept, types.TracebackType):
+                tracebacks.append(kept)
+            elif isinstance(kept, BaseException):
+                exceptions.append(kept)
+        seen_exc = set()
+        while exceptions and len(seen_exc) < 8:
+            exc = exceptions.pop(0)
+            if not isinstance(exc, BaseException) or id(exc) in seen_exc:
+                continue
+            seen_exc.add(id(exc))
+            # BaseException's own C getters: an exception class's properties never run.
+            tb = _EXC_TRACEBACK.__get__(exc)
+            if isinstance(tb, types.TracebackType):
+                tracebacks.append(tb)
+            exceptions.extend((_EXC_CAUSE.__get__(exc), _EXC_CONTEXT.__get__(exc)))
+        seen_frames = set()
+        for tb in tracebacks:
+            steps = 0
+            while isinstance(tb, types.TracebackType) and steps < 1000:
+                steps += 1
+                frame = tb.tb_frame
+                tb = tb.tb_next
+                if id(frame) in seen_frames:
+                    continue
+                seen_frames.add(id(frame))
+                try:
+                    self.frame_locals(tier, frame)
+                except Exception as exc:  # noqa: BLE001
+                    self.errors.append(f"traceback frame {frame.f_code.co_name}: {type(exc).__name__}")
+                    self.error_count += 1
+
+    def frame_locals(self, tier: _Tier, frame: types.FrameType) -> None:
+        """One frame's locals: tensors, modules, optimizers, and one level into containers."""
+        f_locals = frame.f_locals
+        if f_locals is frame.f_globals or f_locals is self.namespace:
+            return  # a cell's module-level frame: its "locals" are the user namespace itself
+        items = list(dict.items(f_locals)) if isinstance(f_locals, dict) else list(f_locals.items())
+        function = frame.f_code.co_name
+        for name, value in items[:MAX_ITEMS]:
+            kind = self.kind_of(value)
+            if kind and type(name) is str and kind not in (FUNC, CLASS, MODOBJ):
+                self.root(tier, LOCAL, Local(function, name), value, kind, MAX_DEPTH - 1)
+
+    # ------------------------------------------------------------- visiting
+    def visit(self, tier: _Tier, obj: Any, kind: int, pid: int, depth: int, order: int) -> None:
+        """Attribute what ``obj`` (at path ``pid``) holds; containers and code wait for their level."""
+        if kind <= PARAM:
+            self.held_tensor(tier, obj, kind == PARAM, pid, depth, order)
+        elif kind == K_MODULE:
+            self.module(tier, obj, pid, depth, order)
+        elif kind == K_OPTIM:
+            self.optimizer(tier, obj, pid, depth, order)
+        elif tier.seen.get(id(obj), MAX_DEPTH + 1) > depth:
+            tier.levels[depth].append((pid, obj, kind))
+
+    def open_level(self, tier: _Tier, depth: int) -> None:
+        """Open the containers reached at ``depth`` (or, at ``MAX_DEPTH``, count those left closed)."""
+        level = tier.levels[depth]
+        tier.levels[depth] = []
+        if not level:
+            return
+        if depth >= MAX_DEPTH:
+            self.count_too_deep(tier, level)
+            return
+        if len(level) > _BULK:  # drop, in C, the groups whose contents are all scalars
+            level = list(map(level.__getitem__, self.suspects(list(map(itemgetter(1), level)),
+                                                                MAX_DEPTH - depth + 1)))
+        seen = tier.seen
+        for index, (pid, obj, kind) in enumerate(level):
+            if not index & 255 and self.out_of_budget():
+                self.not_opened(level[index:], depth)
+                for deeper in range(depth + 1, MAX_DEPTH):
+                    self.not_opened(tier.levels[deeper], deeper)
+                    tier.levels[deeper] = []
+                return
+            if seen.get(id(obj), MAX_DEPTH + 1) <= depth:
+                continue  # reached twice; opened already (also breaks cycles)
+            seen[id(obj)] = depth
+            try:
+                if kind > OBJECT:
+                    self.open_code(tier, pid, obj, kind, depth)
+                else:
+                    self.open(tier, pid, obj, kind, depth)
+            except Exception as exc:  # noqa: BLE001
+                self.error(pid, exc)
+
+    def not_opened(self, level: List[Tuple[int, Any, int]], depth: int) -> None:
+        if level:
+            many = len(level) > 1
+            self.unexamined.append(f"the contents of {len(level):,} container{'s' if many else ''} at depth "
+                                   f"{depth} ({'e.g. ' if many else ''}{self.label(level[0][0])})")
+
+    def open(self, tier: _Tier, pid: int, obj: Any, kind: int, depth: int) -> None:
+        """Visit what one container holds, one level down; skipped types never take a Python step."""
+        if kind == OBJECT:
+            attrs = self.attributes(obj)
+            if attrs is None:
+                return
+            cls = type(obj)
+            if self.user_class(cls) and tier.seen.get(id(cls), MAX_DEPTH + 1) > depth + 1:
+                # Class attributes are shared by every instance: ``type(trainer).history``.
+                self.visit(tier, cls, CLASS, self.path(pid, CLASSOF, None, self.p_order[pid]), depth + 1,
+                           self.p_order[pid])
+            obj, kind, step = attrs, DICT, ATTR
+        else:
+            step = ITEM
+        cache = self.types
+        skip_types = cache.skip_types
+        if kind == DICT:
+            self.visits += dict.__len__(obj)
+            if skip_types.issuperset(map(type, dict.values(obj))):
+                return
+            items = list(dict.items(obj))
+            values: Any = None
+        else:
+            values = list(cache.seq_iter[type(obj)](obj))
+            self.visits += len(values)
+            if skip_types.issuperset(map(type, values)):
+                return
+            items = None
+        size = len(items if values is None else values)
+        if size <= _BULK:
+            pairs: Any = enumerate(values) if items is None else items
+        else:
+            # Children sorted by type in C, whole groups of scalar-only records dropped at once.
+            if values is None:
+                values = list(map(itemgetter(1), items))
+            positions = self.suspects(values, MAX_DEPTH - depth)
+            if len(positions) > _BULK and self.store.storage_device is not None:
+                # Plain tensors (a list of a million of them) are read in bulk through C descriptors.
+                plain = list(map(cache.plain_tensor_types.__contains__,
+                                 map(type, map(values.__getitem__, positions))))
+                bulk = list(compress(positions, plain))
+                if len(bulk) > _BULK:
+                    for start in range(0, len(bulk), _TENSORS):
+                        part = bulk[start:start + _TENSORS]
+                        keys = part if items is None else list(map(_FIRST, map(items.__getitem__, part)))
+                        if self.out_of_budget():
+                            self.unexamined.append(f"{len(bulk) - start:,} tensors in {self.label(pid)} and "
+                                                   "what follows them there")
+                            return
+                        if not self.held_tensors(tier, pid, step, keys, list(map(values.__getitem__, part)),
+                                                 depth + 1):
+                            return  # it said what it left
+                    positions = list(compress(positions, map(not_, plain)))
+            if not positions:
+                return
+            if items is None:
+                pairs = zip(positions, map(values.__getitem__, positions))
+            else:
+                pairs = map(items.__getitem__, positions)
+        self.visit_pairs(tier, pid, step, pairs, depth, size)
+
+    def visit_pairs(self, tier: _Tier, pid: int, step: int, pairs: Any, depth: int, size: int) -> None:
+        """Visit ``(key, value)`` children of path ``pid`` one level down."""
+        order = self.p_order[pid]
+        cache = self.types
+        kinds, classify, skip_types = cache.kinds, cache.classify, cache.skip_types
+        seen, child_depth, scalars_only = tier.seen, depth + 1, self.scalars_only
+        for count, (key, value) in enumerate(pairs):
+            if count & 4095 == 4095 and self.out_of_budget():
+                self.unexamined.append(f"the rest of {self.label(pid)} ({size:,} items)")
+                return
+            tp = type(value)
+            kind = kinds.get(tp)
+            if kind is None:
+                kind = classify(tp)
+            if not kind:
+                continue
+            if kind >= DICT:
+                if seen.get(id(value), MAX_DEPTH + 1) <= child_depth:
+                    continue
+                # Exact small builtins iterate in C without user code: test them inline, the rest by type.
+                if (tp is list or tp is tuple) and len(value) <= _BULK:
+                    if skip_types.issuperset(map(type, value)):
+                        continue
+                elif tp is dict and len(value) <= _BULK:
+                    if skip_types.issuperset(map(type, dict.values(value))):
+                        continue
+                elif kind <= OBJECT and scalars_only(value, kind):
+                    continue
+            cpid = self.path(pid, step, key, order)
+            try:
+                self.visit(tier, value, kind, cpid, child_depth, order)
+            except Exception as exc:  # noqa: BLE001
+                self.error(cpid, exc)
+
+    def count_too_deep(self, tier: _Tier, level: List[Tuple[int, Any, int]]) -> None:
+        """Containers at ``MAX_DEPTH`` that hold more than scalars: said in a note, not opened.
+
+        Traceback locals go one level deep by design; theirs are not counted.
+        """
+        local_orders, seen = self.local_orders, tier.seen
+        for pid, obj, kind in level:
+            if id(obj) in seen or self.p_order[pid] in local_orders or kind > OBJECT or self.scalars_only(obj, kind):
+                continue
+            seen[id(obj)] = MAX_DEPTH
+            self.too_deep += 1
+            if self.too_deep_path < 0:
+                self.too_deep_path = pid
+
+    # ------------------------------------------------------------- the user's code
+    def user_class(self, cls: type) -> bool:
+        try:
+            module = sys.modules.get(type.__dict__["__module__"].__get__(cls))
+        except Exception:  # noqa: BLE001
+            return False
+        return module is not None and (module.__name__ == "__main__" or self.types.is_user_module(module))
+
+    def open_code(self, tier: _Tier, pid: int, obj: Any, kind: int, depth: int) -> None:
+        """What the user's code holds: a function's closure cells, defaults and module globals; a bound
+        method's object; a partial's arguments; a class's attributes; a module's globals."""
+        pairs: List[Tuple[int, Any, Any]] = []  # (step, key, value)
+        if kind == FUNC:
+            tp = type(obj)
+            if tp is types.MethodType:
+                pairs.append((ATTR, "__self__", obj.__self__))
+                pairs.append((ATTR, "__func__", obj.__func__))
+            elif tp is functools.partial:
+                pairs.extend(((ATTR, "func", obj.func), (ATTR, "args", obj.args), (ATTR, "keywords", obj.keywords)))
+            elif is_user_file(obj.__code__.co_filename):
+                if obj.__defaults__:
+                    pairs.append((ATTR, "__defaults__", obj.__defaults__))
+                if obj.__kwdefaults__:
+                    pairs.append((ATTR, "__kwdefaults__", obj.__kwdefaults__))
+                for index, cell in enumerate(obj.__closure__ or ()):
+                    try:
+                        pairs.append((CELL, index, cell.cell_contents))
+                    except ValueError:  # an empty cell
+                        continue
+                module = sys.modules.get(obj.__module__) if isinstance(obj.__module__, str) else None
+                if module is not None and self.walk_user_modules and _MODULE_DICT.__get__(module) is obj.__globals__:
+                    self.modules_to_walk.setdefault(id(module), (module.__name__, module))
+        elif kind == CLASS:
+            if not self.user_class(obj):
+                return
+            module = sys.modules.get(type.__dict__["__module__"].__get__(obj))
+            if module is not None and self.walk_user_modules and module is not sys.modules.get("__main__"):
+                self.modules_to_walk.setdefault(id(module), (module.__name__, module))
+            for name, value in list(_TYPE_DICT.__get__(obj).items()):
+                if type(name) is str and not (name.startswith("__") and name.endswith("__")):
+                    if type(value) in (staticmethod, classmethod):
+                        value = value.__func__
+                    pairs.append((ATTR, name, value))
+        elif kind == MODOBJ:
+            if not self.types.is_user_module(obj):
+                return
+            for name, value in list(_MODULE_DICT.__get__(obj).items()):
+                if type(name) is str and not (name.startswith("__") and name.endswith("__")):
+                    pairs.append((ATTR, name, value))
+        order = self.p_order[pid]
+        for step, key, value in pairs:
+            value_kind = self.kind_of(value)
+            if not value_kind or (value_kind == MODOBJ and step == ATTR and kind == MODOBJ):
+                continue  # a module's imports are walked as modules of their own, if the user wrote them
+            if DICT <= value_kind <= OBJECT and self.scalars_only(value, value_kind):
+                continue
+            cpid = self.path(pid, step, key, order)
+            try:
+                self.visit(tier, value, value_kind, cpid, depth + 1, order)
+            except Exception as exc:  # noqa: BLE001
+                self.error(cpid, exc)
