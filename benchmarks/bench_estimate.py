@@ -3,8 +3,9 @@
 Accuracy: each member of tests/test_estimate_zoo.py runs twice for real on the CPU under the exact
 storage tracker (the ground truth) and is estimated on fake tensors with ``device="cpu"``.
 Speed: a GPT-2-small-sized model (124 M parameters, nanoGPT's layout, tied embedding and head)
-with AdamW, batch 8 x 1024 tokens, estimated with ``device="cuda"``; then the largest batch that
-fits an A100-80 (the search starts at batch 8). Prints markdown tables.
+with AdamW, batch 8 x 1024 tokens, estimated with ``device="cuda"`` (in its sealed copy of the
+process, as always); a real CPU step at batch 1 beside the estimate of the same step, as a ratio;
+then the largest batch that fits an A100-80 (the search starts at batch 8). Prints markdown tables.
 
     python benchmarks/bench_estimate.py [--skip-zoo] [--skip-gpt2] [--gpu A100-80]
 """
@@ -72,6 +73,21 @@ def gpt2_table(gpu):
     print(f"| peak in | {est.peak_phase}, call {est.peak_step} |")
     roles = ", ".join(f"{k} {format_bytes(v)}" for k, v in est.roles["cuda:0"].items())
     print(f"| at the peak | {roles} |")
+    # The estimate beside the real thing, in this process: one real CPU step at batch 1 (a real step at
+    # batch 8 needs ~20 GB of RAM on the CPU), and the estimate of that same step, isolation included.
+    import copy
+
+    small = copy.deepcopy((model, opt))
+    one, one_targets = idx[:1].clone(), targets[:1].clone()
+    t0 = time.perf_counter()
+    lm_step(small[0], small[1], one, one_targets)
+    real_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ipy_gpumem.estimate(lm_step, small[0], small[1], one, one_targets, device="cuda", gpu=gpu)
+    est_s = time.perf_counter() - t0
+    del small
+    print(f"| real CPU step, batch 1 x 1024 | {real_s:.2f} s |")
+    print(f"| its estimate (sealed copy included) | {est_s:.2f} s ({est_s / real_s:.2f}x the real step) |")
     t0 = time.perf_counter()
     best = ipy_gpumem.max_batch_size(lm_step, model, opt, idx, targets, gpu=gpu)
     took = time.perf_counter() - t0

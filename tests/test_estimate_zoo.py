@@ -10,9 +10,10 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 F = torch.nn.functional
 
-from ipy_gpumem.preflight.fake import collect_tensors  # noqa: E402
 from ipy_gpumem.preflight.run import estimate, run_steps  # noqa: E402
-from ipy_gpumem.preflight.tracker import StorageTracker  # noqa: E402
+from ipy_gpumem.preflight.world import FakeWorld  # noqa: E402
+from ipy_gpumem.tensors.torch_api import api  # noqa: E402
+from ipy_gpumem.tensors.tracker import StorageTracker  # noqa: E402
 
 
 # -- the zoo ---------------------------------------------------------------------------------
@@ -171,10 +172,11 @@ def real_peak(step, args):
     """The peak live storage bytes of two real calls on deep copies (the ground truth)."""
     args = copy.deepcopy(args)
     tracker = StorageTracker()
-    found = collect_tensors([args])
+    world = FakeWorld(api(), None, [("args", args)])  # no fakes: what exists, with its roles
+    world.substitute()
     modules = [a for a in args if isinstance(a, nn.Module)]
     optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
-    run_steps(step, args, {}, tracker, [(t, r) for t, r in found.values()], modules, optimizers)
+    run_steps(step, args, {}, tracker, world.existing, modules, optimizers)
     return tracker.peak
 
 

@@ -32,69 +32,104 @@ class MaxBatch(int):
 
 
 def batch_tensors(args, kwargs, batch_dim: int = 0):
-    """``(size, [input tensors])``: the batch size and the tensors that carry it."""
+    """``(size, [input tensors])``: the batch size and the tensors that carry it.
+
+    The inputs are the tensors among the arguments (in lists, tuples and dicts, a few levels deep)
+    that are not parameters or tensors being trained (leaves that require grad); the first of them
+    in argument order sets the size, and every input of that size along ``batch_dim`` carries it.
+    """
     import torch
 
-    from .fake import collect_tensors
-
-    found = collect_tensors([args, kwargs])
-    inputs = [t for t, role in found.values() if role == "other_tensors" and t.dim() > batch_dim]
-    if not inputs:
-        return None, []
-    # The first tensor argument in order sets the size.
     flat = []
 
-    def walk(obj):
+    def walk(obj, depth):
         if isinstance(obj, torch.Tensor):
-            flat.append(obj)
-        elif isinstance(obj, (list, tuple)):
+            if not isinstance(obj, torch.nn.Parameter) and not (obj.is_leaf and obj.requires_grad) \
+                    and obj.dim() > batch_dim and all(obj is not t for t in flat):
+                flat.append(obj)
+        elif depth < 4 and isinstance(obj, (list, tuple)):
             for o in obj:
-                walk(o)
-        elif isinstance(obj, dict):
-            for o in obj.values():
-                walk(o)
+                walk(o, depth + 1)
+        elif depth < 4 and isinstance(obj, dict):
+            for o in list(obj.values()):
+                walk(o, depth + 1)
 
-    walk(args)
-    walk(kwargs)
-    first = next((t for t in flat if any(t is i for i in inputs)), inputs[0])
-    size = first.shape[batch_dim]
-    return size, [t for t in inputs if t.shape[batch_dim] == size]
+    walk(args, 0)
+    walk(kwargs, 0)
+    if not flat:
+        return None, []
+    size = flat[0].shape[batch_dim]
+    return size, [t for t in flat if t.shape[batch_dim] == size]
 
 
 def max_batch_size(step, *args, gpu="this GPU", batch_dim: int = 0, limit: int = 1 << 20,
-                   **kwargs) -> MaxBatch:
+                   timeout_s: float = 300.0, **kwargs) -> MaxBatch:
     """The largest batch size for which ``step(*args, **kwargs)`` fits ``gpu``, estimated without a GPU.
 
+    The search runs in one sealed copy of this process (warmed once), and each size it tries in a
+    fresh sealed copy of that one (a trial changes the world it runs in: the next must not see it).
+
     Args:
-        step, args, kwargs: as for :func:`estimate`; the batch tensors are resized along ``batch_dim``.
-        gpu: a name ("T4", "A100-80", ...), "this GPU", or a capacity in bytes.
+        step, args, kwargs: as for :func:`~.run.estimate`; the batch tensors are resized along ``batch_dim``.
+        gpu: a name ("T4", "A100-80", ...), "this GPU" (a T4 when no GPU is in use here), or bytes.
         limit: the largest batch size considered.
+        timeout_s: stop the whole search after this many seconds.
 
     Raises:
         EstimateError: the step cannot be estimated, or no argument carries a batch dimension.
     """
     import time
 
-    from .gpus import resolve_gpu
+    from .gpus import fixed_costs, resolve_gpu
     from .result import EstimateError
-    from .run import estimate
+    from .run import _globals_of, check_step, sealed
 
     began = time.perf_counter()
-    card = resolve_gpu(gpu)
+    check_step(step)
+    card = resolve_gpu(gpu, fallback="T4")
     base, tensors = batch_tensors(args, kwargs, batch_dim)
     if not tensors:
         raise EstimateError(f"no tensor argument has a dimension {batch_dim} to resize; pass the batch as an argument")
+    shapes = [(id(t), tuple(t.shape)) for t in tensors]
+    result = sealed(_search, step, args, kwargs, card, fixed_costs(card), base, shapes, batch_dim, limit,
+                    _globals_of(step), began + timeout_s, timeout_s=timeout_s, allow_fork=True)
+    result.seconds = time.perf_counter() - began
+    return result
+
+
+def _search(step, args, kwargs, card, costs, base, shapes, batch_dim, limit, namespace, deadline) -> MaxBatch:
+    """In the sealed zygote: warm the fake tensors once, then estimate each size in a fresh sealed copy."""
+    import time
+
+    from ..sealed import run_sealed, unreported
+    from ..tensors.torch_api import api
+    from .child import estimate_here
+    from .result import EstimateError
+
+    with unreported(), api().fake_tensor_mode()():
+        # FakeTensorMode's first use costs about a second: paid here, once, for every trial (what it
+        # touches on the way, torch's compiler config, is torch's doing and not reported).
+        (api().torch.ones(2, 2) @ api().torch.ones(2, 2)).sum()
     tried: Dict[int, tuple] = {}
     estimates: Dict[int, object] = {}
 
     def at(n: int):
         if n not in tried:
-            shapes = {}
-            for t in tensors:
-                shape = list(t.shape)
-                shape[batch_dim] = n
-                shapes[id(t)] = tuple(shape)
-            est = estimate(step, *args, device="cuda", gpu=card, _batch=shapes, **kwargs)
+            batch = {}
+            for key, shape in shapes:
+                new = list(shape)
+                new[batch_dim] = n
+                batch[key] = tuple(new)
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise EstimateError(f"the batch search ran out of time after trying {sorted(tried)}")
+            outcome = run_sealed(estimate_here, step, args, kwargs, label="cuda:0", costs=costs, gpu=card.name,
+                                 namespace=namespace, batch=batch, deadline_s=left)
+            if not outcome.ok:
+                if outcome.error is not None:
+                    raise EstimateError(outcome.error.message, outcome.error.attrs.get("line"))
+                raise EstimateError(f"the estimate at batch {n} did not finish ({outcome.exit or 'out of time'})")
+            est = outcome.value[0]
             fit = est.fits(card)
             tried[n] = (bool(fit), est.total_needed)
             estimates[n] = est if fit else None
@@ -142,5 +177,5 @@ def max_batch_size(step, *args, gpu="this GPU", batch_dim: int = 0, limit: int =
     result = MaxBatch(good or 0)
     result.gpu, result.capacity, result.tried = card.name, card.capacity, tried
     result.estimate = estimates.get(good) if good else None
-    result.seconds = time.perf_counter() - began
+    result.seconds = 0.0
     return result

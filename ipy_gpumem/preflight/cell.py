@@ -1,23 +1,19 @@
-"""A notebook cell as a step: its code, run on fake copies of the namespace objects it reads, estimated line by line without running it for real.
+"""A notebook cell as a step: its code, compiled with a marker before each line, run twice in a sealed copy of the process on fake tensors, estimated line by line.
 
-``%%gpumem --estimate`` and the OOM panel's batch-size finding both start from a cell's source and
-the user's namespace. :func:`cell_program` compiles the source once, with a marker before each of
-its statements (as ``--lines`` does, see ``ledger/lines.py``; here the marker lives in the fake
-globals, never in ``builtins``), and picks the namespace values it reads: the names in its code and
-in the code of the notebook's own functions it calls. :func:`run_cell` is the step handed to the
-engine: its one argument is a dict of those values, which the engine deep-copies around fake
-tensors (:mod:`.fake`), and the cell's code runs with that copy as its globals. So the cell's
-assignments, ``counter += 1`` or ``losses.append(...)``, land in the copy; the user's namespace,
-objects and random number generator are left as they were. The same dict serves both calls of the
-estimate, as the namespace serves a cell run twice: what the first call left (``loss``) is alive
-during the second.
+``%%gpumem --estimate`` starts from a cell's source and the user's namespace. :func:`cell_program`
+compiles the source once, in this process, with a marker before each of its statements (as
+``--lines`` does, see ``ledger/lines.py``), and refuses what the estimate cannot model before
+anything runs: a syntax error, a magic or shell command, a top-level ``await``. :func:`estimate_cell`
+then runs it in a sealed child (``preflight.run.sealed``): there the namespace, the child's own
+copy, has its tensors faked in place (``preflight.world``) and the cell's code runs twice with it as
+its globals (the second run is the steady state, as a cell run again is), with the marker
+recording where each line's events start. The user's namespace, objects, files and random
+state are never touched: all of that happens in the child.
 """
 from __future__ import annotations
 
 import ast
-import builtins
 import linecache
-import time
 import types
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -25,65 +21,27 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .result import Estimate, EstimateError, Fit
 
 __all__ = ["CellProgram", "CellEstimate", "LineEstimate", "cell_program", "run_cell", "estimate_cell",
-           "line_estimates", "BudgetExceeded", "MARK_NAME", "CELL_FILENAME"]
+           "line_estimates", "MARK_NAME", "CELL_FILENAME"]
 
 #: The marker's name in the fake globals (a name no cell uses).
 MARK_NAME = "__ipy_gpumem_estimate_line__"
 #: The filename the cell's code is compiled under: error messages say "line 3 of <cell>".
 CELL_FILENAME = "<cell>"
-#: Values passed to the fake run as they are: nothing in them can be changed by the cell, or they
-#: are code (a module, a class, a library function), which runs on the fakes it is given.
-_ATOMS = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis), types.ModuleType, type,
-          types.BuiltinFunctionType, types.BuiltinMethodType, types.FunctionType)
-
-
-class BudgetExceeded(Exception):
-    """The estimate ran past its time budget (raised from inside the fake run, which cleans up)."""
-
-
 class CellProgram:
-    """A cell's code ready to run on fakes.
+    """A cell's code ready to run in the sealed child.
 
     Attributes:
         code: the compiled, marked code.
-        world: the namespace values it reads that must be copied (tensors, modules, optimizers,
-            lists and other objects the cell could change), in the order the cell first names them.
-        passed: the values passed as they are (numbers, strings, modules, classes, functions).
-        functions: the notebook's own functions it reaches (their globals are the namespace: the
-            fake run gives them the fake globals instead).
         lines: the cell's source lines as numbered in ``code``.
-        marks: ``(event index, line number, call)`` recorded by the markers during the last run.
-        deadline: ``time.perf_counter()`` past which a marker raises :class:`BudgetExceeded`.
+        marks: ``(event index, line number, call)`` recorded by the markers during the run.
     """
 
-    # The program rides along as the step's second argument. Slots and no ``__dict__``: the engine
-    # walks arguments' attributes for tensors, modules and optimizers (and patches what it finds),
-    # so it must never reach the real objects in ``world`` through here; and copying the arguments
-    # returns the program itself.
-    __slots__ = ("code", "world", "passed", "functions", "lines", "marks", "deadline")
+    __slots__ = ("code", "lines", "marks")
 
-    def __init__(self, code, world, passed, functions, lines):
+    def __init__(self, code, lines):
         self.code: types.CodeType = code
-        self.world: Dict[str, Any] = world
-        self.passed: Dict[str, Any] = passed
-        self.functions: Dict[str, types.FunctionType] = functions
         self.lines: Tuple[str, ...] = lines
         self.marks: List[tuple] = []
-        self.deadline: Optional[float] = None
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __copy__(self):
-        return self
-
-
-def _names(code: types.CodeType) -> List[str]:
-    out = list(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            out.extend(_names(const))
-    return out
 
 
 class _Markers(ast.NodeTransformer):
@@ -124,97 +82,80 @@ class _Markers(ast.NodeTransformer):
             case.body = self.mark(case.body)
 
 
-def cell_program(source: str, namespace: Dict[str, Any], first_line: int = 1) -> CellProgram:
-    """Compile a cell's (Python) source and pick the namespace values it reads.
+def cell_program(source: str, first_line: int = 1) -> CellProgram:
+    """Compile a cell's (Python) source with its markers, refusing what the estimate cannot model.
 
     Args:
         source: the cell's code, already plain Python (IPython's ``transform_cell`` applied).
-        namespace: the user's namespace.
         first_line: the number the cell's first source line has for the user (2 when a
             ``%%gpumem`` line came before the body).
 
     Raises:
-        EstimateError: the code does not parse, or it runs IPython magics or shell commands
-            (they would run for real); the message names the line.
+        EstimateError: the code does not parse, awaits at the top level, or runs IPython magics or
+            shell commands; the message names the line.
     """
     try:
-        tree = ast.parse(source, CELL_FILENAME)
+        # Top-level await parses (as IPython allows it in a cell), so that it can be named below.
+        tree = compile(source, CELL_FILENAME, "exec", ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
     except SyntaxError as exc:
         raise EstimateError(f"the cell does not parse: {exc.msg} (line {(exc.lineno or 1) + first_line - 1})") from None
     if first_line != 1:
         ast.increment_lineno(tree, first_line - 1)
     lines = tuple([""] * (first_line - 1) + source.splitlines())
+
+    def text(node):
+        return lines[node.lineno - 1].strip() if node.lineno <= len(lines) else ""
+
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and node.id == "get_ipython":
-            text = lines[node.lineno - 1].strip() if node.lineno <= len(lines) else ""
-            raise EstimateError(f"line {node.lineno} of the cell (`{text}`) is an IPython magic or shell command, "
-                                "which would run for real; estimate a cell of plain Python")
+            raise EstimateError(f"line {node.lineno} of the cell (`{text(node)}`) is an IPython magic or shell "
+                                "command, which the estimate does not run; estimate a cell of plain Python")
+    for node in _top_level_awaits(tree):
+        raise EstimateError(f"line {node.lineno} of the cell (`{text(node)}`) awaits at the top level, which an "
+                            "estimate cannot run (it runs the cell as a plain step); move the awaited work into a "
+                            "function you call with asyncio.run(), or estimate the synchronous part")
     tree.body = _Markers().mark(tree.body)
     ast.fix_missing_locations(tree)
     code = compile(tree, CELL_FILENAME, "exec")
     # Error messages and tracebacks quote the cell's lines (mtime None: linecache keeps the entry).
     linecache.cache[CELL_FILENAME] = (len(source), None, [line + "\n" for line in lines], CELL_FILENAME)
+    return CellProgram(code, lines)
 
-    world: Dict[str, Any] = {}
-    passed: Dict[str, Any] = {}
-    functions: Dict[str, types.FunctionType] = {}
-    todo = list(dict.fromkeys(_names(code)))
-    seen = set()
-    while todo:
-        name = todo.pop(0)
-        if name in seen or name == MARK_NAME or name not in namespace:
+
+def _top_level_awaits(tree) -> list:
+    """``await``, ``async for`` and ``async with`` outside any function: what only an event loop could run."""
+    found, stack = [], list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
             continue
-        seen.add(name)
-        value = namespace[name]
-        if isinstance(value, types.FunctionType) and value.__globals__ is namespace:
-            functions[name] = value  # the notebook's own function: what it reads is read too
-            todo.extend(n for n in dict.fromkeys(_names(value.__code__)) if n not in seen)
-        elif isinstance(value, _ATOMS) or _is_torch_atom(value):
-            passed[name] = value
-        else:
-            world[name] = value
-    return CellProgram(code, world, passed, functions, lines)
+        if isinstance(node, (ast.Await, ast.AsyncFor, ast.AsyncWith)):
+            found.append(node)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+    return sorted(found, key=lambda n: n.lineno)
 
 
-def _is_torch_atom(value) -> bool:
-    torch = __import__("sys").modules.get("torch")
-    return torch is not None and isinstance(value, (torch.dtype, torch.device))
-
-
-def run_cell(world: Dict[str, Any], program: CellProgram) -> None:
-    """The step: run the cell's code with ``world`` (the engine's fake copy) as its globals.
-
-    The first call fills the copy with the values passed as they are and the notebook's functions,
-    re-bound to it; the second call finds the copy as the first left it.
-    """
-    if MARK_NAME not in world:  # a new copy: a new estimate
+def run_cell(namespace: Dict[str, Any], program: CellProgram) -> None:
+    """The step, in the sealed child: run the cell's code with the (child's) namespace as its globals."""
+    mark = namespace.get(MARK_NAME)
+    if mark is None:
         program.marks = []
-        world.update({k: v for k, v in program.passed.items() if k not in world})
-        world.setdefault("__builtins__", builtins)
-        world.setdefault("__name__", "__main__")
-        for name, func in program.functions.items():
-            copy = types.FunctionType(func.__code__, world, func.__name__, func.__defaults__, func.__closure__)
-            copy.__kwdefaults__ = func.__kwdefaults__
-            copy.__dict__.update(func.__dict__)
-            world[name] = copy
-        world[MARK_NAME] = _marker(program)
-    mark = world[MARK_NAME]
+        mark = namespace[MARK_NAME] = _marker(program)
     mark(0)  # the call starts: its first line's events start here
     try:
-        exec(program.code, world)  # noqa: S102 - the user's cell, on fake copies of its objects
+        exec(program.code, namespace)  # noqa: S102 - the user's cell, in a sealed copy of the process
     finally:
         mark(-1)
 
 
 def _marker(program: CellProgram):
-    from .tracker import StorageTracker
+    from ..tensors.tracker import StorageTracker
 
     def current_tracker():
-        try:
-            from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-        except ImportError:  # pragma: no cover - older torch: no per-line figures
-            return None
-        for mode in _get_current_dispatch_mode_stack():
+        from ..tensors.torch_api import api
+
+        for mode in api().dispatch_modes():
             tracker = getattr(mode, "tracker", None)
             if isinstance(tracker, StorageTracker):
                 return tracker
@@ -223,8 +164,6 @@ def _marker(program: CellProgram):
     found: list = []
 
     def mark(lineno: int) -> None:
-        if program.deadline is not None and time.perf_counter() > program.deadline:
-            raise BudgetExceeded("the estimate ran past its time budget")
         if not found:
             found.append(current_tracker())
         tracker = found[0]
@@ -320,32 +259,36 @@ def line_estimates(est: Estimate, marks: Sequence[tuple], call: int = 2) -> List
 
 def estimate_cell(source: str, namespace: Dict[str, Any], gpu: Any = None, first_line: int = 1,
                   device: str = "cuda", budget_s: Optional[float] = None) -> CellEstimate:
-    """Estimate a cell's code against the namespace's objects (faked), without running it.
+    """Estimate a cell's code against the namespace's objects, in a sealed copy of this process.
 
     Args:
         source: the cell's plain-Python code.
-        namespace: the user's namespace (read, never changed).
-        gpu: the card to judge against ("T4", "this GPU", bytes); None: "this GPU" if there is one,
+        namespace: the user's namespace (never changed: the child works on its own copy).
+        gpu: the card to judge against ("T4", "this GPU", bytes); None: "this GPU" if one is in use,
             else a T4 (and ``gpu_note`` says so).
         first_line: the user's number of the source's first line.
         device: "cuda" (torch's counters, through the allocator model) or "cpu".
-        budget_s: give up (``EstimateError`` whose ``original`` is a :class:`BudgetExceeded`) after this long.
+        budget_s: stop the sealed run after this long (an ``EstimateError`` says so).
 
     Raises:
         EstimateError: the cell cannot be estimated; the message names the line.
         ValueError: ``gpu`` names no known card.
     """
-    from .run import estimate
+    from .child import estimate_here
+    from .gpus import fixed_costs
+    from .run import TIMEOUT_S, device_label, sealed
 
     card, note = _card(gpu)
-    program = cell_program(source, namespace, first_line)
-    if budget_s is not None:
-        program.deadline = time.perf_counter() + budget_s
-    est = estimate(run_cell, program.world, program, device=device, gpu=card)
-    program.deadline = None
-    lines = line_estimates(est, program.marks)
-    fit = est.fits(card) if card is not None and est.device.startswith("cuda") else None
-    return CellEstimate(est, lines, program.lines, fit, note, tuple(program.world))
+    program = cell_program(source, first_line)
+    label = device_label(device)
+    cuda = label.startswith("cuda")
+    costs = fixed_costs(card) if cuda else {}
+    est, marks, names = sealed(estimate_here, run_cell, (namespace, program), {}, label=label, costs=costs,
+                               gpu=card.name if cuda else None, namespace=namespace, program=program,
+                               timeout_s=TIMEOUT_S if budget_s is None else budget_s)
+    lines = line_estimates(est, marks)
+    fit = est.fits(card) if card is not None and cuda else None
+    return CellEstimate(est, lines, program.lines, fit, note, tuple(names))
 
 
 def _card(gpu):

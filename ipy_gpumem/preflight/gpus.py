@@ -1,21 +1,22 @@
-"""A small table of GPUs (usable capacity, generation) and the fixed costs a CUDA process pays outside its tensors, per generation.
+"""A small table of GPUs (usable capacity, generation), the fixed cost a CUDA process pays outside the caching allocator (its CUDA context), and the size of cuBLAS's workspace on each.
 
 Capacities are what ``torch.cuda.get_device_properties(i).total_memory`` reports on each card (the
 figure in its out-of-memory messages, "... GiB total capacity"), rounded to 10 MiB: a little less
-than the marketing size, because the driver keeps some. The fixed costs are stated, not measured
-here: the CUDA context created by the first CUDA call (with lazy module loading, the default since
-CUDA 11.7 / torch 1.13; eager loading costs several hundred MiB more), and cuBLAS's workspace,
-which torch allocates through its caching allocator on the first matrix multiply
-(``aten/src/ATen/cuda/CublasHandlePool.cpp``: ``CUBLAS_WORKSPACE_CONFIG`` or, by default,
-``4096 * 8 KiB`` = 32 MiB on sm90 (Hopper) and ``4096 KiB * 2 + 16 KiB * 8`` elsewhere). cuDNN's
-convolution workspaces depend on the algorithm chosen at run time and are not included.
+than the marketing size, because the driver keeps some. The one fixed cost is the CUDA context the
+first CUDA call creates (with lazy module loading, the default since CUDA 11.7 / torch 1.13; eager
+loading costs several hundred MiB more): it is stated, from the public readings cited at
+:data:`CONTEXT_BYTES`, not measured here. cuBLAS's workspace is not a fixed cost: torch takes it
+from its caching allocator at the first matrix multiply of each thread, so it is PyTorch memory
+(allocated and reserved) and the estimate replays it as an allocation (``cudalike``);
+:func:`cublas_workspace` gives its size. cuDNN's convolution workspaces depend on the algorithm
+chosen at run time and are not included.
 """
 from __future__ import annotations
 
 import re
 from typing import Dict, NamedTuple, Optional, Union
 
-__all__ = ["GPUS", "Gpu", "resolve_gpu", "fixed_costs"]
+__all__ = ["GPUS", "Gpu", "resolve_gpu", "fixed_costs", "cublas_workspace", "card_named", "CONTEXT_BYTES"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -59,14 +60,31 @@ _ALIASES = {"A100": "A100-40", "V100": "V100-16", "H100": "H100-80", "TESLA T4":
             "A100-SXM4-40GB": "A100-40", "A100-SXM4-80GB": "A100-80", "A100 80GB PCIE": "A100-80",
             "H100 80GB HBM3": "H100-80", "H100 PCIE": "H100-80", "NVIDIA L4": "L4", "NVIDIA A10G": "A10G"}
 
-#: CUDA context size (bytes) per generation, with lazy module loading; typical figures reported
-#: for torch 2.x (nvidia-smi's per-process use minus torch's reserved bytes right after the first
-#: CUDA op). They vary by a few tens of MiB with driver and CUDA versions.
+#: CUDA context size (bytes) per generation, with lazy module loading: what nvidia-smi shows for a
+#: process beyond torch's reserved bytes once it has run a step. Public readings (they move by tens
+#: of MiB with the driver, the CUDA version and the kernels a step loads):
+#: - "~300MB" with lazy loading, ptrblck in pytorch/pytorch#107667 (2023-08): kepler to turing;
+#: - "around 400MB if CUDA >= 11.7 is used and lazy module loading enabled", ptrblck in
+#:   pytorch/pytorch#109888 (2023-09); a bare context of 256 MiB before any kernel is loaded on an
+#:   RTX 3090 with torch 2.7.1+cu128 (invoke-ai/InvokeAI#9413, 2025): ampere and ada;
+#: - 0.33 GiB "non_torch_memory" after a profiling run on an RTX 5090 (vllm-project/vllm#14452, 2025);
+#: - before lazy loading the same context took 721 MB on a GTX 1080 and 1687 MB on an RTX 3090
+#:   (pytorch/pytorch#55277): it grows with the kernels built for the architecture.
+#: No public H100 or B200 reading was found: hopper and blackwell are extrapolated (more kernels
+#: per architecture), and ``%%gpumem`` on the card itself measures it.
 CONTEXT_BYTES = {"kepler": 300 * MiB, "pascal": 300 * MiB, "volta": 320 * MiB, "turing": 300 * MiB,
                  "ampere": 420 * MiB, "ada": 420 * MiB, "hopper": 520 * MiB, "blackwell": 560 * MiB}
 
 
-def _cublas_workspace(sm: Optional[int]) -> int:
+def cublas_workspace(gpu: Optional[Gpu]) -> int:
+    """Bytes of one cuBLAS workspace on ``gpu``: torch's ``getChosenWorkspaceSize()``.
+
+    ``aten/src/ATen/cuda/CublasHandlePool.cpp`` (torch 2.13): ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT``
+    pairs, SIZE in KiB, summed as SIZE * COUNT) or, by default, ``4096 * 8`` KiB = 32 MiB on compute
+    capability 9.x, 10.x and 12.x (Hopper, Blackwell) and ``:4096:2:16:8`` = 8,519,680 bytes elsewhere
+    (the size the real captures in ``../shared/gpu-captures`` show). cuBLASLt shares it by default
+    (``TORCH_CUBLASLT_UNIFIED_WORKSPACE``). A card of unknown architecture counts as the default.
+    """
     import os
 
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
@@ -74,37 +92,65 @@ def _cublas_workspace(sm: Optional[int]) -> int:
         pairs = re.findall(r":([0-9]+):([0-9]+)", config)
         if pairs:
             return sum(int(size) * 1024 * int(count) for size, count in pairs)
-    return 4096 * 8 * 1024 if sm == 90 else 4096 * 1024 * 2 + 16 * 1024 * 8
+    sm = gpu.sm if gpu is not None else None
+    return 4096 * 8 * 1024 if sm is not None and sm // 10 in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 def fixed_costs(gpu: Optional[Gpu]) -> Dict[str, int]:
-    """The bytes a CUDA process needs besides its tensors on ``gpu`` (by name, as stated above)."""
+    """The bytes a CUDA process needs outside the caching allocator on ``gpu``: its CUDA context."""
     generation = gpu.generation if gpu is not None else "ampere"
-    return {"cuda_context": CONTEXT_BYTES.get(generation, 420 * MiB),
-            "cublas_workspace": _cublas_workspace(gpu.sm if gpu is not None else None)}
+    return {"cuda_context": CONTEXT_BYTES.get(generation, 420 * MiB)}
+
+
+#: Cards met as "this GPU" in this process, by name: the sealed child (a fork) finds them by the
+#: name the estimate passes it (:func:`card_named`).
+_SEEN: Dict[str, Gpu] = {}
+
+
+def card_named(name: Optional[str]) -> Optional[Gpu]:
+    """The :class:`Gpu` an estimate was given by name (a table name, an alias, or "this GPU"'s), or None."""
+    if not name:
+        return None
+    if name in _SEEN:
+        return _SEEN[name]
+    try:
+        return resolve_gpu(name)
+    except ValueError:
+        return None
 
 
 def _this_gpu() -> Gpu:
     import sys
 
     torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
-        raise ValueError('"this GPU": no CUDA device is available here; name one (e.g. "T4") or give bytes')
+    if torch is None or not torch.cuda.is_initialized():
+        # Reading a device's properties would initialise CUDA (a context of hundreds of MiB) in a
+        # process that has not asked for it.
+        raise ValueError('"this GPU": no CUDA device is in use here; name one (e.g. "T4") or give bytes')
     index = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     sm = props.major * 10 + props.minor
     generation = {3: "kepler", 5: "maxwell", 6: "pascal", 7: "volta" if props.minor < 5 else "turing",
                   8: "ada" if props.minor >= 9 else "ampere", 9: "hopper", 10: "blackwell",
                   12: "blackwell"}.get(props.major, "ampere")
-    return Gpu(props.name, int(props.total_memory), generation, sm)
+    card = _SEEN[props.name] = Gpu(props.name, int(props.total_memory), generation, sm)
+    return card
 
 
-def resolve_gpu(gpu: Union[str, int, Gpu, None]) -> Gpu:
-    """A :class:`Gpu` from a name ("T4", "A100-80", "H100"), "this GPU", a size in bytes or a size string."""
+def resolve_gpu(gpu: Union[str, int, Gpu, None], fallback: Optional[str] = None) -> Gpu:
+    """A :class:`Gpu` from a name ("T4", "A100-80", "H100"), "this GPU", a size in bytes or a size string.
+
+    ``fallback`` names the card to use for "this GPU" (or None) when no CUDA device is in use here.
+    """
     if isinstance(gpu, Gpu):
         return gpu
     if gpu is None or (isinstance(gpu, str) and gpu.strip().lower() in ("this gpu", "this", "current")):
-        return _this_gpu()
+        try:
+            return _this_gpu()
+        except ValueError:
+            if fallback is None:
+                raise
+            return GPUS[fallback]
     if isinstance(gpu, (int, float)) and not isinstance(gpu, bool):
         return Gpu(f"{int(gpu)} bytes", int(gpu), "ampere", None)
     if isinstance(gpu, str):

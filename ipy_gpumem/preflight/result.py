@@ -8,6 +8,9 @@ from ..core.units import format_bytes
 
 __all__ = ["Estimate", "EstimateError", "Fit"]
 
+#: How a fixed cost is named in words.
+_COSTS = {"cuda_context": "CUDA context"}
+
 
 class EstimateError(RuntimeError):
     """A step could not be run on fake tensors; the message names the line of the user's code."""
@@ -43,8 +46,9 @@ class Estimate:
 
     ``peak_allocated`` and ``peak_reserved`` are what torch's own counters
     (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``) would read after the two calls
-    from a fresh process holding the step's arguments; ``fixed_costs`` are what the process pays on
-    top (CUDA context, cuBLAS workspace); ``total_needed`` is their sum.
+    from a fresh process holding the step's arguments: cuBLAS's workspaces, which torch takes from
+    its caching allocator, are in them (``cublas_workspaces``); ``fixed_costs`` is what the process
+    pays outside the allocator on ``gpu`` (its CUDA context); ``total_needed`` is their sum.
     """
 
     device: str
@@ -66,22 +70,36 @@ class Estimate:
     seconds: float = 0.0
     #: allocation events, (key, size) with size -1 for a free; kept for fits() (not in to_dict)
     events: list = field(default_factory=list, repr=False)
+    #: the GPU whose fixed costs were assumed (a CUDA estimate), by name
+    gpu: Optional[str] = None
+    #: bytes of cuBLAS workspace in the peaks: one per thread that multiplied matrices (the
+    #: forward's, and backward's on the autograd engine's thread), taken at its first GEMM
+    cublas_workspaces: int = 0
+
+    @property
+    def assumed(self) -> str:
+        """``"assumed: T4 (CUDA context 300.00 MiB)"``: the card and the fixed costs taken for it ("" on the CPU)."""
+        if not self.device.startswith("cuda"):
+            return ""
+        costs = ", ".join(f"{_COSTS.get(k, k)} {format_bytes(v)}" for k, v in self.fixed_costs.items())
+        return f"assumed: {self.gpu or 'an unnamed GPU'}" + (f" ({costs})" if costs else "")
 
     @property
     def total_needed(self) -> int:
         return self.peak_reserved + sum(self.fixed_costs.values())
 
-    def fits(self, gpu="this GPU") -> Fit:
-        """Whether the step fits ``gpu`` (a name such as "T4" or "A100-80", "this GPU", or bytes).
+    def fits(self, gpu=None) -> Fit:
+        """Whether the step fits ``gpu`` (a name such as "T4" or "A100-80", "this GPU", or bytes; by
+        default the card the estimate assumed).
 
-        The allocations are replayed through the allocator model with the GPU's capacity less the
-        fixed costs, so a step that only fits after torch frees its cache (as it does before
-        raising out-of-memory) fits.
+        The allocations (cuBLAS's workspaces among them) are replayed through the allocator model
+        with the GPU's capacity less the fixed costs, so a step that only fits after torch frees its
+        cache (as it does before raising out-of-memory) fits.
         """
         from .allocator import replay
-        from .gpus import fixed_costs, resolve_gpu
+        from .gpus import card_named, fixed_costs, resolve_gpu
 
-        card = resolve_gpu(gpu)
+        card = (card_named(self.gpu) if gpu is None else None) or resolve_gpu("this GPU" if gpu is None else gpu)
         costs = fixed_costs(card) if self.device.startswith("cuda") else {}
         room = card.capacity - sum(costs.values())
         run = replay(self.events, capacity=max(room, 0), series=False)
@@ -93,6 +111,8 @@ class Estimate:
         """Plain, JSON-serialisable data (no events)."""
         return {
             "device": self.device,
+            "gpu": self.gpu,
+            "cublas_workspaces": self.cublas_workspaces,
             "peak_allocated": self.peak_allocated,
             "peak_reserved": self.peak_reserved,
             "start_allocated": self.start_allocated,
@@ -109,7 +129,10 @@ class Estimate:
 
     def __repr__(self) -> str:
         roles = ", ".join(f"{role} {format_bytes(v)}" for row in self.roles.values() for role, v in row.items() if v)
-        text = (f"Estimate({self.device}: peak allocated {format_bytes(self.peak_allocated)}, "
-                f"reserved {format_bytes(self.peak_reserved)}, total needed {format_bytes(self.total_needed)}; "
+        on = f" on a {self.gpu}" if self.gpu else ""
+        assumed = f"; {self.assumed}" if self.assumed else ""
+        text = (f"Estimate({self.device}{on}: peak allocated {format_bytes(self.peak_allocated)}, "
+                f"reserved {format_bytes(self.peak_reserved)}, total needed {format_bytes(self.total_needed)}"
+                f"{assumed}; "
                 f"at the peak ({self.peak_phase}, call {self.peak_step}): {roles})")
         return text + "".join(f"\n  note: {n}" for n in self.notes)

@@ -1,21 +1,22 @@
 """estimate(): run a step twice on fake copies of its world under the storage tracker, and turn the events into an Estimate.
 
-The work in four parts: fake the world (:mod:`.fake`), run the step twice (the second call is the
+The work in four parts: fake the world (:mod:`.world`), run the step twice (the second call is the
 steady state: optimizer state exists) with :func:`run_steps`, replay the allocations through the
 caching allocator model (:mod:`.allocator`) when the device is CUDA, and read the roles, phases
 and modules off the events (:func:`analyse`). The same :func:`run_steps` runs a real step in the
-tests and the benchmark, so the estimate and its ground truth differ only in the tensors.
+tests and the benchmark, so the estimate and its ground truth differ only in the tensors. A CUDA
+estimate computes on CPU fakes and emulates where CUDA allocates differently (autocast's CUDA op
+lists and weight cache, cuBLAS's workspaces, foreach optimizers: :mod:`.cudalike`); the one fixed
+cost on top, the CUDA context, is the named GPU's (:func:`resolve_costs`).
 """
 from __future__ import annotations
 
 import contextlib
-import io
-import time
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from ..core.roles import ROLES, clean_table, sub_tables
 from .result import Estimate, EstimateError
-from .tracker import StorageTracker, user_frame
+from ..tensors.tracker import StorageTracker, user_frame
 
 __all__ = ["estimate", "run_steps", "analyse", "device_label"]
 
@@ -55,6 +56,11 @@ def run_steps(step, args, kwargs, tracker: StorageTracker, existing, modules=(),
         grad = getattr(tensor, "grad", None) if tensor.is_leaf else None
         if grad is not None:
             tracker.add_existing(grad, "gradients")
+    # The list must not keep what exists alive: a step that frees it (zero_grad() clearing the
+    # previous gradients, a buffer re-assigned) frees it in the count too.
+    if isinstance(existing, list):
+        existing.clear()
+    tensor = grad = None
     tracker.name_modules(list(modules))
     for obj in list(modules) + list(optimizers):
         _patch_zero_grad(obj, tracker)
@@ -73,38 +79,7 @@ def run_steps(step, args, kwargs, tracker: StorageTracker, existing, modules=(),
         tracker.mark("end")
 
 
-@contextlib.contextmanager
-def _cuda_autocast_on_cpu():
-    """While faking a CUDA run on the CPU, ``torch.autocast("cuda", dtype)`` casts on the CPU instead."""
-    import torch
-
-    cls = torch.amp.autocast_mode.autocast
-    original = cls.__init__
-
-    def __init__(self, device_type, *args, **kwargs):
-        if str(device_type).startswith("cuda"):
-            device_type = "cpu"
-            if kwargs.get("dtype") is None and not args:
-                kwargs["dtype"] = torch.float16
-        original(self, device_type, *args, **kwargs)
-
-    cls.__init__ = __init__
-    try:
-        yield
-    finally:
-        cls.__init__ = original
-
-
-def _like_cuda(optimizers) -> None:
-    """Optimizers left to choose (``foreach=None``) take the multi-tensor path on CUDA: make the
-    fake copies (computing on the CPU) take it too, since its temporaries differ."""
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
-                group["foreach"] = True
-
-
-def _to_cpu(device):
+def to_cpu(device):
     import torch
 
     if device is None:
@@ -117,7 +92,7 @@ def _where(exc) -> Optional[tuple]:
     return user_frame(tb=exc.__traceback__)
 
 
-def _explain(exc) -> EstimateError:
+def explain_error(exc) -> EstimateError:
     name = type(exc).__name__
     where = _where(exc)
     at = f"line {where[1]} of {where[0]} (`{where[2]}`)" if where else "the step"
@@ -144,7 +119,12 @@ def analyse(tracker: StorageTracker, device: str, fixed_costs: Dict[str, int]) -
     from .allocator import replay
 
     run = tracker.run
-    events = run.events
+    unused = run.unused_existing()
+    # What was there before the step and the step never touched (a model in the namespace that it
+    # does not use) is not the step's working set: it is left out of its peak.
+    # (Kept as zero-byte events, so that the event indices of the phase and line marks still hold.)
+    events = [(k, 0) if k in unused and size >= 0 else (k, size) for k, size in run.events] if unused else run.events
+    run_sizes = {k: (0 if k in unused else n) for k, n in run.sizes.items()} if unused else run.sizes
     cuda = device.startswith("cuda")
     if cuda:
         rep = replay(events)
@@ -153,9 +133,9 @@ def analyse(tracker: StorageTracker, device: str, fixed_costs: Dict[str, int]) -
     else:
         allocated, total = [], 0
         for key, size in events:
-            total += size if size >= 0 else -run.sizes[key]
+            total += size if size >= 0 else -run_sizes[key]
             allocated.append(total)
-        reserved, sizes = allocated, run.sizes
+        reserved, sizes = allocated, run_sizes
         peak_reserved = max(allocated, default=0)
     marks = [m for m in run.phase_marks]
     first = marks[0][0] if marks else len(events)
@@ -222,82 +202,120 @@ def analyse(tracker: StorageTracker, device: str, fixed_costs: Dict[str, int]) -
     modules = sorted(({"module": name, **{k: v for k, v in row.items() if not k.startswith("_")}}
                       for name, row in run.modules.items()), key=lambda r: -r["activations"])
     return {"peak_allocated": peak, "peak_reserved": peak_reserved, "start_allocated": start, "roles": roles,
-            "phases": phases, "modules": modules[:10], "peak_phase": peak_phase, "peak_step": peak_step}
+            "phases": phases, "modules": modules[:10], "peak_phase": peak_phase, "peak_step": peak_step,
+            "events": events}
 
 
-def estimate(step, *args, device="cuda", gpu=None, _batch=None, **kwargs) -> Estimate:
-    """The memory of ``step(*args, **kwargs)`` as a training step on ``device``, without running it.
+def check_step(step) -> None:
+    """A step must be something that runs one step when called: not a generator or coroutine function."""
+    import inspect
 
-    The step runs twice on fake copies of every tensor, module and optimizer reachable from its
-    arguments (and the globals and closure variables it names); the user's objects, and torch's
-    random number generator, are left exactly as they were.
+    name = getattr(step, "__qualname__", None) or type(step).__name__
+    if inspect.isgeneratorfunction(step) or inspect.isasyncgenfunction(step):
+        raise EstimateError(f"`{name}` is a generator function: calling it runs nothing until it is iterated, so "
+                            "there is no step to estimate; pass a function that runs one step")
+    if inspect.iscoroutinefunction(step):
+        raise EstimateError(f"`{name}` is an async function: calling it runs nothing until it is awaited; pass a "
+                            "plain function that runs one step")
+    if inspect.isgenerator(step) or inspect.iscoroutine(step):
+        raise EstimateError(f"estimate() needs a function, not a {type(step).__name__} object")
+    if not callable(step):
+        raise EstimateError(f"estimate() needs a function that runs one step, not a {type(step).__name__}")
+
+
+def resolve_costs(label: str, gpu) -> tuple:
+    """``(fixed costs, the GPU's name)`` for a CUDA estimate (read in the user's process: the sealed child
+    must not touch CUDA); ``({}, None)`` for the CPU. With no GPU named and none in use here, the card
+    is a T4, as for ``%%gpumem --estimate`` (``cell._card``): one step, one total."""
+    from .gpus import fixed_costs, resolve_gpu
+
+    if not label.startswith("cuda"):
+        return {}, None
+    card = resolve_gpu(gpu if gpu is not None else "this GPU", fallback="T4")
+    return fixed_costs(card), card.name
+
+
+def sealed(fn, *args, timeout_s: float, **kwargs):
+    """``fn(*args, **kwargs)`` in a sealed child (``ipy_gpumem.sealed``): its value, or an EstimateError
+    saying what went wrong; the refusals and the seal's own note go into the value's ``notes``."""
+    from ..sealed import SealedUnavailable, run_sealed
+
+    try:
+        outcome = run_sealed(fn, *args, deadline_s=timeout_s, **kwargs)
+    except SealedUnavailable as exc:
+        raise EstimateError(f"the estimate runs in a sealed copy of this process, which needs os.fork: {exc}; "
+                            "nothing was run here") from None
+    notes = [f"not done (the estimate runs sealed off from your files, network and processes): {line}"
+             for line in outcome.refused]
+    if outcome.guard == "python":
+        notes.append("sealed by Python-level guards only" + (f" ({outcome.guard_note})" if outcome.guard_note else "")
+                     + ": C code in the step (torch's C++ save, numpy's tofile) was not stopped")
+    if outcome.timed_out:
+        raise EstimateError(f"the estimate took longer than {timeout_s:g} s and was stopped (nothing of it ran in "
+                            "this process); pass a larger timeout_s, or estimate a smaller step")
+    if outcome.error is not None:
+        err = outcome.error
+        if err.type_name == "EstimateError":
+            raise EstimateError(err.message, err.attrs.get("line"))
+        raise EstimateError(f"the estimate failed: {err.type_name}: {err.message}")
+    if not outcome.ok:
+        raise EstimateError(f"the estimate's sealed copy of this process ended without an answer ({outcome.exit})")
+    value = outcome.value
+    target = value[0] if isinstance(value, tuple) else value
+    if notes and hasattr(target, "notes"):
+        target.notes.extend(notes)
+    return value
+
+
+#: Seconds an estimate may run (in its sealed copy) before it is stopped.
+TIMEOUT_S = 120.0
+
+
+def estimate(step, *args, device="cuda", gpu=None, timeout_s: float = TIMEOUT_S, _batch=None, **kwargs) -> Estimate:
+    """The memory of ``step(*args, **kwargs)`` as a training step on ``device``, without running it here.
+
+    The step runs twice in a sealed copy of this process (a fork that cannot write files, open
+    network connections or start processes, and whose changes die with it), on fake tensors put in
+    place of every tensor it can reach (its arguments, its globals and closure, the objects and
+    modules they hold), starting from the state that is there (gradients, optimizer state, a
+    previous output). Your objects, files, random state and torch settings are exactly as before.
 
     Args:
         step: the callable to estimate, typically forward, loss, backward and optimizer step.
         *args, **kwargs: its arguments.
         device: "cuda" (or "cuda:N"): torch's CUDA counters, through the caching allocator model;
             "cpu": live tensor bytes.
-        gpu: the card whose fixed costs (CUDA context, cuBLAS workspace) apply: a name ("T4"),
-            "this GPU" or None (this GPU when there is one, otherwise an Ampere card's figures).
+        gpu: the card whose fixed costs apply: a name ("T4"), "this GPU" or None (this GPU when there
+            is one, else a T4); the Estimate names it (``gpu``).
+        timeout_s: stop the sealed run after this many seconds (an EstimateError then says so).
 
     Raises:
-        EstimateError: the step cannot run on fake tensors; the message names the line.
+        EstimateError: the step cannot run on fake tensors (the message names the line), was
+            stopped, or cannot be sealed here (no ``os.fork``).
     """
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from .child import estimate_here
 
-    from .fake import FakeWorld
-    from .gpus import fixed_costs as _fixed_costs, resolve_gpu
-
-    began = time.perf_counter()
+    check_step(step)
     label = device_label(device)
-    cuda = label.startswith("cuda")
-    costs: Dict[str, int] = {}
-    if cuda:
-        card = None
-        try:
-            card = resolve_gpu(gpu if gpu is not None else "this GPU")
-        except ValueError:
-            if gpu is not None:
-                raise
-        costs = _fixed_costs(card)
-    rng = torch.random.get_rng_state()
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    tracker = StorageTracker(fake=True, redirect=_to_cpu)
-    notes: List[str] = []
-    try:
-        try:
-            world = FakeWorld(step, args, kwargs, fake_mode, batch=_batch)
-        except Exception as exc:  # noqa: BLE001 - anything odd in the user's objects
-            raise EstimateError(f"could not copy the step's objects around fake tensors: {type(exc).__name__}: {exc}") from None
-        existing = [(fake, role) for fake, role, _real in world.fakes]
-        if cuda:
-            _like_cuda(world.optimizers)
-        printed = io.StringIO()
-        with fake_mode, (_cuda_autocast_on_cpu() if cuda else contextlib.nullcontext()), \
-                warnings_quiet(), contextlib.redirect_stdout(printed):
-            try:
-                run_steps(world.step, world.args, world.kwargs, tracker, existing, world.modules, world.optimizers)
-            except EstimateError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - reported with the user's line, never a raw traceback
-                raise _explain(exc) from None
-    finally:
-        if not torch.equal(torch.random.get_rng_state(), rng):
-            torch.random.set_rng_state(rng)
-    if printed.getvalue():
-        notes.append(f"the step printed {len(printed.getvalue().splitlines())} line(s) on fake values; not shown")
-    for filename, line, source in tracker.run.value_reads:
-        notes.append(f"line {line} (`{source}`) read a tensor's value (.item(), print, or an `if` on a tensor): a "
-                     "fake tensor has none, so 0 was used; a branch on it follows the 0 path")
-    if cuda and not torch.cuda.is_available():
-        notes.append("computed on fake CPU tensors standing for CUDA ones: kernels that differ by device "
-                     "(attention backends, cuDNN workspaces) may use other temporaries on the GPU")
-    facts = analyse(tracker, label, costs)
-    events = tracker.run.events
-    del world, tracker
-    return Estimate(device=label, fixed_costs=costs, notes=notes, seconds=time.perf_counter() - began,
-                    events=events, **facts)
+    costs, gpu_name = resolve_costs(label, gpu)
+    namespace = _globals_of(step)
+    estimate_result, _marks, _names = sealed(estimate_here, step, args, kwargs, label=label, costs=costs,
+                                             gpu=gpu_name, namespace=namespace, batch=_batch, timeout_s=timeout_s)
+    return estimate_result
+
+
+def _globals_of(step) -> Optional[dict]:
+    """The namespace a step's code reads its globals from (a notebook's namespace), if it is the user's."""
+    import functools
+    import types
+
+    from ..tensors.kinds import is_user_file
+
+    while isinstance(step, (functools.partial, types.MethodType)):
+        step = step.func if isinstance(step, functools.partial) else step.__func__
+    if isinstance(step, types.FunctionType) and is_user_file(step.__code__.co_filename):
+        return step.__globals__
+    return None
 
 
 @contextlib.contextmanager

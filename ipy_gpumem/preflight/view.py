@@ -2,23 +2,24 @@
 
 ``estimate_view`` draws a :class:`~ipy_gpumem.preflight.cell.CellEstimate` and keeps it as
 ``View.data``; :func:`verdict` is the one sentence the view, the notebook and the OOM panel share.
+Its tables (the figures, the per-line changes, the roles, the phases, the heaviest modules) are
+the measured report's too (``display.tables``): a prediction reads like the measurement it predicts.
 """
 from __future__ import annotations
 
 from typing import List, Optional
 
-from ..core.roles import ROLE_SHORT, ROLE_WORDS
-from ..core.units import format_bytes, format_delta, format_seconds
-from ..display.parts import Blank, Line, Para, Span, Table, render
-from ..display.view import View, delta_class
+from ..core.units import format_bytes, format_seconds
+from ..display.parts import Blank, Line, Para, Span, render
+from ..display.tables import (PHASE_WORDS, Column, bytes_table, delta_cell, heaviest, line_table, peak_cell,
+                              phase_table, roles_words, summarize_phases)
+from ..display.view import View
 from .cell import CellEstimate
 from .result import Fit
 
 __all__ = ["estimate_view", "verdict"]
 
-_COSTS = {"cuda_context": "CUDA context", "cublas_workspace": "cuBLAS workspace"}
-_PHASES = {"forward": "forward", "backward": "backward", "optimizer_step": "optimizer step", "zero_grad": "zero_grad",
-           "other": "other"}
+_COSTS = {"cuda_context": "CUDA context"}
 
 
 def verdict(fit: Fit) -> str:
@@ -31,17 +32,6 @@ def verdict(fit: Fit) -> str:
     return f"fits with {format_bytes(fit.headroom)} to spare on {fit.gpu} ({format_bytes(fit.capacity)} usable)"
 
 
-def _roles_text(roles: dict) -> str:
-    items = [(role, v) for row in roles.values() for role, v in row.items() if v]
-    return " · ".join(f"{ROLE_WORDS.get(role, role)} {format_bytes(v)}" for role, v in items)
-
-
-def _roles_short(roles: dict) -> str:
-    items = [(role, v) for row in roles.values() for role, v in row.items() if v]
-    items.sort(key=lambda item: -abs(item[1]))
-    return " · ".join(f"{ROLE_SHORT.get(role, role)} {format_delta(v)}" for role, v in items[:3])
-
-
 def estimate_view(cell: CellEstimate, title: Optional[str] = None) -> View:
     """The ``%%gpumem --estimate`` report of ``cell``; ``data`` is the ``CellEstimate``."""
     est = cell.estimate
@@ -51,55 +41,44 @@ def estimate_view(cell: CellEstimate, title: Optional[str] = None) -> View:
     names = ", ".join(cell.faked) if cell.faked else "no objects of yours"
     parts.append(Para(f"Nothing ran for real: the cell's code ran twice (the second run is the steady state) "
                       f"on fake copies of {names}.", "dim"))
-    rows = [["peak allocated", format_bytes(est.peak_allocated)]]
+    rows = [("peak allocated", (est.peak_allocated,))]
     if cuda:
-        rows.append(["peak reserved", format_bytes(est.peak_reserved)])
+        rows.append(("peak reserved", (est.peak_reserved,)))
         for key, value in est.fixed_costs.items():
-            rows.append([f"+ {_COSTS.get(key, key)} (assumed)", format_bytes(value)])
-        rows.append(["total needed", format_bytes(est.total_needed)])
-    parts.append(Table(["", "predicted"], rows))
+            rows.append((f"+ {_COSTS.get(key, key)} (assumed)", (value,)))
+        rows.append(("total needed", (est.total_needed,)))
+    parts.append(bytes_table(["", "predicted"], rows, signed=(False,)))
+    if cuda:  # the card the fixed costs are for; cuBLAS's workspaces are allocator memory, in the peaks
+        workspaces = (f"; cuBLAS workspaces {format_bytes(est.cublas_workspaces)} in the peaks"
+                      if est.cublas_workspaces else "")
+        parts.append(Para(est.assumed + workspaces, "dim"))
     if cell.fit is not None:
         fit = cell.fit
         parts.append(Line(Span("Verdict: ", "bold"), Span(verdict(fit), "down" if fit.fits else "err")))
     if cell.gpu_note:
         parts.append(Para(cell.gpu_note, "dim"))
     if est.roles:
-        phase = _PHASES.get(est.peak_phase, est.peak_phase)
+        phase = PHASE_WORDS.get(est.peak_phase, est.peak_phase)
         parts.append(Para(f"At the peak ({phase}, {'second' if est.peak_step == 2 else 'first'} run): "
-                          + _roles_text(est.roles)))
+                          + roles_words(est.roles)))
     if cell.lines:
-        by_line = {ln.lineno: ln for ln in cell.lines}
-        table_rows, classes = [], []
-        first = next((i for i, text in enumerate(cell.source_lines, 1) if text.strip() or i in by_line), 1)
-        for lineno in range(first, len(cell.source_lines) + 1):
-            text = cell.source_lines[lineno - 1]
-            ln = by_line.get(lineno)
-            if ln is None:
-                table_rows.append([str(lineno), "", "", "", "", text])
-                classes.append([])
-                continue
-            table_rows.append([str(lineno), str(ln.hits), format_delta(ln.allocated_delta),
-                               format_delta(ln.reserved_delta) if cuda else "", format_delta(ln.peak_increase), text])
-            classes.append(["", "", delta_class(ln.allocated_delta), delta_class(ln.reserved_delta) if cuda else "",
-                            "up" if ln.peak_increase > max(ln.allocated_delta, 0) else "dim", ""])
+        hit = {ln.lineno for ln in cell.lines}
+        first = next((i for i, text in enumerate(cell.source_lines, 1) if text.strip() or i in hit), 1)
+        columns = [Column("Δallocated", lambda ln: delta_cell(ln.allocated_delta)),
+                   Column("Δreserved" if cuda else "", lambda ln: delta_cell(ln.reserved_delta) if cuda else ("", "")),
+                   Column("peak in line", lambda ln: peak_cell(ln.peak_increase, ln.allocated_delta))]
         parts.append(Blank())
         parts.append(Line(Span("Per line, predicted for the second run (the steady state):", "dim")))
-        parts.append(Table(["line", "hits", "Δallocated", "Δreserved" if cuda else "", "peak in line", "source"],
-                           table_rows, left=(5,), classes=classes, src_col=5))
-    phases = [p for p in est.phases if p["phase"] != "other" or p["peak"]]
-    if phases:
-        rows = [[_PHASES.get(p["phase"], p["phase"]), str(p["step"]), format_bytes(p["peak"]), _roles_short(p["roles"])]
-                for p in phases]
+        parts.append(line_table(cell.source_lines, cell.lines, columns, first=first))
+    table = phase_table(summarize_phases(est.phases), first="first run, by role", steady="second run, by role")
+    if table is not None:
         parts.append(Blank())
-        parts.append(Line(Span("Training phases, per run:", "dim")))
-        parts.append(Table(["phase", "run", "peak above its start", "change by role"], rows, left=(0, 3)))
-    modules = [m for m in est.modules if m.get("activations") or m.get("peak")][:5]
+        parts.append(Line(Span("Training phases, in the first and the second run:", "dim")))
+        parts.append(table)
+    modules = heaviest("Heaviest modules (activations autograd keeps for backward)", est.modules)
     if modules:
-        rows = [[m["module"], m.get("type", ""), format_bytes(m.get("activations", 0)), format_bytes(m.get("peak", 0)),
-                 str(m.get("calls", ""))] for m in modules]
         parts.append(Blank())
-        parts.append(Line(Span("Heaviest modules (activations autograd keeps for backward):", "dim")))
-        parts.append(Table(["module", "type", "activations", "peak in forward", "calls"], rows, left=(0, 1)))
+        parts.extend(modules)
     for note in est.notes:
         parts.append(Para(f"note: {note}", "dim"))
     return render(parts, data=cell)

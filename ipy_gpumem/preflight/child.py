@@ -1,0 +1,89 @@
+"""What runs inside the sealed child of an estimate: fake the world in place, run the step twice under the storage tracker, and return plain data.
+
+Everything here runs in a forked copy of the user's process (``ipy_gpumem.sealed``): it may
+change any object it finds, because those objects are the child's own copies. It never runs in
+the user's process. What it returns (an :class:`~.result.Estimate`, per-line marks) is plain data
+that travels back pickled; an error travels back as an :class:`~.result.EstimateError` whose
+message names the user's line.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import time
+from typing import Any, Dict, Optional, Tuple
+
+from ..tensors.torch_api import api as torch_api
+from ..tensors.tracker import StorageTracker
+from .result import Estimate, EstimateError
+from .run import analyse, explain_error, run_steps, to_cpu, warnings_quiet
+from .world import FakeWorld, SubstitutionError
+
+__all__ = ["estimate_here"]
+
+
+def estimate_here(step: Any, args: tuple, kwargs: dict, *, label: str, costs: Dict[str, int], gpu: Optional[str],
+                  namespace: Optional[dict] = None, batch: Optional[Dict[int, tuple]] = None,
+                  program: Any = None, notes: Tuple[str, ...] = ()) -> Tuple[Estimate, list, tuple]:
+    """Estimate ``step(*args, **kwargs)`` here (in the sealed child): ``(estimate, the markers' (event,
+    line, call) of a cell, the namespace's names that held tensors)``. Raises :class:`EstimateError`."""
+    began = time.perf_counter()
+    api = torch_api()
+    if api is None:
+        raise EstimateError("torch is not imported")
+    torch = api.torch
+    torch.set_num_threads(1)  # a forked child of a process that used the intra-op pool (NOTES §11)
+    for name in api.fake_loggers():
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    from ..sealed import unreported
+
+    with unreported():
+        # FakeTensorMode's first use imports torch's compiler (about 800 modules), which probes the
+        # temporary directory: torch's doing, not the step's, so not reported as the step's side effect.
+        FakeTensorMode = api.fake_tensor_mode()
+        with FakeTensorMode():
+            (torch.ones(2, 2) @ torch.ones(2, 2)).sum()
+    cuda = label.startswith("cuda")
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    world = FakeWorld(api, fake_mode, [("step", step), ("args", args), ("kwargs", kwargs)], namespace=namespace,
+                      batch=batch)
+    try:
+        world.substitute()
+    except SubstitutionError as exc:
+        raise EstimateError(str(exc)) from None
+    step, args, kwargs = world.root("step"), world.root("args"), world.root("kwargs")
+    existing, world.existing = world.existing, []
+    tracker = StorageTracker(fake=True, redirect=to_cpu)
+    printed = io.StringIO()
+    # A CUDA step computes on CPU fakes: where CUDA allocates differently (autocast's lists and weight
+    # cache, cuBLAS's workspaces, foreach optimizers), the run emulates it (.cudalike).
+    emulation = _cuda_emulation(api, tracker, gpu, world.optimizers) if cuda else contextlib.nullcontext()
+    with fake_mode, emulation as cuda_run, warnings_quiet(), contextlib.redirect_stdout(printed):
+        try:
+            run_steps(step, args, kwargs, tracker, existing, world.modules, world.optimizers)
+        except EstimateError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported with the user's line, never a raw traceback
+            raise explain_error(exc) from None
+    notes = list(notes)
+    if printed.getvalue():
+        notes.append(f"the step printed {len(printed.getvalue().splitlines())} line(s) on fake values; not shown")
+    for _filename, line, source in tracker.run.value_reads:
+        notes.append(f"line {line} (`{source}`) read a tensor's value (.item(), print, or an `if` on a tensor): a "
+                     "fake tensor has none, so 0 was used; a branch on it follows the 0 path")
+    if cuda_run is not None and not cuda_run.autocast:
+        notes.append("this torch cannot take Python autocast kernels: a CUDA autocast region was estimated with the "
+                     "CPU's autocast op lists")
+    facts = analyse(tracker, label, costs)
+    marks = list(program.marks) if program is not None else []
+    est = Estimate(device=label, fixed_costs=costs, notes=notes, seconds=time.perf_counter() - began,
+                   gpu=gpu, cublas_workspaces=cuda_run.workspaces.total if cuda_run is not None else 0, **facts)
+    return est, marks, tuple(world.names)
+
+
+def _cuda_emulation(api, tracker, gpu: Optional[str], optimizers):
+    from .cudalike import cuda_emulation
+    from .gpus import card_named, cublas_workspace
+
+    return cuda_emulation(api, tracker, cublas_workspace(card_named(gpu)), optimizers)
