@@ -30,6 +30,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # The Colab P100 user's error (seeds/000 and 001), verbatim.
 SEED = ("RuntimeError: CUDA out of memory. Tried to allocate 2.32 GiB (GPU 0; 15.78 GiB total capacity; "
         "11.91 GiB already allocated; 182.75 MiB free; 14.26 GiB reserved in total by PyTorch)")
+# The seed's numbers scaled down to the CPU tensors of :class:`Seed` (who() counts 36 MiB of them), so
+# that what each finding frees is set against a request of the same scale: 3 MiB asked with 2 MiB
+# free (1 MiB short), 22 MiB reserved but unallocated.
+SEED_CPU = ("RuntimeError: CUDA out of memory. Tried to allocate 3.00 MiB (GPU 0; 64.00 MiB total capacity; "
+            "36.00 MiB already allocated; 2.00 MiB free; 58.00 MiB reserved in total by PyTorch)")
 # The seed's traceback frames, innermost last, as the caller extracts them.
 SEED_FRAMES = (
     ("<ipython-input-11-f566d09448f9>", "<module>", "optimizer.step()"),
@@ -79,9 +84,12 @@ def nbytes(*tensors) -> int:
 
 
 class Seed:
-    """The seed scenario on the CPU: a real MLP, Adam after one step, the next forward's output and loss kept."""
+    """The seed scenario on the CPU: a real MLP, Adam after one step, the next forward's output and loss kept.
 
-    def __init__(self, optimizer: bool = True, step: bool = True, keep_graph: bool = True):
+    Its message is the seed's at the scale of these tensors (:data:`SEED_CPU`).
+    """
+
+    def __init__(self, optimizer: bool = True, step: bool = True, keep_graph: bool = True, message: str = SEED_CPU):
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))  # 8 MiB of weights
         self.input = torch.randn(256, 1024)
@@ -98,7 +106,7 @@ class Seed:
             self.ns["output"] = output = self.model(self.input)
             self.ns["loss"] = output.pow(2).mean()
         self.who = who(self.ns)
-        self.oom = parse_oom(SEED)
+        self.oom = parse_oom(message)
         self.memory = DeviceMemory.from_message(self.oom)
 
     def facts(self, **kw):
@@ -194,11 +202,34 @@ def test_optimizer_state_in_adams_step():
     assert opt.title == f"Adam keeps two buffers the size of the weights: {format_bytes(cats['optimizer_state'])}"
     assert format_bytes(cats["parameters"]) in opt.detail
     assert "2.0x" in opt.detail  # exp_avg + exp_avg_sq: twice the weights
-    assert "_functional.py adam()" in opt.detail and "2.32 GiB" in opt.detail
+    assert "_functional.py adam()" in opt.detail and "3.00 MiB" in opt.detail
     assert opt.confidence == "certain"
     assert opt.frees == cats["optimizer_state"] * 3 // 4  # 8-bit Adam: 2 of 8 bytes per weight
     assert "Adam8bit(model.parameters(), lr=learning_rate)" in opt.snippet  # the user's own arguments
-    assert "foreach=False" in opt.snippet and "foreach" in opt.fix
+    # The seed's step is the single-tensor one (_functional.adam): it already makes its temporaries one
+    # parameter at a time, so foreach=False would change nothing here and is not offered.
+    assert "foreach" not in opt.snippet and "foreach" not in opt.fix
+
+
+def test_optimizer_advice_fits_the_step_that_failed():
+    multi = ("/x/torch/optim/adam.py", "_multi_tensor_adam",
+             "exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)")
+    frames = SEED_FRAMES[:1] + (multi,)
+    seed = Seed()
+    # The foreach step: both less state and foreach=False bear on the request.
+    both = training.optimizer_state(seed.facts(frames=frames))
+    assert "foreach=False" in both.snippet and "Adam8bit" in both.snippet
+    # The same step against a request far larger than the state: 8-bit Adam's 12 MiB cannot matter for
+    # 2 GiB, so only the step's temporaries are offered (they are the request).
+    big = V5.format(req="2.00 GiB", total="15.78 GiB", free="100.00 MiB", procs="", alloc="12.00 GiB",
+                    unalloc="10.00 MiB")
+    temps = training.optimizer_state(Facts.build(parse_oom(big), DeviceMemory.from_message(parse_oom(big)), seed.who,
+                                                 frames=frames, failing_source=SEED_SOURCE, env={}, modules=()))
+    assert "Adam8bit" not in temps.snippet and "foreach=False" in temps.snippet and temps.frees is None
+    assert "too small to be the fix" in temps.fix
+    # A single-tensor step and a state too small to matter: nothing this finding could offer holds.
+    assert training.optimizer_state(Facts.build(parse_oom(big), DeviceMemory.from_message(parse_oom(big)), seed.who,
+                                                frames=SEED_FRAMES, env={}, modules=())) is None
 
 
 def test_graphs_kept_read_from_typed_holders():
@@ -227,7 +258,7 @@ def test_graphs_kept_by_ipython_are_not_deleted_by_name():
 
 
 def test_seed_scenario_also_finds_fragmentation_from_the_message_numbers():
-    frag = device.fragmentation(Seed().facts())
+    frag = device.fragmentation(facts_for(SEED, frames=SEED_FRAMES))
     # 14.26 GiB reserved - 11.91 GiB allocated = 2.35 GiB cached, more than the 2.32 GiB request.
     assert frag.title == "Fragmentation: 2.35 GiB reserved but unallocated"
     assert "2.32 GiB" in frag.detail and frag.frees == parse_bytes("14.26 GiB") - parse_bytes("11.91 GiB")
@@ -249,14 +280,16 @@ def test_request_larger_than_the_device_is_the_only_finding():
     oom = parse_oom(msg)
     memory = DeviceMemory.from_message(oom)
     every = run_rules(Facts.build(oom, memory, seed.who, frames=SEED_FRAMES, env={}, modules=()))
-    assert {"optimizer_state", "graphs_kept", "request_exceeds_device"} <= set(every)  # all true...
+    assert {"fragmentation", "request_exceeds_device"} <= set(every)  # true, and 1.50 GiB matters for 10 GiB...
+    assert "optimizer_state" not in every and "graphs_kept" not in every  # (a few MiB cannot)
     findings = explain(oom, memory, seed.who, frames=SEED_FRAMES, env={}, modules=())
     assert [f.key for f in findings] == ["request_exceeds_device"]  # ...but only one bears on the request
     first = findings[0]
     assert first.confidence == "certain"
     assert first.title == "No amount of freeing helps: the request alone is 1.3x all 15.78 GiB of cuda:0"
     assert "20.00 GiB" not in first.title + first.detail  # the headline states the request, once
-    assert "chunk(" in first.snippet
+    assert "chunk(" in first.snippet and "torch.cat" not in first.snippet  # the pieces are never put back
+    assert "cannot exist on cuda:0" in first.fix
 
 
 def test_request_larger_than_the_memory_fraction_cap():
@@ -268,7 +301,8 @@ def test_request_larger_than_the_memory_fraction_cap():
     assert facts.oom.allowed == 4 * GiB
     f = device.request_exceeds_device(facts)
     assert "set_per_process_memory_fraction" in f.title and "4.00 GiB" in f.title
-    assert "raise the cap" in f.fix
+    # Below the device's total, raising the cap makes the whole tensor fit: it comes first.
+    assert f.fix.startswith("Raise the cap") and "15.78 GiB" in f.fix and "torch.cat" not in f.snippet
 
 
 def test_absurd_request_names_the_failing_line_and_its_clues():
@@ -301,7 +335,9 @@ def test_moderate_request_on_the_host_suggests_chunks_and_names_float64():
     source = "points = torch.rand(100000, 3, dtype=torch.float64)\nd = (points[:, None] - points[None, :]).norm(dim=-1)"
     memory = DeviceMemory.from_message(parse_oom(msg)).merged(DeviceMemory(HOST, total=32 * GiB, used=2 * GiB))
     f = device.request_exceeds_device(facts_for(msg, memory, failing_source=source))
-    assert "2.3x all 32.00 GiB" in f.title and "x.chunk(6" in f.snippet and "numpy.memmap" in f.fix
+    assert "2.3x all 32.00 GiB" in f.title and "x.chunk(6" in f.snippet
+    assert "torch.cat" not in f.snippet and "total += out.sum()" in f.snippet and "torch.save(out" in f.snippet
+    assert "The full result cannot exist in RAM" in f.fix and "never concatenating" in f.fix
     assert "N×N" in f.detail and "float64 takes twice" in f.detail
 
 
@@ -407,7 +443,7 @@ def test_ipython_caches_are_named():
     report = WhoReport(categories={**seed.who.categories, "ipython_caches": nbytes(big)},
                        holders=seed.who.holders + (Holder("out_cache", "ipython_caches", HOST, nbytes(big), ("Out",),
                                                           "Out[7]"),))
-    f = session.ipython_refs(facts_for(SEED, who_report=report))
+    f = session.ipython_refs(facts_for(SEED_CPU, who_report=report))
     assert f.frees == nbytes(big) and "2.00 MiB" in f.title
     assert "Out[7]" in f.detail and "%gpumem free" in f.snippet and "%reset -f out" in f.snippet
 
@@ -523,12 +559,29 @@ def _seed_steps():
             for n, src, b, a in steps]
 
 
+def _seed_who():
+    """who() on the seed's P100 at its scale (typed holders, as the attribution room reports them)."""
+    holders = (Holder("optimizer", "optimizer_state", cuda(0), 6292 * MiB, ("optimizer",), "optimizer"),
+               Holder("module", "parameters", cuda(0), 3767 * MiB, ("model",), "model"),
+               Holder("module_grads", "gradients", cuda(0), 3036 * MiB, ("model",), "model"))
+    return WhoReport({"optimizer_state": 6292 * MiB, "parameters": 3767 * MiB, "gradients": 3036 * MiB}, holders,
+                     device=cuda(0))
+
+
 def test_earlier_cells_from_the_seed_checkpoints():
-    seed = Seed()
-    f = session.earlier_cells(seed.facts(earlier=_seed_steps()))
+    oom = parse_oom(SEED)
+    facts = Facts.build(oom, DeviceMemory.from_message(oom), _seed_who(), earlier=_seed_steps(), env={}, modules=())
+    f = session.earlier_cells(facts)
     assert "[7] `optimizer.step()` +6.14 GiB" in f.detail and "[3] `model = model.to(device)` +3.68 GiB" in f.detail
-    assert f.frees == (6292 + 3767 + 3036) * MiB
     assert f.snippet.startswith("del model   #")  # [3] assigned model; [7] and [6] assigned nothing
+    assert f.frees == (3767 + 3036) * MiB  # what `del model` frees: its parameters and gradients, not the cells' growth
+
+
+def test_earlier_cells_are_offered_only_when_deleting_could_matter():
+    # The seed's CPU-scale tensors against the seed's 2.14 GiB shortfall: `del model` would free 16 MiB.
+    oom = parse_oom(SEED)
+    facts = Facts.build(oom, DeviceMemory.from_message(oom), Seed().who, earlier=_seed_steps(), env={}, modules=())
+    assert facts.shortfall > 2 * GiB and session.earlier_cells(facts) is None
 
 
 def test_the_failing_cell_is_never_an_earlier_cell():
@@ -544,7 +597,8 @@ def test_cublas_and_mps_messages():
         DeviceMemory(cuda(0), total=16 * GiB, used=15 * GiB + 900 * MiB, reserved=15 * GiB, allocated=12 * GiB))
     f = runtimes.cublas_cudnn(Facts.build(cublas, memory, env={}, modules=()))
     assert "cuBLAS" in f.title and "15.88 GiB of 16.00 GiB in use" in f.title and f.frees == 3 * GiB
-    assert "cudnn.benchmark = False" in f.snippet
+    # cuBLAS's own workspace variable, the cache the device could get back; cuDNN's autotuning is not cuBLAS's.
+    assert "CUBLAS_WORKSPACE_CONFIG" in f.snippet and "empty_cache" in f.snippet and "cudnn" not in f.snippet
     mps = parse_oom(next(d for d in samples if d["variant"].startswith("mps_v2"))["message"])
     m = runtimes.mps(Facts.build(mps, DeviceMemory.from_message(mps), env={}, modules=()))
     assert "9.57 GiB allocated" in m.title and "27.20 GiB max allowed" in m.title
@@ -575,6 +629,75 @@ def test_every_sample_message_gets_well_formed_findings():
         assert findings, sample["variant"]
         # A message without sizes can only be quoted: its first words count as the "code" cited.
         assert_well_formed(findings, oom.message[:30])
+
+
+#: Findings whose ``frees`` is memory the user would release (not a smaller request or a batch).
+_RELEASES = ("graphs_kept", "optimizer_state", "gradients", "fragmentation", "other_processes",
+             "cuda_context_and_libraries", "checkpoint_on_gpu", "ipython_refs", "earlier_cells", "cublas_cudnn")
+
+
+@pytest.mark.parametrize("scale", ["cpu", "seed"])
+def test_no_fix_frees_too_little_to_matter_or_rebuilds_what_did_not_fit(scale):
+    """Issue 17's class of advice that does not hold, over every real message: a change that frees
+    memory frees a size that could matter for that request, and no snippet concatenates pieces back."""
+    seed = Seed()
+    who_report = seed.who if scale == "cpu" else _seed_who()
+    source = SEED_SOURCE + 'ckpt = torch.load("best.pt")\noptimizer.zero_grad(set_to_none=False)\n'
+    for sample in load_samples():
+        oom = parse_oom(sample["message"])
+        facts = Facts.build(oom, DeviceMemory.from_message(oom), who_report, earlier=_seed_steps(),
+                            frames=SEED_FRAMES, failing_source=source, env={}, modules=())
+        for f in run_rules(facts).values():
+            assert "torch.cat(" not in f.snippet, (sample["variant"], f)
+            if f.key in _RELEASES and f.frees is not None:
+                assert facts.matters(f.frees), (sample["variant"], f.key, f.frees, facts.shortfall)
+
+
+def test_checkpoint_advice_on_the_host_never_moves_it_to_the_host():
+    model = nn.Linear(512, 512)
+    ckpt = {"model_state_dict": {k: v.clone() for k, v in model.state_dict().items()}}
+    report = who({"model": model, "ckpt": ckpt})
+    msg = ("RuntimeError: [enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: not enough memory: "
+           "you tried to allocate 1048576 bytes.")
+    memory = DeviceMemory.from_message(parse_oom(msg)).merged(
+        DeviceMemory(HOST, total=16 * GiB, used=16 * GiB - MiB // 2))
+    f = session.checkpoint_on_gpu(facts_for(msg, memory, report, failing_source='ckpt = torch.load("best.pt")'))
+    assert "map_location" not in f.snippet + f.fix and "del ckpt" in f.snippet and "mmap=True" in f.snippet
+
+
+def test_fragmentation_too_small_for_the_request_says_so():
+    # 3 GiB cached and 1 GiB free against a 5 GiB request: defragmenting cannot make it fit alone.
+    msg = V5.format(req="5.00 GiB", total="15.78 GiB", free="1.00 GiB", procs="", alloc="10.00 GiB",
+                    unalloc="3.00 GiB")
+    f = device.fragmentation(facts_for(msg))
+    assert f.confidence == "possible" and f"{format_bytes(GiB)} short of the request" in f.detail
+    tiny = V5.format(req="50.00 GiB", total="79.10 GiB", free="1.00 GiB", procs="", alloc="60.00 GiB",
+                     unalloc="600.00 MiB")
+    assert device.fragmentation(facts_for(tiny)) is None  # 600 MiB cannot matter for 49 GiB
+
+
+def test_other_processes_too_small_for_the_request_say_so_and_kill_the_one_that_helps():
+    msg = V5.format(req="4.00 GiB", total="23.65 GiB", free="500.00 MiB", procs="", alloc="12.00 GiB",
+                    unalloc="100.00 MiB")
+    three = ((11, 1 * GiB, "a"), (12, 5 * GiB, "b"), (13, 8 * GiB, "c"))
+    f = device.other_processes(facts_for(msg, _nvml_memory(msg, *three)))
+    assert "!kill 12   # 5.00 GiB" in f.snippet  # the smallest that alone makes room for the 3.51 GiB short
+    short = ((11, 1 * GiB, "a"),)
+    g = device.other_processes(facts_for(msg, _nvml_memory(msg, *short)))
+    assert g.confidence == "possible" and "not enough alone for the 3.51 GiB the request lacked" in g.detail
+
+
+def test_cpu_oom_offers_only_changes_that_shrink_this_request():
+    msg = ("RuntimeError: [enforce fail at alloc_cpu.cpp:75] err == 0. DefaultCPUAllocator: can't allocate memory: "
+           "you tried to allocate 20000000000 bytes. Error code 12 (Cannot allocate memory)")
+    memory = DeviceMemory.from_message(parse_oom(msg)).merged(DeviceMemory(HOST, total=32 * GiB, used=28 * GiB))
+    plain = runtimes.cpu_oom(facts_for(msg, memory, failing_source="y = model(x)"))
+    assert "float32" not in plain.snippet + plain.fix and "mmap" not in plain.snippet  # neither is in play
+    assert "torch.cat" not in plain.snippet and "total += f(piece).sum()" in plain.snippet
+    loaded = runtimes.cpu_oom(facts_for(msg, memory, failing_source="data = np.load('big.npy').astype('float64')"))
+    assert 'np.load(path, mmap_mode="r")' in loaded.snippet and "float32" in loaded.snippet
+    # float32 halves 18.63 GiB to 9.31 GiB: still more than the 4 GiB available, and the fix says so.
+    assert "still 5.31 GiB more than was available: chunks are needed too" in loaded.fix
 
 
 def test_requested_argument_overrides_the_message():

@@ -294,3 +294,46 @@ def test_plan_is_plain_data():
     the_plan = plan_release({"x": torch.ones(3)})
     json.dumps([the_plan.error, the_plan.out_keys, the_plan.names, the_plan.kept, the_plan.total])
     assert [h.to_dict() for h in the_plan.holders] == []
+
+
+def test_without_torch_free_says_nothing_holds_tensors_not_that_who_stopped():
+    """A shell where torch cannot be imported: who() answers "torch is not imported" at once, and
+    the plan says no tensor exists rather than that the walk was cut short."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None   # `import torch` raises ImportError: as if it were not installed\n"
+        "from IPython.testing.globalipapp import start_ipython\n"
+        "from IPython.utils.capture import capture_output\n"
+        "ip = start_ipython()\n"
+        "ip.run_line_magic('load_ext', 'ipy_gpumem')\n"
+        "ip.run_cell('1/0', store_history=True)\n"
+        "for line in ('free --dry-run', 'free'):\n"
+        "    with capture_output() as cap:\n"
+        "        ip.run_line_magic('gpumem', line)\n"
+        "    print('VIEW', repr('\\n'.join(o.data['text/plain'] for o in cap.outputs)))\n"
+        "from ipy_gpumem.free.release import plan_release\n"
+        "p = plan_release(ip.user_ns)\n"
+        "print('PLAN', p.tensors, p.complete, p.incomplete)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    views = [eval(ln[5:]) for ln in lines if ln.startswith("VIEW ")]  # noqa: S307 - our own repr
+    assert len(views) == 2, out.stdout + out.stderr
+    for text in views:
+        assert "torch is not imported, so no tensors exist" in text, text
+        assert "did not count" not in text and "stopped" not in text and "may keep more" not in text, text
+    assert "IPython's last error (ZeroDivisionError)" in views[0] and "dry run" in views[0]
+    assert "ipy_gpumem free: done." in views[1]
+    assert "PLAN False True None" in lines, out.stdout
+
+
+def test_a_walk_cut_short_is_said_with_its_reason():
+    report = who({"x": torch.ones(3)})
+    cut = type(report)(report.categories, report.holders, stopped="the time budget (0.5 s) ran out")
+    the_plan = plan_release({"x": torch.ones(3)}, report=cut)
+    assert not the_plan.complete and the_plan.tensors and the_plan.incomplete == "the time budget (0.5 s) ran out"
+    text = plan_view(the_plan).text
+    assert "who() did not count everything (the time budget (0.5 s) ran out)" in text
+    assert "no tensors exist" not in text

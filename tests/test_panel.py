@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from test_diagnose import SEED_FRAMES, SEED_SOURCE, V5, Seed  # noqa: E402
+from test_diagnose import SEED, SEED_FRAMES, SEED_SOURCE, V5, Seed  # noqa: E402
 
 from ipy_gpumem.core.devices import HOST, Device, cuda  # noqa: E402
 from ipy_gpumem.core.memory import DeviceMemory  # noqa: E402
@@ -39,7 +39,7 @@ def analysis_of(oom, memory, who=None, earlier=(), failing=None, **kw):
 
 
 def seed_panel():
-    seed = Seed()
+    seed = Seed(message=SEED)  # the user's own numbers: the bar is drawn from them
     earlier = [CellRecord(3, None, "model = model.to(device)", 0.0, 1.0,
                           devices=(DeviceRecord(0, allocated_before=2 * MiB, allocated_after=3769 * MiB),))]
     failing = CellRecord(7, None, SEED_SOURCE, 0.0, 9.0, error="RuntimeError",

@@ -54,7 +54,11 @@ class ReleasePlan:
         kept: names spelled like IPython's (``_``, ``_5``, ``Out``) that are the user's and hold
             tensors: never touched, named so the user knows why their bytes stay.
         holders: the ``ipython_caches`` rows of ``who()`` behind the numbers.
-        complete: False when ``who()`` stopped early: there may be more than these numbers.
+        complete: False when ``who()`` did not count everything (a budget ran out, or it failed):
+            there may be more than these numbers.
+        incomplete: why, in who()'s words; None when complete.
+        tensors: False when torch is not imported: no tensor exists, so nothing holds any, and the
+            numbers are complete (0), not cut short.
     """
 
     error: Optional[str] = None
@@ -65,6 +69,8 @@ class ReleasePlan:
     kept: Tuple[str, ...] = ()
     holders: Tuple[Holder, ...] = ()
     complete: bool = True
+    incomplete: Optional[str] = None
+    tensors: bool = True
 
     @property
     def total(self) -> int:
@@ -166,9 +172,18 @@ def plan_release(namespace: Mapping[str, Any], refs: Optional[IPythonRefs] = Non
     names.extend(_aliases(namespace, refs, keys, names))
     kept = sorted({r for h in (report.holders if report is not None else ())
                    if h.category != "ipython_caches" for r in h.roots if _is_output_name(r) and not owns(r)})
+    # Without torch no tensor exists: who() returns at once and says so, which is a complete
+    # answer (nothing holds tensors), not a walk cut short.
+    tensors = sys.modules.get("torch") is not None
+    if not tensors:
+        why = None
+    elif report is None:
+        why = "the namespace is not a dict"
+    else:
+        why = report.stopped or report.reason
     return ReleasePlan(error=last_error(last_result, tb_formatters), traceback_bytes=traceback_bytes,
                        out_keys=tuple(keys), names=tuple(names), cache_bytes=cache_bytes, kept=tuple(kept),
-                       holders=holders, complete=report.complete if report is not None else False)
+                       holders=holders, complete=why is None, incomplete=why, tensors=tensors)
 
 
 def _aliases(namespace: Mapping[str, Any], refs: Optional[IPythonRefs], keys: List[Any],

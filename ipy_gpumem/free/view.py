@@ -56,14 +56,16 @@ def _plan_parts(plan: ReleasePlan, before: Any, dry_run: bool) -> List[Any]:
     if plan.out_keys or plan.names:
         parts.append(Para(f"cached outputs holding tensors ({_references(plan.out_keys, plan.names)}): "
                           f"{format_bytes(plan.cache_bytes)}", **_ITEM))
-    if plan.empty:
+    if not plan.tensors:
+        parts.append(Para("torch is not imported, so no tensors exist: nothing IPython keeps holds any", **_ITEM))
+    elif plan.empty:
         parts.append(Para("no IPython error or cached output is keeping tensors alive", **_ITEM))
     if plan.kept:
         parts.append(Para(f"left alone: {', '.join(plan.kept)} (yours: you assigned them, so IPython "
                           "does not own them)", **_ITEM))
     if not plan.complete:
-        parts.append(Para("who() stopped before the end of a very large namespace: IPython's "
-                          "references may keep more than this", style="dim", **_ITEM))
+        parts.append(Para(f"who() did not count everything ({plan.incomplete}): IPython's references may keep "
+                          "more than this", style="dim", **_ITEM))
     parts.append(Para("then: " + "; ".join(_then(before)), indent="  ", hanging="    "))
     if dry_run:
         parts.append(Para("(dry run: nothing was released)", style="dim"))

@@ -44,9 +44,9 @@ class OomAnalysis:
             reports host pids and several candidates fit).
         errors: what failed while gathering, in words (``"the fragmentation rule: KeyError: 'x'"``,
             ``"who(): RuntimeError: ..."``): that part is missing, the rest is complete.
-        batch: the batch size that fits, from the failing cell re-estimated on fake tensors
-            (``oom.fitting.BatchFit``, with the reason when it could not be worked out), or None
-            when it was not tried.
+        batch: what is known about the failing cell's batch (``oom.batch.BatchKnown``), read
+            from data already there (an earlier estimate or run of the cell, its record); None
+            when there is no failing cell to speak of.
     """
 
     oom: Any
@@ -68,9 +68,12 @@ class OomAnalysis:
 def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = (), probe=None,
             capture=None, tb=None, refs=None, env: Optional[Mapping[str, str]] = None,
             modules: Optional[Iterable[str]] = None, who_fn: Optional[Callable[..., Any]] = None,
-            pid: Optional[int] = None, executable: Optional[str] = None,
-            batch_budget_s: Optional[float] = None) -> OomAnalysis:
+            pid: Optional[int] = None, executable: Optional[str] = None) -> OomAnalysis:
     """Everything known about a cell that failed with ``oom`` (an ``OomReport``).
+
+    It only reads: none of the user's code runs, on fake tensors or otherwise (the batch finding
+    comes from ``oom.batch``, which reads records and an earlier estimate), so its cost is the
+    who() walk's budget plus a few milliseconds, whatever the cell did.
 
     Args:
         oom: the parsed message.
@@ -85,15 +88,12 @@ def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = 
         modules: imported module names (default ``sys.modules``).
         who_fn: ``who(namespace, device=..., allocator_total=..., refs=...)``; the attribution room's by default.
         pid, executable: this process, as NVML would list it (default ``os.getpid()``, ``sys.executable``).
-        batch_budget_s: seconds the batch-size estimate may take (default ``oom.fitting.BUDGET_S``;
-            0 skips it). It runs the failing cell's code on fake copies of the namespace's objects,
-            never for real.
     """
     errors: List[str] = []
     memory, maybe_own = memory_at_failure(oom, probe, capture, pid=pid, executable=executable)
     who_report = _who(namespace, memory, refs, who_fn, errors)
     earlier = tuple(r for r in records if not _same_cell(r, record))
-    batch = _batch(oom, record, namespace, memory, batch_budget_s, errors)
+    batch = _batch(oom, memory, record, records, who_report, namespace, errors)
     findings = explain(oom, memory, who_report, earlier, failing=record, frames=traceback_frames(tb),
                        env=os.environ if env is None else env, modules=modules, maybe_own=maybe_own,
                        on_error=lambda rule, exc: errors.append(f"the {rule} rule: {type(exc).__name__}: {exc}"),
@@ -102,20 +102,14 @@ def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = 
                        maybe_own, tuple(errors), batch)
 
 
-def _batch(oom, record, namespace, memory: DeviceMemory, budget_s: Optional[float], errors: List[str]):
-    """The batch size that fits (a ``BatchFit``), or None when it does not apply; never raises."""
-    if namespace is None or record is None or oom is None or budget_s == 0:
-        return None
-    device = memory.device
-    if device is not None and not (device.is_cuda or memory.is_host):
-        return None  # mps, xpu: the estimate models CUDA's allocator
+def _batch(oom, memory: DeviceMemory, record, records, who_report, namespace, errors: List[str]):
+    """What is known about the failing cell's batch (a ``BatchKnown``), or None; never raises."""
     try:
-        from .fitting import BUDGET_S, fit_batch
+        from .batch import read_batch
 
-        return fit_batch(getattr(record, "source", None), namespace, memory,
-                         budget_s=BUDGET_S if budget_s is None else budget_s)
+        return read_batch(oom, memory, record, records, who_report, namespace)
     except Exception as exc:  # noqa: BLE001 - the panel still explains the failure without it
-        errors.append(f"the batch-size estimate: {type(exc).__name__}: {exc}")
+        errors.append(f"the batch finding: {type(exc).__name__}: {exc}")
         return None
 
 

@@ -8,6 +8,13 @@ runs every rule over the same :class:`~.facts.Facts`. The rules live by subject:
 references, earlier cells, checkpoints), and ``runtimes`` (host RAM, cuBLAS/cuDNN, MPS, other
 runtimes). Each rule is a plain function of the facts that returns a :class:`Finding` or None,
 so tests call them one by one. Nothing here imports IPython or torch.
+
+Every fix must be right for the failure at hand: applied, it must be able to make this failure go
+away. So a change that frees memory is offered only when what it frees could matter for this
+request (``Facts.matters``: a real share of what the request lacked, or of what was free when the
+request's size is unknown) and says when it is not enough alone (``Facts.room``); a snippet that
+splits work never rebuilds the result that could not fit; and a batch size is named only from an
+estimate of the whole step (``oom.batch``), never from a model of what the failure did not reach.
 """
 from __future__ import annotations
 
@@ -98,12 +105,13 @@ def explain(
         maybe_own: pids in ``memory.processes`` that may be this kernel: never offered for ``kill``.
         on_error: called with a rule's name and its exception when the rule fails; the other
             findings are returned all the same.
-        batch: the batch size that fits, estimated on fake tensors (``oom.fitting.BatchFit``), or None.
+        batch: what is known about the failing cell's batch (``oom.batch.BatchKnown``, read from
+            an earlier estimate or run of the cell, never by running it), or None.
 
     Returns:
         At most :data:`MAX_FINDINGS` findings; never empty when ``oom`` is given. When the request
         alone is larger than the device, only what bears on the request's size is returned (the
-        request itself, and an estimated batch size that fits):
+        request itself, and what is known about the batch):
         nothing that frees memory can make it fit, so no such finding may look "likely".
     """
     facts = Facts.build(oom, memory, who, earlier, failing=failing, failing_source=failing_source, frames=frames,
@@ -120,7 +128,7 @@ def explain(
             found.append(finding)
     impossible = [f for f in found if f.key == "request_exceeds_device"]
     if impossible:
-        # The batch size that fits (or the line that estimates it) is about the request's size: it stays.
+        # What is known about the batch is about the request's size: it stays.
         found = impossible + [f for f in found if f.key == "batch_size"]
     if not found and oom is not None:
         found.append(device.shortfall(facts))

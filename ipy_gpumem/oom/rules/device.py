@@ -59,12 +59,25 @@ def request_exceeds_device(x: Facts) -> Optional[Finding]:
         if batch is not None and (x.phase in ("forward", "backward") or "batch_size" in line):
             detail += (f" If it grows with the batch, batch_size={batch[2].group(1)} must shrink more than "
                        f"{times(ratio)}.")
-        elsewhere = "memory-map the data (numpy.memmap)" if x.is_host else \
-            "shard it across devices, or keep it on the CPU and move only slices to the GPU"
-        fix = f"Make the tensor smaller: process it in {pieces} chunks, or {elsewhere}."
-        if limit == allowed:
-            fix += " Or raise the cap set with torch.cuda.set_per_process_memory_fraction."
-        snippet = f"out = torch.cat([f(piece) for piece in x.chunk({pieces}, dim=0)])   # {pieces} pieces"
+        # The whole result cannot exist here, so the pieces must never be put back together
+        # (``torch.cat`` of them rebuilds exactly the tensor that failed).
+        pieces_words = (f"make it in {pieces} pieces and use each piece as it is made (reduce it to what you need, "
+                        "or write it to disk), never concatenating them back.")
+        if limit == allowed and (total is None or req <= total):
+            fix = ("Raise the cap set with torch.cuda.set_per_process_memory_fraction"
+                   + (f" ({x.memory.label} has {b(total)})" if total else "") + "; or " + pieces_words)
+        else:
+            where = "in RAM" if x.is_host else f"on {x.memory.label}"
+            fix = f"The full result cannot exist {where}: {pieces_words}"
+            if not x.is_host:
+                fix += (" If the machine's RAM can hold it, keep the full tensor on the CPU and move one piece at a "
+                        "time to the GPU.")
+        snippet = (f"total = 0\n"
+                   f"for i, piece in enumerate(x.chunk({pieces}, dim=0)):   # x: what the failing line works on\n"
+                   f"    out = f(piece)          # the failing operation on one piece: 1/{pieces} of the result\n"
+                   "    total += out.sum()      # keep only what you need of it (a sum, a statistic),\n"
+                   "    # or write it out: torch.save(out, f\"out_{i}.pt\")\n"
+                   "    del out                 # before the next piece")
     if clues:
         detail += " " + " ".join(clues)
     return Finding("request_exceeds_device", f"No amount of freeing helps: the request alone is {times(ratio)} {what}",
@@ -91,17 +104,25 @@ def fragmentation(x: Facts) -> Optional[Finding]:
         return None
     if (x.oom is not None and x.oom.backend == "cudaMallocAsync") or _conf_has(x.env, "backend", "cudamallocasync"):
         return None  # the async allocator has no "reserved but unallocated" to defragment
-    ru, reserved, req = x.memory.reserved_unallocated, x.memory.reserved, x.requested
+    ru, reserved, req, free = x.memory.reserved_unallocated, x.memory.reserved, x.requested, x.free
     if ru is None or ru < 16 * MiB:
         return None
     fits = req is not None and ru >= req
     if not fits and not (reserved and ru > reserved // 5):
+        return None
+    # Defragmenting makes at most the cached bytes usable, next to what the driver still has free:
+    # when even both are short of the request, expandable segments cannot make this one fit.
+    short = req - ru - free if req is not None and free is not None and ru + free < req else None
+    if short is not None and not x.matters(ru):
         return None
     var = _conf_var(x)
     detail = (f"PyTorch has {b(ru)} reserved but unallocated"
               + (f" ({pct(ru, reserved)} of {b(reserved)} reserved)" if reserved else "")
               + (f", more than the {b(req)} it tried to allocate: the free pieces are split across "
                  "segments and none is large enough." if fits else ": cached blocks that are too small to reuse."))
+    if short is not None:
+        detail += (f" Even all of it with the {b(free)} free is {b(short)} short of the request: defragmenting "
+                   "helps only together with freeing more.")
     if _conf_has(x.env, "expandable_segments", "true"):
         fix = ("expandable_segments is already on: call torch.cuda.empty_cache() between phases (after "
                "evaluation, before training) or cap block splitting with max_split_size_mb.")
@@ -114,7 +135,7 @@ def fragmentation(x: Facts) -> Optional[Finding]:
         fix = (f"Set {var}=expandable_segments:True (torch >= 2.1; older: max_split_size_mb:128) in the first "
                "cell, before CUDA initializes: restart the kernel first.")
         snippet = f'import os\nos.environ["{var}"] = "{value}"   # first cell, before torch uses the GPU\nimport torch'
-        conf = "likely" if fits else "possible"
+        conf = "likely" if fits and short is None else "possible"
     return Finding("fragmentation", f"Fragmentation: {b(ru)} reserved but unallocated", detail, fix, snippet,
                    ru, conf)
 
@@ -157,7 +178,7 @@ def other_processes(x: Facts) -> Optional[Finding]:
             others += sum(n for _pid, n, _name in mine) - max(n for _pid, n, _name in mine)
     else:
         others = x.memory.other_processes_bytes
-    if not others or others < 64 * MiB:
+    if not others or others < 64 * MiB or not x.matters(others):
         return None
     label = x.memory.label
     if listed:
@@ -172,8 +193,11 @@ def other_processes(x: Facts) -> Optional[Finding]:
         detail = f"{b(others)} is in use beyond this process's {b(x.memory.process_used)}."
         title = f"Other processes hold {b(others)} on {label}"
     detail += " That memory is not PyTorch's to free"
-    if x.requested and others >= (x.shortfall or 0):
+    enough = x.covers(others)
+    if enough:
         detail += f"; stopping them would leave room for the {b(x.requested)} request."
+    elif enough is False:
+        detail += f"; stopping all of them is {x.room(others)}."
     else:
         detail += "."
     if mine:
@@ -184,12 +208,25 @@ def other_processes(x: Facts) -> Optional[Finding]:
     else:
         detail += " In containers NVML reports host PIDs, which `kill` inside the container may not see."
     snippet = "!nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv"
-    if theirs:
-        snippet += f"\n!kill {theirs[0][0]}   # check the name first"
+    target = _kill_target(x, theirs)
+    if target is not None:
+        snippet += f"\n!kill {target[0]}   # {b(target[1])}; check the name first"
     fix = ("Stop what you do not need: another notebook's kernel (Jupyter: Kernel > Shut Down in that notebook), "
            "or a stale process after checking nvidia-smi"
            + (", never a PID that may be this kernel." if mine else " (`kill PID`)."))
-    return Finding("other_processes", title, detail, fix, snippet, others, "likely")
+    return Finding("other_processes", title, detail, fix, snippet, others, "possible" if enough is False else "likely")
+
+
+def _kill_target(x: Facts, theirs):
+    """The process to offer for ``kill``: the smallest one whose memory alone makes room for the
+    request, else the largest (the first listed when the shortfall is unknown); never this kernel."""
+    sized = [p for p in theirs if p[1]]
+    if not sized:
+        return None
+    if x.shortfall is None:
+        return sized[0]
+    enough = [p for p in sized if p[1] >= x.shortfall]
+    return min(enough, key=lambda p: p[1]) if enough else max(sized, key=lambda p: p[1])
 
 
 def _process(p) -> str:
@@ -243,6 +280,9 @@ def cuda_context_and_libraries(x: Facts) -> Optional[Finding]:
     if xla:
         detail += (f" {' and '.join(xla)} is imported in this kernel: JAX preallocates 75% of the GPU by default "
                    "(90% in older versions) and TensorFlow maps nearly all of it.")
+        room = x.room(amount)
+        if room:
+            detail += f" Stopping the preallocation frees up to {b(amount)}: {room}."
         fix = ("Stop TensorFlow/JAX from preallocating (set the variables before importing them), or use one "
                "framework per kernel.")
         snippet = ('import os\nos.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"   # JAX, before import jax\n'
@@ -262,9 +302,13 @@ def shortfall(x: Facts) -> Finding:
     """The fallback when no rule found a cause: how far short the request fell, and which layers hold the memory.
 
     The headline already says what was asked and what was free, so the title says what to free.
+    On the host, a request of unknown size or one that fitted in what was available gets what is
+    known and what to check instead: freeing memory is not shown to be the fix there.
     """
     m, req, free = x.memory, x.requested, x.free
     where = x.device_label
+    if x.is_host and (req is None or (free is not None and req <= free)):
+        return _host_limit(x)
     if req is not None and free is not None and req <= free:
         title = f"The request fits in the {b(free)} free on {where}: the total is not the problem"
         detail = ("The request is smaller than the free memory the driver reported, so the failure is not about the "
@@ -283,11 +327,54 @@ def shortfall(x: Facts) -> Finding:
     said = (x.oom.message or x.oom.exception_type or x.oom.kind) if x.oom is not None else ""
     if said and (req is None or not layers):
         detail += f'The error says: "{clip(said, 80)}".'
-    fix = ("Free at least the shortfall: `del` tensors you no longer need (ipy_gpumem.who() shows which), lower the "
-           "batch size, then torch.cuda.empty_cache()." if not x.is_host else
-           "Free what you no longer need (`del` large arrays, then gc.collect()), process the data in chunks, "
-           "or use a machine with more RAM.")
+    if x.is_host:
+        fix = ("Free " + (f"at least {b(x.shortfall)} of " if x.shortfall else "") + "what you no longer need "
+               "(`del` large arrays, then gc.collect()), process the data in chunks, or use a machine with more RAM.")
+    elif req is None:
+        fix = ("The error does not say how much was asked: `del` tensors you no longer need (ipy_gpumem.who() shows "
+               "which) or lower the batch size, then torch.cuda.empty_cache(), and retry.")
+    else:
+        fix = ("Free at least the shortfall: `del` tensors you no longer need (ipy_gpumem.who() shows which), "
+               "lower the batch size, then torch.cuda.empty_cache().")
     return Finding("shortfall", title, detail.strip() or title, fix, "", None, "possible")
+
+
+#: How to read the limits that refuse host memory before RAM runs out.
+_HOST_LIMITS = ("import resource; print(resource.getrlimit(resource.RLIMIT_AS))   # ulimit -v: (-1, -1) is none\n"
+                "!cat /sys/fs/cgroup/memory.max /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null"
+                "   # a container's limit")
+
+
+def _host_limit(x: Facts) -> Finding:
+    """The host refused a request of unknown size, or one smaller than what was available: what is
+    known, and what to check (the failing line's sizes, the process's and the container's limits)."""
+    req, free, rss = x.requested, x.free, x.memory.process_used
+    line = x.user_line()
+    names = _operands(line)
+    sizes = (f"print([getattr(v, 'shape', v) for v in ({', '.join(names)},)])   # what sizes the failing line\n"
+             if names else "")
+    limits = ("a container's memory limit (cgroup: /proc/meminfo shows the whole machine, not the container), the "
+              "address-space limit (ulimit -v) or the kernel's overcommit policy")
+    said = clip(x.oom.message or x.oom.exception_type or "", 80) if x.oom is not None else ""
+    if req is None:
+        title = "The request's size is unknown" + (f": more than the {b(free)} available, or a limit" if free else "")
+        detail = ((f'The error says "{said}", not how much was asked' if said else
+                   "The error does not say how much was asked")
+                  + (f"; {b(free)} was available, so the allocation asked for more than that, or {limits} refused it "
+                     "first." if free else f": RAM ran out, or {limits} refused it."))
+        if "DataLoader worker" in said:
+            detail += (" Each DataLoader worker is a process with its own memory: fewer workers (num_workers) or a "
+                       "smaller prefetch_factor use less.")
+        if rss and free and not x.matters(rss):
+            detail += (f" This process holds {b(rss)} in all, little next to a request larger than {b(free)}: "
+                       "freeing it is not the fix.")
+        fix = ("Find what the failing line asks for" + (f" (`{clip(line, 60)}`)" if line else "")
+               + " and check its sizes; if they are what you meant, check the limits.")
+    else:
+        title = f"The request fits in the {b(free)} available: a limit refused it"
+        detail = f"The host had more RAM available than the request, so the allocation was refused by {limits}."
+        fix = "Check the limits: raise the container's memory limit or ulimit -v, or make the allocation smaller."
+    return Finding("shortfall", title, detail, fix, sizes + _HOST_LIMITS, None, "possible")
 
 
 def _layer_words(x: Facts):

@@ -12,7 +12,7 @@ from ...core.memory import DeviceMemory
 from ...core.text import clip
 from .words import b, cap
 
-__all__ = ["Facts", "Frame", "cell_deltas", "device_record", "call_args", "message_shape", "size_clues",
+__all__ = ["Facts", "Frame", "MATTERS", "cell_deltas", "device_record", "call_args", "message_shape", "size_clues",
            "OPTIM_FILE", "BACKWARD_CALL", "BROADCAST", "FLOAT64", "BATCH"]
 
 #: ``(filename, function, source line)`` of one traceback frame.
@@ -39,6 +39,9 @@ _TF_SHAPE = re.compile(r"shape\s?\[([0-9, ]+)\] and type (\w+)")
 _ITEMSIZE = {"float64": 8, "double": 8, "float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2,
              "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
              "complex128": 16}
+#: The least share of what the request lacked that a change must free to be offered as a fix:
+#: several such changes together can make room; less than this cannot matter for this request.
+MATTERS = 1 / 8
 # A frame in installed code is the library's, not the user's line.
 _LIBRARY_FILE = re.compile(r"site-packages|dist-packages|[/\\]lib[/\\]python\d|^<frozen ")
 
@@ -65,8 +68,7 @@ class Facts:
         cats: bytes per ``who()`` category.
         holders: ``who()``'s typed ``Holder`` rows that hold bytes, largest first.
         model_names: how the user reaches each ``nn.Module`` (``model``, ``trainer.model``).
-        batch: the batch size that fits, estimated on fake tensors (``oom.fitting.BatchFit``), or
-            None when it was not tried.
+        batch: what is known about the failing cell's batch (``oom.batch.BatchKnown``), or None.
     """
 
     oom: Any
@@ -149,6 +151,41 @@ class Facts:
     @property
     def device_label(self) -> str:
         return "the host" if self.is_host else self.memory.label
+
+    # ---- what freeing can do for this request
+
+    def covers(self, nbytes: Optional[int]) -> Optional[bool]:
+        """Whether freeing ``nbytes`` alone makes room for the failing request; None when unknown."""
+        if nbytes is None or self.shortfall is None or self.shortfall == 0:
+            return None
+        return nbytes >= self.shortfall
+
+    def matters(self, nbytes: Optional[int]) -> bool:
+        """Whether freeing ``nbytes`` could matter for this request, so that a finding may offer it.
+
+        With the shortfall known, at least :data:`MATTERS` of it. With the request's size unknown
+        (a bare ``MemoryError``), the request was larger than what was free, so freeing must be at
+        least that share of the free memory: 64 MiB cannot matter next to 20 GiB available. A size
+        that is itself unknown (None) may matter: the finding then says what to check.
+        """
+        if nbytes is None:
+            return True
+        if nbytes <= 0:
+            return False
+        if self.shortfall is not None:
+            # A request that fitted in "free" failed for another reason (a limit, the driver): any help counts.
+            return self.shortfall == 0 or nbytes >= self.shortfall * MATTERS
+        if self.requested is None and self.free:
+            return nbytes >= self.free * MATTERS
+        return True
+
+    def room(self, nbytes: Optional[int]) -> str:
+        """``"enough for the 2.14 GiB the request lacked"`` or ``"not enough alone for the 2.14 GiB
+        the request lacked"``; "" when either is unknown."""
+        enough = self.covers(nbytes)
+        if enough is None:
+            return ""
+        return f"{'enough' if enough else 'not enough alone'} for the {b(self.shortfall)} the request lacked"
 
     def holders_of(self, *kinds: str) -> List[Any]:
         return [h for h in self.holders if h.kind in kinds]

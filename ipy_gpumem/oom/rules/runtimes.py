@@ -1,6 +1,7 @@
 """Rules for failures outside CUDA's caching allocator: host RAM, cuBLAS and cuDNN, Apple's MPS, and other runtimes."""
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from ...core.text import clip
@@ -12,6 +13,8 @@ __all__ = ["RULES", "cpu_oom", "cublas_cudnn", "mps", "other_runtime"]
 
 #: Past this no tensor is meant: 1 PiB.
 _ABSURD_BYTES = 2 ** 50
+# A file read whole into memory, which a memory map would read on demand.
+_LOADS = re.compile(r"\b(?:np|numpy)\.load\s*\(|\btorch\.load\s*\(")
 
 
 def cpu_oom(x: Facts) -> Optional[Finding]:
@@ -48,12 +51,34 @@ def cpu_oom(x: Facts) -> Optional[Finding]:
         title = f"Host RAM: {b(x.shortfall)} more than was available"
     else:
         title = "Host RAM ran out" + (f" ({b(ram)} in all)" if ram else "")
-    fix = ("Check the shape and dtype before the big op; use torch.float32 or bfloat16 instead of float64, "
-           "process the data in chunks, and memory-map large datasets instead of loading them whole.")
-    snippet = ("print(x.shape, x.dtype)            # is this the size you meant?\n"
-               "x = x.to(torch.float32)            # float64 doubles memory\n"
-               "out = torch.cat([f(c) for c in x.split(4096)])   # in chunks\n"
-               "data = np.load(path, mmap_mode=\"r\")   # memory-mapped, read on demand")
+    # Each change offered must be able to shrink this request: float32 only where float64 is in
+    # play, memory-mapping only where the code loads a file, and chunks whose results are used as
+    # they come (concatenating them would rebuild the very array that did not fit).
+    load = x.find(_LOADS)
+    free = x.free
+    half = ""
+    if dtype64 and free is not None and req // 2 > free:
+        half = (f" (float32 halves the request, still {b(req // 2 - free)} more than was available: chunks are "
+                "needed too)")
+    fix = ("Check the shape before the big op"
+           + (f"; use torch.float32 or bfloat16 instead of float64{half}" if dtype64 else "")
+           + "; process the data in chunks and keep only what you need of each (a sum, a statistic, a file), never "
+           "the whole result" + ("; memory-map the file instead of loading it whole" if load else "") + ".")
+    lines = ["print(x.shape, x.dtype)            # is this the size you meant?"]
+    if req >= _ABSURD_BYTES:  # a wrong number: no chunking makes it right
+        fix = "Find the shape that produced this size and fix it: print what sizes the failing line."
+        load = None
+    elif dtype64:
+        lines.append("x = x.to(torch.float32)            # float64 doubles memory")
+    if req < _ABSURD_BYTES:
+        lines += ["total = 0",
+                  "for piece in x.split(4096):         # in chunks: one piece's result at a time",
+                  "    total += f(piece).sum()         # keep what you need of it, never concatenate the pieces"]
+    if load:
+        lines.append("data = np.load(path, mmap_mode=\"r\")   # memory-mapped, read on demand"
+                     if "np" in load[2].group(0) or "numpy" in load[2].group(0) else
+                     "state = torch.load(path, mmap=True)   # memory-mapped, read on demand (torch >= 2.1)")
+    snippet = "\n".join(lines)
     detail = " ".join(parts) or f"The CPU allocator could not provide {b(req)}."
     return Finding("cpu_oom", title, detail, fix, snippet, req // 2 if dtype64 else None,
                    "likely" if (bcast or dtype64 or shape or (ram and req > ram)) else "possible")
@@ -74,17 +99,25 @@ def cublas_cudnn(x: Facts) -> Optional[Finding]:
                    "empty_cache() returns it.")
     if x.kind == "cuda_error":
         detail += " Kernel errors are reported asynchronously: run with CUDA_LAUNCH_BLOCKING=1 to see the real line."
+    # Only what bears on this library: giving the cache back helps when there is a cache to give,
+    # autotuning's workspaces are cuDNN's, the workspace variable is cuBLAS's.
+    fix = ["Treat it like a regular OOM (smaller batch, free tensors, check other processes with nvidia-smi)"]
+    snippet = []
+    if ru and x.matters(ru):
+        fix.append(f"torch.cuda.empty_cache() before the failing op gives the {b(ru)} cache back")
+        snippet.append("torch.cuda.empty_cache()                  # return PyTorch's cache to the driver")
+    if x.kind == "cudnn":
+        fix.append("torch.backends.cudnn.benchmark = False avoids large workspaces")
+        snippet.append("torch.backends.cudnn.benchmark = False     # no workspace-hungry autotuning")
+    if x.kind == "cublas":
+        snippet.append("# last resort, before CUDA starts (slower): os.environ[\"CUBLAS_WORKSPACE_CONFIG\"] = \":0:0\"")
     return Finding(
         key="cublas_cudnn",
         title=f"{lib} could not allocate: the device was nearly full" + (f" ({numbers})" if numbers else ""),
         detail=detail,
-        fix=("Treat it like a regular OOM (smaller batch, free tensors, check other processes with nvidia-smi); "
-             "torch.cuda.empty_cache() before the failing op gives the cache back, and "
-             "torch.backends.cudnn.benchmark = False avoids large workspaces."),
-        snippet=("torch.cuda.empty_cache()                  # return PyTorch's cache to the driver\n"
-                 "torch.backends.cudnn.benchmark = False     # no workspace-hungry autotuning\n"
-                 "# last resort, before CUDA starts (slower): os.environ[\"CUBLAS_WORKSPACE_CONFIG\"] = \":0:0\""),
-        frees=ru or None,
+        fix="; ".join(fix) + ".",
+        snippet="\n".join(snippet),
+        frees=ru if ru and x.matters(ru) else None,
         confidence="likely",
     )
 
@@ -155,7 +188,8 @@ def other_runtime(x: Facts) -> Optional[Finding]:
                 "when PyTorch's cache and tensors already fill the device."),
         fix=("Give memory back before that call: free tensors, torch.cuda.empty_cache(), or a smaller batch; "
              "check nvidia-smi for other processes."),
-        snippet="torch.cuda.empty_cache()   # return PyTorch's unused cache to the driver\n!nvidia-smi",
+        snippet=("torch.cuda.empty_cache()   # return PyTorch's unused cache to the driver\n"
+                 if x.memory.reserved_unallocated else "") + "!nvidia-smi",
         frees=x.memory.reserved_unallocated or None, confidence="possible")
 
 

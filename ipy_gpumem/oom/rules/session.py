@@ -31,6 +31,11 @@ def checkpoint_on_gpu(x: Facts) -> Optional[Finding]:
     holders = [h for h in x.holders if h.category in ("other_tensors", "ipython_caches")
                and any(_CKPT_NAME.search(name) for name in _names(h))]
     held = sum(h.bytes for h in holders)
+    if x.is_host:
+        # map_location="cpu" is where a host failure already is: only what the checkpoint still holds can help.
+        loads = []
+    if not x.matters(held or None):
+        held = 0  # who() counted it: too little to be this failure's fix
     if not loads and not held:
         return None
     roots = sorted({name for h in holders for name in _names(h) if _CKPT_NAME.search(name)})
@@ -40,13 +45,16 @@ def checkpoint_on_gpu(x: Facts) -> Optional[Finding]:
         parts.append(f"{cap(label)} calls `{clip(line, 70)}` without map_location: every tensor comes back on the "
                      "device it was saved from, before load_state_dict copies it again.")
     if held:
+        room = x.room(held)
         parts.append(f"{', '.join(f'`{r}`' for r in roots)} still hold{'s' if len(roots) == 1 else ''} "
-                     f"{b(held)} of checkpoint tensors after loading.")
+                     f"{b(held)} of checkpoint tensors after loading" + (f"; deleting is {room}." if room else "."))
     assigned = _ASSIGN.match(loads[0][1]) if loads else None
     var = roots[0] if roots else (assigned.group(1) if assigned else "checkpoint")
     if loads:
         _label, line, args = loads[0]
         load_line = line.replace(f"({args})", f'({args.strip()}, map_location="cpu")', 1)
+    elif x.is_host:
+        load_line = f"{var} = torch.load(path, mmap=True)   # read on demand, not whole (torch >= 2.1)"
     else:
         load_line = f'{var} = torch.load(path, map_location="cpu")'
     key = _state_dict_key(x, var)
@@ -58,7 +66,8 @@ def checkpoint_on_gpu(x: Facts) -> Optional[Finding]:
         key="checkpoint_on_gpu",
         title=title,
         detail=" ".join(parts),
-        fix=f'Load with map_location="cpu" and `del {var}` once load_state_dict has copied it.',
+        fix=(f"`del {var}` once load_state_dict has copied it (load it memory-mapped next time)." if x.is_host else
+             f'Load with map_location="cpu" and `del {var}` once load_state_dict has copied it.'),
         snippet=f"{load_line}\n{load_state}\ndel {var}",
         frees=held or None,
         confidence="likely" if held else "possible",
@@ -82,7 +91,7 @@ def _state_dict_key(x: Facts, var: str) -> str:
 def ipython_refs(x: Facts) -> Optional[Finding]:
     """IPython's output cache and last traceback keep tensors alive after the error."""
     cached = x.cat("ipython_caches")
-    if cached <= 0:
+    if cached <= 0 or not x.matters(cached):
         return None
     rows = [h for h in x.holders if h.category == "ipython_caches"]
     shown = ", ".join(f"`{h.name}` {b(h.bytes)}" for h in rows[:3])
@@ -90,7 +99,8 @@ def ipython_refs(x: Facts) -> Optional[Finding]:
         key="ipython_refs",
         title=f"IPython keeps {b(cached)} alive (Out cache, last traceback)",
         detail=((f"{shown}. " if shown else "") + "IPython keeps displayed results in Out/_N and the failed call's "
-                "frames in sys.last_traceback, so their tensors stay allocated after the error."),
+                "frames in sys.last_traceback, so their tensors stay allocated after the error"
+                + (f"; releasing them is {x.room(cached)}." if x.room(cached) else ".")),
         fix=("Run %gpumem free (drops the last traceback and Out entries holding tensors, then gc and the "
              "allocator cache), or clear them by hand."),
         snippet="%gpumem free\n# or by hand:\n%reset -f out\nimport sys; sys.last_traceback = sys.last_value = None",
@@ -114,6 +124,14 @@ def earlier_cells(x: Facts) -> Optional[Finding]:
     elif left < 256 * MiB:
         return None
     what = "host RSS" if x.is_host else "allocated"
+    names = _release_names([rec for rec, _d in top], x)
+    # What `del` of those names frees is what who() counts under them, not the cells' growth (an
+    # `import torch` grows RSS that no `del` gives back): that must be a size that matters here.
+    deleted = set(names[:4])  # what the snippet deletes; a holder is freed when every name reaching it goes
+    freeable = sum(h.bytes for h in x.holders if h.roots and set(h.roots) <= deleted) \
+        if x.who is not None and names else left
+    if not x.matters(freeable):
+        return None
     named = "; ".join(f"{rec.label} `{first_line(rec.source, 40)}` +{b(d)}" for rec, d in top)
     return Finding(
         key="earlier_cells",
@@ -122,14 +140,14 @@ def earlier_cells(x: Facts) -> Optional[Finding]:
                 + " What a cell creates stays allocated as long as a variable refers to it."),
         fix=("Delete what those cells created and no longer need (`del name`), or restart the kernel and rerun "
              "only the cells you need."),
-        snippet=_release_snippet([rec for rec, _d in top], x),
-        frees=left,
+        snippet=_release_snippet(names, x),
+        frees=freeable,
         confidence="possible",
     )
 
 
-def _release_snippet(records: Sequence, x: Facts) -> str:
-    """``del`` of the tensor-holding names those cells assigned, or a pointer to who() when unknown."""
+def _release_names(records: Sequence, x: Facts) -> List[str]:
+    """The tensor-holding names those cells assigned (who() knows which hold tensors)."""
     holding = {r for h in x.holders for r in h.roots}
     names: List[str] = []
     for rec in records:
@@ -142,6 +160,11 @@ def _release_snippet(records: Sequence, x: Facts) -> str:
             if not holding and _NO_TENSOR.fullmatch(m.group(2).strip()):
                 continue  # a number or a string holds no device memory
             names.append(m.group(1))
+    return names
+
+
+def _release_snippet(names: Sequence[str], x: Facts) -> str:
+    """``del`` of those names, or a pointer to who() when none is known."""
     if not names:
         return "%gpumem who   # which variables hold the memory"
     tail = "" if x.is_host else "\ntorch.cuda.empty_cache()   # give the cached blocks back"

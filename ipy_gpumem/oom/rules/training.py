@@ -1,7 +1,6 @@
 """Rules about a training step: activations kept for backward, graphs kept alive, optimizer state, gradients, and the batch size that fits."""
 from __future__ import annotations
 
-import math
 import re
 from typing import Optional, Tuple
 
@@ -59,15 +58,14 @@ def activations(x: Facts) -> Optional[Finding]:
               + (f" ({basis})." if acts is not None else "."))
     batch = x.find(BATCH)
     frees = acts // 2 if acts else None
-    if x.batch is not None and x.batch.known and x.batch.best < x.batch.size:
-        detail += f" Estimated on fake tensors: {x.batch.sentence()} (see the batch-size finding)."
-    elif batch and acts:
-        size = int(batch[2].group(1))
-        new = _fitting_batch(size, acts, x.requested, x.free)
-        detail += f" Halving batch_size={size} frees about {b(acts // 2)}"
-        detail += f"; batch_size={new} would fit." if new and new < size else "."
+    if x.batch is not None and x.batch.best is not None and x.batch.best < (x.batch.size or 0):
+        detail += " An earlier estimate of this cell names the batch that should fit (see the batch-size finding)."
     elif acts:
-        detail += f" Halving the batch size frees about {b(acts // 2)}."
+        # Halving the batch halves what scales with it: said with what that is worth here, never
+        # as "batch N fits" (what the failing step would still allocate was never measured).
+        room = x.room(acts // 2)
+        detail += ((f" Halving batch_size={batch[2].group(1)}" if batch else " Halving the batch size")
+                   + f" frees about {b(acts // 2)}" + (f", {room}." if room else "."))
     if evaluating:
         fix = ("This looks like evaluation (no .backward() in the cell): run it under torch.inference_mode() "
                "so no graph is kept, and lower the batch size if it still does not fit.")
@@ -86,20 +84,6 @@ def activations(x: Facts) -> Optional[Finding]:
                    "from torch.utils.checkpoint import checkpoint\n"
                    "h = checkpoint(block, h, use_reentrant=False)")
     return Finding("activations", title, detail, fix, snippet, frees, "likely" if acts is not None else "possible")
-
-
-def _fitting_batch(size: int, acts: int, requested: Optional[int], free: Optional[int]) -> Optional[int]:
-    """The largest power-of-two batch size whose activations and request fit, or None.
-
-    Activations and the failing request both scale with the batch, so a batch ``k`` times the
-    size needs ``k * (acts + requested)``, and ``acts + free`` is what there is.
-    """
-    if requested is None or free is None or requested <= free:
-        return None
-    target = int(size * (acts + free) / (acts + requested))
-    if target < 1:
-        return None
-    return 2 ** int(math.log2(target))
 
 
 def _failing_peak(x: Facts) -> Optional[int]:
@@ -135,12 +119,16 @@ def graphs_kept(x: Facts) -> Optional[Finding]:
     if not (graph_bytes > 0 and graphs) and accum is None:
         return None
     own = sum(h.bytes for h in x.holders_of("variable") if h.category == "other_tensors" and h.expr in names)
+    frees = (graph_bytes + own) if graphs else None
+    if graphs and accum is None and not x.matters(frees):
+        return None  # real, but too small to be this failure's fix
     parts = []
     if graphs:
         shown = ", ".join(f"`{h.name}` {b(h.bytes)}" for h in graphs[:3])
+        room = x.room(frees)
         parts.append(f"Tensors from an earlier forward pass still hold their autograd graphs: {shown}. "
                      "Deleting them frees the saved activations"
-                     + (f" (plus {b(own)} of their own data)." if own else "."))
+                     + (f" (plus {b(own)} of their own data)" if own else "") + (f", {room}." if room else "."))
     if accum is not None:
         label, line = accum
         parts.append(f"{cap(label)} accumulates a tensor with its graph: `{clip(line, 60)}` keeps every "
@@ -167,8 +155,8 @@ def graphs_kept(x: Facts) -> Optional[Finding]:
         detail=" ".join(parts),
         fix=fix,
         snippet=snippet,
-        frees=(graph_bytes + own) if graphs else None,
-        confidence="certain" if graphs else "likely",
+        frees=frees,
+        confidence="certain" if graphs and x.covers(frees) is not False else "likely",
     )
 
 
@@ -225,25 +213,50 @@ def optimizer_state(x: Facts) -> Optional[Finding]:
     if in_step:
         detail += (f" The allocation failed in {where(x.phase_frame)}"
                    + (f" while allocating {b(x.requested)}" if x.requested else "") + _step_temporaries(x))
-    args = _optimizer_args(x)
-    ctor = f"torch.optim.{opt if opt in _OPTIM_BY_FILE.values() else 'Adam'}({args}, foreach=False)"
-    if two or opt is None:
-        fix = ("Use an optimizer with less state (8-bit Adam keeps 2 bytes per weight instead of 8; SGD with "
-               "momentum one buffer, without momentum none), or pass foreach=False (fused=True on CUDA) to avoid "
-               "the step's temporary copies.")
-        snippet = ("import bitsandbytes as bnb          # pip install bitsandbytes\n"
-                   f"optimizer = bnb.optim.Adam8bit({args})\n"
-                   "# or one buffer per weight:  torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)\n"
-                   f"# or no step temporaries:   {ctor}")
-    else:
-        fix = ("Pass foreach=False to avoid the step's temporaries for all parameters at once; without momentum "
-               "SGD keeps no state at all.")
-        snippet = f"optimizer = {ctor}"
+    # Each change offered must bear on this failure: less state only when the state is a size that
+    # matters here; foreach=False only when the step may be the foreach one (a single-tensor step
+    # already makes its temporaries one parameter at a time).
     # 8-bit Adam keeps 2 of Adam's 8 bytes per weight; other optimizers: about half, a guess.
     frees = state_bytes * 3 // 4 if two and state_bytes else (state_bytes // 2 if state_bytes else None)
+    smaller_state = x.matters(frees) if state_bytes else x.who is None
+    temporaries = in_step and _step_impl(x) not in ("single", "fused")
+    if not smaller_state and not temporaries:
+        return None
+    args = _optimizer_args(x)
+    ctor = f"torch.optim.{opt if opt in _OPTIM_BY_FILE.values() else 'Adam'}({args}, foreach=False)"
+    no_temps = "pass foreach=False (fused=True on CUDA) to avoid the step's temporary copies for all parameters at once"
+    if smaller_state and (two or opt is None):
+        fix = ("Use an optimizer with less state (8-bit Adam keeps 2 bytes per weight instead of 8; SGD with "
+               "momentum one buffer, without momentum none)" + (f", or {no_temps}." if temporaries else "."))
+        snippet = ("import bitsandbytes as bnb          # pip install bitsandbytes\n"
+                   f"optimizer = bnb.optim.Adam8bit({args})\n"
+                   "# or one buffer per weight:  torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)"
+                   + (f"\n# or no step temporaries:   {ctor}" if temporaries else ""))
+    elif smaller_state:
+        fix = ("Use less optimizer state (without momentum SGD keeps none)"
+               + (f", or {no_temps}." if temporaries else "."))
+        snippet = f"optimizer = {ctor}" if temporaries else \
+            "optimizer = torch.optim.SGD(model.parameters(), lr=0.01)   # no momentum: no state"
+    else:
+        fix = no_temps[0].upper() + no_temps[1:] + ": the state itself is too small to be the fix."
+        snippet = f"optimizer = {ctor}"
+        frees = None
     confident = in_step and (state_bytes > 0 or opt is not None)
     return Finding("optimizer_state", title, detail.strip() or f"{name} allocates in its step.", fix, snippet,
                    frees, "certain" if confident else "likely")
+
+
+def _step_impl(x: Facts) -> Optional[str]:
+    """``"foreach"``, ``"fused"`` or ``"single"``: the optimizer step's implementation, as the frames show it;
+    None when unknown."""
+    funcs = " ".join(f[1] + " " + f[2] for f in x.frames)
+    if "_fused_" in funcs:
+        return "fused"
+    if "_multi_tensor_" in funcs or "_foreach_" in funcs:
+        return "foreach"
+    if "_single_tensor_" in funcs or any(f[0].endswith("_functional.py") for f in x.frames):
+        return "single"
+    return None
 
 
 def _optimizer_name(x: Facts) -> Optional[str]:
@@ -261,11 +274,11 @@ def _optimizer_name(x: Facts) -> Optional[str]:
 
 def _step_temporaries(x: Facts) -> str:
     """What the frames say about the step's implementation and its temporary tensors."""
-    funcs = " ".join(f[1] + " " + f[2] for f in x.frames)
-    if "_multi_tensor_" in funcs or "_foreach_" in funcs:
+    impl = _step_impl(x)
+    if impl == "foreach":
         return ("; the foreach implementation allocates per-parameter temporaries for all parameters at "
                 "once (foreach=False does one parameter at a time).")
-    if "_single_tensor_" in funcs or any(f[0].endswith("_functional.py") for f in x.frames):
+    if impl == "single":
         return ("; this single-tensor step allocates temporaries one parameter at a time, so the request is "
                 "about one parameter's size.")
     return ("; on CUDA the default foreach implementation allocates per-parameter temporaries for all "
@@ -290,11 +303,15 @@ def gradients(x: Facts) -> Optional[Finding]:
     held = grads > 0 and x.phase not in ("step", "backward")  # there, the step needs them
     if not held and keep_zeros is None:
         return None
+    if not x.matters(grads if x.who is not None else None):
+        return None  # who() counted the gradients: too few to be this failure's fix
     names = [h.name for h in x.holders if h.category == "gradients"][:3]
     parts = []
     if held:
+        room = x.room(grads)
         parts.append(f"{b(grads)} of gradients ({', '.join(f'`{n}`' for n in names) or 'parameters'}) are "
-                     "still allocated at the failure, outside backward and the optimizer step.")
+                     "still allocated at the failure, outside backward and the optimizer step"
+                     + (f"; freeing them is {room}." if room else "."))
     if keep_zeros is not None:
         parts.append(f"{cap(keep_zeros[0])} calls `{clip(keep_zeros[1], 60)}`: gradients stay allocated as zeros "
                      "between steps instead of being freed.")
@@ -315,37 +332,148 @@ def gradients(x: Facts) -> Optional[Finding]:
 
 
 def batch_size(x: Facts) -> Optional[Finding]:
-    """The batch that fits, worked out by re-estimating the failing cell on fake tensors; otherwise the line that estimates it."""
-    fit = x.batch
-    if fit is None:
+    """What is known about the batch that fits, from an earlier estimate or run of this cell; else the command that would know.
+
+    Nothing runs: the numbers come from ``oom.batch`` (an earlier ``%%gpumem --estimate`` of this
+    cell, earlier runs, this run's own measurement). A batch size is named only from an estimate of
+    this very text, which covers the whole step, by scaling its activations linearly ("about").
+    """
+    known = x.batch
+    if known is None:
         return None
-    names = ", ".join(f"`{n}`" for n in fit.faked[:4]) or "your objects"
-    if fit.known and fit.best < fit.size:
-        where = "the host's available RAM" if x.is_host else "the device less other processes"
-        detail = (f"The failing cell's code, run twice as re-running the cell does (what the first run assigned is "
-                  f"alive during the second) on fake copies of {names} (nothing ran for real), with `{fit.name}` "
-                  f"resized along its first dimension, needs {b(fit.needed)} at batch {fit.size} against "
-                  f"{b(fit.capacity)} ({where})"
-                  + (f"; at batch {fit.best} it needs {b(fit.best_needed)}." if fit.best else
-                     "; not even a batch of 1 fits, so the model or what the step keeps must shrink first."))
-        fix = (f"Use a batch of {fit.best} (accumulate gradients over {-(-fit.size // fit.best)} batches to keep the "
-               f"effective size {fit.size})." if fit.best else
-               "Shrink the model or the step (mixed precision, activation checkpointing) before the batch.")
-        snippet = (f"{fit.name} = {fit.name}[:{fit.best}]   # or batch_size={fit.best} in your DataLoader\n"
-                   f"# check before running: put {fit.line} on the cell" if fit.best else
-                   f"# estimate each change before running it: put {fit.line} on the cell")
-        return Finding("batch_size", cap(fit.sentence()), detail, fix, snippet,
-                       (fit.needed - fit.best_needed) if fit.best and fit.needed and fit.best_needed else None, "likely")
+    history = _batch_history(x, known)
+    p = known.predicted
+    if p is not None and p.capacity is not None:
+        return _from_estimate(x, known, history)
+    if known.earlier is not None and known.earlier.same_code and known.start is not None \
+            and known.earlier.start is not None and known.start - known.earlier.start > 0 \
+            and x.matters(known.start - known.earlier.start):
+        grew = known.start - known.earlier.start
+        return Finding(
+            "batch_size", f"The same cell ran at {known.earlier.record.label}; this run started {b(grew)} higher",
+            " ".join(history) + " " + _ask(x, known),
+            f"Free what is held now that was not then ({b(grew)}; the tables above name it), or restart and run "
+            "only the cells you need, then run this cell again.",
+            "%gpumem who    # what holds the memory now", grew, "likely")
     training = x.phase in ("forward", "backward", "step") or BACKWARD_CALL.search(x.failing_source or "")
-    if not training or (fit.known and fit.best >= fit.size):
+    # A request larger than the whole device has its own finding, which says how far the batch must
+    # shrink; the command is added only to what is known about this cell.
+    impossible = bool(x.requested and x.memory.total and x.requested > x.memory.total)
+    if not (training or known.size or history) or (impossible and not history):
         return None
+    until = "its peak allocated is below what the host has available" if x.is_host else \
+        "the verdict says it fits"
     return Finding(
-        "batch_size", f"Find the batch that fits before running it: {fit.line}",
-        f"The batch size that fits was not worked out here: {(fit.reason or '').rstrip('.')}. {fit.line} on the cell runs its code on fake "
-        "copies of your objects (no memory, nothing runs for real) and says whether it fits, line by line; change "
-        "the batch until it does" + (f" (the failing request was {b(x.requested)})." if x.requested else "."),
-        "Put the line on the failing cell, lower the batch until the verdict says it fits, then run it.",
-        f"{fit.line}\n# ... the failing cell's code, with a smaller batch", None, "possible")
+        "batch_size", f"Find the batch that fits before running it again: {known.line}",
+        " ".join(history + ["Nothing recorded says how much this cell needs at a smaller batch." if not history
+                            else "How much a smaller batch needs is not known from these."]) + " " + _ask(x, known),
+        f"Put `{known.line}` as the cell's first line, lower the batch until {until}, then remove the line and run "
+        "the cell.",
+        f"{known.line}\n# ... the failing cell's code, with a smaller batch"
+        + (f"\n# or: {known.call}" if known.call else ""), None, "possible")
+
+
+def _ask(x: Facts, known) -> str:
+    """The command that would know, and that it runs only when the user runs it."""
+    verdict = ("what its tensors need, to set against the host's RAM" if x.is_host else
+               "and whether it fits")
+    text = (f"`{known.line}` as the cell's first line works out its peak line by line on fake tensors, {verdict}, "
+            "when you run it")
+    if known.call:
+        text += f"; `{known.call}` searches the largest batch that fits"
+    return text + "."
+
+
+def _batch_history(x: Facts, known) -> list:
+    """Sentences on what earlier runs of this cell and this run's own measurement say."""
+    out = []
+    p, e, m = known.predicted, known.earlier, known.measured
+    if p is not None and p.capacity is None:
+        out.append(f"An earlier `{known.line}` of this cell predicted {b(p.needed)} for {p.device}, which does not "
+                   f"answer for {x.device_label}.")
+    if e is not None:
+        rose = f"rose {'at least ' if e.sampled else ''}{b(e.peak)}" + (f" above its start of {b(e.start)}"
+                                                                         if e.start is not None else "")
+        if e.same_code:
+            text = f"The same code ran without error at {e.record.label}: it {rose}."
+            if known.start is not None and e.start is not None:
+                grew = known.start - e.start
+                text += (f" This run started from {b(known.start)}, {b(grew)} more: what changed is what was held "
+                         "before it" + ("" if known.pinned else ", if its inputs are the same size") + "."
+                         if grew > 0 else
+                         f" This run started from {b(known.start)}, no higher: the cell itself needed more this time"
+                         + ("." if known.pinned else " (larger inputs, or a batch read from a variable)."))
+        else:
+            text = (f"The same code with batch_size = {e.size} ran without error at {e.record.label}: it {rose}"
+                    + (f"; this run asks for batch {known.size}." if known.size else "."))
+        out.append(text)
+    if m is not None:
+        out.append(f"This run had kept {b(m.activations)} of activations {m.where} (measured), the part that grows "
+                   "with the batch; it failed before the rest of the step ran, so what the whole step needs is not "
+                   "measured.")
+    return out
+
+
+def _accumulate(size: int, best: int) -> str:
+    """How to keep the effective batch ``size`` with batches of at most ``best``: ``k`` equal batches
+    whose sizes multiply back to exactly ``size`` (24 twice is 48, not 32)."""
+    part = next(d for d in range(best, 0, -1) if size % d == 0)
+    if part == best:
+        return f" (accumulate gradients over {size // best} batches to keep the effective size {size})."
+    return (f"; to keep the effective size {size}, use {part} and accumulate gradients over {size // part} batches "
+            f"({size // part} x {part} = {size}).")
+
+
+def _from_estimate(x: Facts, known, history) -> Finding:
+    """The finding from an earlier ``%%gpumem --estimate`` of this cell set against the failing device."""
+    p, size, line = known.predicted, known.size, known.line
+    at = f" at batch {size}" if size and known.pinned else ""
+    basis = (f"An earlier `{line}` of this cell predicted {b(p.needed)}{at}"
+             + (f", of which {b(p.activations)} activations at its peak" if p.activations else "")
+             + f"; there is {b(p.capacity)} for it ({p.capacity_from})")
+    tail = (" " + " ".join(history)) if history else ""
+    check = f"{line}   # as the cell's first line: estimates it again without running it"
+    if p.fits:
+        return Finding(
+            "batch_size", f"The estimate of this cell said it fits: {b(p.needed)} of {b(p.capacity)}",
+            basis + ". As far as the estimate sees, the batch is not what ran out: memory it does not count was held "
+                    "(the tables above), or the inputs changed since it was made." + tail,
+            "Free what the other findings name; if the inputs changed since the estimate, estimate the cell again.",
+            check, None, "possible")
+    share = p.share
+    if share is None:
+        return Finding(
+            "batch_size", f"The estimate of this cell predicted {b(p.needed)}, more than the {b(p.capacity)} there is",
+            basis + ". It does not say how much of that grows with the batch." + tail + " " + _ask(x, known),
+            "Lower the batch and estimate the cell again before running it.", check, p.needed - p.capacity, "likely")
+    if share <= 0 or (size and known.pinned and known.best == 0):
+        return Finding(
+            "batch_size", f"Not even a batch of 1 fits: {b(p.fixed)} does not grow with the batch",
+            basis + f". Without its activations the step still needs {b(p.fixed)} (parameters, gradients, optimizer "
+                    f"state, fixed costs), more than the {b(p.capacity)}: no batch size makes it fit." + tail,
+            "Shrink what does not grow with the batch first: mixed precision, an optimizer with less state (8-bit "
+            "Adam), or a smaller model; estimate each change before running it.", check, None, "likely")
+    training = bool(BACKWARD_CALL.search(x.failing_source or ""))
+    if known.best is not None and size:
+        best = known.best
+        need = p.needed_at(best, size)
+        detail = (basis + f". Activations grow about linearly with the batch and the rest does not, so at batch "
+                  f"{best} the step needs about {b(need)}." + tail)
+        fix = f"Use a batch of {best}" + (_accumulate(size, best) if training else ".")
+        snippet = f"batch_size = {best}   # was {size}: about {b(need)} of {b(p.capacity)}\n# check first: {check}"
+        return Finding("batch_size", f"Batch {best} should fit, with about {b(p.capacity - need)} to spare "
+                       f"(batch {size} needs {b(p.needed)})", detail, fix, snippet, p.needed - need, "likely")
+    then = ""
+    if size:
+        then = (f" ({known.size_from} now: if it was the same when estimated, about batch {p.fits_at(size)})")
+    return Finding(
+        "batch_size", f"The batch must shrink to about {share:.0%} of the one estimated",
+        basis + f". Activations grow about linearly with the batch and the rest does not, so the step should fit at "
+                f"about {share:.0%} of the batch it was estimated at{then}. The cell's text does not state its batch "
+                "size, so which batch the estimate saw is not known here." + tail,
+        f"Lower the batch to about {share:.0%} of what the estimate saw, and estimate the cell again before "
+        "running it.",
+        check, None, "possible")
 
 
 RULES = (activations, graphs_kept, optimizer_state, gradients, batch_size)
