@@ -8,6 +8,11 @@ goes to a buffer, as ours would if it printed.
 
     python benchmarks/bench_hooks.py [--cells 3000] [--repeat 5]
 
+With ``--census``, ipy_gpumem alone in two namespaces (the small MLP above, and a 20-layer MLP with
+Adam after one step): the same cells with the extension loaded and unloaded, side by side, as a
+ratio, and the part of the hook time that is the end-of-cell census (the count every explanation
+starts from, taken after each recorded cell once torch is imported), timed inside the watcher.
+
 Needs: pip install -e . torch==2.13.0 ipython_memory_usage ipyexperiments
 """
 from __future__ import annotations
@@ -105,6 +110,64 @@ def measure(ip, setup, teardown, source, n, repeat):
     return statistics.median(hook), statistics.median(total)
 
 
+#: The namespaces of the census benchmark: what a user's names hold when every cell ends.
+NAMESPACES = {
+    "small MLP": SETUP,
+    "20-layer MLP + Adam": (
+        SETUP
+        + "_layers = []\n"
+        "for _ in range(20):\n"
+        "    _layers += [torch.nn.Linear(256, 256), torch.nn.ReLU()]\n"
+        "mlp = torch.nn.Sequential(*_layers)\n"
+        "opt = torch.optim.Adam(mlp.parameters())\n"
+        "mlp(batch).square().mean().backward()\n"
+        "opt.step()\n"
+        "del _layers\n"
+    ),
+}
+
+
+def _fresh_history(ip):
+    """Forget the input history (``In``, ``_iN``): every round is a session of at most ``n`` cells,
+    whatever ran before it (the census walks every name, and IPython adds one per cell)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        ip.run_line_magic("reset", "-f in")
+
+
+def census_cost(ip, n, repeat):
+    """ipy_gpumem loaded vs unloaded, per namespace: run_cell time, hook time, the census's part."""
+    print("| namespace | cell | run_cell, unloaded | run_cell, loaded | ratio | time in its hooks | "
+          "of which the end-of-cell census |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, setup in NAMESPACES.items():
+        ip.run_cell(setup, store_history=True)
+        for label, source in (("x = 1", "x = 1"), ("torch forward", "out = mlp(batch)")):
+            run_cells(ip, source, 200)
+            rounds = []
+            for _ in range(repeat):
+                _fresh_history(ip)
+                rounds.append(statistics.mean(run_cells(ip, source, n)))
+            bare = statistics.median(rounds)
+            census = []
+
+            def setup_timed(ip):
+                _fresh_history(ip)
+                ip.run_line_magic("load_ext", "ipy_gpumem")
+                anatomy = ip.magics_manager.registry["GpuMemMagics"].watcher.anatomy
+                timed = TimedCallback(anatomy.refresh)
+                anatomy.refresh = timed
+                census.append(timed)
+
+            def teardown(ip, _):
+                ip.run_line_magic("unload_ext", "ipy_gpumem")
+
+            hook, total = measure(ip, setup_timed, teardown, source, n, repeat)
+            # The census runs once per recorded cell: its time per call, median over the rounds.
+            per_call = statistics.median(t.seconds / max(t.calls, 1) for t in census)
+            print(f"| {name} | `{label}` | {bare * 1e6:.1f} us | {total * 1e6:.1f} us | {total / bare:.2f}x | "
+                  f"{hook * 1e6:.1f} us | {per_call * 1e6:.1f} us |")
+
+
 def tools():
     def ours_setup(ip):
         ip.run_line_magic("load_ext", "ipy_gpumem")
@@ -156,6 +219,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", type=int, default=3000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--census", action="store_true", help="ipy_gpumem alone, in two namespaces (see above)")
     args = parser.parse_args()
 
     import IPython
@@ -163,8 +227,11 @@ def main():
     import torch  # noqa: F401 - a user's session has torch imported
 
     ip = InteractiveShell.instance()
-    ip.run_cell(SETUP, store_history=True)
     print(f"IPython {IPython.__version__}, Python {sys.version.split()[0]}, {args.cells} cells x {args.repeat} rounds\n")
+    if args.census:
+        census_cost(ip, args.cells, args.repeat)
+        return
+    ip.run_cell(SETUP, store_history=True)
     print("| cell | tool | time in its hooks per cell | share of a bare cell | run_cell per cell | hook time vs ipy_gpumem |")
     print("|---|---|---:|---:|---:|---:|")
     for label, source in CELLS.items():

@@ -34,13 +34,17 @@ from traitlets import Bool, Float, Int, TraitError, Unicode, Union, observe, val
 
 from .core.devices import cuda, parse_device_list
 from .core.errors import GpuMemWarning
-from .core.probes import MemoryProbe
+from .core.probes import CudaProbe, MemoryProbe
 from .core.units import parse_bytes
 from .ledger import commands as _commands
 from .ledger import header as _header
+from .ledger.names import CellNames
 from .ledger.recorder import Ledger
-from .ledger.watcher import CellWatcher, Settings, live_runners
+from .ledger.reruns import RerunTracker
+from .ledger.stack import live_runners
+from .ledger.watcher import CellWatcher, Settings
 from .oom import capture as _capture
+from .tensors.torch_api import api as _torch_api
 
 # Everything else (line markers, the chart, the OOM panel, who, free) is imported where it is
 # first used: %load_ext must stay fast, and most sessions never need most of it.
@@ -56,6 +60,23 @@ MAX_HISTORY = 1_000_000
 MIN_RATE, MAX_RATE = 0.01, 100.0
 #: The run_cell_async whose frames tell nested cells from frames of cells that ended (see watcher).
 _RUNNER_CODE = InteractiveShell.run_cell_async.__code__
+
+
+def _when_idle(fn) -> None:
+    """Run ``fn`` (guarded) when the event loop that runs the cells is next idle: in a Jupyter kernel,
+    after the cell's reply is sent. Outside a running loop (terminal IPython) it raises, and the
+    caller does the work at the next cell's start instead."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+
+    def guarded():
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - an idle-time census must never reach the loop
+            pass
+
+    loop.call_soon(guarded)
 
 
 def _display(obj) -> None:
@@ -107,18 +128,20 @@ class GpuMemMagics(Magics):
         # Made before the traitlets' __init__: it applies the shell's configuration, whose
         # observers (below) update these.
         self.ledger = ledger if ledger is not None else Ledger()
-        self.watcher = CellWatcher(probe if probe is not None else MemoryProbe(), self.ledger, Settings(),
-                                   runner_code=_RUNNER_CODE, ast_transformers=getattr(shell, "ast_transformers", None))
         self.broken: Optional[str] = None
         self.live = None  # the live chart, made by %gpumem chart / sidebar
+        # The namespace and IPython's own names in it: what the anatomy's census (at the end of
+        # each cell once torch is imported) and the re-run tracker (after a run kept memory) count.
+        names = CellNames(shell) if shell is not None else None
+        # torch's private fast paths (the allocator's nested stats, which devices have a context) come
+        # through the one adapter to torch's internals.
+        probe = probe if probe is not None else MemoryProbe(cuda=CudaProbe(internals=_torch_api))
+        self.watcher = CellWatcher(probe, self.ledger, Settings(),
+                                   runner_code=_RUNNER_CODE, ast_transformers=getattr(shell, "ast_transformers", None),
+                                   names=names, reruns=RerunTracker(names),
+                                   check_plan=self._check_plan,  # a %%gpumem naming a missing device is not measured
+                                   listener=lambda: self.live, schedule=_when_idle)
         super().__init__(shell=shell, **kwargs)
-        self.watcher.check_plan = self._check_plan  # a %%gpumem naming a missing device is not measured
-        if shell is not None:
-            # What the anatomy's census counts; read when a cell is analysed, never per cell.
-            self.watcher.namespace = lambda: shell.user_ns
-            # Re-runs (issue 12): the namespace and IPython's own names, read only after a run kept memory.
-            self.watcher.reruns.context = lambda: (shell.user_ns, self._refs())
-            self.watcher.baseline()  # never raises: an unreadable namespace is an empty census
         if self.ledger.maxlen != self.history_size:
             self.ledger.resize(self.history_size)
         self._settings()
@@ -245,7 +268,8 @@ class GpuMemMagics(Magics):
             from .ledger.view import cell_report_view
 
             chart = cell_svg(record, outcome.measurement.samples, width=640, height=200)
-            _display(cell_report_view(record, outcome.header.source_lines, note=outcome.note, chart_html=chart))
+            _display(cell_report_view(record, outcome.header.source_lines, stopped=outcome.stopped,
+                                      counted=outcome.counted, chart_html=chart))
         elif outcome.show_line:
             from .ledger.view import cell_view
 
@@ -264,10 +288,7 @@ class GpuMemMagics(Magics):
         return oom_panel(analysis)
 
     def _refs(self):
-        from .attribution.holders import ipython_refs
-
-        shell = self.shell
-        return ipython_refs(shell.user_ns, getattr(shell, "user_ns_hidden", None), getattr(shell, "displayhook", None))
+        return _ipython_refs(self.shell)
 
     # -- %gpumem and %%gpumem --------------------------------------------------------------------
 
@@ -313,8 +334,7 @@ class GpuMemMagics(Magics):
             from .chart.live import LiveChart
 
             self.live = LiveChart(self.probe, self.ledger.records, self.watcher.in_flight)
-            self.live.sample_rate = self.sample_rate
-            self.watcher.listener = self.live
+            self.live.sample_rate = self.sample_rate  # the watcher's listener from now on
         return self.live
 
     def _mode_chart(self, command):
@@ -387,8 +407,11 @@ class GpuMemMagics(Magics):
         _say("ipy_gpumem: recording paused (%%gpumem still measures on request). %gpumem on resumes.")
 
     def _mode_clear(self, command):
+        from .preflight.known import forget
+
         count = len(self.ledger)
         self.ledger.clear()
+        forget()  # the estimates the OOM panel could cite go with the cells
         _say(f"ipy_gpumem: forgot {count} recorded cell{'s' if count != 1 else ''}.")
 
     def _mode_export(self, command):
@@ -414,7 +437,12 @@ class GpuMemMagics(Magics):
     def _estimate_cell(self, plan, cell: str) -> None:
         """``--estimate``: the body's code runs twice on fake copies of the objects it reads, never for real
         (the transformer leaves an --estimate header in place, so every such cell comes here)."""
+        unavailable = _commands.estimate_unavailable()
+        if unavailable:
+            _say(unavailable)
+            return
         from .preflight.cell import estimate_cell
+        from .preflight.known import remember
         from .preflight.result import EstimateError
         from .preflight.view import estimate_view
 
@@ -426,6 +454,13 @@ class GpuMemMagics(Magics):
         except EstimateError as exc:
             _say(f"%%gpumem --estimate: {exc}")
             return
+        except ModuleNotFoundError as exc:
+            if not (exc.name or "").startswith("torch"):
+                raise
+            _say(_commands.NO_TORCH)
+            return
+        # The OOM panel may cite it if this cell later runs out of memory (it runs nothing itself).
+        remember(cell, result)
         if plan.output:
             self.shell.user_ns[plan.output] = result.estimate  # -o NAME: asked for by name
         _display(estimate_view(result))
@@ -509,7 +544,7 @@ def unload(shell: "_Shell") -> None:
 def _remove_hook_after_the_cell(shell) -> None:
     """The cell unloading us is a ``--lines`` cell: its markers still call their (idle) hook, so it
     leaves ``builtins`` once that cell is over, by a post_run_cell callback that removes itself."""
-    from .ledger.lines import remove_hook
+    from .ledger.markers import remove_hook
 
     def remove_when_done(result=None):
         if live_runners(_RUNNER_CODE) == 0:  # no cell is running any more
@@ -547,7 +582,11 @@ def user_namespace():
     shell = _running_shell()
     if shell is None:
         raise RuntimeError("no IPython shell is running: pass the namespace, e.g. who(globals())")
+    return shell.user_ns, _ipython_refs(shell)
+
+
+def _ipython_refs(shell):
+    """Which names of the shell's namespace still hold what IPython put there (``Out``, ``_5``, ...)."""
     from .attribution.holders import ipython_refs
 
-    return shell.user_ns, ipython_refs(shell.user_ns, getattr(shell, "user_ns_hidden", None),
-                                       getattr(shell, "displayhook", None))
+    return ipython_refs(shell.user_ns, getattr(shell, "user_ns_hidden", None), getattr(shell, "displayhook", None))

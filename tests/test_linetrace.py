@@ -198,9 +198,9 @@ def test_a_cell_that_clears_its_namespace_keeps_running():
 
 
 def test_ipythons_debugger_steps_over_the_marker():
-    from ipy_gpumem.ledger import lines as lines_module
+    from ipy_gpumem.ledger import markers
 
-    code = lines_module._Hook.__call__.__code__
+    code = markers._Hook.__call__.__code__
     assert "__debuggerskip__" in code.co_varnames and "__tracebackhide__" in code.co_varnames
 
 

@@ -98,9 +98,9 @@ def test_nested_cells_still_give_one_record_for_the_outer_cell(ip, gpumem):
 
 
 def test_gpumem_on_really_recovers(ip, gpumem):
-    from ipy_gpumem.ledger.watcher import _Frame
+    from ipy_gpumem.ledger.stack import Frame
 
-    gpumem.watcher._stack.append(_Frame(None, "a cell that never ended"))  # a stale frame
+    gpumem.watcher._stack.push(Frame(None, "a cell that never ended"))  # a stale frame
     ip.run_line_magic("gpumem", "on")
     assert gpumem.watcher.depth == 0 and gpumem.broken is None
     recorded, _ = _recorded(ip, "q = 3")

@@ -108,3 +108,88 @@ def test_text_table_alignment():
     out = text_table(["a", "bb"], [["x", "1"], ["yyy", "22"]])
     assert out.splitlines() == ["a    bb", "---  --", "x     1", "yyy  22"]
     assert isinstance(View("t", "<b>t</b>").text, str)
+
+
+# -- numbers in records, words in views ---------------------------------------------------------------------
+
+
+def _why(**kw):
+    from ipy_gpumem.core.why import OwnerInfo, Why
+
+    base = dict(parts=(("cuda:0", "activations", "output", 2600 * MiB), ("cuda:0", "other_tensors", "output", 64 * MiB),
+                       ("cuda:0", "parameters", "model", 8 * MiB)),
+                owners={"model": OwnerInfo("module", "Sequential", 8 * MiB)}, temporaries=3 * GiB)
+    base.update(kw)
+    return Why(**base)
+
+
+def test_the_second_line_is_made_from_the_records_data_when_shown():
+    rec = gpu_record(why=_why())
+    lines = cell_line(rec).splitlines()
+    # The biggest two clauses of what the cell kept (temporaries are the report's, not the line's).
+    assert lines[1] == ("  +2.54 GiB activations saved for backward, kept by `output`; +64.00 MiB tensors held by "
+                        "`output`; …")
+    assert rec.reason.endswith("+8.00 MiB parameters of `model` (Sequential)") and "temporaries" in rec.reason
+    data = rec.to_dict()
+    assert data["reason"] == rec.reason and data["why"]["owners"]["model"]["class"] == "Sequential"
+    assert data["why"]["parts"][0] == {"device": "cuda:0", "role": "activations", "owner": "output",
+                                       "bytes": 2600 * MiB}
+    partial = gpu_record(why=_why(complete=False, left_out=("stopped after 0.01 s (the time budget)",)))
+    assert cell_line(partial).splitlines()[1].endswith("… (at least)")
+    assert partial.reason.endswith("(at least: the count of tensors stopped early, stopped after 0.01 s (the time "
+                                   "budget))")
+    assert gpu_record().reason is None and gpu_record(why=_why(parts=(), temporaries=None)).reason is None
+
+
+def test_a_reruns_warning_is_made_from_its_suspects():
+    from ipy_gpumem.core.why import Rerun, Suspect
+
+    said = Suspect("opt", "optimizer", "rerun_cell", 96 * MiB, new=False, cell=4, model="model")
+    new = Suspect("losses", "appended_graph", "append_item", 32 * MiB, item="loss")
+    rec = gpu_record(rerun=Rerun(3, 3, 5, 128 * MiB, (said, new)))
+    text = cell_line(rec)
+    assert "Re-run of [3] (run 3) kept 128.00 MiB more than the previous run:" in text
+    # Only what this run names for the first time is said under the line.
+    assert "`losses.append(loss)` keeps each run's graph (32.00 MiB): append `loss.item()`" in " ".join(text.split())
+    assert "`opt`" not in text
+    data = rec.to_dict()["rerun"]
+    assert data["suspects"] == ["opt", "losses"] and len(data["causes"]) == 2 and len(data["causes_new"]) == 1
+    assert data["causes"][0] == "`opt` (built in [4]) still holds the old `model`'s parameters (96.00 MiB): re-run [4] after this cell"
+    assert data["holders"][1]["fix"] == "append_item" and data["holders"][1]["item"] == "loss"
+    quiet = gpu_record(rerun=Rerun(3, 4, 6, 128 * MiB, (said,)))
+    assert "Re-run" not in cell_line(quiet) and quiet.to_dict()["rerun"]["warning"] is None
+    assert "↻[3] +128.00 MiB" in history_view([rec]).text
+
+
+def test_the_measured_and_the_estimated_reports_draw_the_same_tables():
+    from ipy_gpumem.core.why import Why
+    from ipy_gpumem.preflight.cell import CellEstimate, LineEstimate
+    from ipy_gpumem.preflight.result import Estimate
+    from ipy_gpumem.preflight.view import estimate_view
+
+    roles = {"cuda:0": {"activations": 16 * MiB}}
+    phases = ({"phase": "forward", "step": 1, "peak": {"cuda:0": 24 * MiB}, "roles": roles},
+              {"phase": "forward", "step": 2, "peak": {"cuda:0": 24 * MiB}, "roles": roles})
+    line = LineRecord(2, "out = model(x)", 1, HostRecord(0, 10, 10, 10),
+                      (DeviceRecord(0, None, 0, 16 * MiB, 24 * MiB, 0, 0, 0, allocated_delta_sum=16 * MiB,
+                                    reserved_delta_sum=0, peak_increase_max=24 * MiB),), 0.5, roles=roles,
+                      why=Why((("cuda:0", "activations", "out", 16 * MiB),)))
+    measured = cell_report_view(gpu_record(lines=(line,), phases=phases, layers=(("0", 8 * MiB),),
+                                           source="%%gpumem --lines\nout = model(x)")).text
+    est = Estimate("cuda:0", 24 * MiB, 32 * MiB, 0, roles, [dict(p, peak=24 * MiB) for p in phases],
+                   [{"module": "0", "type": "Linear", "activations": 8 * MiB, "peak": 8 * MiB, "calls": 1}], {})
+    predicted = estimate_view(CellEstimate(est, [LineEstimate(2, 1, 16 * MiB, 0, 24 * MiB)],
+                                           ("%%gpumem --estimate", "out = model(x)"))).text
+
+    def row(text, start):
+        return next(r for r in text.splitlines() if r.lstrip().startswith(start))
+
+    # The same per-line columns, the same cells for the same numbers.
+    assert row(measured, "line").split()[:5] == row(predicted, "line").split()[:5] == [
+        "line", "hits", "Δallocated", "Δreserved", "peak"]
+    assert row(measured, "2 ").split()[:5] == row(predicted, "2 ").split()[:5] == [
+        "2", "1", "+16.00", "MiB", "+0"]
+    # The same phase table: count, the worst peak, the first and the steady step's roles.
+    assert row(measured, "forward").split() == row(predicted, "forward").split() == [
+        "forward", "2", "24.00", "MiB", "act", "+16.00", "MiB", "act", "+16.00", "MiB"]
+    assert "line 2: +16.00 MiB activations saved for backward, kept by `out`" in measured

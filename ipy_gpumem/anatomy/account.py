@@ -13,7 +13,7 @@ from typing import Dict, Mapping, Optional
 
 from ..core.roles import TENSOR_ROLES, clean_table
 
-__all__ = ["gpu_extras", "with_extras"]
+__all__ = ["gpu_extras", "with_extras", "summed"]
 
 
 def gpu_extras(dev, parts: Mapping) -> Dict[str, int]:
@@ -39,3 +39,12 @@ def with_extras(table: Mapping[str, Mapping[str, int]], extras: Optional[Mapping
         for role, value in row.items():
             target[role] = target.get(role, 0) + value
     return clean_table(out)
+
+
+def summed(extras: Optional[Mapping[str, Mapping[str, int]]]) -> Dict[str, int]:
+    """The extras of every device added up by role (what a sentence names: one figure per role)."""
+    out: Dict[str, int] = {}
+    for row in (extras or {}).values():
+        for role, value in row.items():
+            out[role] = out.get(role, 0) + value
+    return {role: value for role, value in out.items() if value}

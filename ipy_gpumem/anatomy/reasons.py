@@ -1,161 +1,62 @@
-"""Say in one sentence, in the user's names, why a line or a cell changed memory: which role moved, whose, and by what mechanism.
+"""What a line or a cell's change is made of, as data: the census's change with what its owners are and what held memory before.
 
-The input is a census change (``{(device, role, owner): bytes}``) with the snapshots around it;
-the output names the user's objects (``model``, ``optimizer``, ``output``) and the mechanism torch
-uses: gradients appear on the first backward and after ``zero_grad(set_to_none=True)`` freed them,
-Adam-like optimizers create their state on the first step, autograd keeps activations until
-backward runs or the outputs are deleted.
+:func:`why_of` turns a census change (``{(device, role, owner): bytes}``) and the snapshots around
+it into a :class:`~ipy_gpumem.core.why.Why`: the parts, the owners' info (a module's class and
+parameter bytes, an optimizer's class and state names), the ``(role, owner)`` pairs that held
+memory before, the temporaries and the GPU-only roles, and whether both counts were complete.
+Only what explains the parts is kept (a record must stay small). The sentence is made from it by
+the views (``ipy_gpumem.core.words``), never here.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Mapping, Optional, Tuple
 
-from ..core.roles import ROLE_WORDS
-from ..core.units import format_bytes, format_delta
+from ..core.why import OwnerInfo, Why, owner_module
 
-__all__ = ["describe", "headline", "MIN_BYTES"]
-
-_TEMPORARIES = " temporaries at the peak"
-
-#: Changes smaller than this are not worth a clause (a loss scalar, a step counter).
-MIN_BYTES = 64 * 1024
-
-# What each optimizer keeps per parameter (torch.optim's state names), for the sentence.
-_STATE_WORDS = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
-                "sum", "grad_avg", "mu_product", "prev", "step_size", "ax", "eta", "exp_inf"}
+__all__ = ["why_of"]
 
 
-def _names(owners, limit: int = 3) -> str:
-    """`a`, `b`, `c`, 2 more: a dict of owners is named biggest first."""
-    if isinstance(owners, dict):
-        owners = sorted(owners, key=lambda o: -abs(owners[o]))
-    owners = [o for o in owners if o]
-    shown = [f"`{o}`" if not o.startswith("(") else o for o in owners[:limit]]
-    if len(owners) > limit:
-        shown.append(f"{len(owners) - limit} more")
-    return ", ".join(shown)
+def _owner_info(data: Mapping) -> Optional[OwnerInfo]:
+    kind = data.get("kind")
+    if kind not in ("module", "optimizer"):
+        return None
+    return OwnerInfo(kind, data.get("class"), int(data.get("parameters") or 0), tuple(data.get("state") or ()))
 
 
-def _by_role(parts: Mapping[Tuple[str, str, str], int]) -> Dict[str, Dict[str, int]]:
-    out: Dict[str, Dict[str, int]] = {}
-    for (_dev, role, owner), value in parts.items():
-        row = out.setdefault(role, {})
-        row[owner] = row.get(owner, 0) + value
-    return out
-
-
-def _owner_module(owner: str) -> str:
-    # "opt's parameters" (parameters only an optimizer still reaches) -> "opt"
-    return owner[: -len("'s parameters")] if owner.endswith("'s parameters") else owner
-
-
-def describe(parts: Mapping[Tuple[str, str, str], int], before=None, after=None, *, temporaries: Optional[int] = None,
-             seen: Optional[set] = None, extra: Optional[Mapping[str, int]] = None,
-             minimum: int = MIN_BYTES) -> Optional[str]:
-    """The sentence for one change, or None when nothing moved by ``minimum`` bytes.
+def why_of(parts: Mapping[Tuple[str, str, str], int], before=None, after=None, *, seen=None,
+           temporaries: Optional[int] = None, extra: Optional[Mapping[str, int]] = None) -> Why:
+    """The data of one change.
 
     Args:
         parts: the change, ``{(device, role, owner): signed bytes}``.
-        before, after: the census snapshots around it (``Snapshot``; their ``info`` names an
-            optimizer's class and state, a module's parameter bytes); either may be None.
+        before, after: the census snapshots around it (their ``info`` names an optimizer's class and
+            state, a module's parameter bytes; ``complete``/``left_out`` say what they counted);
+            either may be None.
+        seen: ``(role, owner)`` pairs that held memory before the change; None: what ``before``
+            held.
         temporaries: bytes that came and went within the span (its peak above its start and end).
-        seen: ``(role, owner)`` pairs that held memory earlier (so gradients that appear again
-            were re-made, not created by a first backward; optimizer state already existed).
         extra: GPU-only roles (``allocator_cache``, ``outside_pytorch``) and unnamed tensors
-            (``other_tensors``), signed bytes.
+            (``other_tensors``), signed bytes summed over devices.
     """
-    seen = seen or set()
+    items = tuple(sorted(((dev, role, owner, int(v)) for (dev, role, owner), v in parts.items() if v),
+                         key=lambda p: (-abs(p[3]), p[:3])))
+    owners = {owner for _d, _r, owner, _v in items}
+    names = {owner_module(o) for o in owners}
     info = {}
     for snap in (after, before):  # the later snapshot knows the optimizer's state names
-        if snap is not None:
-            for owner, data in snap.info.items():
-                info.setdefault(owner, data)
-    roles = _by_role(parts)
-    clauses: List[Tuple[int, str]] = []
-
-    def total(role):
-        return sum(roles.get(role, {}).values())
-
-    # Gradients.
-    grads = roles.get("gradients", {})
-    made = {o: v for o, v in grads.items() if v >= minimum}
-    freed = {o: v for o, v in grads.items() if v <= -minimum}
-    if made:
-        size = sum(made.values())
-        params = sum(info.get(_owner_module(o), {}).get("parameters", 0) for o in made)
-        of = f" for {_names(made)}'s {format_bytes(params)} of parameters" if params else f" for {_names(made)}"
-        if any(("gradients", o) in seen for o in made):
-            why = "re-made after zero_grad(set_to_none=True) freed them"
-        else:
-            why = "first backward; zero_grad(set_to_none=True) frees them between steps"
-        clauses.append((size, f"{format_delta(size)} gradients{of} ({why})"))
-    if freed:
-        size = sum(freed.values())
-        clauses.append((size, f"{format_delta(size)} gradients of {_names(freed)} freed (zero_grad(set_to_none=True) "
-                              "or deleting the model)"))
-    # Optimizer state.
-    for owner, value in roles.get("optimizer_state", {}).items():
-        if abs(value) < minimum:
-            continue
-        data = info.get(owner, {})
-        cls = data.get("class", "optimizer")
-        keys = [k for k in data.get("state", []) if k != "step"]
-        what = f"{cls} state ({', '.join(keys)})" if keys else f"{cls} state"
-        if value > 0:
-            params = data.get("parameters", 0)
-            of = f" for {format_bytes(params)} of parameters" if params else ""
-            when = ("" if ("optimizer_state", owner) in seen
-                    else ", created on the first step")
-            clauses.append((value, f"{format_delta(value)} {what} in `{owner}`{of}{when}"))
-        else:
-            clauses.append((value, f"{format_delta(value)} {what} in `{owner}` released"))
-    # Activations.
-    acts = roles.get("activations", {})
-    kept = {o: v for o, v in acts.items() if v >= minimum}
-    gone = sum(v for v in acts.values() if v < 0)
-    if kept:
-        size = sum(kept.values())
-        clauses.append((size, f"{format_delta(size)} activations saved for backward, kept by {_names(kept)}"))
-    if gone <= -minimum:
-        clauses.append((gone, f"{format_delta(gone)} activations released"))
-    # Parameters.
-    for owner, value in roles.get("parameters", {}).items():
-        if abs(value) < minimum:
-            continue
-        name = _owner_module(owner)
-        cls = info.get(name, {}).get("class") if info.get(name, {}).get("kind") == "module" else None
-        label = f"`{name}`" + (f" ({cls})" if cls else "")
-        clauses.append((value, f"{format_delta(value)} parameters of {label}"))
-    # Other tensors held by names.
-    others = {o: v for o, v in roles.get("other_tensors", {}).items() if abs(v) >= minimum}
-    if others:
-        up = {o: v for o, v in others.items() if v > 0}
-        down = {o: v for o, v in others.items() if v < 0}
-        if up:
-            clauses.append((sum(up.values()), f"{format_delta(sum(up.values()))} tensors held by {_names(up)}"))
-        if down:
-            clauses.append((sum(down.values()), f"{format_delta(sum(down.values()))} released from {_names(down)}"))
-    for role, value in (extra or {}).items():
-        if abs(value) < minimum:
-            continue
-        if role == "other_tensors":
-            text = "tensors no name reaches (held inside functions, C++ or closures)"
-        else:
-            text = ROLE_WORDS.get(role, role)
-        clauses.append((value, f"{format_delta(value)} {text}"))
-    if temporaries is not None and temporaries >= minimum:
-        clauses.append((temporaries, f"{format_delta(temporaries)}{_TEMPORARIES}"))
-    if not clauses:
-        return None
-    clauses.sort(key=lambda c: -abs(c[0]))
-    return "; ".join(text for _, text in clauses)
-
-
-def headline(reason: Optional[str], count: int = 2) -> Optional[str]:
-    """The first ``count`` clauses of a :func:`describe` sentence (its biggest changes)."""
-    if not reason:
-        return None
-    # The roles, not what came and went: a cell's line names what it kept.
-    clauses = [c for c in reason.split("; ") if not c.endswith(_TEMPORARIES)] or reason.split("; ")
-    return "; ".join(clauses[:count]) + ("; …" if len(clauses) > count else "")
-
+        for name, data in (getattr(snap, "info", None) or {}).items():
+            if name in names and name not in info:
+                owner = _owner_info(data)
+                if owner is not None:
+                    info[name] = owner
+    if seen is None:
+        seen = {(role, owner) for (_d, role, owner), v in (getattr(before, "parts", None) or {}).items() if v > 0}
+    kept_seen = frozenset((role, owner) for role, owner in seen if owner in owners)
+    complete = all(getattr(snap, "complete", True) for snap in (before, after))
+    left_out = []
+    for snap in (before, after):
+        for note in getattr(snap, "left_out", ()) or ():
+            if note not in left_out:
+                left_out.append(note)
+    return Why(items, info, kept_seen, temporaries or None,
+               {role: int(v) for role, v in (extra or {}).items() if v}, complete, tuple(left_out))

@@ -1,16 +1,21 @@
-"""Frozen records of what a cell (and each of its lines) did to memory: numbers and strings only.
+"""Frozen records of what a cell (and each of its lines) did to memory: numbers, names and typed explanations only.
 
 A record never holds the exception, the ``ExecutionResult``, a frame or a tensor: holding an OOM
-exception would pin the very tensors being explained. ``to_dict()`` is the stable, JSON-ready
-form that ``export`` writes and other tools read.
+exception would pin the very tensors being explained. Nor does it hold a sentence: why memory
+moved is kept as data (:class:`~.why.Why`, :class:`~.why.Rerun`), and the words (``reason``,
+the re-run warning) are made from it by :mod:`.words` each time someone reads them. ``to_dict()``
+is the stable, JSON-ready form that ``export`` writes and other tools read: the data under
+``why`` (and ``rerun["holders"]``), the words under the documented ``reason`` keys.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Optional, Tuple
 
+from . import words as _words
 from .devices import Device, cuda
 from .text import first_line as _first_line
+from .why import Rerun, Why
 
 __all__ = ["HostRecord", "DeviceRecord", "LineRecord", "LoopSpan", "CellRecord", "largest_change", "ROW_FIELDS", "record_rows",
            "records_frame", "write_csv"]
@@ -148,7 +153,7 @@ class DeviceRecord:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class LineRecord:
     """One source line of a ``%%gpumem --lines`` cell, aggregated over all its executions.
 
@@ -171,8 +176,33 @@ class LineRecord:
     #: What came and went within the line at its worst hit, per device: the peak above the
     #: larger of the line's start and end (temporaries); None when unknown.
     temporaries: Optional[dict] = None
-    #: One sentence saying why the line moved memory, in the user's names; None when nothing moved.
-    reason: Optional[str] = None
+    #: What the line's first hit changed, as data (:class:`~.why.Why`); None when roles were not measured.
+    why: Optional[Why] = None
+    #: The latest hit's change, for a line run more than once (the first and the steady one may differ).
+    why_last: Optional[Why] = None
+    #: Hits whose roles were counted together with other lines (the count between them was skipped
+    #: to keep its cost under its share of the cell): their change is in the record's ``joined``.
+    joined: int = 0
+    #: A sentence written by whoever built the record by hand (tests, other tools); ipy_gpumem's
+    #: own records keep ``why`` and leave this None.
+    given_reason: Optional[str] = field(default=None, repr=False, init=False)
+
+    def __init__(self, lineno: int, source: str, hits: int, host: HostRecord, devices: tuple = (),
+                 duration_s: float = 0.0, roles: Optional[dict] = None, temporaries: Optional[dict] = None,
+                 why: Optional[Why] = None, why_last: Optional[Why] = None, joined: int = 0,
+                 reason: Optional[str] = None):
+        for name, value in (("lineno", lineno), ("source", source), ("hits", hits), ("host", host),
+                            ("devices", devices), ("duration_s", duration_s), ("roles", roles),
+                            ("temporaries", temporaries), ("why", why), ("why_last", why_last), ("joined", joined),
+                            ("given_reason", reason)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def reason(self) -> Optional[str]:
+        """Why the line moved memory, in the user's names (made from ``why`` now); None when nothing moved."""
+        if self.given_reason is not None:
+            return self.given_reason
+        return _words.line_sentence(self.why, self.why_last, self.hits)
 
     def device(self, index: int) -> Optional[DeviceRecord]:
         for dev in self.devices:
@@ -191,7 +221,31 @@ class LineRecord:
             "roles": self.roles,
             "temporaries": self.temporaries,
             "reason": self.reason,
+            "why": None if self.why is None else self.why.to_dict(),
+            "why_last": None if self.why_last is None else self.why_last.to_dict(),
+            "joined": self.joined,
         }
+
+
+class JoinedLines(NamedTuple):
+    """Lines of a ``--lines`` cell whose roles were counted together (the count at the boundaries
+    between them was skipped): their change by role over ``hits`` such runs, and what it was made
+    of at the first and the latest of them."""
+
+    lines: tuple
+    hits: int
+    roles: Optional[dict] = None
+    why: Optional[Why] = None
+    why_last: Optional[Why] = None
+
+    @property
+    def reason(self) -> Optional[str]:
+        return _words.line_sentence(self.why, self.why_last, self.hits)
+
+    def to_dict(self) -> dict:
+        return {"lines": list(self.lines), "hits": self.hits, "roles": self.roles, "reason": self.reason,
+                "why": None if self.why is None else self.why.to_dict(),
+                "why_last": None if self.why_last is None else self.why_last.to_dict()}
 
 
 class LoopSpan(NamedTuple):
@@ -227,28 +281,39 @@ class CellRecord:
     lines: Optional[tuple] = None
     #: The loops of a ``--lines`` cell (``LoopSpan``s, numbered like ``lines``).
     loops: tuple = ()
+    #: Lines of a ``--lines`` cell counted together (``JoinedLines``), numbered like ``lines``.
+    joined: tuple = ()
     #: True when ``%%gpumem`` measured this cell (it then shows its own report).
     detailed: bool = False
     #: Whether the peaks are per cell (peak counters reset before it) or only sampled.
     peaks: str = "sampled"
     #: The cell's change by role (``{device: {role: signed bytes}}``), when it was measured.
     roles: Optional[dict] = None
-    #: One sentence naming what the cell's change is made of, in the user's names; None when
-    #: nothing moved or it was not analysed.
-    reason: Optional[str] = None
+    #: What the cell's change is made of, as data (:class:`~.why.Why`): the census's change by
+    #: owner, the owners' classes, temporaries, the GPU-only roles; None when it was not analysed.
+    why: Optional[Why] = None
     #: Training phases recognised in the cell (``%%gpumem``): dicts with ``phase``, ``step``,
     #: ``roles``, ``peak`` (see ``ipy_gpumem.anatomy.phases``); None when none were watched.
     phases: Optional[tuple] = None
+    #: Per phase kind, exact at any length (``phases`` keeps the first few hundred): ``{kind: {count,
+    #: peak, first, steady}}`` (``PhaseWatcher.summary()``); None when none were watched.
+    phase_summary: Optional[dict] = None
     #: The submodules whose activations weigh most in the cell's first forward:
     #: ``((qualified name, bytes), ...)``, heaviest first; None when no forward was watched.
     layers: Optional[tuple] = None
-    #: For a re-run of an earlier cell: ``{"of", "runs", "growth", "suspects", ...}``; None for a
-    #: first run (see ``ipy_gpumem.ledger.reruns``).
-    rerun: Optional[dict] = None
+    #: For a re-run of an earlier cell, who keeps the earlier run's memory and the fix, as data
+    #: (:class:`~.why.Rerun`); None for a first run (see ``ipy_gpumem.ledger.reruns``).
+    rerun: Optional[Rerun] = None
 
     @property
     def failed(self) -> bool:
         return self.error is not None
+
+    @property
+    def reason(self) -> Optional[str]:
+        """What the cell's change is made of, in the user's names (made from ``why`` now); None when
+        nothing moved or the cell was not analysed."""
+        return _words.sentence(self.why)
 
     @property
     def moved_bytes(self) -> int:
@@ -285,14 +350,26 @@ class CellRecord:
             "devices": [d.to_dict() for d in self.devices],
             "roles": self.roles,
             "reason": self.reason,
+            "why": None if self.why is None else self.why.to_dict(),
             "phases": None if self.phases is None else [dict(p) for p in self.phases],
+            "phase_summary": self.phase_summary,
             "layers": None if self.layers is None else [{"module": m, "activations": b} for m, b in self.layers],
-            "rerun": self.rerun,
+            "rerun": _rerun_dict(self.rerun),
         }
         if self.lines is not None:
             out["lines"] = [line.to_dict() for line in self.lines]
             out["loops"] = [loop._asdict() for loop in self.loops]
+            out["joined"] = [span.to_dict() for span in self.joined]
         return out
+
+
+def _rerun_dict(rerun: Optional[Rerun]) -> Optional[dict]:
+    """The documented ``rerun`` keys (the sentences made now) and the suspects as data (``holders``)."""
+    if rerun is None:
+        return None
+    return {"of": rerun.of, "runs": rerun.runs, "previous": rerun.previous, "growth": rerun.growth,
+            "suspects": rerun.names, "causes": _words.causes(rerun), "warning": _words.rerun_warning(rerun),
+            "causes_new": _words.causes(rerun, new_only=True), "holders": [s.to_dict() for s in rerun.suspects]}
 
 
 #: The flat form of a record, shared by ``history_frame()`` (pandas) and ``%gpumem export x.csv``:

@@ -3,20 +3,24 @@
 The magics' own help (``%gpumem?``, ``%%gpumem?``) lives here beside the parser it documents, so
 the two cannot drift; the extension only turns :class:`CommandError` into IPython's
 ``UsageError``. Export (``%gpumem export PATH``) lives here too: it is the one mode that writes a
-file, and it needs nothing from IPython.
+file, and it needs nothing from IPython. So does what ``%%gpumem --estimate`` needs before it
+starts (torch installed), said in one line instead of a traceback.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
+import sys
 from typing import NamedTuple, Optional, Sequence
 
 from ..core.devices import Device, parse_device
 from ..core.records import write_csv
 from . import header
 
-__all__ = ["Command", "CommandError", "MODES", "parse_command", "export", "LINE_HELP", "CELL_HELP"]
+__all__ = ["Command", "CommandError", "MODES", "parse_command", "export", "estimate_unavailable", "NO_TORCH",
+           "LINE_HELP", "CELL_HELP"]
 
 MODES = ("status", "history", "chart", "sidebar", "who", "free", "on", "off", "clear", "export")
 TIERS = ("widget", "html", "text")  # the chart's kinds (chart/views.py checks it uses the same)
@@ -187,3 +191,19 @@ CELL_HELP = f"""Measure one cell in detail: before / after / peak per device and
     Per-line changes are summed over a line's executions (hits); for a loop, the report also
     says what the loop as a whole kept, apart from what its lines allocated and freed again.
     """
+
+
+#: What ``%%gpumem --estimate`` says, in one line, where torch is not installed.
+NO_TORCH = ("%%gpumem --estimate needs PyTorch, which is not installed here (the estimate runs the cell's code on "
+            "torch's fake tensors): pip install torch. Nothing ran.")
+
+
+def estimate_unavailable() -> Optional[str]:
+    """Why ``%%gpumem --estimate`` cannot run here (torch is not installed), or None; imports nothing."""
+    if sys.modules.get("torch") is not None:
+        return None
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # sys.modules["torch"] is None, or a broken entry
+        found = False
+    return None if found else NO_TORCH

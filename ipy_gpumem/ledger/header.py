@@ -159,10 +159,13 @@ def _check_gpu(text: str) -> str:
     if text.strip().lower() in ("this gpu", "this", "current"):
         return THIS_GPU
     try:
-        resolve_gpu(text)
+        card = resolve_gpu(text)
     except ValueError:
         raise HeaderError(f"--estimate {text}: unknown GPU; name one of {', '.join(GPUS)}, or give a size "
                           "such as 16GiB (without a name: this GPU)") from None
+    if card.capacity <= 0:  # "0", "-5", "0 MiB": a size, but no GPU has it
+        raise HeaderError(f"--estimate {text}: a GPU's memory must be a positive size, such as 16GiB; or name one "
+                          "(T4, A100-80, ...)")
     return text
 
 
@@ -180,6 +183,10 @@ def parse_args(arg: str) -> CellPlan:
         words = shlex.split(arg or "")
     except ValueError as exc:  # No closing quotation, No escaped character
         raise HeaderError(f"{PROG}: cannot read {arg.strip()!r}: {exc} (usage: {USAGE})") from None
+    for word, following in zip(words, words[1:]):
+        if word == "--estimate" and re.match(r"-\.?[0-9]", following):  # argparse would take "-5GiB" for an option
+            raise HeaderError(f"--estimate {following}: a GPU's memory must be a positive size, such as 16GiB; or "
+                              "name one (T4, A100-80, ...)")
     args = _PARSER.parse_args(words)
     output = None if args.output is None else _check_output(args.output)
     device = None if args.device is None else _check_device(args.device)

@@ -6,65 +6,29 @@ counters, folds the change since the previous marker into the line that just fin
 the peak counters, so each line gets its own delta and peak; lines of a loop aggregate over their
 hits, as in line_profiler. Unlike ``sys.settrace``, markers cost nothing outside the cell's own
 lines (library code runs at full speed: tracing would slow every Python call in a training step)
-and they leave debuggers and coverage tools alone.
+and they leave debuggers and coverage tools alone. The markers themselves (the AST transformer and
+the hook they call) are :mod:`.markers`.
 
-Markers never change what the user's code does or which errors it raises: they wrap nothing (a
-``for`` loop's iterable is iterated by the loop itself, so ``for x in 5`` and ``async for x in
-[1, 2]`` fail exactly as without them), and they call a hook that lives in ``builtins`` for the
-duration of the cell, so a cell that runs ``%reset -f`` or reloads the extension keeps working and
-the user's namespace is never touched. IPython's debugger steps over the hook
-(``__debuggerskip__``) and tracebacks hide it (``__tracebackhide__``).
+With a census (the roles), each boundary counts what the user's names reach; a line's record keeps
+its change by role and, as data, what its first and latest hits were made of
+(:class:`~ipy_gpumem.core.why.Why`): the words are made by the views.
 """
 from __future__ import annotations
 
-import ast
-import builtins
 import time
-from typing import List, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from ..core.probes import PEAK_SLACK, MemoryProbe
-from ..core.records import DeviceRecord, HostRecord, LineRecord, LoopSpan
+from ..core.records import DeviceRecord, HostRecord, JoinedLines, LineRecord, LoopSpan
+from .markers import HOOK_NAME, LineMarkers, detach_hook, install_hook, remove_hook
 
 __all__ = ["LineTracer", "LineMarkers", "HOOK_NAME", "remove_hook"]
 
-#: The most of a cell's time the roles' census may take (see ``LineTracer._roles``).
+#: The most of a cell's time the roles' census may take (see ``LineTracer._roles``), beyond a grace
+#: of :data:`CENSUS_GRACE_S` per cell: a short cell gets a count at every line boundary, a long
+#: loop of fast lines counts some boundaries and joins the lines in between (said in the record).
 CENSUS_SHARE = 0.10
-
-#: The name the marker calls use; bound in ``builtins`` while a ``--lines`` cell may run.
-HOOK_NAME = "__ipy_gpumem_line__"
-
-
-class _Hook:
-    """What the markers call: ``__ipy_gpumem_line__(lineno)`` before a statement. A no-op when no
-    tracer is active (a cell that unloaded the extension half-way still runs to its end)."""
-
-    __slots__ = ("target",)
-
-    def __init__(self):
-        self.target = None
-
-    def __call__(self, lineno: int) -> None:
-        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame in tracebacks
-        __debuggerskip__ = True  # noqa: F841 - IPython's debugger steps over it and what it calls
-        target = self.target
-        if target is not None:
-            target(lineno)
-
-
-_HOOK = _Hook()
-
-
-def _install_hook(mark) -> None:
-    _HOOK.target = mark
-    if getattr(builtins, HOOK_NAME, None) is not _HOOK:
-        setattr(builtins, HOOK_NAME, _HOOK)
-
-
-def remove_hook() -> None:
-    """Take the hook out of ``builtins`` (when no marked cell can still be running)."""
-    _HOOK.target = None
-    if getattr(builtins, HOOK_NAME, None) is _HOOK:
-        delattr(builtins, HOOK_NAME)
+CENSUS_GRACE_S = 0.05
 
 
 class _Quantity:
@@ -105,7 +69,7 @@ class _DeviceStats:
 class _LineStats:
     """Running totals for one line (mutable while tracing; frozen into a LineRecord at the end)."""
 
-    __slots__ = ("hits", "seconds", "host", "devices", "temporaries", "change", "first", "last")
+    __slots__ = ("hits", "seconds", "host", "devices", "temporaries", "change", "first", "last", "joined")
 
     def __init__(self):
         self.hits = 0
@@ -117,6 +81,19 @@ class _LineStats:
         # latest hit's own change with what held memory before it (for the line's sentence).
         self.change = None
         self.first = None  # (Change, seen, before Snapshot, after Snapshot)
+        self.last = None
+        self.joined = 0  # hits counted together with other lines (a boundary between them was skipped)
+
+
+class _SpanStats:
+    """The roles of lines counted together: the census skipped the boundaries between them."""
+
+    __slots__ = ("hits", "change", "first", "last")
+
+    def __init__(self):
+        self.hits = 0
+        self.change = None
+        self.first = None
         self.last = None
 
 
@@ -152,7 +129,7 @@ class LineTracer:
     def __init__(self, probe: MemoryProbe, devices: Optional[Sequence[int]] = None, track_peaks: bool = True,
                  include_host: bool = True, census=None):
         self.probe = probe
-        #: A callable returning a census ``Snapshot`` (``ipy_gpumem.anatomy.census``): the roles of
+        #: A callable returning a census ``Snapshot`` (``ipy_gpumem.tensors.census``): the roles of
         #: each line come from the census at its boundaries. None measures no roles.
         self.census = census
         self.first_snapshot = None
@@ -165,6 +142,8 @@ class LineTracer:
         self._t0 = None
         self.census_skipped = 0
         self.census_taken = 0
+        self._pending: list = []  # lines run since the last census (more than one: a skipped boundary)
+        self._spans: dict = {}  # tuple of line numbers -> _SpanStats
         self._device_filter = None if devices is None else tuple(devices)
         self._devices: Optional[tuple] = None  # fixed once a device with a context is found
         self._track_peaks = track_peaks
@@ -284,11 +263,14 @@ class LineTracer:
             self._current = (next_lineno, reading)
 
     def _roles(self, lineno: Optional[int], final: bool = False) -> None:
-        """Census now; the change since the previous boundary belongs to the line that just ran."""
+        """Census now; the change since the previous census belongs to the line that just ran, or,
+        when boundaries were skipped since, to the lines run in between, together."""
         now = time.perf_counter()
+        if lineno is not None:
+            self._pending.append(lineno)
         if self._t0 is None:
             self._t0 = now
-        elif not final and self._census_s > CENSUS_SHARE * (now - self._t0):
+        elif not final and self._census_s > CENSUS_SHARE * (now - self._t0) + CENSUS_GRACE_S:
             self.census_skipped += 1
             return
         snap = self.census()
@@ -296,14 +278,26 @@ class LineTracer:
         self.census_taken += 1
         before = self._snapshot
         self._snapshot = snap
+        pending, self._pending = self._pending, []
         if before is None:
             self.first_snapshot = snap
-        elif lineno is not None:
-            stats = self._stats.get(lineno)
+        elif pending:
+            lines = sorted(set(pending))
+            change = snap.diff(before)
+            hit = (change, frozenset(self._seen), before, snap)
+            if len(lines) == 1:
+                stats = self._stats.get(lines[0])
+            else:
+                stats = self._spans.get(tuple(lines))
+                if stats is None:
+                    stats = self._spans[tuple(lines)] = _SpanStats()
+                stats.hits += 1
+                for line in lines:
+                    line_stats = self._stats.get(line)
+                    if line_stats is not None:
+                        line_stats.joined += 1
             if stats is not None:
-                change = snap.diff(before)
                 stats.change = change if stats.change is None else stats.change.add(change)
-                hit = (change, frozenset(self._seen), before, snap)
                 if stats.first is None:
                     stats.first = hit
                 stats.last = hit
@@ -331,7 +325,7 @@ class LineTracer:
     def start(self) -> bool:
         """Make the markers call this tracer (the hook goes into ``builtins`` for the cell)."""
         self._active = True
-        _install_hook(self.mark)
+        install_hook(self.mark)
         return True
 
     def stop(self) -> None:
@@ -340,8 +334,7 @@ class LineTracer:
         The hook stays in ``builtins`` until :func:`remove_hook`: code of this cell may still run
         its markers after an unload, and a missing name would raise NameError into it.
         """
-        if _HOOK.target == self.mark:
-            _HOOK.target = None
+        detach_hook(self.mark)
         if self._active and self._current is not None:
             try:
                 self._boundary(None)
@@ -375,11 +368,20 @@ class LineTracer:
                     reserved_before=r.before, reserved_after=r.after, reserved_peak=r.peak,
                     allocated_delta_sum=a.net, reserved_delta_sum=r.net, peak_increase_max=a.rise,
                 ))
-            roles = reason = None
+            roles = first = last = None
             if self.census is not None:
-                roles, reason = _line_roles(stats, devs)
+                roles, first, last = _line_roles(stats, devs)
             out.append(LineRecord(shown, text, stats.hits, host, tuple(devs), stats.seconds, roles=roles,
-                                  temporaries=dict(stats.temporaries) or None, reason=reason))
+                                  temporaries=dict(stats.temporaries) or None, why=first, why_last=last,
+                                  joined=stats.joined))
+        return tuple(out)
+
+    def joined(self, offset: int = 0) -> tuple:
+        """The lines counted together (a census skipped between them), numbered like :meth:`records`."""
+        out = []
+        for lines, stats in sorted(self._spans.items()):
+            roles, first, last = _line_roles(stats, ())
+            out.append(JoinedLines(tuple(line + offset for line in lines), stats.hits, roles, first, last))
         return tuple(out)
 
     def loop_spans(self, offset: int = 0) -> tuple:
@@ -387,155 +389,27 @@ class LineTracer:
         return tuple(LoopSpan(s.first + offset, s.last + offset, s.kind) for s in self.loops)
 
 
-def _line_roles(stats: _LineStats, devices) -> tuple:
+def _line_roles(stats, devices) -> tuple:
     """A line's role table (its census change summed over hits, with the GPU-only roles from its
-    counters) and its sentence (from its first hit, and its latest when that differs)."""
-    from ..anatomy.account import gpu_extras, with_extras
-    from ..anatomy.reasons import describe
+    counters) and what its first hit and its latest hit were made of (``Why``s; the latest only
+    for a line run more than once)."""
+    from ..anatomy.account import gpu_extras, summed, with_extras
+    from ..anatomy.reasons import why_of
 
     change = stats.change
     parts = change.parts if change is not None else {}
     extras = {dev.label: gpu_extras(dev, parts) for dev in devices}
     roles = with_extras(change.table if change is not None else {}, extras)
-    reason = None
+    first = last = None
+    temporaries_seen = getattr(stats, "temporaries", {})
     if stats.first is not None:
         first_change, seen, before, after = stats.first
-        first_extras = extras if stats.hits == 1 else None
-        temporaries = max(stats.temporaries.values(), default=None) if stats.hits == 1 else None
-        reason = describe(first_change.parts, before, after, seen=seen, temporaries=temporaries,
-                          extra=_merged(first_extras))
+        # A single hit's counters are that hit's: its GPU-only roles and temporaries belong to it.
+        single = stats.hits == 1
+        first = why_of(first_change.parts, before, after, seen=seen,
+                       temporaries=max(temporaries_seen.values(), default=None) if single else None,
+                       extra=summed(extras) if single else None)
         if stats.hits > 1 and stats.last is not stats.first:
             last_change, seen, before, after = stats.last
-            later = describe(last_change.parts, before, after, seen=seen)
-            first_text = reason or "nothing"
-            if later != reason:
-                reason = f"first hit: {first_text}; last hit: {later or 'nothing'}"
-            elif reason is not None:
-                reason = f"each hit: {reason}"
-    return roles, reason
-
-
-def _merged(extras):
-    if not extras:
-        return None
-    out: dict = {}
-    for row in extras.values():
-        for role, value in row.items():
-            out[role] = out.get(role, 0) + value
-    return out
-
-
-class LineMarkers(ast.NodeTransformer):
-    """Insert ``__ipy_gpumem_line__(lineno)`` before every statement of a cell's own code.
-
-    An IPython AST transformer (``shell.ast_transformers``), installed only while a ``--lines``
-    cell runs. Compound statements at the cell's level (``for``, ``while``, ``if``, ``with``,
-    ``try``, ``match``) get markers in their bodies too, and loops mark their own line at each
-    iteration: a ``for`` line at the end of its body and before each ``continue`` (so fetching
-    the next item, a DataLoader batch say, counts for the loop's line, as in line_profiler), a
-    ``while`` line in its test. ``def`` and ``class`` bodies get none (their lines run later,
-    inside the calling line). Statements sharing a line (``a = 1; b = 2``) get one marker: one
-    hit of that line. The one-line trampoline IPython makes of a leading cell magic
-    (``get_ipython().run_cell_magic(...)``) is left alone: the body it runs is a cell of its own
-    and gets its markers when it is compiled. It never raises: IPython unregisters a
-    transformer that does.
-    """
-
-    _BODIES = ("body", "orelse", "finalbody")
-
-    def __init__(self):
-        super().__init__()
-        #: Set before the measured cell compiles; cleared once its tree is marked, so code the
-        #: cell itself compiles through IPython (a nested run_cell) is not mixed into its lines.
-        self.armed = False
-        #: The tracer that receives the marked cell's loop spans.
-        self.tracer: Optional[LineTracer] = None
-
-    def visit_Module(self, node):  # noqa: N802 - ast.NodeTransformer's naming
-        try:
-            if not self.armed or _is_trampoline(node):
-                return node
-            self.armed = False
-            loops: List[LoopSpan] = []
-            node.body = self._marked(node.body, None, loops)
-            if self.tracer is not None:
-                self.tracer.loops = tuple(loops)
-            return ast.fix_missing_locations(node)
-        except Exception:  # noqa: BLE001
-            return node
-
-    @staticmethod
-    def _marker(lineno: int, where) -> ast.stmt:
-        call = ast.Call(ast.Name(HOOK_NAME, ast.Load()), [ast.Constant(lineno)], [])
-        return ast.copy_location(ast.Expr(call), where)
-
-    def _marked(self, statements: list, parent_line: Optional[int], loops: list) -> list:
-        out = []
-        last = parent_line  # a statement on the line already marked gets no marker of its own
-        for stmt in statements:
-            if isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__":
-                out.append(stmt)  # must stay first
-                continue
-            self._mark_children(stmt, loops)
-            # a while loop marks itself at every test
-            if not isinstance(stmt, ast.While) and stmt.lineno != last:
-                out.append(self._marker(stmt.lineno, stmt))
-            last = stmt.lineno
-            out.append(stmt)
-        return out
-
-    def _mark_children(self, stmt, loops: list) -> None:
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            return
-        line = stmt.lineno
-        is_for = isinstance(stmt, (ast.For, ast.AsyncFor))
-        if is_for or isinstance(stmt, ast.While):
-            loops.append(LoopSpan(line, getattr(stmt, "end_lineno", None) or line,
-                                  "while" if isinstance(stmt, ast.While) else "for"))
-        if isinstance(stmt, ast.While):
-            # while hook(N) or (TEST): the hook returns None, so the test's value is unchanged
-            call = ast.Call(ast.Name(HOOK_NAME, ast.Load()), [ast.Constant(line)], [])
-            stmt.test = ast.copy_location(ast.BoolOp(ast.Or(), [call, stmt.test]), stmt.test)
-        for name in self._BODIES:
-            body = getattr(stmt, name, None)
-            if isinstance(body, list) and body and isinstance(body[0], ast.stmt):
-                marked = self._marked(body, line if name == "body" else None, loops)
-                if is_for and name == "body":
-                    # The next item is fetched after the body: that fetch is the loop line's.
-                    _mark_continues(marked, line, self._marker)
-                    marked.append(self._marker(line, stmt))
-                setattr(stmt, name, marked)
-        for handler in getattr(stmt, "handlers", None) or ():  # try/except
-            handler.body = self._marked(handler.body, None, loops)
-        for case in getattr(stmt, "cases", None) or ():  # match (3.10+)
-            case.body = self._marked(case.body, None, loops)
-
-
-def _mark_continues(statements: list, line: int, marker) -> None:
-    """Put the loop line's marker before each ``continue`` of this loop (not of nested loops)."""
-    k = 0
-    while k < len(statements):
-        stmt = statements[k]
-        if isinstance(stmt, ast.Continue):
-            statements.insert(k, marker(line, stmt))
-            k += 2
-            continue
-        if not isinstance(stmt, (ast.For, ast.AsyncFor, ast.While, ast.FunctionDef, ast.AsyncFunctionDef,
-                                 ast.ClassDef)):
-            for name in ("body", "orelse", "finalbody"):
-                body = getattr(stmt, name, None)
-                if isinstance(body, list) and body and isinstance(body[0], ast.stmt):
-                    _mark_continues(body, line, marker)
-            for handler in getattr(stmt, "handlers", None) or ():
-                _mark_continues(handler.body, line, marker)
-            for case in getattr(stmt, "cases", None) or ():
-                _mark_continues(case.body, line, marker)
-        k += 1
-
-
-def _is_trampoline(module) -> bool:
-    """``get_ipython().run_cell_magic(...)`` alone: how IPython compiles a cell starting with ``%%``."""
-    if len(module.body) != 1 or not isinstance(module.body[0], ast.Expr):
-        return False
-    call = module.body[0].value
-    return isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "run_cell_magic"
+            last = why_of(last_change.parts, before, after, seen=seen)
+    return roles, first, last

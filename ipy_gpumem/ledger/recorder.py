@@ -46,10 +46,10 @@ class Measurement:
         detailed: ``%%gpumem`` measured this cell.
     """
 
-    __slots__ = ("probe", "cell_id", "source", "devices", "detailed", "include_host", "lines", "loops",
+    __slots__ = ("probe", "cell_id", "source", "devices", "detailed", "include_host", "lines", "loops", "joined",
                  "started_at", "start", "end", "samples", "track_peaks", "host_peak_reset", "reset_devices",
                  "_seen_host", "_seen_alloc", "_seen_reserved", "_lock", "t0", "duration", "error", "message",
-                 "execution_count", "roles", "reason", "phases", "layers", "rerun", "_record")
+                 "execution_count", "roles", "why", "phases", "phase_summary", "layers", "rerun", "_record")
 
     #: Most sampler readings a detailed cell keeps for its chart (every other one is dropped
     #: when full, so a long cell keeps its whole span at a coarser step).
@@ -68,6 +68,7 @@ class Measurement:
         self.include_host = include_host
         self.lines = None  # LineRecords, when --lines measured the cell
         self.loops = ()
+        self.joined = ()  # JoinedLines of a --lines cell
         self.samples = None  # a list when the cell's chart wants the sampler's readings
         self.start = start
         self.end = None
@@ -85,10 +86,12 @@ class Measurement:
         self.error = None
         self.message = None
         self.execution_count = None
-        # The anatomy (set by the watcher when the cell was analysed) and the re-run comparison.
+        # The anatomy (set by the watcher when the cell was analysed) and the re-run comparison,
+        # as data (the words are made by the views).
         self.roles = None
-        self.reason = None
+        self.why = None
         self.phases = None
+        self.phase_summary = None
         self.layers = None
         self.rerun = None
         self._record = None
@@ -225,9 +228,9 @@ class Measurement:
             execution_count=self.execution_count, cell_id=self.cell_id, source=self.source,
             started_at=self.started_at, duration_s=self.duration or 0.0, error=self.error,
             error_message=self.message, host=host, devices=tuple(devices),
-            devices_note=end.reason if not devices else None, lines=self.lines, loops=self.loops,
-            detailed=self.detailed, peaks=peaks, roles=self.roles, reason=self.reason,
-            phases=self.phases, layers=self.layers, rerun=self.rerun,
+            devices_note=end.reason if not devices else None, lines=self.lines, loops=self.loops, joined=self.joined,
+            detailed=self.detailed, peaks=peaks, roles=self.roles, why=self.why,
+            phases=self.phases, phase_summary=self.phase_summary, layers=self.layers, rerun=self.rerun,
         )
 
 

@@ -1,19 +1,22 @@
 """The ledger's views: the line after a cell, the ``%%gpumem`` report and the ``%gpumem history`` table.
 
 Each view is built once as parts (display/parts.py) and rendered to text and HTML from them, and
-keeps the record(s) it shows as ``View.data``.
+keeps the record(s) it shows as ``View.data``. The records keep numbers and typed explanations;
+the sentences are made here, when the view is drawn (``core.words``), and the report's tables are
+the ones the estimated report draws too (``display.tables``).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
-from ..anatomy.reasons import headline
+from ..core import words
 from ..core.devices import cuda
-from ..core.roles import ROLE_SHORT, ROLES
 from ..core.records import CellRecord, DeviceRecord, LineRecord
 from ..core.text import clip
 from ..core.units import format_bytes, format_delta, format_seconds
 from ..display.parts import Blank, Line, Para, Raw, Span, Table, render
+from ..display.tables import (Column, as_modules, bytes_table, delta_cell, heaviest, line_table, peak_cell, phase_table,
+                              roles_cell, summarize_phases)
 from ..display.view import View, delta_class, format_of
 
 __all__ = ["cell_view", "cell_report_view", "history_view", "loop_summaries"]
@@ -67,37 +70,36 @@ def cell_view(record: CellRecord, threshold: int = 0) -> View:
     and, when the anatomy found what the change is made of, a second line naming its dominant roles
     (``  +2.60 GiB activations saved for backward, kept by `output`, `loss```)."""
     parts = [Line(*_line_spans(record, threshold))]
-    phrase = headline(record.reason)
+    phrase = words.headline(record.why)
     if phrase:
         parts.append(Line(Span("  " + phrase, "dim")))
     parts.extend(rerun_parts(record))  # re-runs (issue 12)
     return render(parts, data=record)
 
 
-# -- re-runs (issue 12; the data comes from ipy_gpumem.ledger.reruns) ----------------------------
+# -- re-runs (the data comes from ipy_gpumem.ledger.reruns) -----------------------------------------
 
 
 def rerun_parts(record: CellRecord) -> list:
     """The re-run warning under the per-cell line, once per suspect: what the earlier run left
-    alive, who holds it, and the fix (``record.rerun["warning"]`` and its new causes)."""
-    rerun = record.rerun
-    if not rerun or not rerun.get("warning"):
+    alive, who holds it, and the fix (the suspects this run names for the first time)."""
+    warning = words.rerun_warning(record.rerun)
+    if not warning:
         return []
-    parts = [Line(Span("  " + rerun["warning"], "err"))]
-    parts.extend(Para("· " + cause, indent="    ", hanging="      ") for cause in rerun.get("causes_new") or ())
+    parts = [Line(Span("  " + warning, "err"))]
+    parts.extend(Para("· " + cause, indent="    ", hanging="      ")
+                 for cause in words.causes(record.rerun, new_only=True))
     return parts
 
 
 def _history_label(rec: CellRecord) -> str:
     """``[7]``, or ``[7] ↻[3] +64.00 MiB`` for a re-run of [3] that kept 64 MiB more than its previous run."""
     rerun = rec.rerun
-    if not rerun:
+    if rerun is None:
         return rec.label
-    of = rerun.get("of")
-    text = f"{rec.label} ↻[{of if of is not None else ' '}]"
-    growth = rerun.get("growth")
-    if growth and rerun.get("suspects"):
-        text += f" {format_delta(growth)}"
+    text = f"{rec.label} ↻[{rerun.of if rerun.of is not None else ' '}]"
+    if rerun.growth and rerun.suspects:
+        text += f" {format_delta(rerun.growth)}"
     return text
 
 
@@ -109,21 +111,23 @@ _RERUN_NOTE = "↻[n]: a re-run of cell [n], and the memory it kept beyond its p
 # ---------------------------------------------------------------------------------------------
 
 
-def _span_rows(record: CellRecord):
-    """Rows ``(what, before, after, delta, peak, peak increase)`` for the summary table."""
+def _span_rows(record: CellRecord) -> List[Tuple[str, tuple]]:
+    """Rows ``(what, (before, after, delta, peak, peak increase))`` for the summary table."""
     rows = []
     for dev in record.devices:
         name = dev.label + (f" ({dev.name})" if dev.name else "")
-        rows.append((f"{name} allocated", dev.allocated_before, dev.allocated_after, dev.allocated_delta,
-                     dev.allocated_peak, dev.peak_increase))
-        rows.append((f"{dev.label} reserved", dev.reserved_before, dev.reserved_after, dev.reserved_delta,
-                     dev.reserved_peak,
-                     None if dev.reserved_peak is None or dev.reserved_before is None else dev.reserved_peak - dev.reserved_before))
+        reserved_rise = (None if dev.reserved_peak is None or dev.reserved_before is None
+                         else dev.reserved_peak - dev.reserved_before)
+        rows.append((f"{name} allocated", (dev.allocated_before, dev.allocated_after, dev.allocated_delta,
+                                           dev.allocated_peak, dev.peak_increase)))
+        rows.append((f"{dev.label} reserved", (dev.reserved_before, dev.reserved_after, dev.reserved_delta,
+                                               dev.reserved_peak, reserved_rise)))
         if dev.used_after is not None:
-            rows.append((f"{dev.label} device used", dev.used_before, dev.used_after, dev.used_delta, None, None))
+            rows.append((f"{dev.label} device used", (dev.used_before, dev.used_after, dev.used_delta, None, None)))
     host = record.host
     if host.rss_after is not None:
-        rows.append(("host RSS", host.rss_before, host.rss_after, host.rss_delta, host.rss_peak, host.rss_peak_increase))
+        rows.append(("host RSS", (host.rss_before, host.rss_after, host.rss_delta, host.rss_peak,
+                                  host.rss_peak_increase)))
     return rows
 
 
@@ -136,72 +140,58 @@ def _device_indices(record: CellRecord) -> List[int]:
     return indices
 
 
+def _device_columns(index: int, prefix: str) -> List[Column]:
+    """Δallocated, Δreserved and the peak within the line on one device (blank where it was not read)."""
+    def change(name):
+        def cell(line):
+            dev = line.device(index)
+            return ("", "") if dev is None else delta_cell(getattr(dev, name))
+        return cell
+
+    def peak(line):
+        dev = line.device(index)
+        return ("", "") if dev is None else peak_cell(dev.peak_increase, dev.allocated_delta)
+
+    return [Column(f"{prefix}Δallocated", change("allocated_delta")), Column(f"{prefix}Δreserved", change("reserved_delta")),
+            Column(f"{prefix}peak in line", peak)]
+
+
 def _lines_table(record: CellRecord, source_lines: Sequence[str]) -> Table:
-    """The ``--lines`` table: every source line, hit or not."""
-    by_line = {line.lineno: line for line in record.lines or ()}
+    """The ``--lines`` table: every source line, hit or not; per device the columns the estimated
+    report has too, then host RSS, time and the roles."""
     indices = _device_indices(record)
-    headers = ["line", "hits"]
+    columns: List[Column] = []
     for i in indices:
-        prefix = f"{cuda(i)} " if len(indices) > 1 else ""
-        headers += [f"{prefix}Δallocated", f"{prefix}Δreserved", f"{prefix}peak in line"]
-    headers += ["Δhost RSS", "host peak in line", "time"]
-    with_roles = any(line.roles is not None for line in record.lines or ())
-    if with_roles:
-        headers.append("by role")
-    headers.append("source")
-    rows, classes = [], []
-    count = max([len(source_lines)] + [ln.lineno for ln in record.lines or ()])
-    for lineno in range(1, count + 1):
-        text = source_lines[lineno - 1] if lineno <= len(source_lines) else ""
-        line = by_line.get(lineno)
-        if line is None:
-            rows.append([str(lineno), ""] + [""] * (3 * len(indices)) + ["", "", ""] + ([""] if with_roles else [])
-                        + [text])
-            classes.append([])
-            continue
-        row, cls = [str(lineno), str(line.hits)], ["", ""]
-        for i in indices:
-            dev = line.device(i)
-            if dev is None:
-                row += ["", "", ""]
-                cls += ["", "", ""]
-                continue
-            row += [format_delta(dev.allocated_delta), format_delta(dev.reserved_delta), format_delta(dev.peak_increase)]
-            cls += [delta_class(dev.allocated_delta), delta_class(dev.reserved_delta),
-                    "up" if (dev.peak_increase or 0) > max(dev.allocated_delta or 0, 0) else "dim"]
-        h = line.host
-        row += [format_delta(h.rss_delta), format_delta(h.rss_peak_increase), format_seconds(line.duration_s)]
-        cls += [delta_class(h.rss_delta), "dim", "dim"]
-        if with_roles:
-            row.append(roles_cell(line.roles, line.temporaries))
-            cls.append("")
-        row.append(text)
-        cls.append("")
-        rows.append(row)
-        classes.append(cls)
-    return Table(headers, rows, left=(len(headers) - 1,), classes=classes, src_col=len(headers) - 1)
-
-
-def roles_cell(roles, temporaries=None, count: int = 3) -> str:
-    """A line's roles, compact: ``grad +32.02 MiB · act -4.00 MiB · temp 9.68 MiB`` (biggest first;
-    the device is named when a line moved memory on more than one)."""
-    several = len(roles or {}) > 1
-    items = [(dev, role, v) for dev, row in (roles or {}).items() for role, v in row.items() if v]
-    items.sort(key=lambda item: -abs(item[2]))
-    shown = [f"{dev + ' ' if several else ''}{ROLE_SHORT.get(role, role)} {format_delta(v)}"
-             for dev, role, v in items[:count]]
-    if len(items) > count:
-        shown.append(f"+{len(items) - count} more")
-    temp = max((temporaries or {}).values(), default=0)
-    if temp >= 64 * 1024:
-        shown.append(f"temp {format_bytes(temp)}")
-    return " · ".join(shown)
+        columns += _device_columns(i, f"{cuda(i)} " if len(indices) > 1 else "")
+    columns += [Column("Δhost RSS", lambda line: delta_cell(line.host.rss_delta)),
+                Column("host peak in line", lambda line: (format_delta(line.host.rss_peak_increase), "dim")),
+                Column("time", lambda line: (format_seconds(line.duration_s), "dim"))]
+    if any(line.roles is not None for line in record.lines or ()):
+        columns.append(Column("by role", lambda line: (roles_cell(line.roles, line.temporaries), "")))
+    return line_table(source_lines, record.lines or (), columns)
 
 
 def _reasons(record: CellRecord) -> List[str]:
-    """``line N: why`` for each line that moved memory, then the cell's own sentence."""
-    out = [f"line {line.lineno}: {line.reason}" for line in record.lines or () if line.reason]
+    """``line N: why`` for each line that moved memory, and for lines counted together."""
+    out = []
+    for line in record.lines or ():
+        text = line.reason
+        if text:
+            out.append(f"line {line.lineno}: {text}")
+    for span in record.joined or ():
+        text = words.line_sentence(span.why, span.why_last, span.hits)
+        if text:
+            times = f", {span.hits} times" if span.hits > 1 else ""
+            out.append(f"lines {_line_list(span.lines)} (counted together{times}): {text}")
     return out
+
+
+def _line_list(lines) -> str:
+    """``4–5`` for consecutive lines, ``2, 4, 7`` otherwise."""
+    lines = sorted(lines)
+    if lines == list(range(lines[0], lines[-1] + 1)):
+        return f"{lines[0]}–{lines[-1]}"
+    return ", ".join(map(str, lines))
 
 
 def _line_change(line: LineRecord, index: Optional[int]) -> Optional[int]:
@@ -241,21 +231,36 @@ def loop_summaries(record: CellRecord) -> List[str]:
     return out
 
 
-def cell_report_view(record: CellRecord, source_lines: Optional[Sequence[str]] = None, note: Optional[str] = None,
-                     chart_html: Optional[str] = None) -> View:
+def _notes(record: CellRecord, stopped: Optional[str], counted: Optional[Tuple[int, int]]) -> List[str]:
+    """The report's closing notes: what was not measured, and how."""
+    notes = []
+    if record.devices_note and not record.devices:
+        notes.append(f"No CUDA device measured: {record.devices_note}; showing host memory.")
+    if record.peaks == "sampled":
+        notes.append("Peaks are the highest values sampled (peak counters were not reset for this cell).")
+    if stopped:
+        notes.append(stopped)
+    if counted is not None:
+        taken, total = counted
+        notes.append(f"Roles were counted at {taken:,} of {total:,} line boundaries (to keep the count under a "
+                     "tenth of the cell's time); lines run between two counts are counted together.")
+    return notes
+
+
+def cell_report_view(record: CellRecord, source_lines: Optional[Sequence[str]] = None, stopped: Optional[str] = None,
+                     counted: Optional[Tuple[int, int]] = None, chart_html: Optional[str] = None) -> View:
     """The ``%%gpumem`` report: before / after / peak per device and host, then the lines.
 
-    ``chart_html`` (an inline SVG of the cell, from ``chart.svg.cell_svg``) goes into the HTML
-    between the summary and the line table.
+    ``stopped`` says why line measurement stopped early, ``counted`` is ``(taken, boundaries)``
+    when roles were counted at only some line boundaries. ``chart_html`` (an inline SVG of the
+    cell, from ``chart.svg.cell_svg``) goes into the HTML between the summary and the line table.
     """
     title = f"%%gpumem {record.label} · {format_seconds(record.duration_s)}"
     if record.error:
         title += f" · {record.error}"
-    span_rows = _span_rows(record)
-    rows = [(what, format_bytes(b), format_bytes(a), format_delta(d), format_bytes(p) if p is not None else "",
-             format_delta(pi) if pi is not None else "") for what, b, a, d, p, pi in span_rows]
-    classes = [["", "", "", delta_class(d), "", delta_class(pi)] for _, _, _, d, _, pi in span_rows]
-    parts = [Line(Span(title, "bold")), Table(["", "before", "after", "Δ", "peak", "peak Δ"], rows, classes=classes)]
+    parts = [Line(Span(title, "bold")),
+             bytes_table(["", "before", "after", "Δ", "peak", "peak Δ"], _span_rows(record),
+                         signed=(False, False, True, False, True))]
     for dev in record.devices:
         if dev.total:
             parts.append(Line(Span(f"{dev.label}: {format_bytes(dev.reserved_after)} reserved of "
@@ -275,49 +280,26 @@ def cell_report_view(record: CellRecord, source_lines: Optional[Sequence[str]] =
         if summaries:
             parts.append(Para("A loop's lines sum their changes over every iteration; what each loop kept:", "dim"))
             parts.extend(Para(text, "dim", indent="  ") for text in summaries)
-    if record.reason:
-        parts.append(Para(f"The cell: {record.reason}."))
+    reason = words.sentence(record.why)
+    if reason:
+        parts.append(Para(f"The cell: {reason}."))
     parts.extend(_phase_parts(record))
-    notes = []
-    if record.devices_note and not record.devices:
-        notes.append(f"No CUDA device measured: {record.devices_note}; showing host memory.")
-    if record.peaks == "sampled":
-        notes.append("Peaks are the highest values sampled (peak counters were not reset for this cell).")
-    if note:
-        notes.append(note)
-    parts.extend(Line(Span(n, "dim")) for n in notes)
+    parts.extend(Line(Span(n, "dim")) for n in _notes(record, stopped, counted))
     return render(parts, data=record)
 
 
 def _phase_parts(record: CellRecord) -> list:
     """The training phases the cell ran (forward, backward, optimizer step, zero_grad): per phase,
-    how often, the worst peak, and what its first and steady steps changed by role."""
-    phases = record.phases
-    if not phases:
+    how often (exact at any length), the worst peak, and what its first and steady steps changed by
+    role; then the layers whose activations weigh most."""
+    if not record.phases and not record.phase_summary:
         return []
-    kinds: dict = {}
-    for phase in phases:
-        kinds.setdefault(phase.get("phase"), []).append(phase)
-    rows = []
-    for kind in ("forward", "backward", "optimizer_step", "zero_grad"):
-        items = kinds.get(kind)
-        if not items:
-            continue
-        peaks = [max((phase.get("peak") or {}).values(), default=0) for phase in items]
-        first = items[0]
-        steady = next((p for p in items if p.get("step") == 2 and p.get("roles") is not None), None)
-        rows.append([kind.replace("_", " "), str(len(items)), format_bytes(max(peaks)) if peaks else "",
-                     roles_cell(first.get("roles")) if first.get("roles") is not None else "",
-                     roles_cell(steady.get("roles")) if steady is not None else ""])
-    if not rows:
+    table = phase_table(record.phase_summary or summarize_phases(record.phases or ()))
+    if table is None:
         return []
-    parts = [Blank(), Line(Span("Training phases (recognised from the modules, autograd and optimizers the cell used)", "dim")),
-             Table(["phase", "count", "peak above its start", "first step, by role", "second step, by role"], rows,
-                   left=(0, 3, 4))]
-    if record.layers:
-        parts.append(Para("Heaviest activations (first forward): " + ", ".join(
-            f"`{name}` {format_bytes(size)}" for name, size in record.layers), "dim"))
-    return parts
+    return ([Blank(), Line(Span("Training phases (recognised from the modules, autograd and optimizers the cell used)",
+                                "dim")), table]
+            + heaviest("Heaviest activations (first forward)", as_modules(record.layers)))
 
 
 # ---------------------------------------------------------------------------------------------

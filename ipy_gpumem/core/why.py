@@ -1,0 +1,132 @@
+"""Why memory moved, as typed data: what a change is made of (:class:`Why`) and what keeps a re-run's memory (:class:`Rerun`).
+
+Records keep these values, never sentences: the sentence a view shows (``record.reason``, the
+re-run warning) is made from them on demand by :mod:`.words`, so a view never has to split a
+sentence back into its parts, and an API user reads the numbers themselves (``to_dict()``).
+Everything here is numbers, names and plain strings: no tensor, module or frame is held.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, Mapping, NamedTuple, Optional, Tuple
+
+__all__ = ["Why", "OwnerInfo", "Suspect", "Rerun", "owner_module"]
+
+
+def owner_module(owner: str) -> str:
+    """The name whose info describes ``owner``: ``"opt's parameters"`` (parameters only an optimizer
+    still reaches, its model's name rebound) is described by ``opt``."""
+    return owner[: -len("'s parameters")] if owner.endswith("'s parameters") else owner
+
+
+class OwnerInfo(NamedTuple):
+    """What a census knew about one owner: a module (its class, its parameter bytes) or an optimizer
+    (its class, its state's names, the bytes of the parameters it steps)."""
+
+    kind: str
+    cls: Optional[str] = None
+    parameters: int = 0
+    state: Tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "class": self.cls, "parameters": self.parameters, "state": list(self.state)}
+
+
+@dataclass(frozen=True)
+class Why:
+    """What one change (a cell, a line, lines counted together) is made of.
+
+    Attributes:
+        parts: ``((device, role, owner, signed bytes), ...)``: the census's change, part by part.
+        owners: ``{name: OwnerInfo}`` for the modules and optimizers among the owners.
+        seen: ``(role, owner)`` pairs that held memory before the change (gradients that appear again
+            were re-made, not created by a first backward; optimizer state already existed).
+        temporaries: bytes that came and went within the span (its peak above its start and end).
+        extra: the GPU-only roles (``allocator_cache``, ``outside_pytorch``) and tensors no name
+            reaches (``other_tensors``), signed bytes summed over the devices.
+        complete: both censuses examined everything; False: the parts are what they counted, and
+            ``left_out`` says what they did not examine.
+    """
+
+    parts: Tuple[Tuple[str, str, str, int], ...] = ()
+    owners: Mapping[str, OwnerInfo] = field(default_factory=dict)
+    seen: FrozenSet[Tuple[str, str]] = frozenset()
+    temporaries: Optional[int] = None
+    extra: Mapping[str, int] = field(default_factory=dict)
+    complete: bool = True
+    left_out: Tuple[str, ...] = ()
+
+    def by_role(self) -> Dict[str, Dict[str, int]]:
+        """``{role: {owner: signed bytes}}`` summed over devices."""
+        out: Dict[str, Dict[str, int]] = {}
+        for _dev, role, owner, value in self.parts:
+            row = out.setdefault(role, {})
+            row[owner] = row.get(owner, 0) + value
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "parts": [{"device": d, "role": r, "owner": o, "bytes": v} for d, r, o, v in self.parts],
+            "owners": {name: info.to_dict() for name, info in self.owners.items()},
+            "seen": [list(pair) for pair in sorted(self.seen)],
+            "temporaries": self.temporaries,
+            "extra": dict(self.extra),
+            "complete": self.complete,
+            "left_out": list(self.left_out),
+        }
+
+
+class Suspect(NamedTuple):
+    """One holder of an earlier run's tensors, and what frees them.
+
+    ``kind`` says how it holds them and ``fix`` what to do (:data:`KINDS` and :data:`FIXES` of
+    :mod:`.words` name them all); the other fields are what the fix names, when known.
+    """
+
+    name: str                   # who holds it, as the user knows it: `opt`, `Out[3]`, `traceback`, `lin hook`
+    kind: str                   # output_cache, traceback, hook, optimizer, appended_graph, appended, graph, reassigned, variable
+    fix: str                    # free_or_semicolon, free, remove_handle, rerun_cell, recreate, append_item, clear_or_del, detach, del_before_rerun, del
+    bytes: int                  # what it gained since the previous run
+    new: bool = True            # this run is the first to name it (a cell says so once per suspect)
+    exprs: Tuple[str, ...] = ()  # the expressions that hold it (``Out[3]``, ``_``), or a traceback's locals
+    frames: Tuple[str, ...] = ()  # a traceback's functions
+    cell: Optional[int] = None  # the cell that built an optimizer (its execution count)
+    model: Optional[str] = None  # the module the suspect holds or replaced
+    item: Optional[str] = None  # what the cell appends (``loss`` in ``losses.append(loss)``)
+    hook: Optional[Tuple[str, str, int]] = None  # (module, hook kind, copies) of a hook registered on every run
+
+    def to_dict(self) -> dict:
+        out = self._asdict()
+        out["exprs"], out["frames"] = list(self.exprs), list(self.frames)
+        out["hook"] = None if self.hook is None else {"module": self.hook[0], "kind": self.hook[1], "copies": self.hook[2]}
+        return out
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """A run of a cell that ran before (the same cell id, or the same source).
+
+    Attributes:
+        of: the first run's execution count.
+        runs: how many times the cell has run, this run included.
+        previous: the previous run's execution count.
+        growth: bytes kept beyond the previous run (allocated bytes on a GPU, exact tensor bytes on
+            the CPU), None when not measured (the run kept nothing).
+        suspects: who holds the earlier runs' tensors, biggest first.
+    """
+
+    of: Optional[int]
+    runs: int
+    previous: Optional[int] = None
+    growth: Optional[int] = None
+    suspects: Tuple[Suspect, ...] = ()
+
+    @property
+    def names(self) -> list:
+        """The suspects' names (``rerun.to_dict()["suspects"]``)."""
+        return [s.name for s in self.suspects]
+
+    @property
+    def warns(self) -> bool:
+        """This run names a suspect for the first time: its line says so."""
+        return any(s.new for s in self.suspects)

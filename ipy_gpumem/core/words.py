@@ -1,0 +1,238 @@
+"""The sentences made from the records' typed explanations: why a cell or line moved memory, and why a re-run kept it.
+
+Records keep :class:`~.why.Why` and :class:`~.why.Rerun` values (numbers and names); these
+functions turn them into the words the views show, on demand, each time they are shown. A view
+asks for the clauses it wants (:func:`headline` picks the biggest), so nothing ever splits a
+sentence back into its parts. The words name the user's objects (``model``, ``optimizer``,
+``output``) and the mechanism torch uses: gradients appear on the first backward and after
+``zero_grad(set_to_none=True)`` freed them, Adam-like optimizers create their state on the first
+step, autograd keeps activations until backward runs or the outputs are deleted.
+
+They live in ``core`` beside the records because ``CellRecord.to_dict()`` renders ``reason`` on
+demand for API users, and a record can reach nothing above ``core``.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, NamedTuple, Optional
+
+from .roles import ROLE_WORDS
+from .text import clip
+from .units import format_bytes, format_delta
+from .why import Rerun, Suspect, Why, owner_module
+
+__all__ = ["Clause", "clauses", "sentence", "headline", "line_sentence", "rerun_warning", "cause", "causes",
+           "MIN_BYTES", "KINDS", "FIXES"]
+
+#: Changes smaller than this are not worth a clause (a loss scalar, a step counter).
+MIN_BYTES = 64 * 1024
+
+#: How a suspect holds an earlier run's tensors (``Suspect.kind``).
+KINDS = ("output_cache", "traceback", "hook", "optimizer", "appended_graph", "appended", "graph", "reassigned",
+         "variable")
+#: What frees them (``Suspect.fix``).
+FIXES = ("free_or_semicolon", "free", "remove_handle", "rerun_cell", "recreate", "append_item", "clear_or_del",
+         "detach", "del_before_rerun", "del")
+
+
+class Clause(NamedTuple):
+    """One part of a sentence: its size (for ordering), what it is, and its words."""
+
+    bytes: int
+    kind: str  # a role, "temporaries", or an extra role ("allocator_cache", ...)
+    text: str
+
+
+def _names(owners, limit: int = 3) -> str:
+    """`a`, `b`, `c`, 2 more: a dict of owners is named biggest first."""
+    if isinstance(owners, dict):
+        owners = sorted(owners, key=lambda o: -abs(owners[o]))
+    owners = [o for o in owners if o]
+    shown = [f"`{o}`" if not o.startswith("(") else o for o in owners[:limit]]
+    if len(owners) > limit:
+        shown.append(f"{len(owners) - limit} more")
+    return ", ".join(shown)
+
+
+def clauses(why: Optional[Why], minimum: int = MIN_BYTES) -> List[Clause]:
+    """The clauses of ``why``, biggest |bytes| first (those under ``minimum`` left out)."""
+    if why is None:
+        return []
+    info = why.owners
+    seen = why.seen
+    roles = why.by_role()
+    out: List[Clause] = []
+
+    grads = roles.get("gradients", {})
+    made = {o: v for o, v in grads.items() if v >= minimum}
+    freed = {o: v for o, v in grads.items() if v <= -minimum}
+    if made:
+        size = sum(made.values())
+        params = sum(getattr(info.get(owner_module(o)), "parameters", 0) for o in made)
+        of = f" for {_names(made)}'s {format_bytes(params)} of parameters" if params else f" for {_names(made)}"
+        if any(("gradients", o) in seen for o in made):
+            mechanism = "re-made after zero_grad(set_to_none=True) freed them"
+        else:
+            mechanism = "first backward; zero_grad(set_to_none=True) frees them between steps"
+        out.append(Clause(size, "gradients", f"{format_delta(size)} gradients{of} ({mechanism})"))
+    if freed:
+        size = sum(freed.values())
+        out.append(Clause(size, "gradients", f"{format_delta(size)} gradients of {_names(freed)} freed "
+                                             "(zero_grad(set_to_none=True) or deleting the model)"))
+    for owner, value in roles.get("optimizer_state", {}).items():
+        if abs(value) < minimum:
+            continue
+        data = info.get(owner)
+        cls = (data.cls if data is not None else None) or "optimizer"
+        keys = [k for k in (data.state if data is not None else ()) if k != "step"]
+        what = f"{cls} state ({', '.join(keys)})" if keys else f"{cls} state"
+        if value > 0:
+            params = data.parameters if data is not None else 0
+            of = f" for {format_bytes(params)} of parameters" if params else ""
+            when = "" if ("optimizer_state", owner) in seen else ", created on the first step"
+            out.append(Clause(value, "optimizer_state", f"{format_delta(value)} {what} in `{owner}`{of}{when}"))
+        else:
+            out.append(Clause(value, "optimizer_state", f"{format_delta(value)} {what} in `{owner}` released"))
+    acts = roles.get("activations", {})
+    kept = {o: v for o, v in acts.items() if v >= minimum}
+    gone = sum(v for v in acts.values() if v < 0)
+    if kept:
+        size = sum(kept.values())
+        out.append(Clause(size, "activations",
+                          f"{format_delta(size)} activations saved for backward, kept by {_names(kept)}"))
+    if gone <= -minimum:
+        out.append(Clause(gone, "activations", f"{format_delta(gone)} activations released"))
+    for owner, value in roles.get("parameters", {}).items():
+        if abs(value) < minimum:
+            continue
+        name = owner_module(owner)
+        data = info.get(name)
+        cls = data.cls if data is not None and data.kind == "module" else None
+        label = f"`{name}`" + (f" ({cls})" if cls else "")
+        out.append(Clause(value, "parameters", f"{format_delta(value)} parameters of {label}"))
+    others = {o: v for o, v in roles.get("other_tensors", {}).items() if abs(v) >= minimum}
+    up = {o: v for o, v in others.items() if v > 0}
+    down = {o: v for o, v in others.items() if v < 0}
+    if up:
+        out.append(Clause(sum(up.values()), "other_tensors",
+                          f"{format_delta(sum(up.values()))} tensors held by {_names(up)}"))
+    if down:
+        out.append(Clause(sum(down.values()), "other_tensors",
+                          f"{format_delta(sum(down.values()))} released from {_names(down)}"))
+    for role, value in why.extra.items():
+        if abs(value) < minimum:
+            continue
+        if role == "other_tensors":
+            text = "tensors no name reaches (held inside functions, C++ or closures)"
+        else:
+            text = ROLE_WORDS.get(role, role)
+        out.append(Clause(value, role, f"{format_delta(value)} {text}"))
+    if why.temporaries is not None and why.temporaries >= minimum:
+        out.append(Clause(why.temporaries, "temporaries", f"{format_delta(why.temporaries)} temporaries at the peak"))
+    out.sort(key=lambda c: -abs(c.bytes))
+    return out
+
+
+def _partial(why: Why) -> str:
+    """What an incomplete count says after its clauses: the amounts are what it counted."""
+    left = "; ".join(why.left_out[:2]) if why.left_out else "a time budget"
+    return f" (at least: the count of tensors stopped early, {clip(left, 160)})"
+
+
+def sentence(why: Optional[Why], minimum: int = MIN_BYTES) -> Optional[str]:
+    """Every clause of ``why``, biggest first, or None when nothing moved by ``minimum`` bytes."""
+    found = clauses(why, minimum)
+    if not found:
+        return None
+    text = "; ".join(c.text for c in found)
+    return text + ("" if why.complete else _partial(why))
+
+
+def headline(why: Optional[Why], count: int = 2) -> Optional[str]:
+    """The ``count`` biggest clauses of what the change kept (temporaries only when nothing else
+    moved): the per-cell line's second line."""
+    found = clauses(why)
+    if not found:
+        return None
+    kept = [c for c in found if c.kind != "temporaries"] or found
+    text = "; ".join(c.text for c in kept[:count]) + ("; …" if len(kept) > count else "")
+    return text + ("" if why.complete else " (at least)")
+
+
+def line_sentence(first: Optional[Why], last: Optional[Why] = None, hits: int = 1) -> Optional[str]:
+    """A line's sentence from its first hit and, for a line run more than once, its latest hit."""
+    text = sentence(first)
+    if hits <= 1 or last is None:
+        return text
+    later = sentence(last)
+    if later != text:
+        return f"first hit: {text or 'nothing'}; last hit: {later or 'nothing'}"
+    return None if text is None else f"each hit: {text}"
+
+
+# -- re-runs ---------------------------------------------------------------------------------------------
+
+
+def _ticks(items: Iterable[str]) -> List[str]:
+    return [f"`{item}`" for item in items]
+
+
+def _label(count: Optional[int]) -> str:
+    return f"[{count}]" if count is not None else "[ ]"
+
+
+def rerun_warning(rerun: Optional[Rerun]) -> Optional[str]:
+    """``Re-run of [3] (run 2) kept 64.00 MiB more than the previous run:``, when this run names a
+    suspect for the first time; else None."""
+    if rerun is None or not rerun.warns or rerun.growth is None:
+        return None
+    return f"Re-run of {_label(rerun.of)} (run {rerun.runs}) kept {format_bytes(rerun.growth)} more than the previous run:"
+
+
+def causes(rerun: Optional[Rerun], new_only: bool = False) -> List[str]:
+    """The sentence of each suspect (only those named for the first time with ``new_only``)."""
+    if rerun is None:
+        return []
+    return [cause(s) for s in rerun.suspects if s.new or not new_only]
+
+
+def _hook(suspect: Suspect, size: str, lead: str) -> str:
+    if suspect.hook is not None:
+        module, label, count = suspect.hook
+        return (f"a {label} is registered on every run (`{module}` has {count} copies of it; {lead} {size}): keep "
+                "its handle and call `handle.remove()` before registering it again")
+    module = suspect.name[: -len(" hook")] if suspect.name.endswith(" hook") else suspect.name
+    return f"a hook on `{module}`: {lead} {size}: keep its handle and call `handle.remove()`"
+
+
+def cause(s: Suspect) -> str:
+    """One suspect's sentence: who holds what, and the fix, in the user's names."""
+    size = format_bytes(s.bytes)
+    name = s.name
+    if s.kind == "output_cache":
+        held = " and ".join(_ticks(s.exprs)) or "IPython's output cache"
+        return f"{held} keep the displayed tensor ({size}): `%gpumem free` or end the line with `;`"
+    if s.kind == "traceback":
+        where = ", ".join(f"{f}()" for f in s.frames[:2])
+        local = f" ({where} local {', '.join(_ticks(s.exprs[:2]))})" if where else ""
+        return f"the last error's traceback holds its frames{local}, {size} from an earlier run: `%gpumem free`"
+    if s.kind == "hook":
+        lead = "its closure keeps" if name.endswith(" hook") else f"`{name}` gains"
+        return _hook(s, size, lead)
+    if s.kind == "optimizer":
+        what = f"the old `{s.model}`'s parameters" if s.model else "the parameters of an earlier model"
+        where = f" (built in [{s.cell}])" if s.cell is not None else ""
+        fix = f"re-run [{s.cell}] after this cell" if s.fix == "rerun_cell" else f"re-create `{name}` after this cell"
+        return f"`{name}`{where} still holds {what} ({size}): {fix}"
+    if s.kind == "appended_graph":
+        return (f"`{name}.append({s.item})` keeps each run's graph ({size}): append `{s.item}.item()` "
+                f"(or `{s.item}.detach()`)")
+    if s.kind == "appended":
+        return (f"`{name}` gains {size} on every run (`{name}.append({s.item})`): clear it at the top of the cell "
+                f"(`{name}.clear()`) or `del` what you no longer need")
+    if s.kind == "graph":
+        return f"`{name}` keeps an earlier run's graph ({size}): keep `.item()` or `.detach()` instead of the tensor"
+    if s.kind == "reassigned":
+        return (f"`{name}` still holds tensors from the earlier run ({size}): `del` them before re-running, or clear "
+                "it at the top of the cell")
+    what = f"the earlier run's `{s.model}`" if s.model else "tensors from the earlier run"
+    return f"`{name}` still holds {what} ({size}): `del {name}` (or rebind it)"

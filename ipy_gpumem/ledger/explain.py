@@ -1,0 +1,177 @@
+"""The anatomy of a finished cell: its change by role and what it is made of, measured against the census taken when the previous cell ended.
+
+A cell's explanation covers what that cell did, never what earlier cells did. So once torch is
+imported (only then can a name hold a tensor) the end of every recorded cell refreshes the
+*baseline*: a census of the user's names and IPython's own (``Out``, ``_``, the last error),
+within a small time budget (:data:`BASELINE_BUDGET_S`). A cell that moved at least the threshold
+(or a ``%%gpumem`` cell) is explained by the change from that baseline to a census at its end, and
+that census becomes the next baseline. A silent cell that moved a tensor between names, freed a
+graph or deleted a name leaves nothing for the next cell to inherit.
+
+When a census stops on its budget (``complete`` False), the explanation says "at least" and names
+what the count left out; the next baseline then gets more time (up to :data:`BASELINE_MAX_S`) so a
+large structure that appeared once is proven tensor-free once and cheap afterwards.
+
+The baseline of a cell is the state when it starts, which is the state when the previous one
+ended: nothing of the user's runs in between. So the refresh is deferred: a cell's end only marks
+the baseline stale and, where an event loop runs between cells (a Jupyter kernel), schedules the
+census for the idle time after the cell's reply is sent; whatever has not run by the next cell's
+start runs then, before any of its code (``ensure``). A cell's own latency never pays for the next
+one's baseline in a kernel; in a terminal the next cell pays it when it starts.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional, Tuple
+
+from ..core.records import DeviceRecord
+
+__all__ = ["CellAnatomy", "BASELINE_BUDGET_S", "BASELINE_MAX_S"]
+
+#: Seconds the end-of-cell census may take: a few hundred microseconds with a small model in the
+#: namespace (benchmarks/RESULTS.md); past it the census stops and says what it left out.
+BASELINE_BUDGET_S = 0.01
+#: The most a baseline census gets after incomplete ones (it grows fourfold each time).
+BASELINE_MAX_S = 0.16
+
+Names = Callable[[], Tuple[dict, Any]]  # () -> (namespace, IPython's refs: ``.names``)
+
+
+class CellAnatomy:
+    """The baseline census and the explanation of finished cells.
+
+    Args:
+        names: returns ``(namespace, refs)``: the user's namespace and IPython's own names in it
+            (``attribution.holders.ipython_refs``); None: no census (no roles, no explanation).
+    """
+
+    def __init__(self, names: Optional[Names] = None, schedule: Optional[Callable[[Callable[[], None]], Any]] = None):
+        self.names = names
+        #: ``schedule(fn)`` runs ``fn`` when the process is next idle (None: no idle time to use).
+        self.schedule = schedule
+        self._baseline = None
+        self._stale = False
+        self._budget = BASELINE_BUDGET_S
+        self._gave_up = False  # the largest budget was not enough: back to the small one, for good
+
+    @property
+    def baseline(self):
+        """The census at the end of the last recorded cell (None until one was taken); taken now if
+        it was only marked stale."""
+        self.ensure()
+        return self._baseline
+
+    @baseline.setter
+    def baseline(self, snapshot) -> None:
+        self._stale = False
+        self._baseline = snapshot
+
+    # -- censuses --------------------------------------------------------------------------------
+
+    def census(self, budget_s: Optional[float] = None, extra=()):
+        """A census of the user's names now (an empty one without names or torch); never raises."""
+        from ..tensors.census import BUDGET_S, EMPTY, take
+
+        if self.names is None or "torch" not in sys.modules:
+            return EMPTY
+        try:
+            namespace, refs = self.names()
+            return take(namespace, extra=extra, ipython_names=getattr(refs, "names", ()) or (),
+                        budget_s=BUDGET_S if budget_s is None else budget_s)
+        except Exception:  # noqa: BLE001 - no namespace to read: no roles, never an error in a cell
+            return EMPTY
+
+    def refresh(self) -> None:
+        """The end of a recorded cell: the baseline of the next cell's explanation is the names as
+        they are now; counted in the idle time after this cell, or when the next one starts.
+
+        Without torch nothing holds a tensor: the empty census is exact and costs nothing.
+        """
+        if "torch" not in sys.modules:
+            from ..tensors.census import EMPTY
+
+            self.baseline = EMPTY
+            return
+        self._stale = True
+        if self.schedule is not None:
+            try:
+                self.schedule(self.ensure)
+            except Exception:  # noqa: BLE001 - no loop to schedule on: the next cell's start counts
+                pass
+
+    def ensure(self) -> None:
+        """Take the baseline census now if it is stale (at the latest when the next cell starts)."""
+        if not self._stale:
+            return
+        self._stale = False
+        snap = self.census(self._budget)
+        self._baseline = snap
+        self._after(snap.complete)
+
+    def adopt(self, snapshot) -> None:
+        """Use ``snapshot`` (a census taken at the end of a cell) as the baseline."""
+        if snapshot is not None:
+            self.baseline = snapshot
+            self._after(snapshot.complete)
+
+    def forget(self) -> None:
+        """Something ran that was not recorded (``%gpumem on``, an internal error): the next cell
+        starts from a fresh census."""
+        self._stale = False
+        self._baseline = None
+
+    def _after(self, complete: bool) -> None:
+        if complete:
+            self._budget, self._gave_up = BASELINE_BUDGET_S, False
+        elif self._gave_up or self._budget >= BASELINE_MAX_S:
+            self._budget, self._gave_up = BASELINE_BUDGET_S, True
+        else:
+            self._budget = min(self._budget * 4, BASELINE_MAX_S)
+
+    # -- the explanation ---------------------------------------------------------------------------
+
+    def explain(self, frame, measurement, outermost: bool):
+        """Fill the measurement's roles, ``why`` and phases; return the census at its end (None when
+        none was taken). Never raises: the anatomy is an explanation, not the record."""
+        try:
+            from ..anatomy.account import gpu_extras, summed, with_extras
+            from ..anatomy.reasons import why_of
+
+            tracer = frame.tracer
+            if tracer is not None and tracer.census is not None and tracer.first_snapshot is not None:
+                before, after = tracer.first_snapshot, tracer.last_snapshot
+            else:
+                # A whole-cell %%gpumem cell took its own census when it started; any other cell
+                # the user ran is compared with the census at the end of the previous one.
+                before = frame.snapshot if frame.snapshot is not None or not outermost else self.baseline
+                after = self.census()
+            if frame.phases is not None:
+                measurement.phases = tuple(frame.phases.phases) or None
+                measurement.layers = tuple(frame.phases.layers) or None
+                summary = getattr(frame.phases, "summary", None)
+                measurement.phase_summary = (summary() or None) if summary is not None else None
+            if before is None:
+                return after
+            change = after.diff(before)
+            extras, temporaries = {}, 0
+            base = {d.index: d for d in measurement.start.devices}
+            for dev in measurement.end.devices:
+                b = base.get(dev.index)
+                rec = DeviceRecord(dev.index, allocated_before=0 if b is None else b.allocated,
+                                   allocated_after=dev.allocated, reserved_before=0 if b is None else b.reserved,
+                                   reserved_after=dev.reserved, used_before=None if b is None else b.used,
+                                   used_after=dev.used)
+                extras[rec.label] = gpu_extras(rec, change.parts)
+                peak = measurement._device_peak(dev, b)
+                if peak is not None:
+                    temporaries = max(temporaries, peak - max(rec.allocated_before, dev.allocated))
+            if not measurement.end.devices:
+                rss0, rss1, peak = measurement.start.host.rss, measurement.end.host.rss, measurement._host_peak()
+                if None not in (rss0, rss1, peak):
+                    temporaries = max(0, peak - max(rss0, rss1))
+            measurement.roles = with_extras(change.table, extras)
+            measurement.why = why_of(change.parts, before, after, temporaries=temporaries or None,
+                                     extra=summed(extras))
+            return after
+        except Exception:  # noqa: BLE001
+            return None
