@@ -5,9 +5,11 @@ storage tracker (the ground truth) and is estimated on fake tensors with ``devic
 Speed: a GPT-2-small-sized model (124 M parameters, nanoGPT's layout, tied embedding and head)
 with AdamW, batch 8 x 1024 tokens, estimated with ``device="cuda"`` (in its sealed copy of the
 process, as always); a real CPU step at batch 1 beside the estimate of the same step, as a ratio;
-then the largest batch that fits an A100-80 (the search starts at batch 8). Prints markdown tables.
+then the largest batch that fits an A100-80 (the search starts at batch 8). Real GPU captures
+(tests/fixtures/sil_captures.json: allocator snapshots recorded on a GPU by a public project)
+against the estimate of the same step with ``device="cuda"``. Prints markdown tables.
 
-    python benchmarks/bench_estimate.py [--skip-zoo] [--skip-gpt2] [--gpu A100-80]
+    python benchmarks/bench_estimate.py [--skip-zoo] [--skip-gpt2] [--skip-captures] [--gpu A100-80]
 """
 from __future__ import annotations
 
@@ -95,14 +97,46 @@ def gpt2_table(gpu):
     print(f"| max-batch search time | {took:.2f} s |")
 
 
+def captures_table():
+    import torch
+    import test_estimate_cuda as t
+
+    import ipy_gpumem
+
+    data = t._fixture()
+    print("| GPU capture | peak allocated, real | estimated | error | reserved, real | estimated | error |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    runs = []
+    for precision in ("fp32", "bf16"):
+        config = data["model"]
+        model = t.TransformerLM(**config)
+        ids = torch.randint(0, config["vocab_size"], (config["batch_size"], config["context_length"]))
+        runs.append((f"transformer step, {precision}", data["captures"][precision],
+                     lambda m=model, i=ids, p=precision: ipy_gpumem.estimate(t._benchmark_step, m, i, p,
+                                                                           device="cuda", gpu="A100-80")))
+    attention = data["captures"]["attention"]
+    qkv = [torch.randn(*attention["shape"], requires_grad=True) for _ in range(3)]
+    runs.append(("attention forward + backward", attention,
+                 lambda: ipy_gpumem.estimate(t._attention_step, *qkv, device="cuda", gpu="A100-80")))
+    for label, capture, run in runs:
+        est = run()
+        real_a, real_r = capture["peak_allocated"], capture["reserved"]
+        print(f"| {label} | {real_a:,} | {est.peak_allocated:,} | {(est.peak_allocated - real_a) / real_a * 100:+.2f}% "
+              f"| {real_r:,} | {est.peak_reserved:,} | {(est.peak_reserved - real_r) / real_r * 100:+.2f}% |")
+    print()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-zoo", action="store_true")
     parser.add_argument("--skip-gpt2", action="store_true")
+    parser.add_argument("--skip-captures", action="store_true")
     parser.add_argument("--gpu", default="A100-80")
     args = parser.parse_args()
     if not args.skip_zoo:
         zoo_table()
+    if not args.skip_captures:
+        captures_table()
     if not args.skip_gpt2:
         gpt2_table(args.gpu)
 

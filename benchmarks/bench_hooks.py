@@ -10,8 +10,9 @@ goes to a buffer, as ours would if it printed.
 
 With ``--census``, ipy_gpumem alone in two namespaces (the small MLP above, and a 20-layer MLP with
 Adam after one step): the same cells with the extension loaded and unloaded, side by side, as a
-ratio, and the part of the hook time that is the end-of-cell census (the count every explanation
-starts from, taken after each recorded cell once torch is imported), timed inside the watcher.
+ratio, and the part of the hook time that is the census (the count every explanation starts from,
+made stale at the end of each recorded cell once torch is imported and taken, in a shell with no
+event loop, when the next cell starts), timed inside the watcher.
 
 Needs: pip install -e . torch==2.13.0 ipython_memory_usage ipyexperiments
 """
@@ -47,10 +48,10 @@ class TimedCallback:
         self.seconds = 0.0
         self.calls = 0
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return self.fn(*args)
+            return self.fn(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - t0
             self.calls += 1
@@ -137,7 +138,7 @@ def _fresh_history(ip):
 def census_cost(ip, n, repeat):
     """ipy_gpumem loaded vs unloaded, per namespace: run_cell time, hook time, the census's part."""
     print("| namespace | cell | run_cell, unloaded | run_cell, loaded | ratio | time in its hooks | "
-          "of which the end-of-cell census |")
+          "of which the census |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name, setup in NAMESPACES.items():
         ip.run_cell(setup, store_history=True)
@@ -154,8 +155,8 @@ def census_cost(ip, n, repeat):
                 _fresh_history(ip)
                 ip.run_line_magic("load_ext", "ipy_gpumem")
                 anatomy = ip.magics_manager.registry["GpuMemMagics"].watcher.anatomy
-                timed = TimedCallback(anatomy.refresh)
-                anatomy.refresh = timed
+                timed = TimedCallback(anatomy.census)
+                anatomy.census = timed
                 census.append(timed)
 
             def teardown(ip, _):

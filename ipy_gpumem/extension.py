@@ -62,10 +62,16 @@ MIN_RATE, MAX_RATE = 0.01, 100.0
 _RUNNER_CODE = InteractiveShell.run_cell_async.__code__
 
 
+#: How long after a cell's end its idle-time work waits: long enough for the kernel to send the
+#: reply and publish "idle" first (a ``call_soon`` ran before both, and the client waited for it);
+#: a cell that starts sooner does the work itself, at its start.
+IDLE_DELAY_S = 0.02
+
+
 def _when_idle(fn) -> None:
     """Run ``fn`` (guarded) when the event loop that runs the cells is next idle: in a Jupyter kernel,
-    after the cell's reply is sent. Outside a running loop (terminal IPython) it raises, and the
-    caller does the work at the next cell's start instead."""
+    shortly after the cell's reply is sent. Outside a running loop (terminal IPython) it raises, and
+    the caller does the work at the next cell's start instead."""
     import asyncio
 
     loop = asyncio.get_running_loop()
@@ -76,7 +82,7 @@ def _when_idle(fn) -> None:
         except Exception:  # noqa: BLE001 - an idle-time census must never reach the loop
             pass
 
-    loop.call_soon(guarded)
+    loop.call_later(IDLE_DELAY_S, guarded)
 
 
 def _display(obj) -> None:

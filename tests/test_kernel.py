@@ -70,3 +70,64 @@ def test_status_and_usage_error(nb):
     streams = outputs(nb.cells[9], "stream")
     assert [o.name for o in streams] == ["stderr"] and outputs(nb.cells[9], "error") == []
     assert streams[0].text.startswith("UsageError: %gpumem: unknown mode 'nonsense'")
+
+
+def _run_and_wait(kc, code, timeout=60):
+    """Execute ``code`` in the kernel behind ``kc``; return its stdout once the kernel is idle."""
+    msg_id = kc.execute(code)
+    out = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return "".join(out)
+
+
+def test_the_end_of_cell_count_runs_while_the_kernel_is_idle():
+    """The count each cell's explanation starts from is taken after the kernel said "idle", when
+    the user pauses; a cell that comes sooner takes it at its start. Either way it is taken once."""
+    import sys
+    import time
+
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    km.kernel_spec.argv[0] = sys.executable
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=120)
+        _run_and_wait(kc, "%load_ext ipy_gpumem\nimport torch\nx = torch.zeros(1000)")
+        _run_and_wait(kc, """
+import time, traceback
+from ipy_gpumem.extension import current_magics
+_anatomy = current_magics().watcher.anatomy
+_counts, _ends = [], []
+_real = _anatomy.census
+def _counted(*a, **k):
+    where = [f.name for f in traceback.extract_stack()]
+    _counts.append((time.monotonic(), "pre_run_cell" in where))
+    return _real(*a, **k)
+_anatomy.census = _counted
+get_ipython().events.register("post_run_cell", lambda result: _ends.append(time.monotonic()))
+""")
+        time.sleep(0.3)  # the set-up cell's own count, in the idle time
+        _run_and_wait(kc, "y = x + 1")
+        time.sleep(0.3)  # a pause: its count is taken now, not in the next cell
+        _run_and_wait(kc, "z = 1")
+        _run_and_wait(kc, "w = 2")  # no pause: the next cell's start takes the count of `z = 1`
+        report = _run_and_wait(kc, "print(repr((_counts, _ends)))")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    counts, ends = eval(report)
+    # after the set-up cell, `y = x + 1` (idle), `z = 1` (at `w = 2`'s start), `w = 2` (at the report's start)
+    assert [at_start for _, at_start in counts] == [False, False, True, True], counts
+    from ipy_gpumem.extension import IDLE_DELAY_S
+
+    # the idle-time count of `y = x + 1` (ends[0] is the set-up cell's) waited for the reply to go out
+    assert counts[1][0] - ends[1] >= IDLE_DELAY_S * 0.9

@@ -27,8 +27,8 @@ __all__ = ["LineTracer", "LineMarkers", "HOOK_NAME", "remove_hook"]
 #: The most of a cell's time the roles' census may take (see ``LineTracer._roles``), beyond a grace
 #: of :data:`CENSUS_GRACE_S` per cell: a short cell gets a count at every line boundary, a long
 #: loop of fast lines counts some boundaries and joins the lines in between (said in the record).
-CENSUS_SHARE = 0.10
-CENSUS_GRACE_S = 0.05
+CENSUS_SHARE = 0.08
+CENSUS_GRACE_S = 0.01
 
 
 class _Quantity:

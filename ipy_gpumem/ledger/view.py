@@ -242,8 +242,8 @@ def _notes(record: CellRecord, stopped: Optional[str], counted: Optional[Tuple[i
         notes.append(stopped)
     if counted is not None:
         taken, total = counted
-        notes.append(f"Roles were counted at {taken:,} of {total:,} line boundaries (to keep the count under a "
-                     "tenth of the cell's time); lines run between two counts are counted together.")
+        notes.append(f"Roles were counted at {taken:,} of {total:,} line boundaries (to keep the count under 8% "
+                     "of the cell's time); lines run between two counts are counted together.")
     return notes
 
 
