@@ -161,3 +161,17 @@ def texts(cap):
 def htmls(cap):
     """The text/html of every display in a ``capture_output`` result."""
     return [o.data.get("text/html", "") for o in cap.outputs]
+
+
+def touched(nbytes: int):
+    """``nbytes`` of fresh anonymous memory with every page written: RSS grows by that much at once and
+    drops when it is freed, whatever malloc holds. (A 48 MiB ``bytearray`` once came back from memory
+    the heap had kept resident after earlier tests, and RSS did not move: two tests failed in full
+    runs, never alone.)"""
+    import mmap
+
+    memory = mmap.mmap(-1, nbytes)
+    for offset in range(0, nbytes, mmap.PAGESIZE):
+        memory[offset] = 1
+    return memory
+

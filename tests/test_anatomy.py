@@ -522,3 +522,41 @@ def test_the_count_asks_which_ipython_names_hold_outputs_without_reading_its_inp
     assert names()[1].names == full()
     run(ip, "_ = 5")  # the user's own `_` is not IPython's
     assert "_" not in names()[1].names
+
+
+def test_every_lines_first_run_is_counted_and_a_loops_repeats_are_joined(gpumem, ip, monkeypatch):
+    """The census's budget (issue 18, item 4): each line's first run gets its own count whatever the
+    count costs, so a step written line by line is exact; a loop's later iterations are held to the
+    share, and what runs between two counts is given to those lines together, with nothing lost.
+    The share and grace are set to zero here so that every repeat is skipped (the real ones only
+    skip repeats of loops that run long)."""
+    from ipy_gpumem.ledger import lines
+
+    monkeypatch.setattr(lines, "CENSUS_SHARE", 0.0)
+    monkeypatch.setattr(lines, "CENSUS_GRACE_S", 0.0)
+    run(ip, SETUP)
+    params = sum(p.numel() * 4 for p in ip.user_ns["model"].parameters())
+    run(ip, STEP)  # each line once: every boundary counted, the seed scenario's rows exact
+    first = ip.user_ns["rec"].to_dict()
+    assert not first.get("joined") and all(line["joined"] == 0 for line in first["lines"])
+    run(ip, STEP)
+    _seed_checks(first, ip.user_ns["rec"].to_dict(), params)
+
+    _, cap = run(ip, "%%gpumem --lines -o rec\n"
+                     "kept = []\n"
+                     "for i in range(4):\n"
+                     "    block = torch.ones(2**16)\n"
+                     "    kept.append(block * 2)\n")
+    rec = ip.user_ns["rec"].to_dict()
+    joined = rec["joined"]
+    assert joined and all(set(span["lines"]) <= {3, 4, 5} and len(span["lines"]) > 1 for span in joined)
+    # The loop's first iteration line by line: `block` (256 KiB) on line 4, its double on line 5.
+    assert _row(rec, 4)["roles"]["cpu"]["other_tensors"] >= 2**18
+    assert _row(rec, 5)["roles"]["cpu"]["other_tensors"] == 2**18
+    # Nothing lost: the lines and the joined spans add up to what the cell kept, 4 x 256 KiB in
+    # `kept` and the last `block`.
+    total = sum((line["roles"] or {}).get("cpu", {}).get("other_tensors", 0) for line in rec["lines"])
+    total += sum((span["roles"] or {}).get("cpu", {}).get("other_tensors", 0) for span in joined)
+    assert total == rec["roles"]["cpu"]["other_tensors"] == 5 * 2**18
+    shown = "\n".join(texts(cap))
+    assert "counted together" in shown and "Roles were counted at" in shown and "each line's first run" in shown

@@ -10,6 +10,7 @@ import builtins
 from ipy_gpumem.ledger.lines import HOOK_NAME, LineMarkers, LineTracer, remove_hook
 from ipy_gpumem.core.probes import HostProbe, MemoryProbe
 from ipy_gpumem.core.units import GiB, MiB
+from tests.conftest import touched
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact RSS needs procfs")
 
@@ -59,17 +60,17 @@ def test_scripted_device_lines_loop_hits_and_sums(fake_gpu):
 def test_real_host_memory_per_line():
     probe = MemoryProbe()
     src = (
-        "a = bytearray(48 * 2**20)\n"
-        "b = bytearray(96 * 2**20)\n"
+        "a = touched(48 * 2**20)\n"
+        "b = touched(96 * 2**20)\n"
         "del b\n"
         "c = len(a)\n"
     )
     # RSS is the whole process's: earlier tests' cyclic garbage, collected by an automatic gc pass
-    # during a line, would show as that line's change (CI once saw line 1 at +9.75 MiB)
+    # during a line, would show as that line's change; and the memory is mapped afresh (see touched)
     gc.collect()
     gc.disable()
     try:
-        _, lines = run_traced(src, probe)
+        _, lines = run_traced(src, probe, {"touched": touched})
     finally:
         gc.enable()
     by = {ln.lineno: ln for ln in lines}

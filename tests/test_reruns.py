@@ -186,6 +186,17 @@ SCENARIOS = {
     # what earlier scenarios freed, and a first run that keeps nothing is not compared with.
     "second_name": ([], "first = torch.nn.Linear(4096, 4096).to('cpu')",
                     ["best = first"]),
+    # Holders the walk reaches only through the user's code (issue 18): each run keeps 64 MiB more.
+    "class_attribute": (["class Store:\n    kept = []"],
+                        "feats = torch.ones(2**24)\nStore.kept.append(feats * 2)", []),
+    "mutable_default": (["def remember(t, seen=[]):\n    seen.append(t)\n    return len(seen)"],
+                        "n_seen = remember(torch.ones(2**24))", []),
+    "closure": (["def make_log():\n    kept = []\n    def log(t):\n        kept.append(t)\n    return log\n"
+                 "log = make_log()"],
+                "log(torch.ones(2**24))", []),
+    "helper_module": (["%%writefile ipy_gpumem_test_helper.py\nseen = []\ndef note(t):\n    seen.append(t)\n",
+                       "from ipy_gpumem_test_helper import note"],
+                      "note(torch.ones(2**24))", []),
     "benign_rebind": ([], "fresh = torch.nn.Linear(2048, 2048)", []),
     "benign_with_optimizer": ([], "net = torch.nn.Linear(2048, 2048)\nnet_opt = torch.optim.Adam(net.parameters())",
                               []),
@@ -207,10 +218,11 @@ def _plan():
 
 
 @pytest.fixture(scope="module")
-def kernel_runs():
+def kernel_runs(tmp_path_factory):
     cells, where = _plan()
     cells.append("import ipy_gpumem\n[(r.execution_count, r.to_dict()['rerun']) for r in ipy_gpumem.history()]")
-    nb = execute(cells, extensions=["ipy_gpumem"], timeout=300)
+    # the kernel's own folder: the helper module scenario writes its module there
+    nb = execute(cells, extensions=["ipy_gpumem"], timeout=300, cwd=str(tmp_path_factory.mktemp("reruns")))
     history = dict(eval(plain(nb.cells[-1])[-1]))  # noqa: S307 - our own repr of plain dicts
     out = {}
     for name, runs in where.items():
@@ -234,6 +246,10 @@ def _warned(runs):
     ("hook", "acts", "call `handle.remove()`"),
     ("traceback", "traceback", "the last error's traceback holds its frames"),
     ("second_name", "best", "`del best`"),
+    ("class_attribute", "Store", "`Store.kept`, a class attribute, gains 64.00 MiB on every run"),
+    ("mutable_default", "remember", "`remember`'s default argument `seen` is one object shared by every call"),
+    ("closure", "log", "`log` keeps `kept` in its closure"),
+    ("helper_module", "ipy_gpumem_test_helper", "`ipy_gpumem_test_helper.seen`, a global of your module"),
 ])
 def test_each_leak_is_named_by_the_second_or_third_run(kernel_runs, name, suspect, fix):
     runs = kernel_runs[name]

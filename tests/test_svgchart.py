@@ -21,6 +21,7 @@ from ipy_gpumem.chart.timeline import Timeline
 from ipy_gpumem.core.roles import ROLE_WORDS, ROLES
 from ipy_gpumem.core.text import clip
 from ipy_gpumem.core.units import GiB, MiB, format_bytes, format_delta, parse_bytes
+from tests.conftest import touched
 
 SVG = "{http://www.w3.org/2000/svg}"
 TOTAL = int(15.78 * GiB)
@@ -277,9 +278,9 @@ def test_narrow_line_ticks_are_explained_once():
 @linux
 def test_cell_waterfall_from_real_line_records():
     probe = MemoryProbe()
-    source = "a = bytearray(b'\\x01') * (48 * 2**20)\nb = bytearray(b'\\x01') * (16 * 2**20)\ndel a\n"
+    source = "a = touched(48 * 2**20)\nb = touched(16 * 2**20)\ndel a\n"
     measurement_start = probe.sample()
-    ns = {}
+    ns = {"touched": touched}  # memory mapped afresh: RSS moves by exactly what a line allocates
     tracer = LineTracer(probe, ns)
     markers = LineMarkers()  # what the extension installs for a --lines cell
     markers.armed = True
@@ -294,7 +295,7 @@ def test_cell_waterfall_from_real_line_records():
                      host=HostRecord(measurement_start.host.rss, end.host.rss, end.host.rss))
     root = parse(cell_svg(rec))
     assert {"line 1", "line 2", "line 3"} <= set(texts(root)) and texts(root)[-1].endswith("host RSS")
-    assert any(t.startswith("line 1 ×1: a = bytearray") and "host RSS +4" in t for t in titles(root)), titles(root)
+    assert any(t.startswith("line 1 ×1: a = touched") and "host RSS +4" in t for t in titles(root)), titles(root)
 
 
 def test_many_lines_are_grouped_into_runs():

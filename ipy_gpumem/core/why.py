@@ -84,15 +84,15 @@ class Suspect(NamedTuple):
     """
 
     name: str                   # who holds it, as the user knows it: `opt`, `Out[3]`, `traceback`, `lin hook`
-    kind: str                   # output_cache, traceback, hook, optimizer, appended_graph, appended, graph, reassigned, variable
-    fix: str                    # free_or_semicolon, free, remove_handle, rerun_cell, recreate, append_item, clear_or_del, detach, del_before_rerun, del
+    kind: str                   # output_cache, traceback, hook, optimizer, appended_graph, appended, graph, reassigned, class_attribute, module_global, default_argument, closure, variable
+    fix: str                    # free_or_semicolon, free, remove_handle, rerun_cell, recreate, append_item, clear_or_del, detach, del_before_rerun, clear, default_none, del
     bytes: int                  # what it gained since the previous run
     new: bool = True            # this run is the first to name it (a cell says so once per suspect)
     exprs: Tuple[str, ...] = ()  # the expressions that hold it (``Out[3]``, ``_``), or a traceback's locals
     frames: Tuple[str, ...] = ()  # a traceback's functions
     cell: Optional[int] = None  # the cell that built an optimizer (its execution count)
     model: Optional[str] = None  # the module the suspect holds or replaced
-    item: Optional[str] = None  # what the cell appends (``loss`` in ``losses.append(loss)``)
+    item: Optional[str] = None  # what the cell appends (``loss`` in ``losses.append(loss)``), or the container code keeps (``Store.kept``)
     hook: Optional[Tuple[str, str, int]] = None  # (module, hook kind, copies) of a hook registered on every run
 
     def to_dict(self) -> dict:

@@ -28,10 +28,10 @@ MIN_BYTES = 64 * 1024
 
 #: How a suspect holds an earlier run's tensors (``Suspect.kind``).
 KINDS = ("output_cache", "traceback", "hook", "optimizer", "appended_graph", "appended", "graph", "reassigned",
-         "variable")
+         "class_attribute", "module_global", "default_argument", "closure", "variable")
 #: What frees them (``Suspect.fix``).
 FIXES = ("free_or_semicolon", "free", "remove_handle", "rerun_cell", "recreate", "append_item", "clear_or_del",
-         "detach", "del_before_rerun", "del")
+         "detach", "del_before_rerun", "clear", "default_none", "del")
 
 
 class Clause(NamedTuple):
@@ -231,6 +231,20 @@ def cause(s: Suspect) -> str:
                 f"(`{name}.clear()`) or `del` what you no longer need")
     if s.kind == "graph":
         return f"`{name}` keeps an earlier run's graph ({size}): keep `.item()` or `.detach()` instead of the tensor"
+    if s.kind == "class_attribute":
+        return (f"`{s.item}`, a class attribute, gains {size} on every run (it outlives the run and every "
+                f"instance): clear it at the top of the cell (`{s.item}.clear()`) or keep the tensors on an instance")
+    if s.kind == "module_global":
+        return (f"`{s.item}`, a global of your module, gains {size} on every run: clear it at the top of the cell "
+                f"(`{s.item}.clear()`)")
+    if s.kind == "default_argument":
+        param = s.exprs[0] if s.exprs else "the default"
+        return (f"`{name}`'s default argument `{param}` is one object shared by every call, and it gains {size} on "
+                f"every run: default to `{param}=None` and make a new one inside `{name}`")
+    if s.kind == "closure":
+        var = f" `{s.exprs[0]}`" if s.exprs else ""
+        return (f"`{name}` keeps{var} in its closure, which gains {size} on every run: clear it, or re-create "
+                f"`{name}` before re-running")
     if s.kind == "reassigned":
         return (f"`{name}` still holds tensors from the earlier run ({size}): `del` them before re-running, or clear "
                 "it at the top of the cell")

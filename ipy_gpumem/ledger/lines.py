@@ -25,10 +25,14 @@ from .markers import HOOK_NAME, LineMarkers, detach_hook, install_hook, remove_h
 __all__ = ["LineTracer", "LineMarkers", "HOOK_NAME", "remove_hook"]
 
 #: The most of a cell's time the roles' census may take (see ``LineTracer._roles``), beyond a grace
-#: of :data:`CENSUS_GRACE_S` per cell: a short cell gets a count at every line boundary, a long
-#: loop of fast lines counts some boundaries and joins the lines in between (said in the record).
-CENSUS_SHARE = 0.08
-CENSUS_GRACE_S = 0.01
+#: of :data:`CENSUS_GRACE_S` per cell: a loop of fast lines counts some boundaries and joins the
+#: lines in between (said in the record).
+CENSUS_SHARE = 0.05
+CENSUS_GRACE_S = 0.005
+#: Each line's first hit is counted whatever the share says, up to this much census time per cell:
+#: a short cell (each line once) gets a count at every boundary, and a loop gets its first
+#: iteration line by line; only the repeats are held to the share.
+FIRST_HITS_S = 0.2
 
 
 class _Quantity:
@@ -139,6 +143,8 @@ class LineTracer:
         # sooner is skipped (a tight loop of trivial lines), and the next census's change goes to
         # the line that ends there. The report says how many boundaries were skipped.
         self._census_s = 0.0
+        self._first_hits_s = 0.0  # census time spent at lines' first hits (not held to the share)
+        self._counted: set = set()  # lines that ended at a census at least once
         self._t0 = None
         self.census_skipped = 0
         self.census_taken = 0
@@ -268,14 +274,19 @@ class LineTracer:
         now = time.perf_counter()
         if lineno is not None:
             self._pending.append(lineno)
+        first = lineno is not None and lineno not in self._counted and self._first_hits_s <= FIRST_HITS_S
         if self._t0 is None:
             self._t0 = now
-        elif not final and self._census_s > CENSUS_SHARE * (now - self._t0) + CENSUS_GRACE_S:
+        elif not (final or first) and self._census_s > CENSUS_SHARE * (now - self._t0) + CENSUS_GRACE_S:
             self.census_skipped += 1
             return
         snap = self.census()
-        self._census_s += time.perf_counter() - now
+        if first:
+            self._first_hits_s += time.perf_counter() - now
+        else:
+            self._census_s += time.perf_counter() - now
         self.census_taken += 1
+        self._counted.update(self._pending)
         before = self._snapshot
         self._snapshot = snap
         pending, self._pending = self._pending, []

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import re
 import sys
+import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..core.why import Rerun, Suspect
@@ -216,6 +217,16 @@ def _suspects(old: Snapshot, now: Snapshot, min_gain: int):
     return out[:4]
 
 
+# ``Store.kept[0]``, ``remember.__defaults__[0][0]``, ``log.__closure__[0].cell_contents[0]``: a root
+# name, one attribute, then the rest of the path (an index or more attributes)
+_CODE_HELD = re.compile(r"^(?P<root>[A-Za-z_]\w*)\.(?P<attr>[A-Za-z_]\w*)(?P<rest>[\[.].*)?$")
+
+
+def _first_index(rest: str) -> Optional[int]:
+    match = re.match(r"\[(\d+)\]", rest)
+    return int(match.group(1)) if match else None
+
+
 _APPEND = r"\b{name}\s*\.\s*(?:append|extend|insert)\s*\((?:[^()]*,\s*)?([A-Za-z_][\w.]*)\s*\)"
 _ASSIGNED = re.compile(r"^[ \t]*([A-Za-z_]\w*)[ \t]*(?::[^=\n]*)?=(?!=)", re.M)
 
@@ -244,6 +255,34 @@ class _Classifier:
                 continue
             if pattern.search(rec.source or ""):
                 return rec.execution_count
+        return None
+
+    def held_by_code(self, exprs) -> Optional[Tuple[str, str, Optional[str]]]:
+        """``(kind, container, detail)`` when the tensors are kept by the user's code rather than by a
+        variable: a class attribute (``Store.kept``), a global of their module (``helper.seen``), a
+        function's default argument (``remember``, ``seen``) or its closure (``log``, ``kept``)."""
+        for expr in exprs:
+            match = _CODE_HELD.match(expr)
+            if match is None:
+                continue
+            root, attr, rest = match.group("root"), match.group("attr"), match.group("rest") or ""
+            obj = self.namespace.get(root, sys.modules.get(root))
+            code = getattr(obj, "__code__", None)
+            if attr == "__defaults__" and code is not None:
+                index = _first_index(rest)
+                defaults = getattr(obj, "__defaults__", None) or ()
+                names = code.co_varnames[code.co_argcount - len(defaults):code.co_argcount]
+                return "default_argument", root, names[index] if index is not None and index < len(names) else None
+            if attr == "__closure__" and code is not None:
+                index = _first_index(rest)
+                free = code.co_freevars
+                return "closure", root, free[index] if index is not None and index < len(free) else None
+            if attr.startswith("__"):
+                continue
+            if isinstance(obj, type):
+                return "class_attribute", f"{root}.{attr}", None
+            if isinstance(obj, types.ModuleType):
+                return "module_global", f"{root}.{attr}", None
         return None
 
     def module_name(self) -> Optional[str]:
@@ -286,6 +325,12 @@ class _Classifier:
             return Suspect(name, "appended", "clear_or_del", gain, new, item=item)
         if kinds & {"graph", "shared_graph"}:
             return Suspect(name, "graph", "detach", gain, new)
+        held = self.held_by_code(group.exprs)
+        if held is not None and name not in self.assigned:
+            kind, container, detail = held
+            fix = {"default_argument": "default_none"}.get(kind, "clear")
+            return Suspect(container.split(".")[0] if kind in ("default_argument", "closure") else name, kind, fix,
+                           gain, new, exprs=(detail,) if detail else (), item=container)
         if name in self.assigned:
             return Suspect(name, "reassigned", "del_before_rerun", gain, new)
         model = self.module_name()

@@ -242,8 +242,11 @@ def _notes(record: CellRecord, stopped: Optional[str], counted: Optional[Tuple[i
         notes.append(stopped)
     if counted is not None:
         taken, total = counted
-        notes.append(f"Roles were counted at {taken:,} of {total:,} line boundaries (to keep the count under 8% "
-                     "of the cell's time); lines run between two counts are counted together.")
+        from .lines import CENSUS_SHARE
+
+        notes.append(f"Roles were counted at {taken:,} of {total:,} line boundaries (after each line's first run, "
+                     f"then as often as keeps the count under {CENSUS_SHARE:.0%} of the cell's time); lines run "
+                     "between two counts are counted together.")
     return notes
 
 
