@@ -63,10 +63,12 @@ def main():
     def one(loaded: bool) -> float:
         if loaded:
             ip.run_line_magic("load_ext", "ipy_gpumem")
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        shown = io.StringIO()
+        with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(io.StringIO()):
             result = ip.run_cell(cell)
         seconds = time.perf_counter() - ip.user_ns["failed_at"]
         assert "DefaultCPUAllocator" in str(result.error_in_exec), result.error_in_exec
+        assert ("Out of memory on the host" in shown.getvalue()) == loaded, shown.getvalue()[-2000:]
         if loaded:
             ip.run_line_magic("unload_ext", "ipy_gpumem")
         return seconds

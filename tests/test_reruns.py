@@ -277,3 +277,40 @@ def test_optimizer_fix_names_the_cell_that_built_it(kernel_runs):
     number, text, rerun = _warned(kernel_runs["optimizer"])
     built = rerun["previous"] + 1  # the optimizer cell ran right after the first run
     assert f"`opt` (built in [{built}])" in text and f"re-run [{built}] after this cell" in text
+
+
+def test_code_that_keeps_tensors_is_told_apart_without_running_any_of_it():
+    """The holder kinds of issue 18 read from the walk's paths and the objects' types alone: a
+    user's ``__getattr__`` is never called, and a tensor held by an attribute itself (rebinding frees
+    it) is not told to ``.clear()``."""
+    import types as pytypes
+
+    from ipy_gpumem.ledger.reruns import _Classifier
+
+    calls = []
+
+    class Loud:
+        def __getattr__(self, name):
+            calls.append(name)
+            raise AttributeError(name)
+
+    class Store:
+        kept = []
+
+    def remember(t, seen=[]):  # noqa: B006 - the leak under test
+        return seen
+
+    def make():
+        kept = []
+        return lambda t: kept.append(t)
+
+    helper = pytypes.ModuleType("helper")
+    ns = {"loud": Loud(), "Store": Store, "remember": remember, "log": make(), "helper": helper}
+    classify = _Classifier("x = 1", None, ns).held_by_code
+    assert classify(["Store.kept[0]"]) == ("class_attribute", "Store.kept", None)
+    assert classify(["Store.t"]) is None
+    assert classify(["remember.__defaults__[0][0]"]) == ("default_argument", "remember", "seen")
+    assert classify(["log.__closure__[0].cell_contents[3]"]) == ("closure", "log", "kept")
+    assert classify(["helper.seen[2]"]) == ("module_global", "helper.seen", None)
+    assert classify(["loud.cache[0]", "loud.__defaults__[0]", "loud.__closure__[0]"]) is None
+    assert calls == []

@@ -267,21 +267,20 @@ class _Classifier:
                 continue
             root, attr, rest = match.group("root"), match.group("attr"), match.group("rest") or ""
             obj = self.namespace.get(root, sys.modules.get(root))
-            code = getattr(obj, "__code__", None)
-            if attr == "__defaults__" and code is not None:
-                index = _first_index(rest)
-                defaults = getattr(obj, "__defaults__", None) or ()
-                names = code.co_varnames[code.co_argcount - len(defaults):code.co_argcount]
-                return "default_argument", root, names[index] if index is not None and index < len(names) else None
-            if attr == "__closure__" and code is not None:
-                index = _first_index(rest)
+            kind = type(obj)  # only types are asked: a user's __getattr__ or property never runs
+            if kind is types.FunctionType and attr in ("__defaults__", "__closure__"):
+                code, index = obj.__code__, _first_index(rest)
+                if attr == "__defaults__":
+                    count = len(obj.__defaults__ or ())
+                    names = code.co_varnames[code.co_argcount - count:code.co_argcount]
+                    return "default_argument", root, names[index] if index is not None and index < len(names) else None
                 free = code.co_freevars
                 return "closure", root, free[index] if index is not None and index < len(free) else None
-            if attr.startswith("__"):
-                continue
-            if isinstance(obj, type):
+            if attr.startswith("__") or not rest:
+                continue  # a dunder, or a tensor held by the attribute itself (rebinding frees it)
+            if issubclass(kind, type):
                 return "class_attribute", f"{root}.{attr}", None
-            if isinstance(obj, types.ModuleType):
+            if issubclass(kind, types.ModuleType):
                 return "module_global", f"{root}.{attr}", None
         return None
 
@@ -329,8 +328,8 @@ class _Classifier:
         if held is not None and name not in self.assigned:
             kind, container, detail = held
             fix = {"default_argument": "default_none"}.get(kind, "clear")
-            return Suspect(container.split(".")[0] if kind in ("default_argument", "closure") else name, kind, fix,
-                           gain, new, exprs=(detail,) if detail else (), item=container)
+            return Suspect(container.split(".")[0], kind, fix, gain, new, exprs=(detail,) if detail else (),
+                           item=container)
         if name in self.assigned:
             return Suspect(name, "reassigned", "del_before_rerun", gain, new)
         model = self.module_name()
