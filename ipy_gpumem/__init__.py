@@ -23,6 +23,7 @@ __all__ = [
     "who",
     "estimate",
     "max_batch_size",
+    "snapshot",
     "format_bytes",
     "parse_bytes",
 ]
@@ -124,6 +125,31 @@ def max_batch_size(step, *args, gpu="this GPU", batch_dim=0, **kwargs):
     from .preflight.batch import max_batch_size as _max_batch_size
 
     return _max_batch_size(step, *args, gpu=gpu, batch_dim=batch_dim, **kwargs)
+
+
+def snapshot(source, *, max_bytes=None):
+    """Read a PyTorch memory snapshot and replay it: a ``SnapshotReport``.
+
+    ``source`` is a path to the pickle ``torch.cuda.memory._dump_snapshot()`` writes (any torch
+    version since 2.0, or ``torch.cuda.memory_snapshot()``'s list of segments), its bytes, or the
+    dict ``torch.cuda.memory._snapshot()`` returns. Only plain data is unpickled: a file with any
+    class reference is refused. The report's ``to_dict()`` has ``peak_allocated`` and
+    ``peak_reserved`` as torch's counters had them (block sizes, replayed against the segments),
+    ``start`` (the state when recording began), ``oom``, ``sites`` (what was allocated at the peak,
+    by file and line; notebook cells as ``In [n]``), ``fragmentation`` and ``annotations``; ``str()``
+    is the text view, ``view(start=, end=)`` zooms the chart, ``oom_panel()`` explains a recorded
+    out-of-memory as a live one is. Raises ``SnapshotError`` (one line) when it cannot be read.
+    """
+    from .snapshots.load import MAX_BYTES
+    from .snapshots.view import open_snapshot
+
+    cells = None
+    if "IPython" in sys.modules:
+        from .extension import _running_shell, cell_files
+
+        shell = _running_shell()
+        cells = cell_files(shell) if shell is not None else None
+    return open_snapshot(source, cells=cells, max_bytes=MAX_BYTES if max_bytes is None else max_bytes)
 
 
 def format_bytes(size):

@@ -276,12 +276,31 @@ class GpuMemMagics(Magics):
             chart = cell_svg(record, outcome.measurement.samples, width=640, height=200)
             _display(cell_report_view(record, outcome.header.source_lines, stopped=outcome.stopped,
                                       counted=outcome.counted, chart_html=chart))
+            if outcome.trace_note and outcome.trace is None:
+                _say(f"ipy_gpumem: {outcome.trace_note}")
+            if outcome.trace is not None:
+                self._show_trace(outcome)
         elif outcome.show_line:
             from .ledger.view import cell_view
 
             _display(cell_view(outcome.record, self.watcher.settings.threshold))
         if outcome.chart_message:
             _say(outcome.chart_message)
+
+    def _show_trace(self, outcome) -> None:
+        """The allocator's events of a ``--trace`` cell, read as any snapshot is (its lines named ``In [n]``)."""
+        from .snapshots import SnapshotError
+        from .snapshots.view import open_snapshot
+
+        try:
+            report = open_snapshot(outcome.trace, cells=cell_files(self.shell))
+        except SnapshotError as exc:
+            _say(f"ipy_gpumem: --trace: {exc}")
+            return
+        report.source = f"of In [{outcome.record.execution_count}]" if outcome.record.execution_count else "of the cell"
+        _display(report.view())
+        if outcome.trace_note:
+            _say(f"ipy_gpumem: --trace: {outcome.trace_note}")
 
     def _oom_view(self, outcome):
         from .oom.analysis import analyse
@@ -422,6 +441,20 @@ class GpuMemMagics(Magics):
 
     def _mode_export(self, command):
         _say(_commands.export(command.path, self.ledger.records()))
+
+    def _mode_snapshot(self, command):
+        from .snapshots import SnapshotError
+        from .snapshots.view import open_snapshot
+
+        try:
+            report = open_snapshot(command.path, cells=cell_files(self.shell))
+        except SnapshotError as exc:
+            raise _commands.CommandError(f"%gpumem snapshot: {exc}") from None
+        device = command.device.index if command.device is not None else None
+        if device is not None and device not in report.replays:
+            raise _commands.CommandError(f"%gpumem snapshot: {report.source} has no cuda:{device}; it has "
+                                         + ", ".join(f"cuda:{d}" for d in sorted(report.replays)))
+        return report.view(start=command.start, end=command.end, device=device)
 
     @cell_magic("gpumem")
     def gpumem_cell(self, line: str, cell: str):
@@ -596,3 +629,25 @@ def _ipython_refs(shell):
     from .attribution.holders import ipython_refs
 
     return ipython_refs(shell.user_ns, getattr(shell, "user_ns_hidden", None), getattr(shell, "displayhook", None))
+
+
+def cell_files(shell, limit: int = 2000) -> dict:
+    """The file name each cell of this session ran under (``/tmp/ipykernel_<pid>/<hash>.py``,
+    ``<ipython-input-N-...>``) mapped to its execution count, so a snapshot's frames say ``In [7]``.
+
+    Names come from the shell's own compiler (``get_code_name``), as the frames torch recorded
+    got them; any failure gives what was found so far.
+    """
+    out: dict = {}
+    try:
+        name_of = shell.compile.get_code_name
+        raw = shell.history_manager.input_hist_raw
+        parsed = shell.history_manager.input_hist_parsed
+        for number in range(max(1, len(parsed) - limit), len(parsed)):
+            try:
+                out[name_of(raw[number], parsed[number], number)] = number
+            except Exception:  # noqa: BLE001 - one odd cell names nothing
+                continue
+    except Exception:  # noqa: BLE001 - an old IPython without get_code_name: frames keep their file names
+        pass
+    return out

@@ -156,3 +156,28 @@ def test_nvml_and_torch_agree_on_the_total(ip, gpumem):
     assert abs((total - free) - dev.used) < 256 * MiB  # NVML's used (v2) and cudaMemGetInfo's agree
     _capture("nvml_vs_torch.json", {"torch_total": dev.total, "used_nvml": dev.used, "used_cuda": total - free,
                                      "nvml": gpumem.probe.cuda.nvml.reason})
+
+
+def test_trace_records_the_cell_and_names_its_lines(ip, gpumem):
+    import torch
+
+    torch.ones(1, device="cuda")  # CUDA up: --trace never initializes it
+    ip.run_cell("import torch")
+    before = torch._C._cuda_isHistoryEnabled()
+    with capture_output():
+        ip.run_cell("%%gpumem --trace\nkeep = torch.empty(64 * 2**20, dtype=torch.uint8, device='cuda')\n"
+                    "tmp = torch.empty(32 * 2**20, dtype=torch.uint8, device='cuda'); del tmp", store_history=True)
+    assert torch._C._cuda_isHistoryEnabled() == before
+    snap = torch.cuda.memory._snapshot()
+    from ipy_gpumem.snapshots import read_snapshot
+
+    path = os.path.join(os.environ.get("IPY_GPUMEM_CAPTURE", "/tmp"), "trace_cell.pickle")
+    with capture_output():
+        ip.run_cell(f"%%gpumem --trace {path}\nkeep2 = torch.empty(16 * 2**20, dtype=torch.uint8, device='cuda')",
+                    store_history=True)
+    report = read_snapshot(path)
+    assert report.replay().check.ok
+    grown = report.to_dict()["peak_allocated"] - report.to_dict()["start"]["allocated"]
+    assert 16 * MiB <= grown <= 17 * MiB  # one block: the request, or a cached range's rest of at most 1 MiB
+    del snap
+    ip.run_cell("del keep, keep2")

@@ -4,6 +4,7 @@ The package is a stack of rooms, one folder each (see the README's Develop secti
 
     extension.py                 the IPython adapter (the only module that imports IPython at module level)
     ledger/                      per-cell records, %%gpumem (header, lines, watcher) and their views
+    snapshots/                   PyTorch memory snapshots: read safely, replayed exactly, explained (OOM panel)
     oom/   free/                 out-of-memory diagnosis and panel; %gpumem free
     preflight/                   the pre-flight estimate on fake tensors, the allocator model, max batch size
     anatomy/                     roles of every byte (parameters, gradients, ...), per line and per phase
@@ -27,7 +28,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 #: Each room and its level; a module may import rooms at a lower level, or its own room.
 LEVELS = {"core": 0, "tensors": 1, "display": 1, "sealed": 1, "attribution": 2, "chart": 2, "anatomy": 3,
-          "preflight": 4, "free": 5, "oom": 5, "ledger": 6}
+          "preflight": 4, "free": 5, "oom": 5, "snapshots": 6, "ledger": 7}
 #: Modules that draw: inside a room, no other module imports them.
 DRAWING = {"view", "panel", "svg", "views", "live"}
 HEAVY = ("IPython", "torch", "plotly", "ipywidgets", "pynvml", "pandas", "psutil", "sidecar", "anywidget")

@@ -22,9 +22,9 @@ from . import header
 __all__ = ["Command", "CommandError", "MODES", "parse_command", "export", "estimate_unavailable", "NO_TORCH",
            "LINE_HELP", "CELL_HELP"]
 
-MODES = ("status", "history", "chart", "sidebar", "who", "free", "on", "off", "clear", "export")
+MODES = ("status", "history", "chart", "sidebar", "who", "free", "on", "off", "clear", "export", "snapshot")
 TIERS = ("widget", "html", "text")  # the chart's kinds (chart/views.py checks it uses the same)
-_MODES_HELP = "status, history [N], chart [widget|html|text], sidebar, who [DEVICE], free [--dry-run], on, off, clear, export PATH"
+_MODES_HELP = "status, history [N], chart [widget|html|text], sidebar, who [DEVICE], free [--dry-run], on, off, clear, export PATH, snapshot PATH"
 
 
 class CommandError(ValueError):
@@ -39,7 +39,9 @@ class Command(NamedTuple):
     tier: Optional[str] = None  # chart KIND
     device: Optional[Device] = None  # who DEVICE
     dry_run: bool = False  # free --dry-run
-    path: Optional[str] = None  # export PATH
+    path: Optional[str] = None  # export PATH, snapshot PATH
+    start: Optional[float] = None  # snapshot --from SECONDS
+    end: Optional[float] = None  # snapshot --to SECONDS
 
 
 def _no_args(mode: str, rest: Sequence[str]) -> None:
@@ -55,7 +57,7 @@ def parse_command(line: str) -> Command:
 
     Examples:
         >>> parse_command("history 20"), parse_command("who cuda:1").device
-        (Command(mode='history', limit=20, tier=None, device=None, dry_run=False, path=None), Device(type='cuda', index=1))
+        (Command(mode='history', limit=20, tier=None, device=None, dry_run=False, path=None, start=None, end=None), Device(type='cuda', index=1))
     """
     try:
         words = shlex.split(line or "")
@@ -94,8 +96,56 @@ def parse_command(line: str) -> Command:
         if suffix not in (".json", ".csv"):
             raise CommandError(f"%gpumem export: unknown format {suffix or '(none)'!r}; the path must end in .json or .csv")
         return Command(mode, path=os.path.expanduser(rest[0]))
+    if mode == "snapshot":
+        return _snapshot_command(rest)
     _no_args(mode, rest)
     return Command(mode)
+
+
+_SNAPSHOT_USAGE = "%gpumem snapshot PATH [--from SECONDS] [--to SECONDS] [--device N]"
+
+
+def _seconds(flag: str, value: Optional[str]) -> float:
+    try:
+        number = float(value) if value is not None else None
+    except ValueError:
+        number = None
+    if number is None or number != number or number in (float("inf"), float("-inf")) or number < 0:
+        raise CommandError(f"%gpumem snapshot {flag} takes seconds from the first event, e.g. {flag} 1.5 "
+                           f"(got {value!r})")
+    return number
+
+
+def _snapshot_command(rest: Sequence[str]) -> Command:
+    path = start = end = device = None
+    words = list(rest)
+    while words:
+        word = words.pop(0)
+        if word in ("--from", "--to", "--device"):
+            value = words.pop(0) if words else None
+            if word == "--from":
+                start = _seconds(word, value)
+            elif word == "--to":
+                end = _seconds(word, value)
+            else:
+                try:
+                    device = parse_device(value) if value is not None else None
+                except ValueError:
+                    device = None
+                if device is None or not device.is_cuda or device.index is None:
+                    raise CommandError(f"%gpumem snapshot --device takes a CUDA device, e.g. --device 1 or "
+                                       f"--device cuda:1 (got {value!r})")
+        elif word.startswith("-"):
+            raise CommandError(f"%gpumem snapshot: unknown option {word!r}; usage: {_SNAPSHOT_USAGE}")
+        elif path is None:
+            path = os.path.expanduser(word)
+        else:
+            raise CommandError(f"%gpumem snapshot takes one path (got {word!r} too); usage: {_SNAPSHOT_USAGE}")
+    if path is None:
+        raise CommandError(f"%gpumem snapshot needs the path of a snapshot file; usage: {_SNAPSHOT_USAGE}")
+    if start is not None and end is not None and end <= start:
+        raise CommandError(f"%gpumem snapshot: --to {end:g} is not after --from {start:g}")
+    return Command("snapshot", device=device, path=path, start=start, end=end)
 
 
 def export(path: str, records) -> str:
@@ -144,6 +194,14 @@ LINE_HELP = """Inspect and control ipy_gpumem's per-cell memory ledger.
                                 internal error; ``off`` also stops the chart's sampler)
         %gpumem clear           forget the recorded cells
         %gpumem export PATH     write the records to PATH as .json or .csv
+        %gpumem snapshot PATH [--from S] [--to S] [--device N]
+                                read a PyTorch memory snapshot (the pickle that
+                                torch.cuda.memory._dump_snapshot writes, any version): peak
+                                allocated and reserved replayed exactly, the chart with the
+                                peak marked (zoom with --from/--to seconds), what was live at
+                                the peak by site (cells named In [n]), fragmentation, and at
+                                an out-of-memory the same panel as a live one. Loads plain
+                                data only: a pickle with any class in it is refused.
 
     Example::
 
@@ -154,7 +212,7 @@ LINE_HELP = """Inspect and control ipy_gpumem's per-cell memory ledger.
     Configuration: ``%config GpuMemMagics`` (threshold, track_peaks, quiet, devices,
     history_size, sample_rate, oom_panel). When a cell fails with out-of-memory, a panel
     after its traceback explains it (``oom_panel``). From Python: ``ipy_gpumem.history()``,
-    ``ipy_gpumem.last()``, ``ipy_gpumem.who()``.
+    ``ipy_gpumem.last()``, ``ipy_gpumem.who()``, ``ipy_gpumem.snapshot(path)``.
     """
 
 CELL_HELP = f"""Measure one cell in detail: before / after / peak per device and host, what the change is made of by role, optionally per line; or predict it.

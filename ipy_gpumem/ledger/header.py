@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import keyword
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ __all__ = ["CellPlan", "CellHeader", "HeaderError", "parse_args", "header_args",
            "USAGE", "OPTIONS_HELP", "PROG"]
 
 PROG = "%%gpumem"
-USAGE = "%%gpumem [-l] [-o NAME] [-d DEVICE] [--estimate [GPU]]"
+USAGE = "%%gpumem [-l] [-o NAME] [-d DEVICE] [--estimate [GPU]] [--trace [PATH]]"
 
 # IPython's own names in every user namespace, and its numbered caches (_5, _i5): storing a record
 # there would break IPython (``-o get_ipython`` breaks every later magic) or be overwritten by it.
@@ -46,12 +47,15 @@ class CellPlan:
             means the configured devices (``GpuMemMagics.devices``).
         estimate: ``--estimate [GPU]``: the GPU to judge the cell against ("T4", "this GPU"); the
             cell is not run, its code is estimated on fake copies of your objects. None: run it.
+        trace: ``--trace [PATH]``: record the CUDA allocator's history for the cell and show it as
+            a snapshot report; ``""`` without a path, the path to keep the snapshot in; None: off.
     """
 
     lines: bool = False
     output: Optional[str] = None
     device: Optional[Device] = None
     estimate: Optional[str] = None
+    trace: Optional[str] = None
 
     @property
     def host_only(self) -> bool:
@@ -105,6 +109,11 @@ def _make_parser() -> _Parser:
                         help="do not run the cell: predict its peak by running its code twice on fake copies of "
                              "your objects, per line, with the verdict against GPU (T4, A100-80, ...; default: "
                              "this GPU); -o stores the Estimate")
+    parser.add_argument("--trace", metavar="PATH", nargs="?", const="",
+                        help="on a GPU: record the CUDA allocator's events during the cell (at most 100,000, "
+                             "with Python stacks) and show them as a snapshot report: the peak's sites by line "
+                             "of the cell, fragmentation, the state at an out-of-memory; PATH keeps the snapshot "
+                             "for memory_viz. Your own recording, if on, is left as it was")
     return parser
 
 
@@ -177,7 +186,7 @@ def parse_args(arg: str) -> CellPlan:
 
     Examples:
         >>> parse_args("-l -o rec -d cuda:1")
-        CellPlan(lines=True, output='rec', device=Device(type='cuda', index=1), estimate=None)
+        CellPlan(lines=True, output='rec', device=Device(type='cuda', index=1), estimate=None, trace=None)
     """
     try:
         words = shlex.split(arg or "")
@@ -194,7 +203,11 @@ def parse_args(arg: str) -> CellPlan:
     if estimate is not None and device is not None:
         raise HeaderError("--estimate and -d do not combine: the estimate runs on no device; name the GPU to "
                           "judge against instead (--estimate T4)")
-    return CellPlan(bool(args.lines), output, device, estimate)
+    trace = None if args.trace is None else os.path.expanduser(args.trace)
+    if trace is not None and estimate is not None:
+        raise HeaderError("--trace and --estimate do not combine: --estimate does not run the cell, so there is "
+                          "nothing to trace")
+    return CellPlan(bool(args.lines), output, device, estimate, trace)
 
 
 def header_args(line: str) -> Optional[str]:

@@ -18,7 +18,7 @@ __all__ = ["Frame", "CellStack", "live_runners", "exception_marker", "cell_error
 class Frame:
     """One ``run_cell`` in flight: what it runs and what measures it."""
 
-    __slots__ = ("info", "raw", "cell_id", "measurement", "header", "tracer", "marker", "reported_inside", "snapshot",
+    __slots__ = ("info", "raw", "cell_id", "measurement", "header", "tracer", "marker", "reported_inside", "snapshot", "trace",
                  "phases")
 
     def __init__(self, info, raw, measurement=None, header=None, tracer=None, marker=None, cell_id=None):
@@ -31,6 +31,7 @@ class Frame:
         self.marker = marker  # sys.last_value's marker when it started (see exception_marker)
         self.reported_inside = False  # a nested %%gpumem cell showed its report: no line for this one
         self.snapshot = None  # the census when a %%gpumem cell started (its roles' "before")
+        self.trace = None  # the CellTrace of a --trace cell
         self.phases = None  # the PhaseWatcher of a %%gpumem cell
 
 

@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 from ..core.probes import Sample
 from ..core.units import MiB
 from .explain import CellAnatomy
+from .allocator_trace import CellTrace
 from .header import CellHeader, find_header
 from .oomwatch import OomWatch
 from .phasing import start_phases
@@ -91,6 +92,8 @@ class CellOutcome:
         counted: ``(taken, boundaries)``: the line boundaries whose roles were counted, when some
             were skipped to keep the count under its share of the cell's time.
         chart_message: a one-time message from the live chart (its sampler stopped).
+        trace: ``--trace``: the allocator's snapshot of the cell (plain data), or None.
+        trace_note: what to say about the trace (why there is none, what was cut or kept).
     """
 
     measurement: Measurement
@@ -102,6 +105,8 @@ class CellOutcome:
     stopped: Optional[str] = None
     counted: Optional[Tuple[int, int]] = None
     chart_message: Optional[str] = None
+    trace: Any = None
+    trace_note: Optional[str] = None
 
     @property
     def record(self):
@@ -209,6 +214,9 @@ class CellWatcher:
                 listener.cell_started(measurement.start._replace(t=time.perf_counter()), raw)
         frame = Frame(info, raw, measurement, header, tracer, exception_marker(), cell_id)
         frame.snapshot, frame.phases = snapshot, phases
+        if header is not None and header.plan.trace is not None:
+            # Last before the cell's code: our own work above is not among its events.
+            frame.trace = CellTrace.begin(header.plan.trace or None)
         stack.push(frame)
 
     def finish(self, result) -> Optional[CellOutcome]:
@@ -217,6 +225,11 @@ class CellWatcher:
         if frame is None:
             return None
         stopped = counted = None
+        trace = trace_note = None
+        if frame.trace is not None:
+            recorder, trace_note = frame.trace
+            if recorder is not None:
+                trace, trace_note = recorder.end()  # first: our own work below is not the cell's
         if frame.phases is not None:
             frame.phases.stop()
         tracer = frame.tracer
@@ -272,7 +285,8 @@ class CellWatcher:
             chart_message = listener.cell_finished(measurement.end, measurement.record())
         if not (show_line or oom is not None or header is not None or chart_message):
             return None
-        return CellOutcome(measurement, outermost, header, show_line, oom, capture, stopped, counted, chart_message)
+        return CellOutcome(measurement, outermost, header, show_line, oom, capture, stopped, counted, chart_message,
+                           trace, trace_note)
 
     def no_line_for_running_cells(self) -> None:
         """The cells in flight show no per-cell line (their memory is ours: ``--estimate``'s imports)."""

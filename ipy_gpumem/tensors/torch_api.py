@@ -84,6 +84,10 @@ DEPENDENCIES: Tuple[Dependency, ...] = (
                "fp32_set_opt_dtype policy sets it)", "the dtype is passed by keyword"),
     Dependency("Tensor._is_view()", "autocast's weight cache keeps casts of leaves that are not views",
                "every leaf counts as not a view"),
+    Dependency("torch.cuda.memory._record_memory_history, torch.cuda.memory._snapshot, "
+               "torch._C._cuda_isHistoryEnabled", "%%gpumem --trace: the allocator's own event history for one "
+               "cell, and whether the user's recording was already on (then it is left exactly as it was)",
+               "--trace says it is unavailable in one line; the cell is measured without it"),
     Dependency("torch.library.Library._destroy", "takes the emulation's kernels off the dispatcher when it ends "
                "(the tests; a batch search estimates several times in one child)",
                "the kernels stay registered in the sealed child, which dies with them"),
@@ -337,6 +341,28 @@ class Api:
             return False
         destroy()
         return True
+
+
+    # -- the allocator's history (%%gpumem --trace) ------------------------------------------------
+    def history_enabled(self) -> Optional[bool]:
+        """Whether the CUDA allocator records its history now; None when this torch cannot say."""
+        probe = getattr(getattr(self.torch, "_C", None), "_cuda_isHistoryEnabled", None)
+        if probe is None:
+            return None
+        return bool(probe())
+
+    def record_history(self, max_entries: int) -> None:
+        """Start recording allocator events with Python stacks, at most ``max_entries`` kept."""
+        memory = self.torch.cuda.memory
+        memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=int(max_entries))
+
+    def stop_history(self) -> None:
+        """Stop recording (and drop what was recorded: the snapshot was taken before)."""
+        self.torch.cuda.memory._record_memory_history(enabled=None)
+
+    def allocator_snapshot(self) -> Any:
+        """``torch.cuda.memory._snapshot()``: segments, blocks and the recorded events, as plain data."""
+        return self.torch.cuda.memory._snapshot()
 
 
 class _Null:

@@ -1,0 +1,411 @@
+"""Replay one device's events against its segments: torch's allocated and reserved counters at every event, exactly.
+
+A snapshot holds the allocator's state when it was taken (segments and their blocks) and a ring
+buffer of the events before that (``alloc``, ``free_requested``, ``free_completed``, segment
+events, ``oom``). Events carry the *requested* size, but torch's counters count *blocks*
+(``allocated_bytes`` adds ``block->size``), so each allocation's block is worked out the way
+``CUDACachingAllocator.cpp`` makes it:
+
+- the request is rounded (``round_size``: 512-byte steps, or ``roundup_power2_divisions``);
+- a block is always cut from the start of a free range, and free ranges are merged, so the free
+  range an allocation takes runs to the next block still in place (or the segment's end);
+- in the large pool of a plain segment the rest is split off only when it is over 1 MiB
+  (``should_split``); otherwise the block keeps it. Small pools and expandable segments split
+  anything from 512 bytes, so their blocks are the rounded request.
+
+The state before the first event comes from walking the events backward from the snapshot's
+state. Walking forward from it again must land on the snapshot's state: :class:`Check` says how
+many blocks came out at exactly their real size, which tests every inferred size the capture
+can verify.
+"""
+from __future__ import annotations
+
+import bisect
+from array import array
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+from ..preflight.allocator import LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE
+from .schema import ALLOCATED, PENDING, Segment
+
+__all__ = ["Allocation", "Fragmentation", "OomState", "Check", "DeviceReplay", "replay_device", "rounder",
+           "FRAGMENTATION_SAMPLES"]
+
+#: Fragmentation is measured at this many evenly spaced events (and at an OOM and at the end).
+FRAGMENTATION_SAMPLES = 96
+
+
+class Allocation:
+    """One block's life: born at event ``born`` (-1: before recording began), freed at ``freed``."""
+
+    __slots__ = ("addr", "size", "requested", "born", "freed", "gone", "frames", "allocated")
+
+    def __init__(self, addr: int, size: int, requested: int, born: int, frames, allocated: bool = True):
+        self.addr, self.size, self.requested, self.born, self.frames = addr, size, requested, born, frames
+        self.freed: Optional[int] = None  # free_requested: leaves ``allocated`` here
+        self.gone: Optional[int] = None  # free_completed: its place is free from here
+        self.allocated = allocated
+
+    def live_at(self, index: int) -> bool:
+        """Whether the block counted as allocated just after event ``index``."""
+        return self.born <= index and (self.freed is None or self.freed > index)
+
+    def __repr__(self) -> str:
+        return f"Allocation(addr={self.addr:#x}, size={self.size}, born={self.born}, freed={self.freed})"
+
+
+class Fragmentation(NamedTuple):
+    """Free space inside reserved segments after event ``index``: in all, and its largest piece."""
+
+    index: int
+    free: int  # reserved minus every block in place (allocated or waiting to be freed)
+    largest: Optional[int]  # the largest free range of a plain segment; None when all are expandable
+
+
+class OomState(NamedTuple):
+    """The allocator at an ``oom`` event, from the event and the replay."""
+
+    index: int
+    requested: int  # the rounded request (``params.size()``)
+    device_free: Optional[int]
+    allocated: int
+    reserved: int
+    frames: tuple
+    fragmentation: Fragmentation
+
+
+class Check(NamedTuple):
+    """The replay measured against the snapshot's own state at its end."""
+
+    blocks: int  # blocks in place at the end whose allocation was replayed (their size was inferred)
+    exact: int  # of those, how many came out at exactly their real size
+    allocated_real: int  # sum of the snapshot's allocated blocks
+    allocated_replayed: int
+    reserved_real: int
+    reserved_replayed: int
+    anomalies: int  # events that did not fit the state (a free of an unknown block, ...)
+
+    @property
+    def ok(self) -> bool:
+        return (self.exact == self.blocks and self.allocated_real == self.allocated_replayed
+                and self.reserved_real == self.reserved_replayed)
+
+
+class DeviceReplay(NamedTuple):
+    """One device's counters over the recorded window."""
+
+    device: int
+    times: array  # seconds from the first event (event numbers when the capture has no times)
+    allocated: array  # torch's allocated_bytes after each event
+    reserved: array  # torch's reserved_bytes after each event
+    timed: bool
+    start_us: Optional[int]
+    initial_allocated: int
+    initial_reserved: int
+    initial_blocks: int
+    allocations: Tuple[Allocation, ...]
+    fragmentation: Tuple[Fragmentation, ...]
+    ooms: Tuple[OomState, ...]
+    check: Check
+    expandable: bool
+
+    @property
+    def events(self) -> int:
+        return len(self.allocated)
+
+    def peak(self, series: str = "allocated") -> Tuple[int, int]:
+        """``(bytes, event index)`` of the highest point of ``series`` (the first such event); (start, -1) without events."""
+        values = self.allocated if series == "allocated" else self.reserved
+        start = self.initial_allocated if series == "allocated" else self.initial_reserved
+        if not values:
+            return start, -1
+        top = max(values)
+        if top <= start:
+            return start, -1
+        return top, values.index(top)
+
+    def live_at(self, index: int) -> List[Allocation]:
+        """The blocks allocated just after event ``index`` (-1: before the first event)."""
+        return [a for a in self.allocations if a.live_at(index)]
+
+
+def rounder(settings: Mapping[str, Any]):
+    """torch's ``round_size`` under the recorded ``roundup_power2_divisions`` (512-byte steps when unset)."""
+    raw = settings.get("roundup_power2_divisions") if isinstance(settings, Mapping) else None
+    divisions: List[int] = []
+    if isinstance(raw, Mapping):
+        try:
+            divisions = [int(v) for _, v in sorted(((int(k), v) for k, v in raw.items()), key=lambda kv: kv[0])]
+        except (TypeError, ValueError):
+            divisions = []
+    elif isinstance(raw, (list, tuple)):
+        divisions = [int(v) for v in raw]
+    if not any(d > 1 for d in divisions):
+        return lambda size: MIN_BLOCK if size < MIN_BLOCK else MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
+
+    def round_size(size: int) -> int:
+        if size < MIN_BLOCK:
+            return MIN_BLOCK
+        # Intervals start at 1 MiB (2**20); one per power of two up to 64 GiB.
+        index = min(max(size.bit_length() - 1 - 20, 0), len(divisions) - 1)
+        div = divisions[index]
+        if div > 1 and size > MIN_BLOCK * div:
+            if size & (size - 1) == 0:
+                return size
+            floor = 1 << (size.bit_length() - 1)
+            step = floor >> (div.bit_length() - 1)
+            if step == 0:
+                return floor << 1
+            low = size & ~(step - 1)
+            return size if low == size else low + step
+        return MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
+
+    return round_size
+
+
+class _Layout:
+    """The plain (non-expandable) segments of one device and the start of every block in place in each."""
+
+    def __init__(self):
+        self.starts: List[int] = []  # segment starts, sorted
+        self.info: Dict[int, Tuple[int, bool]] = {}  # start -> (end, small)
+        self.blocks: Dict[int, List[int]] = {}  # segment start -> sorted starts of blocks in place
+
+    def add(self, addr: int, size: int, small: bool) -> None:
+        if addr in self.info:
+            return
+        bisect.insort(self.starts, addr)
+        self.info[addr] = (addr + size, small)
+        self.blocks[addr] = []
+
+    def remove(self, addr: int) -> None:
+        if self.info.pop(addr, None) is None:
+            return
+        i = bisect.bisect_left(self.starts, addr)
+        del self.starts[i]
+        self.blocks.pop(addr, None)
+
+    def find(self, addr: int) -> Optional[int]:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i >= 0:
+            start = self.starts[i]
+            if addr < self.info[start][0]:
+                return start
+        return None
+
+    def largest_free(self, sizes: Mapping[int, Any]) -> Optional[int]:
+        if not self.starts:
+            return None
+        best = 0
+        for start in self.starts:
+            end = self.info[start][0]
+            at = start
+            for b in self.blocks[start]:
+                if b - at > best:
+                    best = b - at
+                at = max(at, b + sizes[b].size)
+            if end - at > best:
+                best = end - at
+        return best
+
+
+def _block_size(layout: _Layout, seg: Optional[int], addr: int, rounded: int, max_split: Optional[int]) -> int:
+    """The block torch hands out for a rounded request at ``addr`` (see the module docstring)."""
+    if seg is None:
+        return rounded
+    end, small = layout.info[seg]
+    if small:
+        return rounded
+    starts = layout.blocks[seg]
+    i = bisect.bisect_right(starts, addr)
+    boundary = starts[i] if i < len(starts) else end
+    rest = boundary - addr - rounded
+    if rest <= 0:
+        return rounded
+    if max_split is not None and rounded >= max_split:
+        return rounded + rest if rest < LARGE_BUFFER else rounded  # oversize blocks are never split
+    return rounded + rest if rest <= SMALL_SIZE else rounded
+
+
+def _max_split(settings: Mapping[str, Any]) -> Optional[int]:
+    value = settings.get("max_split_size") if isinstance(settings, Mapping) else None
+    try:
+        value = int(value)
+    except (TypeError, ValueError):
+        return None
+    return value if 0 < value < (1 << 62) else None
+
+
+def replay_device(device: int, segments: Sequence[Segment], trace: Sequence[Mapping[str, Any]],
+                  settings: Mapping[str, Any]) -> DeviceReplay:
+    """Replay ``trace`` (one device's events, oldest first) against ``segments`` (that device's state at the end)."""
+    round_size = rounder(settings)
+    max_split = _max_split(settings)
+    expandable = any(s.expandable for s in segments) or bool(settings.get("expandable_segments"))
+    if not expandable:
+        expandable = any(e.get("action") in ("segment_map", "segment_unmap") for e in trace[:2000])
+
+    # The end: blocks in place and plain segments.
+    final: Dict[int, Tuple[int, int, bool, tuple]] = {}
+    plain_end: Dict[int, Tuple[int, bool]] = {}
+    reserved_end = 0
+    for seg in segments:
+        reserved_end += seg.size
+        if not seg.expandable:
+            plain_end[seg.addr] = (seg.size, seg.small)
+        for b in seg.blocks:
+            if b.state in (ALLOCATED, PENDING) and b.size > 0:
+                final[b.addr] = (b.size, b.requested, b.state == ALLOCATED, b.frames)
+
+    # Walk back to the start: which blocks were in place, which allocated, which segments reserved.
+    anomalies = 0
+    start: Dict[int, list] = {a: [size, req, alloc, frames, True] for a, (size, req, alloc, frames) in final.items()}
+    plain = dict(plain_end)
+    reserved = reserved_end
+    for e in reversed(trace):
+        action = e.get("action")
+        addr = e.get("addr", 0)
+        if action == "alloc":
+            if start.pop(addr, None) is None:
+                anomalies += 1
+        elif action == "free_requested":
+            block = start.get(addr)
+            if block is None:
+                anomalies += 1
+                start[addr] = [None, int(e.get("size", 0)), True, None, False]
+            else:
+                block[2] = True
+        elif action == "free_completed":
+            start[addr] = [None, int(e.get("size", 0)), False, None, False]
+        elif action == "segment_alloc":
+            reserved -= int(e.get("size", 0))
+            plain.pop(addr, None)
+        elif action == "segment_free":
+            size = int(e.get("size", 0))
+            reserved += size
+            plain[addr] = (size, size == SMALL_BUFFER)
+        elif action == "segment_map":
+            reserved -= int(e.get("size", 0))
+        elif action == "segment_unmap":
+            reserved += int(e.get("size", 0))
+
+    layout = _Layout()
+    for addr, (size, small) in plain.items():
+        layout.add(addr, size, small)
+    live: Dict[int, Allocation] = {}
+    for addr in sorted(start):
+        seg = layout.find(addr)
+        if seg is not None:
+            layout.blocks[seg].append(addr)
+    allocations: List[Allocation] = []
+    allocated = 0
+    active = 0
+    for addr in sorted(start):
+        size, req, alloc, frames, known = start[addr]
+        if not known:
+            size = _block_size(layout, layout.find(addr), addr, round_size(req), max_split) if req > 0 else 0
+        block = Allocation(addr, size, req, -1, frames, alloc)
+        live[addr] = block
+        allocations.append(block)
+        active += size
+        if alloc:
+            allocated += size
+    initial_allocated, initial_reserved, initial_blocks = allocated, reserved, len(live)
+
+    # Walk forward, event by event.
+    n = len(trace)
+    times, alloc_series, reserved_series = array("d"), array("q"), array("q")
+    every = max(1, n // FRAGMENTATION_SAMPLES)
+    frag: List[Fragmentation] = []
+    ooms: List[OomState] = []
+    first_us = next((e["time_us"] for e in trace if e.get("time_us") is not None), None)
+    timed = first_us is not None
+    last_t = 0.0
+    for i, e in enumerate(trace):
+        action = e.get("action")
+        addr = e.get("addr", 0)
+        if action == "alloc":
+            req = int(e.get("size", 0))
+            seg = layout.find(addr)
+            size = _block_size(layout, seg, addr, round_size(req), max_split) if req > 0 else 0
+            old = live.get(addr)
+            if old is not None:  # a block we thought still in place: its free fell outside the window
+                anomalies += 1
+                _drop(layout, old, i)
+                if old.allocated:
+                    allocated -= old.size
+                active -= old.size
+            block = Allocation(addr, size, req, i, e.get("frames"))
+            live[addr] = block
+            allocations.append(block)
+            if seg is not None:
+                bisect.insort(layout.blocks[seg], addr)
+            allocated += size
+            active += size
+        elif action == "free_requested":
+            block = live.get(addr)
+            if block is None:
+                anomalies += 1
+            elif block.allocated:
+                block.allocated = False
+                block.freed = i
+                allocated -= block.size
+        elif action == "free_completed":
+            block = live.pop(addr, None)
+            if block is None:
+                anomalies += 1
+            else:
+                if block.allocated:
+                    block.allocated = False
+                    block.freed = i
+                    allocated -= block.size
+                active -= block.size
+                _drop(layout, block, i)
+        elif action == "segment_alloc":
+            size = int(e.get("size", 0))
+            reserved += size
+            if not expandable:
+                layout.add(addr, size, size == SMALL_BUFFER)
+        elif action == "segment_free":
+            reserved -= int(e.get("size", 0))
+            layout.remove(addr)
+        elif action == "segment_map":
+            reserved += int(e.get("size", 0))
+        elif action == "segment_unmap":
+            reserved -= int(e.get("size", 0))
+        elif action == "oom":
+            here = Fragmentation(i, reserved - active, layout.largest_free(live))
+            free = e.get("device_free", e.get("addr"))
+            ooms.append(OomState(i, int(e.get("size", 0)), None if free is None else int(free), allocated, reserved,
+                                 tuple(e.get("frames") or ()), here))
+        t = e.get("time_us")
+        if timed:
+            last_t = (t - first_us) / 1e6 if t is not None else last_t
+        else:
+            last_t = float(i)
+        times.append(last_t)
+        alloc_series.append(allocated)
+        reserved_series.append(reserved)
+        if i % every == 0 or i == n - 1:
+            frag.append(Fragmentation(i, reserved - active, layout.largest_free(live)))
+
+    blocks = exact = 0
+    for addr, (size, _req, _alloc, _frames) in final.items():
+        block = live.get(addr)
+        if block is not None and block.born >= 0:
+            blocks += 1
+            exact += block.size == size
+    check = Check(blocks, exact, sum(s for s, _r, a, _f in final.values() if a), allocated, reserved_end, reserved,
+                  anomalies)
+    return DeviceReplay(device, times, alloc_series, reserved_series, timed, first_us, initial_allocated,
+                        initial_reserved, initial_blocks, tuple(allocations), tuple(frag), tuple(ooms), check,
+                        expandable)
+
+
+def _drop(layout: _Layout, block: Allocation, index: int) -> None:
+    block.gone = index
+    seg = layout.find(block.addr)
+    if seg is not None:
+        starts = layout.blocks[seg]
+        i = bisect.bisect_left(starts, block.addr)
+        if i < len(starts) and starts[i] == block.addr:
+            del starts[i]

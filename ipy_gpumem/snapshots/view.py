@@ -1,0 +1,184 @@
+"""A snapshot report drawn: the headline figures, the chart with the peak marked, the sites live at the peak, fragmentation, and the OOM panel."""
+from __future__ import annotations
+
+import sys
+from typing import List, Mapping, Optional
+
+from ..chart.svg.line_chart import draw_timeline
+from ..chart.timeline import SeriesKey, Span, TimelineSnapshot
+from ..core.devices import cuda
+from ..core.memory import DeviceMemory
+from ..core.units import format_bytes as b
+from ..core.units import format_seconds
+from ..display.parts import Blank, Details, Heading, Line, Para, Raw, Span as Text, Table, render
+from ..oom.analysis import OomAnalysis
+from ..oom.panel import oom_panel
+from ..oom.parse.report import OomReport
+from ..oom.rules import explain
+from .load import MAX_BYTES
+from .report import SnapshotReport, read_snapshot
+
+__all__ = ["open_snapshot", "snapshot_view", "oom_view", "timeline_of", "MAX_POINTS"]
+
+#: Points per series in the chart: longer windows keep each bucket's highest and lowest value.
+MAX_POINTS = 1200
+#: Annotated spans drawn on the chart (optimizer steps, data loading, ...).
+MAX_SPANS = 60
+_STYLE = "font-family:var(--jp-ui-font-family,sans-serif);font-size:13px;line-height:1.45"
+
+
+def _when(report, t: Optional[float], device: int) -> str:
+    if t is None:
+        return ""
+    return f" at {format_seconds(t)}" if report.replay(device).timed else f" at event {int(t)}"
+
+
+def timeline_of(report, device: Optional[int] = None, start: Optional[float] = None,
+                end: Optional[float] = None) -> TimelineSnapshot:
+    """The chart's data: allocated and reserved after each event in ``[start, end]``, at most :data:`MAX_POINTS` each."""
+    r = report.replay(device)
+    lo, hi = report.window(r.device, start, end)
+    times, alloc, res = r.times[lo:hi], r.allocated[lo:hi], r.reserved[lo:hi]
+    step = max(1, -(-len(times) // MAX_POINTS))
+    t: List[float] = []
+    keys = (SeriesKey(cuda(r.device), "allocated"), SeriesKey(cuda(r.device), "reserved"))
+    high = {k: [] for k in keys}
+    low = {k: [] for k in keys}
+    for i in range(0, len(times), step):
+        t.append(times[i])
+        for key, values in zip(keys, (alloc, res)):
+            chunk = values[i:i + step]
+            high[key].append(max(chunk))
+            low[key].append(min(chunk))
+    spans = []
+    for a in report.annotations():
+        if a.device not in (None, r.device) or a.start is None or a.end is None:
+            continue
+        if (start is not None and a.end < start) or (end is not None and a.start > end):
+            continue
+        label = a.name.split("#")[-1].rsplit(".", 1)[-1][:14]
+        spans.append(Span(a.start, a.end, label, a.name[:80], recorded=True))
+        if len(spans) >= MAX_SPANS:
+            break
+    return TimelineSnapshot(t=tuple(t), series={k: tuple(v) for k, v in high.items()},
+                            lows={k: tuple(v) for k, v in low.items()}, spans=tuple(spans),
+                            end=times[-1] if times else 0.0, merged=len(t) if step > 1 else 0, stride=step,
+                            added=len(times))
+
+
+def _chart(report, device: int, start, end) -> Raw:
+    snap = timeline_of(report, device, start, end)
+    peak, _ = report.peak(device, "allocated", start, end)
+    unit = "s" if report.replay(device).timed else "events"
+    title = f"cuda:{device}: allocated (solid) and reserved (dashed) over {unit}, peak allocated {b(peak)}"
+    svg = draw_timeline(snap, title=title).svg if not snap.empty else ""
+    return Raw("", f'<div style="margin:4px 0">{svg}</div>' if svg else "")
+
+
+def _sites_table(rows) -> Table:
+    body = [(r["name"], b(r["bytes"]), str(r["blocks"])) for r in rows]
+    return Table(("allocated at", "bytes", "blocks"), body, left=(0,), indent="  ")
+
+
+def _frag_line(frag: Optional[dict], what: str) -> Optional[Line]:
+    if not frag:
+        return None
+    largest = frag["largest_free_block"]
+    tail = (f", the largest free block {b(largest)}" if largest is not None
+            else " (expandable segments: free pages are unmapped, not split)")
+    return Line(f"  {what}: {b(frag['free_in_reserved'])} free inside reserved segments{tail}")
+
+
+def snapshot_view(report, start: Optional[float] = None, end: Optional[float] = None, device: Optional[int] = None):
+    """Text and HTML for ``report`` (``View.data`` is the report's ``to_dict()``)."""
+    d = report.device if device is None else device
+    data = report.device_dict(d)
+    r = report.replay(d)
+    if start is not None or end is not None:
+        peak_a, at = report.peak(d, "allocated", start, end)
+        peak_r, at_r = report.peak(d, "reserved", start, end)
+        rows = [dict(s.site._asdict(), name=s.site.label, bytes=s.bytes, blocks=s.blocks)
+                for s in report.sites_at(at, d)[:12]]
+        data = dict(data, peak_allocated=peak_a, peak_allocated_at=report.time_of(at, d), peak_reserved=peak_r,
+                    peak_reserved_at=report.time_of(at_r, d), sites=rows)
+    events = f"{r.events} event" + ("" if r.events == 1 else "s")
+    window = (f"{events} over {format_seconds(data['window_s'])}" if r.timed
+              else f"{events} (no times recorded)")
+    zoom = ""
+    if start is not None or end is not None:
+        zoom = f"; showing {format_seconds(start or 0.0)} to {format_seconds(end) if end is not None else 'the end'}"
+    parts: list = [
+        Heading(f"Memory snapshot {report.source}: cuda:{d}"),
+        Line(Text(f"{report.generation} format, {window}{zoom}", "dim")),
+        Line("Peak allocated ", Text(b(data["peak_allocated"]), "bold"), _when(report, data["peak_allocated_at"], d),
+             "; peak reserved ", Text(b(data["peak_reserved"]), "bold"), _when(report, data["peak_reserved_at"], d)),
+        Line(f"When recording began: {b(data['start']['allocated'])} allocated, {b(data['start']['reserved'])} "
+             f"reserved ({data['start']['blocks']} blocks); at the end: {b(data['end']['allocated'])} allocated, "
+             f"{b(data['end']['reserved'])} reserved"),
+    ]
+    oom = data["oom"]
+    if oom:
+        largest = oom["largest_free_block"]
+        parts.append(Line(Text("Out of memory", "err"), _when(report, oom["t"], d),
+                          f": tried to allocate {b(oom['tried_to_allocate'])} with {b(oom['device_free'])} free on "
+                          f"the device; {b(oom['allocated'])} allocated, {b(oom['reserved'])} reserved "
+                          f"({b(oom['reserved_unallocated'])} reserved but unallocated"
+                          + (f", largest free block {b(largest)}" if largest is not None else "") + ")"))
+        if oom["site"]:
+            parts.append(Line(Text(f"  the failing allocation: {oom['site']['name']}", "dim")))
+    parts.append(_chart(report, d, start, end))
+    if data["sites"]:
+        parts += [Heading("Allocated at the peak, by site"), _sites_table(data["sites"])]
+    frag = data["fragmentation"]
+    lines = [_frag_line(frag["most_free"], "most free space"), _frag_line(frag["at_oom"], "at the failure"),
+             _frag_line(frag["at_end"], "at the end")]
+    if any(lines):
+        parts += [Heading("Fragmentation")] + [x for x in lines if x is not None]
+    notes = report.annotations()
+    if notes:
+        counts: dict = {}
+        for a in notes:
+            counts[a.name] = counts.get(a.name, 0) + 1
+        parts.append(Details(f"Annotations: {len(notes)} spans", [Para("; ".join(f"{n} ×{c}" for n, c in counts.items()))]))
+    others = [x for x in sorted(report.replays) if x != d]
+    if others:
+        parts.append(Line(Text("Other devices: " + "; ".join(
+            f"cuda:{x} peak allocated {b(report.replays[x].peak()[0])}" for x in others)
+            + " (report.view(device=N))", "dim")))
+    check = r.check
+    if not check.ok:
+        parts.append(Line(Text(f"Replay check: {check.exact} of {check.blocks} block sizes exact, "
+                               f"{check.anomalies} events outside the recorded state", "dim")))
+    if oom:
+        panel = oom_view(report, d)
+        if panel is not None:
+            parts += [Blank(), Raw(panel.text, panel.html)]
+    return render(parts, style=_STYLE, data=data)
+
+
+def oom_view(report, device: Optional[int] = None):
+    """The live OOM panel, fed from the recorded failure instead of a message; None without one."""
+    oom = report.oom(device)
+    if oom is None:
+        return None
+    d = oom["device"]
+    memory = DeviceMemory(device=cuda(d), allocated=oom["allocated"], reserved=oom["reserved"])
+    message = (f"CUDA out of memory. Tried to allocate {b(oom['tried_to_allocate'])}. GPU {d} has "
+               f"{b(oom['device_free'])} free. Of the allocated memory {b(oom['allocated'])} is allocated by "
+               f"PyTorch, and {b(oom['reserved_unallocated'])} is reserved by PyTorch but unallocated. "
+               "(rebuilt from the snapshot's oom event)")
+    report_ = OomReport("cuda_allocator", message, exception_type="torch.OutOfMemoryError", backend="native",
+                        device_type="cuda", gpu_index=d, requested=oom["tried_to_allocate"], free=oom["device_free"],
+                        allocated_by_pytorch=oom["allocated"], reserved_unallocated=oom["reserved_unallocated"])
+    frames = report.replay(d).ooms[0].frames
+    tb = tuple((str(f.get("filename", "")), str(f.get("name", "")), "") for f in reversed(frames)
+               if isinstance(f, dict) and str(f.get("filename", "")).endswith(".py"))
+    conf = report.settings.get("PYTORCH_CUDA_ALLOC_CONF")
+    env = {"PYTORCH_CUDA_ALLOC_CONF": conf} if conf else {}
+    findings = explain(report_, memory, None, (), frames=tb, env=env, modules=())
+    return oom_panel(OomAnalysis(report_, memory, findings=tuple(findings)))
+
+
+def open_snapshot(source, *, cells: Optional[Mapping[str, int]] = None, max_bytes: int = MAX_BYTES) -> SnapshotReport:
+    """:func:`~.report.read_snapshot` with this module as its views: what ``ipy_gpumem.snapshot()`` returns."""
+    return read_snapshot(source, cells=cells, max_bytes=max_bytes, views=sys.modules[__name__])

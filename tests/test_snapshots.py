@@ -1,0 +1,298 @@
+"""Real allocator snapshots (tests/fixtures/snapshots, recorded on GPUs by public projects): read safely, replayed exactly, shown.
+
+Every capture's replay is checked against the capture's own end state: the blocks in place at the
+end whose sizes the replay had to infer (events carry requests, counters count blocks) must come
+out at exactly their recorded size, and allocated and reserved must land on the recorded totals.
+"""
+import gzip
+import io
+import json
+import os
+import pickle
+
+import pytest
+
+import ipy_gpumem
+from ipy_gpumem.snapshots import SnapshotError, read_snapshot
+from ipy_gpumem.snapshots.load import load_snapshot
+from ipy_gpumem.snapshots.replay import rounder
+from ipy_gpumem.snapshots.sites import site_of
+from ipy_gpumem.snapshots.view import open_snapshot
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "snapshots")
+CAPTURES = sorted(f for f in os.listdir(HERE) if f.endswith(".pickle.gz"))
+MiB, GiB = 2**20, 2**30
+
+
+def path(name):
+    return os.path.join(HERE, name + ".pickle.gz")
+
+
+def raw(name):
+    with gzip.open(path(name), "rb") as fh:
+        return pickle.load(fh)  # our own fixture; the library's loader is tested below
+
+
+def test_every_generation_is_here():
+    assert len(CAPTURES) == 13
+    generations = {read_snapshot(os.path.join(HERE, f)).generation.split()[0] for f in CAPTURES}
+    assert {"2023", "2024", "2025", "2026", "segments"} <= generations
+
+
+@pytest.mark.parametrize("name", [c[: -len(".pickle.gz")] for c in CAPTURES])
+def test_replay_lands_on_the_recorded_end_state(name):
+    report = read_snapshot(path(name))
+    for device, replay in report.replays.items():
+        check = replay.check
+        assert check.anomalies == 0, (device, check)
+        assert check.exact == check.blocks, (device, check)  # every inferred block size is the real one
+        assert check.allocated_replayed == check.allocated_real, (device, check)
+        assert check.reserved_replayed == check.reserved_real, (device, check)
+        assert check.ok
+        assert replay.peak("allocated")[0] <= max(replay.peak("reserved")[0], replay.initial_reserved)
+    data = report.to_dict()
+    json.dumps(data)  # JSON-serialisable
+    for key in ("peak_allocated", "peak_reserved", "start", "oom", "sites", "fragmentation", "annotations"):
+        assert key in data
+
+
+def test_block_sizes_not_requests_are_counted():
+    # cranberrii's trace has allocations whose free range was not split (the rest was at most
+    # 1 MiB): torch counts the whole block, and so must the peak.
+    report = read_snapshot(path("cranberrii_memory_snapshot"))
+    replay = report.replay()
+    round_size = rounder(report.settings)
+    kept = [a for a in replay.allocations if a.born >= 0 and a.size != round_size(a.requested)]
+    assert len(kept) > 100
+    assert all(0 < a.size - round_size(a.requested) <= MiB for a in kept)
+    peak, at = replay.peak()
+    live = replay.live_at(at)
+    assert sum(a.size for a in live) == peak
+    assert sum(round_size(a.requested) for a in live) < peak  # counting requests would be short
+
+
+def test_an_oom_on_an_expandable_segment_device():
+    report = read_snapshot(path("Constructor-Sun_memory_snapshot"))
+    assert report.device == 1 and sorted(report.replays) == [0, 1, 2]
+    oom = report.to_dict()["oom"]
+    event = next(e for e in raw("Constructor-Sun_memory_snapshot")["device_traces"][1] if e["action"] == "oom")
+    assert oom["requested"] == event["size"] == 5308694528
+    assert oom["device_free"] == event["device_free"] == 95682560
+    assert oom["expandable_segments"] is True and oom["largest_free_block"] is None
+    assert oom["reserved"] - oom["allocated"] == oom["reserved_unallocated"] > 0
+    # What the allocator held at the failure is the replay's counters at that event.
+    replay = report.replay(1)
+    assert (oom["allocated"], oom["reserved"]) == (replay.allocated[oom["event"]], replay.reserved[oom["event"]])
+    assert oom["site"]["file"].endswith("train/models.py") and oom["site"]["line"] == 181
+    assert report.to_dict()["devices"][0]["oom"] is None
+
+
+def test_the_state_when_recording_began():
+    report = read_snapshot(path("JasperSolt_snapshot"))
+    start = report.to_dict()["start"]
+    replay = report.replay()
+    assert start == {"allocated": replay.initial_allocated, "reserved": replay.initial_reserved,
+                     "blocks": replay.initial_blocks}
+    # Walking forward from it gives the recorded end (the check), and the first event starts from it.
+    first = raw("JasperSolt_snapshot")["device_traces"][0][0]
+    delta = replay.allocated[0] - start["allocated"]
+    assert delta == (0 if first["action"] != "alloc" else replay.allocations[start["blocks"]].size)
+
+
+def test_sites_name_notebook_cells():
+    report = read_snapshot(path("cranberrii_memory_snapshot"))
+    sites = report.to_dict()["sites"]
+    top = sites[0]
+    assert top["name"].startswith("cell 3105878423.py, line ") and top["user"]
+    assert any(s["name"] == "(allocated before recording began)" for s in sites)
+    named = read_snapshot(path("cranberrii_memory_snapshot"), cells={"/tmp/ipykernel_114/3105878423.py": 7})
+    assert named.to_dict()["sites"][0]["name"] == f"In [7], line {top['line']}"
+    assert site_of([{"filename": "<ipython-input-5-0123abcd>", "name": "<module>", "line": 3}]).label == "In [5], line 3"
+
+
+def test_annotations_and_metadata():
+    data = read_snapshot(path("bcrafton")).to_dict()
+    assert data["annotations"] and data["annotations"][0]["name"] == "Optimizer.step#AdamW.step"
+    assert data["annotations"][0]["end"] > data["annotations"][0]["start"]
+    assert data["allocator_settings"]["expandable_segments"] is False
+
+
+def test_fragmentation_over_time():
+    data = read_snapshot(path("magma27")).to_dict()
+    frag = data["fragmentation"]
+    assert len(frag["over_time"]) > 50
+    for f in frag["over_time"]:
+        assert 0 <= f["largest_free_block"] <= f["free_in_reserved"]
+    # 13.2 GiB reserved, 1.3 GiB allocated at the end: most of it is free inside segments.
+    assert frag["at_end"]["free_in_reserved"] > 10 * GiB
+
+
+def test_older_formats():
+    segments_only = read_snapshot(path("Muduard_memory_snapshot"))
+    assert segments_only.generation.startswith("segments only")
+    assert segments_only.replay().events == 0
+    history = read_snapshot(path("Yiyi-philosophy_oom_snapshot"))
+    assert history.generation.startswith("2023")
+    assert history.to_dict()["sites"][0]["file"].endswith("flexgen/pytorch_backend.py")
+
+
+def test_sources_path_bytes_dict_and_protocol_5(tmp_path):
+    data = raw("sil_mem_snapshot")
+    plain = tmp_path / "s.pickle"
+    plain.write_bytes(pickle.dumps(data, protocol=5))
+    expected = read_snapshot(path("sil_mem_snapshot")).to_dict()
+    for source in (str(plain), plain.read_bytes(), data):
+        got = read_snapshot(source).to_dict()
+        assert (got["peak_allocated"], got["peak_reserved"]) == (expected["peak_allocated"], expected["peak_reserved"])
+
+
+def test_a_pickle_with_a_class_is_refused_and_nothing_runs(tmp_path):
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    bad = tmp_path / "evil.pickle"
+    bad.write_bytes(pickle.dumps({"segments": [], "device_traces": [], "x": Evil()}))
+    with pytest.raises(SnapshotError, match="refers to"):
+        read_snapshot(str(bad))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"not a pickle at all", "not a readable pickle"),
+    (pickle.dumps({"a": 1}), "not a memory snapshot"),
+    (pickle.dumps([1, 2]), "segment 0"),
+    (pickle.dumps({"segments": [], "device_traces": []}), "nothing was recorded"),
+    (pickle.dumps({"segments": "x", "device_traces": []}), "must be lists"),
+])
+def test_bad_files_get_one_line(tmp_path, content, match):
+    f = tmp_path / "f.pickle"
+    f.write_bytes(content)
+    with pytest.raises(SnapshotError, match=match) as err:
+        read_snapshot(str(f))
+    assert "\n" not in str(err.value)
+
+
+def test_missing_and_oversized(tmp_path):
+    with pytest.raises(SnapshotError, match="cannot read"):
+        read_snapshot(str(tmp_path / "nope.pickle"))
+    with pytest.raises(SnapshotError, match="over the limit"):
+        read_snapshot(path("sil_mem_snapshot"), max_bytes=100)
+
+
+def test_views_text_html_and_zoom():
+    report = open_snapshot(path("Constructor-Sun_memory_snapshot"))
+    text = str(report)
+    assert "Peak allocated 78.29 GiB" in text and "tried to allocate 4.95 GiB with 91.25 MiB free" in text
+    assert "Diagnosis" in text  # the live OOM panel, fed from the recorded failure
+    html = report.view().html
+    assert "<svg" in html and "78.29 GiB" in html
+    whole = report.peak()[0]
+    t_peak = report.to_dict()["peak_allocated_at"]
+    early = report.view(end=t_peak / 2)
+    assert early.data["peak_allocated"] < whole
+    panel = report.oom_panel()
+    assert panel.data.oom.free == 95682560 and panel.data.memory.allocated == report.to_dict()["oom"]["allocated"]
+    assert open_snapshot(path("JasperSolt_snapshot")).oom_panel() is None
+
+
+def test_public_api_and_magic(ip, gpumem):
+    report = ipy_gpumem.snapshot(path("magma27"))
+    assert report.to_dict()["peak_allocated"] == read_snapshot(path("magma27")).to_dict()["peak_allocated"]
+    view = gpumem.run_mode(f"snapshot {path('magma27')} --from 0.05 --to 0.2")  # what %gpumem displays
+    assert view.data["peak_allocated"] <= report.to_dict()["peak_allocated"]
+    assert "showing 50 ms to 200 ms" in view.text
+
+
+@pytest.mark.parametrize("line,match", [
+    ("%gpumem snapshot", "needs the path"),
+    ("%gpumem snapshot /no/such.pickle", "cannot read"),
+    ("%gpumem snapshot a.pickle --from x", "--from takes seconds"),
+    ("%gpumem snapshot a.pickle --from 2 --to 1", "is not after"),
+    ("%gpumem snapshot a.pickle --device host", "--device takes a CUDA device"),
+    ("%gpumem snapshot a.pickle --colour", "unknown option"),
+])
+def test_magic_bad_input(ip, gpumem, line, match):
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as out:
+        result = ip.run_cell(line)
+    assert result.error_in_exec is None or "UsageError" in type(result.error_in_exec).__name__
+    assert match in out.stderr + out.stdout
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_magic_unknown_device(ip, gpumem):
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as out:
+        ip.run_cell(f"%gpumem snapshot {path('sil_mem_snapshot')} --device 3")
+    assert "has no cuda:3; it has cuda:0" in out.stderr
+
+
+class RecorderReplay:
+    """A stand-in for torch's CUDA history recorder (no GPU here), labelled as such: it hands back a
+    real capture (bcrafton's, recorded on a GPU) and notes every call, so the start/stop protocol of
+    ``%%gpumem --trace`` is checked; tests/test_gpu.py runs the real recorder."""
+
+    def __init__(self, users_on):
+        self.on = users_on
+        self.calls = []
+
+    def history_enabled(self):
+        return self.on
+
+    def record_history(self, n):
+        self.calls.append(("record", n))
+        self.on = True
+
+    def stop_history(self):
+        self.calls.append(("stop",))
+        self.on = False
+
+    def allocator_snapshot(self):
+        self.calls.append(("snapshot",))
+        return raw("bcrafton")
+
+
+def test_trace_starts_and_stops_its_own_recording(tmp_path):
+    from ipy_gpumem.ledger.allocator_trace import CellTrace
+
+    api = RecorderReplay(users_on=False)
+    keep = tmp_path / "cell.pickle"
+    trace = CellTrace(api, path=str(keep), max_entries=500)
+    snap, note = trace.end()
+    assert api.calls == [("record", 500), ("snapshot",), ("stop",)] and api.on is False
+    assert "ring buffer" in note and str(keep) in note  # 6486 events > 500: said, not hidden
+    assert read_snapshot(str(keep)).to_dict()["peak_allocated"] == read_snapshot(snap).to_dict()["peak_allocated"]
+
+
+def test_trace_leaves_the_users_recording_on_and_keeps_the_cells_events():
+    from ipy_gpumem.ledger.allocator_trace import CellTrace
+
+    events = raw("bcrafton")["device_traces"][0]
+    middle = events[len(events) // 2]["time_us"]
+    api = RecorderReplay(users_on=True)
+    trace = CellTrace(api, clock=lambda: middle / 1e6)
+    snap, note = trace.end()
+    assert api.calls == [("snapshot",)] and api.on is True  # nothing started, nothing stopped
+    assert "left on" in note
+    kept = snap["device_traces"][0]
+    assert kept and all(e["time_us"] >= middle for e in kept) and len(kept) < len(events)
+    # The cell's own window replays to the same end state: its start is the state before the cell.
+    assert read_snapshot(snap).replay().check.ok
+
+
+def test_trace_without_cuda_says_so_and_the_cell_runs(ip, gpumem):
+    from IPython.utils.capture import capture_output
+
+    pytest.importorskip("torch")
+    with capture_output() as out:
+        result = ip.run_cell("%%gpumem --trace\nt = 1 + 1")
+    assert result.error_in_exec is None and ip.user_ns["t"] == 2
+    assert "--trace needs a CUDA device" in out.stdout + out.stderr or "--trace: CUDA" in out.stdout + out.stderr
+    with capture_output() as out:
+        ip.run_cell("%%gpumem --trace --estimate\nt = 3")
+    assert "do not combine" in out.stderr and ip.user_ns["t"] == 2
