@@ -296,3 +296,21 @@ def test_trace_without_cuda_says_so_and_the_cell_runs(ip, gpumem):
     with capture_output() as out:
         ip.run_cell("%%gpumem --trace --estimate\nt = 3")
     assert "do not combine" in out.stderr and ip.user_ns["t"] == 2
+
+
+def test_a_failing_snapshot_costs_the_trace_not_the_recording(ip, gpumem, monkeypatch):
+    """A fault we cannot cause here (torch's _snapshot() raising), made by a labelled stand-in."""
+    from IPython.utils.capture import capture_output
+
+    from ipy_gpumem.ledger import allocator_trace
+
+    class Broken(RecorderReplay):
+        def allocator_snapshot(self):
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    monkeypatch.setattr(allocator_trace.CellTrace, "begin", classmethod(lambda cls, path=None: (cls(Broken(False)), None)))
+    with capture_output() as out:
+        result = ip.run_cell("%%gpumem --trace\nu = 5")
+    assert result.error_in_exec is None and ip.user_ns["u"] == 5
+    assert "the allocator's snapshot failed (RuntimeError" in out.stdout + out.stderr
+    assert gpumem.broken is None  # recording goes on

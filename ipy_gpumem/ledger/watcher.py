@@ -229,7 +229,10 @@ class CellWatcher:
         if frame.trace is not None:
             recorder, trace_note = frame.trace
             if recorder is not None:
-                trace, trace_note = recorder.end()  # first: our own work below is not the cell's
+                try:
+                    trace, trace_note = recorder.end()  # first: our own work below is not the cell's
+                except Exception as exc:  # noqa: BLE001 - a failed snapshot costs the trace, not the recording
+                    trace, trace_note = None, f"--trace: the allocator's snapshot failed ({type(exc).__name__}: {exc})"
         if frame.phases is not None:
             frame.phases.stop()
         tracer = frame.tracer
