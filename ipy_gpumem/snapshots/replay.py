@@ -24,7 +24,7 @@ import bisect
 from array import array
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from ..preflight.allocator import LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE
+from ..preflight.allocator import LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, round_size as _round_512
 from .schema import ALLOCATED, PENDING, Segment
 
 __all__ = ["Allocation", "Fragmentation", "OomState", "Check", "DeviceReplay", "replay_device", "rounder",
@@ -140,7 +140,7 @@ def rounder(settings: Mapping[str, Any]):
     elif isinstance(raw, (list, tuple)):
         divisions = [int(v) for v in raw]
     if not any(d > 1 for d in divisions):
-        return lambda size: MIN_BLOCK if size < MIN_BLOCK else MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
+        return _round_512
 
     def round_size(size: int) -> int:
         if size < MIN_BLOCK:
@@ -157,7 +157,7 @@ def rounder(settings: Mapping[str, Any]):
                 return floor << 1
             low = size & ~(step - 1)
             return size if low == size else low + step
-        return MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
+        return _round_512(size)
 
     return round_size
 

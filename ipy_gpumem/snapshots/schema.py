@@ -135,7 +135,3 @@ def devices(parsed: Parsed) -> List[int]:
     """The devices that have segments or events, in order."""
     return sorted({s.device for s in parsed.segments} | set(parsed.traces))
 
-
-def setting(parsed: Parsed, name: str, default: Optional[Any] = None) -> Any:
-    """One of the recorded allocator settings (``expandable_segments``, ``max_split_size``, ...)."""
-    return parsed.settings.get(name, default)
