@@ -71,7 +71,7 @@ V5 = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {req}. GPU 
       "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
 # A small device whose numbers match the CPU tensors below (who() counts them; the message frames them).
 SMALL = V5.format(req="4.00 MiB", total="64.00 MiB", free="1.00 MiB", procs="", alloc="40.00 MiB", unalloc="2.00 MiB")
-_SIZE_TEXT = re.compile(r"[0-9]+(?:\.[0-9]+)? (?:bytes|KiB|MiB|GiB)")
+_SIZE_TEXT = re.compile(r"[0-9]+(?:\.[0-9]+)? (?:bytes|KiB|MiB|GiB|TiB|PiB)")
 
 
 def load_samples():
@@ -320,12 +320,13 @@ def test_absurd_request_names_the_failing_line_and_its_clues():
     assert_well_formed(findings)
 
 
-def test_absurd_request_prints_what_sizes_the_failing_line():
+def test_absurd_request_prints_the_failing_lines_inputs():
     msg = V5.format(req="2352.00 TiB", total="79.10 GiB", free="10.00 GiB", procs="", alloc="60.00 GiB",
                     unalloc="1.00 GiB")
     frames = (("/tmp/ipykernel_7/1.py", "<module>", "attn = q @ k.transpose(-1, -2) * scale  # (B, H, T, T)"),)
     f = device.request_exceeds_device(facts_for(msg, frames=frames))
     assert f.snippet.startswith("print([getattr(v, 'shape', v) for v in (q, k, scale,)])")
+    assert f.fix.startswith("The size itself is wrong") and "print the shapes and values the failing line computes with" in f.fix
     assert "`attn = q @ k.transpose(-1, -2) * scale # (B, H, T, T)`" in f.detail
 
 
@@ -727,3 +728,43 @@ def test_rules_import_nothing_heavy():
             "print(sorted(m for m in ('IPython', 'torch', 'plotly', 'ipywidgets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+#: Shorthand that has leaked into advice before: a verb the reader cannot parse ("print what sizes
+#: the failing line"), the rules' own names ("the shortfall"), slang ("the big op", "gc").
+_SHORTHAND = re.compile(r"(?i)\bwhat sizes\b|\bsizes the\b|\bthe shortfall\b|\bbig op\b|\bgc\b(?!\.collect)")
+
+
+def _every_fix():
+    """Every rule's finding over every sample message and the failures built above (the absurd
+    request on a GPU and on the host, a host failure of unknown size, a plain shortfall)."""
+    with pytest.raises(RuntimeError) as caught:
+        torch.empty(2**60)
+    absurd_gpu = V5.format(req="2352.00 TiB", total="79.10 GiB", free="10.00 GiB", procs="", alloc="60.00 GiB",
+                           unalloc="1.00 GiB")
+    frames = (("/tmp/ipykernel_7/1.py", "<module>", "attn = q @ k.transpose(-1, -2) * scale  # (B, H, T, T)"),)
+    messages = [(sample["message"], ()) for sample in load_samples()]
+    messages += [(absurd_gpu, frames), (str(caught.value), frames), (SMALL, frames), ("MemoryError", frames),
+                 ("RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed.", frames)]
+    for message, frames in messages:
+        oom = parse_oom(message)
+        if oom is None:
+            continue
+        for memory in (DeviceMemory.from_message(oom), DeviceMemory(HOST, total=16 * GiB, used=15 * GiB)):
+            facts = Facts.build(oom, memory, None, frames=frames, env={}, modules=())
+            for f in list(run_rules(facts).values()) + [device.shortfall(facts)]:
+                yield message, f
+
+
+def test_every_fix_is_a_sentence_a_user_reads():
+    """A fix is written for the user: whole sentences, none of the rules' shorthand, and the
+    snippet's comments likewise."""
+    seen = set()
+    for message, f in _every_fix():
+        seen.add(f.key)
+        assert f.fix[:1].isupper() or f.fix[:1] in "`%", (f.key, f.fix)
+        assert f.fix.rstrip().endswith("."), (f.key, f.fix)
+        assert not _SHORTHAND.search(f.fix), (f.key, f.fix)
+        comments = " ".join(line.split("#", 1)[1] for line in f.snippet.splitlines() if "#" in line)
+        assert not _SHORTHAND.search(comments), (f.key, f.snippet)
+    assert {"request_exceeds_device", "shortfall", "cpu_oom"} <= seen

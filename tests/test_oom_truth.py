@@ -47,7 +47,7 @@ def test_absurd_request_panel_tells_the_truth(ip, gpumem):
     panels = [o for o in cap.outputs if o.data.get("text/plain", "").startswith("Out of memory on")]
     assert len(panels) == 1
     text, page = panels[0].data["text/plain"], panels[0].data["text/html"]
-    requested = re.match(r"Out of memory on the host \(cpu\): tried to allocate ([0-9.]+ [KMGT]iB)", text).group(1)
+    requested = re.match(r"Out of memory on the host \(cpu\): tried to allocate ([0-9.]+ [KMGTP]iB)", text).group(1)
     # One statement of the request: the headline; the bar draws no marker it cannot draw to scale.
     assert text.count(requested) == 1 and page.count(requested) == 1
     assert "^" not in text

@@ -1,4 +1,5 @@
-"""Byte formatting matches c10's format_size exactly, and parsing reads every spelling back."""
+"""Byte formatting matches c10's format_size exactly up to 1 TiB (then TiB and PiB), and parsing
+reads every spelling back."""
 import pytest
 
 from ipy_gpumem.core.units import GiB, KiB, MiB, format_bytes, format_delta, parse_bytes
@@ -15,7 +16,12 @@ from ipy_gpumem.core.units import GiB, KiB, MiB, format_bytes, format_delta, par
     (GiB + 1, "1.00 GiB"),
     (1610612736, "1.50 GiB"),
     (20 * MiB, "20.00 MiB"),
-    (2**64, "17179869184.00 GiB"),
+    (1024 * GiB, "1024.00 GiB"),    # c10 stops at GiB; past 1 TiB we go on as memory_summary does
+    (1024 * GiB + 1, "1.00 TiB"),
+    (131072 * GiB, "128.00 TiB"),  # not "131072.00 GiB"
+    (1024**5, "1024.00 TiB"),
+    (1024**5 + 1, "1.00 PiB"),
+    (2**64, "16384.00 PiB"),
     (None, "n/a"),
     (-3 * GiB, "-3.00 GiB"),
 ])

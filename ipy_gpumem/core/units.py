@@ -1,8 +1,11 @@
 """Byte quantities in torch's own spelling: ``format_bytes(1610612736) == "1.50 GiB"`` and back.
 
-PyTorch prints sizes with c10's ``format_size``: whole ``bytes`` up to 1024, then KiB, MiB and
-GiB with two decimals and never TiB. Using the same spelling means the numbers we show line up
-character for character with the ones in the user's traceback.
+PyTorch's out-of-memory messages print sizes with c10's ``format_size``: whole ``bytes`` up to
+1024, then KiB, MiB and GiB with two decimals. Using the same spelling means the numbers we show
+line up character for character with the ones in the user's traceback, for every size a device
+can hold. c10 stops at GiB ("131072.00 GiB"); past 1 TiB we go on to TiB and PiB as
+``torch.cuda.memory_summary`` (``_format_size``) does, so an absurd request reads "128.00 TiB".
+``parse_bytes`` reads both spellings.
 """
 from __future__ import annotations
 
@@ -10,12 +13,13 @@ import re
 from decimal import ROUND_HALF_UP, Context, Decimal, InvalidOperation
 from typing import Optional
 
-__all__ = ["KiB", "MiB", "GiB", "TiB", "format_bytes", "format_delta", "format_seconds", "parse_bytes"]
+__all__ = ["KiB", "MiB", "GiB", "TiB", "PiB", "format_bytes", "format_delta", "format_seconds", "parse_bytes"]
 
 KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
 TiB = 1024**4
+PiB = 1024**5
 
 # Every unit is binary. "KB/MB/GB" are binary too: torch's old MPS allocator and TensorFlow
 # divide by 1024 and print those labels, so reading them as decimal would be wrong by ~7%.
@@ -25,7 +29,7 @@ _UNITS = {
     "m": MiB, "mb": MiB, "mib": MiB,
     "g": GiB, "gb": GiB, "gib": GiB,
     "t": TiB, "tb": TiB, "tib": TiB,
-    "p": 1024**5, "pb": 1024**5, "pib": 1024**5,
+    "p": PiB, "pb": PiB, "pib": PiB,
     "e": 1024**6, "eb": 1024**6, "eib": 1024**6,
 }
 # ASCII digits only: \d would also accept other scripts' digits ("٣ GiB").
@@ -35,11 +39,13 @@ _EXACT = Context(prec=200)
 
 
 def format_bytes(size: int | None) -> str:
-    """Format a byte count exactly as PyTorch's ``format_size`` does.
+    """Format a byte count as PyTorch's ``format_size`` does, going on to TiB and PiB past 1 TiB.
 
     Examples:
         >>> format_bytes(0), format_bytes(1024), format_bytes(1536), format_bytes(1610612736)
         ('0 bytes', '1024 bytes', '1.50 KiB', '1.50 GiB')
+        >>> format_bytes(128 * TiB), format_bytes(2**64)
+        ('128.00 TiB', '16384.00 PiB')
         >>> format_bytes(None)
         'n/a'
     """
@@ -54,7 +60,11 @@ def format_bytes(size: int | None) -> str:
         return f"{size / KiB:.2f} KiB"
     if size <= GiB:
         return f"{size / MiB:.2f} MiB"
-    return f"{size / GiB:.2f} GiB"
+    if size <= TiB:  # c10 stops here: "131072.00 GiB"
+        return f"{size / GiB:.2f} GiB"
+    if size <= PiB:
+        return f"{size / TiB:.2f} TiB"
+    return f"{size / PiB:.2f} PiB"
 
 
 def format_delta(delta: int | None) -> str:
@@ -93,7 +103,7 @@ def parse_bytes(text: str | int) -> int:
     number, unit = match.groups()
     factor = _UNITS.get(unit.lower())
     if factor is None:
-        raise ValueError(f"unknown unit {unit!r} in {text!r} (use bytes, KiB, MiB, GiB or TiB)")
+        raise ValueError(f"unknown unit {unit!r} in {text!r} (use bytes, KiB, MiB, GiB, TiB or PiB)")
     if len(number) > 60:
         raise ValueError(f"not a size: {text!r} (too many digits)")
     try:

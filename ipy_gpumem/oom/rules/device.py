@@ -10,7 +10,7 @@ from ...core.text import clip
 from ...core.units import GiB, MiB
 from . import Finding
 from .facts import BATCH, Facts, size_clues
-from .words import b, pct, times
+from .words import SIZES_COMMENT, WRONG_SIZE_FIX, b, pct, times
 
 __all__ = ["RULES", "request_exceeds_device", "fragmentation", "other_processes", "cuda_context_and_libraries",
            "shortfall"]
@@ -46,9 +46,9 @@ def request_exceeds_device(x: Facts) -> Optional[Finding]:
     if ratio > ABSURD_RATIO:  # nobody meant to allocate this: the size itself is the bug
         detail = ("A size this far off is a bug in the shape arithmetic (an overflow, a wrong dimension, a "
                   "broadcast)" + (f": `{clip(line, 70)}`." if line else "."))
-        fix = "Find the shape that produced this size and fix it: print what sizes the failing line."
+        fix = WRONG_SIZE_FIX
         names = _operands(line)
-        snippet = (f"print([getattr(v, 'shape', v) for v in ({', '.join(names)},)])   # what sizes the failing line"
+        snippet = (f"print([getattr(v, 'shape', v) for v in ({', '.join(names)},)])   {SIZES_COMMENT}"
                    if names else "")
     else:
         pieces = max(2, 2 * math.ceil(ratio))  # each piece at most about half the limit
@@ -334,8 +334,9 @@ def shortfall(x: Facts) -> Finding:
         fix = ("The error does not say how much was asked: `del` tensors you no longer need (ipy_gpumem.who() shows "
                "which) or lower the batch size, then torch.cuda.empty_cache(), and retry.")
     else:
-        fix = ("Free at least the shortfall: `del` tensors you no longer need (ipy_gpumem.who() shows which), "
-               "lower the batch size, then torch.cuda.empty_cache().")
+        fix = ("Free " + (f"at least {b(x.shortfall)}" if x.shortfall else "memory") + ": `del` tensors you no "
+               "longer need (ipy_gpumem.who() shows which) or lower the batch size, then call "
+               "torch.cuda.empty_cache().")
     return Finding("shortfall", title, detail.strip() or title, fix, "", None, "possible")
 
 
@@ -351,7 +352,7 @@ def _host_limit(x: Facts) -> Finding:
     req, free, rss = x.requested, x.free, x.memory.process_used
     line = x.user_line()
     names = _operands(line)
-    sizes = (f"print([getattr(v, 'shape', v) for v in ({', '.join(names)},)])   # what sizes the failing line\n"
+    sizes = (f"print([getattr(v, 'shape', v) for v in ({', '.join(names)},)])   {SIZES_COMMENT}\n"
              if names else "")
     limits = ("a container's memory limit (cgroup: /proc/meminfo shows the whole machine, not the container), the "
               "address-space limit (ulimit -v) or the kernel's overcommit policy")

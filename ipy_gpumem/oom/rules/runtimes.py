@@ -7,7 +7,7 @@ from typing import Optional
 from ...core.text import clip
 from . import Finding
 from .facts import BROADCAST, FLOAT64, Facts, message_shape, size_clues
-from .words import b, pct
+from .words import WRONG_SIZE_FIX, b, pct
 
 __all__ = ["RULES", "cpu_oom", "cublas_cudnn", "mps", "other_runtime"]
 
@@ -60,13 +60,13 @@ def cpu_oom(x: Facts) -> Optional[Finding]:
     if dtype64 and free is not None and req // 2 > free:
         half = (f" (float32 halves the request, still {b(req // 2 - free)} more than was available: chunks are "
                 "needed too)")
-    fix = ("Check the shape before the big op"
+    fix = ("Check that the failing line's shapes are what you meant"
            + (f"; use torch.float32 or bfloat16 instead of float64{half}" if dtype64 else "")
            + "; process the data in chunks and keep only what you need of each (a sum, a statistic, a file), never "
            "the whole result" + ("; memory-map the file instead of loading it whole" if load else "") + ".")
     lines = ["print(x.shape, x.dtype)            # is this the size you meant?"]
     if req >= _ABSURD_BYTES:  # a wrong number: no chunking makes it right
-        fix = "Find the shape that produced this size and fix it: print what sizes the failing line."
+        fix = WRONG_SIZE_FIX
         load = None
     elif dtype64:
         lines.append("x = x.to(torch.float32)            # float64 doubles memory")

@@ -101,8 +101,8 @@ def ipython_refs(x: Facts) -> Optional[Finding]:
         detail=((f"{shown}. " if shown else "") + "IPython keeps displayed results in Out/_N and the failed call's "
                 "frames in sys.last_traceback, so their tensors stay allocated after the error"
                 + (f"; releasing them is {x.room(cached)}." if x.room(cached) else ".")),
-        fix=("Run %gpumem free (drops the last traceback and Out entries holding tensors, then gc and the "
-             "allocator cache), or clear them by hand."),
+        fix=("Run %gpumem free: it drops the last traceback and the Out entries that hold tensors, collects the "
+             "garbage and gives PyTorch's cache back to the driver. Or clear them by hand."),
         snippet="%gpumem free\n# or by hand:\n%reset -f out\nimport sys; sys.last_traceback = sys.last_value = None",
         frees=cached,
         confidence="certain",

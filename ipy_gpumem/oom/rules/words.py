@@ -6,9 +6,15 @@ from typing import Optional, Tuple
 
 from ...core.units import format_bytes
 
-__all__ = ["b", "cap", "times", "pct", "where"]
+__all__ = ["b", "cap", "times", "pct", "where", "WRONG_SIZE_FIX", "SIZES_COMMENT"]
 
 Frame = Tuple[str, str, str]
+
+#: The fix for a request no machine can hold: the size is the bug, and the failing line's inputs show it.
+WRONG_SIZE_FIX = ("The size itself is wrong, so no memory setting helps: print the shapes and values the failing line "
+                  "computes with, find the one that is not what you meant, and fix the code that produced it.")
+#: The comment on the snippet that prints them.
+SIZES_COMMENT = "# the shapes and values the failing line computes with"
 
 
 def b(n: Optional[int]) -> str:
