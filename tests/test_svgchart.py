@@ -634,3 +634,75 @@ def test_a_real_training_cell_is_stacked_by_role(ip, gpumem):
         # "(exact tensor bytes; drawn as ...)" follows when the segment was scaled to the RSS change.
         assert title.startswith(f"{ROLE_WORDS[role]} {format_delta(exact)}")
         assert by[lineno].reason and clip(by[lineno].reason, 400) in title
+
+
+def _legend_swatches(root, height):
+    """The legend row's swatches in a drawn chart (the elements on its baseline), as what the eye
+    tells apart: (shape, colour, dash, glyph)."""
+    swatches = []
+    for el in root:
+        tag = el.tag.replace(SVG, "")
+        y = el.get("y1") or el.get("y")
+        on_row = y is not None and abs(float(y) - (height - 5)) <= 8
+        if tag == "path" and "v6" in (el.get("d") or ""):
+            on_row = abs(float(re.search(r"M[\d.]+,([\d.]+)", el.get("d")).group(1)) + 3 - (height - 8.5)) < 1
+        if on_row and tag in ("line", "rect", "path"):
+            swatches.append((tag, el.get("stroke") or el.get("fill"), el.get("stroke-dasharray") or "",
+                             "peak" if tag == "path" else ""))
+    return swatches
+
+
+def _timeline_with_a_missed_peak(devices):
+    tl = Timeline()
+    tl.cell_started(0.0, "[1]", "spike()")
+    for i in range(5):
+        if devices:
+            samples = tuple(DeviceSample(d, GiB, 2 * GiB, None, None, 3 * GiB, TOTAL) for d in range(devices))
+            tl.add(Sample(i * 0.2, HostSample(GiB, None), samples))
+        else:
+            tl.add(Sample(i * 0.2, HostSample(GiB + i * MiB, None), ()))
+    if devices:
+        rec = CellRecord(1, None, "spike()", time.time(), 1.0, devices=tuple(
+            DeviceRecord(d, "GPU", GiB, GiB, 6 * GiB, 2 * GiB, 2 * GiB, None, None, None, TOTAL) for d in range(devices)))
+    else:
+        rec = CellRecord(1, None, "spike()", time.time(), 1.0, host=HostRecord(GiB, GiB + 4 * MiB, 3 * GiB))
+    tl.cell_finished(1.0, rec)
+    return tl.snapshot()
+
+
+@pytest.mark.parametrize("devices", [0, 1, 2])
+def test_no_two_legend_entries_look_the_same(devices):
+    """Issue 22: "host RSS" and "cell peak (exact)" were the same solid green line. Every legend
+    entry differs from every other in colour or dash (or glyph), in the items and as drawn, and
+    the peak marks over the cells are drawn with the legend's glyph."""
+    from ipy_gpumem.chart.svg.legend import PEAK_MARK, _drawn_keys, line_legend
+
+    snapshot = _timeline_with_a_missed_peak(devices)
+    keys = _drawn_keys(snapshot.series)
+    peaks = snapshot.missed_peaks(keys)
+    assert peaks, "the record's peak is above every sample"
+    items = line_legend(keys, peaks)
+    looks = [(color, dash) for _label, color, dash in items if color is not None]
+    assert len(set(looks)) == len(looks), items
+    assert ("cell peak (exact)" in [label for label, _c, _d in items]
+            and [d for label, _c, d in items if label == "cell peak (exact)"] == [PEAK_MARK])
+    root = parse(timeline_svg(snapshot, width=1400, height=220))  # wide enough for the whole legend row
+    drawn = _legend_swatches(root, 220)
+    assert len(drawn) == len(looks) and len(set(drawn)) == len(drawn), drawn
+    marks = [el for el in root.iter(SVG + "path") if "v6" in (el.get("d") or "")]
+    # the legend's swatch and one mark per device over the cell: one glyph
+    assert {el.get("stroke") for el in marks} >= {dict((i[0], i[1]) for i in items)["cell peak (exact)"]}
+    assert len(marks) == 1 + max(devices, 1)
+
+
+def test_the_waterfall_and_role_legends_have_no_two_entries_alike():
+    from ipy_gpumem.chart.svg.waterfall import _waterfall_legend
+    from ipy_gpumem.chart.svg.legend import PEAK_MARK
+    from ipy_gpumem.chart.svg.base import DASHES, DEVICE_COLORS, HOST_COLOR, ROLE_COLORS
+
+    for items in (_waterfall_legend([GiB], grew=True), _waterfall_legend([None], grew=False)):
+        looks = [(color, dash) for _label, color, dash in items if color is not None]
+        assert len(set(looks)) == len(looks), items
+    assert len(set(ROLE_COLORS.values())) == len(ROLE_COLORS)
+    assert HOST_COLOR not in DEVICE_COLORS and len(set(DEVICE_COLORS)) == len(DEVICE_COLORS)
+    assert PEAK_MARK not in DASHES.values()  # a peak is never a series' line style

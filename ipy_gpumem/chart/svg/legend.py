@@ -12,6 +12,11 @@ from ...core.units import format_bytes, format_delta, format_seconds
 from ..timeline import HOST_RSS, Change, SeriesKey, Span
 from .base import DASHES, HOST_COLOR, _num, _text, _text_width, device_color
 
+#: The legend kind of a cell's exact peak: the glyph of :func:`peak_mark_path`, a short bar with
+#: end ticks, in the chart and in the legend alike. A series is a line (solid, dashed or dotted by
+#: quantity), so a peak in the same colour never reads as one.
+PEAK_MARK = "peak"
+
 _QUANTITY_ORDER = {"allocated": 0, "reserved": 1, "used": 2, "rss": 3}
 _QUANTITY_NAMES = {"used": "used (all processes)"}
 
@@ -41,6 +46,21 @@ def _legend_items(keys: list) -> list:
         return [(series_name(SeriesKey(devices[0], q)), device_color(devices[0]), DASHES.get(q, "")) for q in quantities]
     items = [(_QUANTITY_NAMES.get(q, q), "currentColor", DASHES.get(q, "")) for q in quantities]
     return items + [(d.label, device_color(d), "") for d in devices]
+
+
+def line_legend(keys: list, peaks=()) -> list:
+    """The line chart's legend items: its series, then the cells' exact peaks when any is drawn (in
+    the device's colour, or the ink's where several devices each draw theirs)."""
+    items = _legend_items(keys)
+    if peaks:
+        colors = {device_color(mark.key.device) for mark in peaks}
+        items.append(("cell peak (exact)", colors.pop() if len(colors) == 1 else "currentColor", PEAK_MARK))
+    return items
+
+
+def peak_mark_path(x0: float, x1: float, y: float) -> str:
+    """Path data of a peak mark from ``x0`` to ``x1`` at height ``y``: a bar with end ticks (├─┤)."""
+    return f"M{x0:.1f},{y - 3:.1f}v6M{x0:.1f},{y:.1f}H{x1:.1f}M{x1:.1f},{y - 3:.1f}v6"
 
 
 def _peak_part(peak: Optional[int], increase: Optional[int]) -> str:
@@ -87,7 +107,9 @@ def span_hover(span: Span) -> str:
 
 def _legend(items: list, x: float, y: float, right: float, note: str = "") -> str:
     """The legend row: ``(label, colour, dash)`` items from the left (a colour of None writes the
-    label alone), and ``note`` right-aligned at its end (e.g. an off-scale capacity)."""
+    label alone), and ``note`` right-aligned at its end (e.g. an off-scale capacity). ``dash`` is
+    a line's dash pattern, or a kind drawn as its own glyph: ``box``/``box-out`` (a role) and
+    :data:`PEAK_MARK` (a cell's exact peak)."""
     out = []
     if note:
         out.append(f'<text x="{_num(right - 4)}" y="{_num(y)}" text-anchor="end" fill="currentColor" '
@@ -102,6 +124,9 @@ def _legend(items: list, x: float, y: float, right: float, note: str = "") -> st
             style = (f'fill="{color}" fill-opacity="0.85"' if dash == "box" else
                      f'fill="{color}" fill-opacity="0.3" stroke="{color}" stroke-dasharray="3 2"')
             out.append(f'<rect x="{_num(x + 1)}" y="{_num(y - 8)}" width="14" height="8" {style}/>')
+        elif dash == PEAK_MARK and color is not None:
+            out.append(f'<path d="{peak_mark_path(x + 1, x + 15, y - 3.5)}" stroke="{color}" stroke-width="2" '
+                       'fill="none"/>')
         elif color is not None:
             dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
             out.append(f'<line x1="{_num(x)}" y1="{_num(y - 3.5)}" x2="{_num(x + 16)}" y2="{_num(y - 3.5)}" '

@@ -17,7 +17,7 @@ from ..timeline import Span, TimelineSnapshot, missed_peaks
 from .axes import _capacities, _capacity_layout, _Frame, _off_scale, _x_axis, _y_axis, byte_ticks
 from .base import (FAILED_COLOR, HOST_COLOR, MIN_HEIGHT, MIN_WIDTH, RUNNING_COLOR, _num, _svg_open, _text, _text_width,
                    device_color, empty_svg)
-from .legend import _drawn_keys, _legend, _legend_items, span_hover
+from .legend import _drawn_keys, _legend, line_legend, peak_mark_path, span_hover
 from .paths import _series_paths
 
 
@@ -114,15 +114,15 @@ def _spans(spans: Sequence, frame: _Frame, boxes: Optional[list], titles: bool =
 
 
 def _peak_marks(peaks: list, frame: _Frame) -> str:
-    """Each missed peak as a short dashed line over its cell, one path per colour."""
+    """Each missed peak as a short bar with end ticks over its cell (the legend's glyph), one path per colour."""
     groups: dict = {}
     for mark in peaks:
         # The middle of the cell, so neighbouring cells' marks never join into a line.
         x0, x1, y = frame.x(mark.start), frame.x(mark.end), frame.y(mark.peak)
         width = max((x1 - x0) * 0.6, 3.0)
-        groups.setdefault(mark.key.device, []).append(f"M{(x0 + x1 - width) / 2:.1f},{y:.1f}h{width:.1f}")
-    return "".join(f'<path d="{"".join(lines)}" stroke="{device_color(device)}" stroke-width="2" '
-                   f'stroke-linecap="round" fill="none"/>' for device, lines in groups.items())
+        groups.setdefault(mark.key.device, []).append(peak_mark_path((x0 + x1 - width) / 2, (x0 + x1 + width) / 2, y))
+    return "".join(f'<path d="{"".join(lines)}" stroke="{device_color(device)}" stroke-width="2" fill="none"/>'
+                   for device, lines in groups.items())
 
 
 def _peak_line(peak: Optional[int], frame: _Frame, color: str) -> str:
@@ -177,7 +177,7 @@ def _line_chart(times, series, lows, keys, *, spans=(), capacities=None, end=Non
         _series_paths(times, series, lows, keys, merged, frame, titles) if times else "",
         _peak_marks(peaks, frame),
         _peak_line(peak, frame, device_color(keys[0].device) if keys else HOST_COLOR),
-        _legend(_legend_items(keys) + ([("cell peak (exact)", device_color(peaks[0].key.device), "")] if peaks else []),
+        _legend(line_legend(keys, peaks),
                 frame.px0, height - 5, width - 4, _off_scale(off_scale, several)),
     ]
     if title:
