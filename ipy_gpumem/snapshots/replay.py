@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import bisect
 from array import array
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from itertools import islice
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 from ..preflight.allocator import LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, round_size as _round_512
 from .schema import ALLOCATED, PENDING, Segment
+from .trace import NO_TIME, Trace
 
-__all__ = ["Allocation", "Fragmentation", "OomState", "Check", "DeviceReplay", "replay_device", "rounder",
+__all__ = ["Allocation", "Allocations", "Fragmentation", "OomState", "Check", "DeviceReplay", "replay_device", "rounder",
            "FRAGMENTATION_SAMPLES"]
 
 #: Fragmentation is measured at this many evenly spaced events (and at an OOM and at the end).
@@ -37,13 +39,14 @@ FRAGMENTATION_SAMPLES = 96
 class Allocation:
     """One block's life: born at event ``born`` (-1: before recording began), freed at ``freed``."""
 
-    __slots__ = ("addr", "size", "requested", "born", "freed", "gone", "frames", "allocated")
+    __slots__ = ("addr", "size", "requested", "born", "freed", "gone", "frames", "allocated", "row")
 
     def __init__(self, addr: int, size: int, requested: int, born: int, frames, allocated: bool = True):
         self.addr, self.size, self.requested, self.born, self.frames = addr, size, requested, born, frames
         self.freed: Optional[int] = None  # free_requested: leaves ``allocated`` here
         self.gone: Optional[int] = None  # free_completed: its place is free from here
         self.allocated = allocated
+        self.row: Optional[int] = None  # its row in :class:`Allocations` (None: in place when recording began)
 
     def live_at(self, index: int) -> bool:
         """Whether the block counted as allocated just after event ``index``."""
@@ -51,6 +54,97 @@ class Allocation:
 
     def __repr__(self) -> str:
         return f"Allocation(addr={self.addr:#x}, size={self.size}, born={self.born}, freed={self.freed})"
+
+
+class Allocations(Sequence):
+    """Every block of a replay, oldest first, as columns: ``allocations[k]`` builds one :class:`Allocation`.
+
+    The blocks in place when recording began are kept as objects (there are as many as blocks in
+    the snapshot's segments); each block allocated by an event costs a row of 21 bytes, its address,
+    request and frames read from the event that made it.
+    """
+
+    def __init__(self, trace: Trace, before: Sequence[Allocation] = ()):
+        self.trace = trace
+        self.before: List[Allocation] = list(before)
+        self.born = array("i")
+        self.size = array("q")
+        self.freed = array("i")  # -1: never freed in the window
+        self.gone = array("i")
+        self.held = array("b")  # still allocated at the end
+
+    def add(self, block: Allocation) -> None:
+        block.row = len(self.born)
+        self.born.append(block.born)
+        self.size.append(block.size)
+        self.freed.append(-1)
+        self.gone.append(-1)
+        self.held.append(1)
+
+    def update(self, block: Allocation) -> None:
+        """Write back what the replay changed on a block (its free, its end, whether it is allocated)."""
+        row = block.row
+        if row is not None:
+            self.freed[row] = -1 if block.freed is None else block.freed
+            self.gone[row] = -1 if block.gone is None else block.gone
+            self.held[row] = block.allocated
+
+    def __len__(self) -> int:
+        return len(self.before) + len(self.born)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if k < 0:
+            k += len(self)
+        if k < len(self.before):
+            return self.before[k]
+        row = k - len(self.before)
+        born = self.born[row]  # raises IndexError past the end
+        action, addr, req, _t = self.trace.row(born)
+        block = Allocation(addr, self.size[row], int(req), born, self.trace.frames_at(born), bool(self.held[row]))
+        block.freed = None if self.freed[row] < 0 else self.freed[row]
+        block.gone = None if self.gone[row] < 0 else self.gone[row]
+        block.row = row
+        return block
+
+    def __iter__(self) -> Iterator[Allocation]:
+        yield from self.before
+        for k in range(len(self.before), len(self)):
+            yield self[k]
+
+    def live_at(self, index: int) -> List[Allocation]:
+        out = [a for a in self.before if a.live_at(index)]
+        offset = len(self.before)
+        for row, (born, freed) in enumerate(zip(self.born, self.freed)):
+            if born <= index and (freed < 0 or freed > index):
+                out.append(self[offset + row])
+        return out
+
+
+class Times(Sequence):
+    """Seconds from the first event after each event, computed from the trace's ``time_us`` column (nothing copied)."""
+
+    def __init__(self, column: Optional[array], first_us: int = 0, n: int = 0):
+        self.column, self.first_us = column, first_us
+        self.n = len(column) if column is not None else n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            if self.column is None:
+                return [float(k) for k in range(*i.indices(self.n))]
+            first = self.first_us
+            return [(t - first) / 1e6 for t in self.column[i]]
+        if self.column is None:
+            if i < 0:
+                i += self.n
+            if not 0 <= i < self.n:
+                raise IndexError("times index out of range")
+            return float(i)
+        return (self.column[i] - self.first_us) / 1e6
 
 
 class Fragmentation(NamedTuple):
@@ -94,7 +188,7 @@ class DeviceReplay(NamedTuple):
     """One device's counters over the recorded window."""
 
     device: int
-    times: array  # seconds from the first event (event numbers when the capture has no times)
+    times: Sequence[float]  # seconds from the first event (event numbers when the capture has no times)
     allocated: array  # torch's allocated_bytes after each event
     reserved: array  # torch's reserved_bytes after each event
     timed: bool
@@ -102,7 +196,7 @@ class DeviceReplay(NamedTuple):
     initial_allocated: int
     initial_reserved: int
     initial_blocks: int
-    allocations: Tuple[Allocation, ...]
+    allocations: Allocations
     fragmentation: Tuple[Fragmentation, ...]
     ooms: Tuple[OomState, ...]
     check: Check
@@ -125,7 +219,7 @@ class DeviceReplay(NamedTuple):
 
     def live_at(self, index: int) -> List[Allocation]:
         """The blocks allocated just after event ``index`` (-1: before the first event)."""
-        return [a for a in self.allocations if a.live_at(index)]
+        return self.allocations.live_at(index)
 
 
 def rounder(settings: Mapping[str, Any]):
@@ -235,14 +329,16 @@ def _max_split(settings: Mapping[str, Any]) -> Optional[int]:
     return value if 0 < value < (1 << 62) else None
 
 
-def replay_device(device: int, segments: Sequence[Segment], trace: Sequence[Mapping[str, Any]],
+def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, Sequence[Mapping[str, Any]]],
                   settings: Mapping[str, Any]) -> DeviceReplay:
     """Replay ``trace`` (one device's events, oldest first) against ``segments`` (that device's state at the end)."""
+    if not isinstance(trace, Trace):
+        trace = Trace.from_events(trace)
     round_size = rounder(settings)
     max_split = _max_split(settings)
     expandable = any(s.expandable for s in segments) or bool(settings.get("expandable_segments"))
     if not expandable:
-        expandable = any(e.get("action") in ("segment_map", "segment_unmap") for e in trace[:2000])
+        expandable = any(row[0] in ("segment_map", "segment_unmap") for row in islice(trace.rows(), 2000))
 
     # The end: blocks in place and plain segments.
     final: Dict[int, Tuple[int, int, bool, tuple]] = {}
@@ -256,37 +352,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Sequence[Mapp
             if b.state in (ALLOCATED, PENDING) and b.size > 0:
                 final[b.addr] = (b.size, b.requested, b.state == ALLOCATED, b.frames)
 
-    # Walk back to the start: which blocks were in place, which allocated, which segments reserved.
-    anomalies = 0
-    start: Dict[int, list] = {a: [size, req, alloc, frames, True] for a, (size, req, alloc, frames) in final.items()}
-    plain = dict(plain_end)
-    reserved = reserved_end
-    for e in reversed(trace):
-        action = e.get("action")
-        addr = e.get("addr", 0)
-        if action == "alloc":
-            if start.pop(addr, None) is None:
-                anomalies += 1
-        elif action == "free_requested":
-            block = start.get(addr)
-            if block is None:
-                anomalies += 1
-                start[addr] = [None, int(e.get("size", 0)), True, None, False]
-            else:
-                block[2] = True
-        elif action == "free_completed":
-            start[addr] = [None, int(e.get("size", 0)), False, None, False]
-        elif action == "segment_alloc":
-            reserved -= int(e.get("size", 0))
-            plain.pop(addr, None)
-        elif action == "segment_free":
-            size = int(e.get("size", 0))
-            reserved += size
-            plain[addr] = (size, size == SMALL_BUFFER)
-        elif action == "segment_map":
-            reserved -= int(e.get("size", 0))
-        elif action == "segment_unmap":
-            reserved += int(e.get("size", 0))
+    start, plain, reserved, anomalies = _walk_back(trace, final, plain_end, reserved_end)
 
     layout = _Layout()
     for addr, (size, small) in plain.items():
@@ -296,7 +362,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Sequence[Mapp
         seg = layout.find(addr)
         if seg is not None:
             layout.blocks[seg].append(addr)
-    allocations: List[Allocation] = []
+    before: List[Allocation] = []
     allocated = 0
     active = 0
     for addr in sorted(start):
@@ -305,26 +371,27 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Sequence[Mapp
             size = _block_size(layout, layout.find(addr), addr, round_size(req), max_split) if req > 0 else 0
         block = Allocation(addr, size, req, -1, frames, alloc)
         live[addr] = block
-        allocations.append(block)
+        before.append(block)
         active += size
         if alloc:
             allocated += size
     initial_allocated, initial_reserved, initial_blocks = allocated, reserved, len(live)
+    allocations = Allocations(trace, before)
 
     # Walk forward, event by event.
     n = len(trace)
-    times, alloc_series, reserved_series = array("d"), array("q"), array("q")
+    alloc_series, reserved_series = array("q"), array("q")
     every = max(1, n // FRAGMENTATION_SAMPLES)
     frag: List[Fragmentation] = []
     ooms: List[OomState] = []
-    first_us = next((e["time_us"] for e in trace if e.get("time_us") is not None), None)
+    first_us = next((t for _a, _d, _s, t in trace.rows() if t != NO_TIME), None)
     timed = first_us is not None
+    gaps = timed and (trace.odd or NO_TIME in trace.time)  # some events without a time: carry the last one
+    times = array("d") if gaps else None
     last_t = 0.0
-    for i, e in enumerate(trace):
-        action = e.get("action")
-        addr = e.get("addr", 0)
+    for i, (action, addr, size, t) in enumerate(trace.rows()):
         if action == "alloc":
-            req = int(e.get("size", 0))
+            req = int(size)
             seg = layout.find(addr)
             size = _block_size(layout, seg, addr, round_size(req), max_split) if req > 0 else 0
             old = live.get(addr)
@@ -334,9 +401,10 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Sequence[Mapp
                 if old.allocated:
                     allocated -= old.size
                 active -= old.size
-            block = Allocation(addr, size, req, i, e.get("frames"))
+                allocations.update(old)
+            block = Allocation(addr, size, req, i, None)
+            allocations.add(block)
             live[addr] = block
-            allocations.append(block)
             if seg is not None:
                 bisect.insort(layout.blocks[seg], addr)
             allocated += size
@@ -349,6 +417,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Sequence[Mapp
                 block.allocated = False
                 block.freed = i
                 allocated -= block.size
+                allocations.update(block)
         elif action == "free_completed":
             block = live.pop(addr, None)
             if block is None:
@@ -360,29 +429,28 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Sequence[Mapp
                     allocated -= block.size
                 active -= block.size
                 _drop(layout, block, i)
+                allocations.update(block)
         elif action == "segment_alloc":
-            size = int(e.get("size", 0))
+            size = int(size)
             reserved += size
             if not expandable:
                 layout.add(addr, size, size == SMALL_BUFFER)
         elif action == "segment_free":
-            reserved -= int(e.get("size", 0))
+            reserved -= int(size)
             layout.remove(addr)
         elif action == "segment_map":
-            reserved += int(e.get("size", 0))
+            reserved += int(size)
         elif action == "segment_unmap":
-            reserved -= int(e.get("size", 0))
+            reserved -= int(size)
         elif action == "oom":
+            e = trace[i]
             here = Fragmentation(i, reserved - active, layout.largest_free(live))
             free = e.get("device_free", e.get("addr"))
             ooms.append(OomState(i, int(e.get("size", 0)), None if free is None else int(free), allocated, reserved,
                                  tuple(e.get("frames") or ()), here))
-        t = e.get("time_us")
-        if timed:
-            last_t = (t - first_us) / 1e6 if t is not None else last_t
-        else:
-            last_t = float(i)
-        times.append(last_t)
+        if times is not None:
+            last_t = (t - first_us) / 1e6 if t != NO_TIME else last_t
+            times.append(last_t)
         alloc_series.append(allocated)
         reserved_series.append(reserved)
         if i % every == 0 or i == n - 1:
@@ -396,9 +464,44 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Sequence[Mapp
             exact += block.size == size
     check = Check(blocks, exact, sum(s for s, _r, a, _f in final.values() if a), allocated, reserved_end, reserved,
                   anomalies)
+    if times is None:
+        times = Times(trace.time, first_us) if timed else Times(None, n=n)
     return DeviceReplay(device, times, alloc_series, reserved_series, timed, first_us, initial_allocated,
-                        initial_reserved, initial_blocks, tuple(allocations), tuple(frag), tuple(ooms), check,
+                        initial_reserved, initial_blocks, allocations, tuple(frag), tuple(ooms), check,
                         expandable)
+
+
+def _walk_back(trace: Trace, final, plain_end, reserved_end):
+    """Walk the events back from the end: the blocks in place at the start (which allocated), the plain segments, reserved."""
+    anomalies = 0
+    start: Dict[int, list] = {a: [size, req, alloc, frames, True] for a, (size, req, alloc, frames) in final.items()}
+    plain = dict(plain_end)
+    reserved = reserved_end
+    for action, addr, size, _t in trace.rows(reverse=True):
+        if action == "alloc":
+            if start.pop(addr, None) is None:
+                anomalies += 1
+        elif action == "free_requested":
+            block = start.get(addr)
+            if block is None:
+                anomalies += 1
+                start[addr] = [None, int(size), True, None, False]
+            else:
+                block[2] = True
+        elif action == "free_completed":
+            start[addr] = [None, int(size), False, None, False]
+        elif action == "segment_alloc":
+            reserved -= int(size)
+            plain.pop(addr, None)
+        elif action == "segment_free":
+            size = int(size)
+            reserved += size
+            plain[addr] = (size, size == SMALL_BUFFER)
+        elif action == "segment_map":
+            reserved -= int(size)
+        elif action == "segment_unmap":
+            reserved += int(size)
+    return start, plain, reserved, anomalies
 
 
 def _drop(layout: _Layout, block: Allocation, index: int) -> None:

@@ -136,11 +136,10 @@ class SnapshotReport:
         """Counts of the non-empty ``user_metadata`` and ``compile_context`` values events carry."""
         out: Dict[str, Dict[str, int]] = {"user_metadata": {}, "compile_context": {}}
         for trace in self._parsed.traces.values():
-            for e in trace:
-                for key in out:
-                    value = e.get(key)
-                    if value and value != "N/A":
-                        out[key][value] = out[key].get(value, 0) + 1
+            for key, counts in trace.value_counts(tuple(out)).items():
+                for value, n in counts.items():
+                    if value and value != "N/A" and n > 0:
+                        out[key][value] = out[key].get(value, 0) + n
         return out
 
     # -- data ---------------------------------------------------------------------------------------

@@ -9,14 +9,16 @@ Generations seen in real captures (``../shared/gpu-captures``):
 - 2026: events with ``user_metadata``.
 
 Expandable segments (``is_expandable``) report each mapped range as a segment and grow and shrink
-through ``segment_map``/``segment_unmap`` events. Events stay the dicts torch wrote (no copy:
-a big snapshot is mostly events).
+through ``segment_map``/``segment_unmap`` events. Each device's events become a
+:class:`~.trace.Trace` (columns: a big snapshot is mostly events); one read from a file is one
+already, without a dict per event ever made.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .load import SnapshotError
+from .trace import Trace
 
 __all__ = ["Block", "Segment", "Parsed", "parse"]
 
@@ -49,7 +51,7 @@ class Parsed(NamedTuple):
     """A snapshot in one shape, whatever its generation."""
 
     segments: Tuple[Segment, ...]
-    traces: Dict[int, Sequence[Mapping[str, Any]]]
+    traces: Dict[int, Trace]
     settings: Mapping[str, Any]
     annotations: Tuple[Mapping[str, Any], ...]
     generation: str
@@ -121,12 +123,12 @@ def parse(data: Any) -> Parsed:
     if not isinstance(raw_segments, list) or not isinstance(raw_traces, list):
         raise SnapshotError("not a memory snapshot: 'segments' and 'device_traces' must be lists")
     segments = tuple(_segment(raw, i) for i, raw in enumerate(raw_segments))
-    traces: Dict[int, Sequence[Mapping[str, Any]]] = {}
+    traces: Dict[int, Trace] = {}
     for device, trace in enumerate(raw_traces):
-        if not isinstance(trace, list):
+        if not isinstance(trace, (list, Trace)):
             raise SnapshotError(f"not a memory snapshot: device_traces[{device}] is not a list")
         if trace:
-            traces[device] = trace
+            traces[device] = trace if isinstance(trace, Trace) else Trace.from_events(trace)
     return Parsed(segments, traces, settings if isinstance(settings, Mapping) else {}, annotations,
                   _generation(data, segments, traces))
 

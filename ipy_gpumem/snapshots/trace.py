@@ -1,0 +1,213 @@
+"""One device's events held as columns (a few bytes each), read back as the dicts torch wrote, one at a time."""
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+__all__ = ["Trace", "NO_TIME", "COLUMNS"]
+
+#: ``time_us`` of an event that has none (2024 captures record no times).
+NO_TIME = -(1 << 63)
+#: The keys kept in their own columns; every other key goes into the event's interned ``extras``.
+COLUMNS = ("action", "addr", "size", "time_us", "frames")
+_LOW, _HIGH = -(1 << 63) + 1, (1 << 63) - 1
+
+
+class Trace(Sequence):
+    """A device's events, oldest first: ``trace[i]`` builds event ``i``'s dict on demand.
+
+    Per event it keeps an action code (1 byte), ``addr``, ``size`` and ``time_us`` (8 bytes each),
+    an index into the shared frames table (4 bytes: equal stacks are stored once) and an index into
+    a table of the event's other keys and values (4 bytes: ``stream``, ``compile_context``, ...,
+    which repeat). An event that does not fit (a value of another type, a huge int) is kept whole
+    in ``odd``; nothing is dropped.
+    """
+
+    def __init__(self, frames: Optional[List[Any]] = None):
+        self.actions: List[Any] = []
+        self._action_code: Dict[Any, int] = {}
+        self.act = array("B")
+        self.addr = array("q")
+        self.size = array("q")
+        self.time = array("q")
+        self.frame = array("i")  # index into ``frames``; -1: no ``frames`` key
+        self.extra = array("I")  # index into ``extras``
+        self.frames: List[Any] = [] if frames is None else frames  # shared between a file's devices
+        self.extras: List[Tuple[Tuple[str, ...], Tuple[Tuple[str, Any], ...]]] = []
+        self._extra_id: Dict[Any, int] = {}
+        self._frames_id: Dict[int, int] = {}  # id(frames object) -> index, for events handed in as dicts
+        self.odd: Dict[int, Mapping[str, Any]] = {}
+
+    # -- building -------------------------------------------------------------------------------
+    @classmethod
+    def from_events(cls, events: Iterable[Mapping[str, Any]]) -> "Trace":
+        trace = cls()
+        for e in events:
+            trace.add(e)
+        return trace
+
+    def action_code(self, action: Any) -> Optional[int]:
+        code = self._action_code.get(action)
+        if code is None:
+            if len(self.actions) >= 256:
+                return None
+            code = self._action_code[action] = len(self.actions)
+            self.actions.append(action)
+        return code
+
+    def extra_id(self, keys: Tuple[str, ...], others: Tuple[Tuple[str, Any], ...]) -> int:
+        key = (keys, others)
+        xid = self._extra_id.get(key)
+        if xid is None:
+            xid = self._extra_id[key] = len(self.extras)
+            self.extras.append(key)
+        return xid
+
+    def frames_id(self, frames: Any) -> int:
+        fid = self._frames_id.get(id(frames))
+        if fid is None or self.frames[fid] is not frames:
+            fid = self._frames_id[id(frames)] = len(self.frames)
+            self.frames.append(frames)
+        return fid
+
+    def append_row(self, act: int, addr: int, size: int, time: int, frame: int, extra: int) -> None:
+        self.act.append(act)
+        self.addr.append(addr)
+        self.size.append(size)
+        self.time.append(time)
+        self.frame.append(frame)
+        self.extra.append(extra)
+
+    def add(self, e: Mapping[str, Any]) -> None:
+        """Append one event given as a dict (columns where it fits, whole in ``odd`` where not)."""
+        row = self._row(e) if isinstance(e, Mapping) else None
+        if row is None:
+            self.odd[len(self.act)] = e
+            row = (0, 0, 0, NO_TIME, -1, 0)
+        self.append_row(*row)
+
+    def _row(self, e: Mapping[str, Any]):
+        try:
+            code = self.action_code(e.get("action"))
+            addr, size, t = e.get("addr", 0), e.get("size", 0), e.get("time_us")
+            if code is None or not (_fits(addr) and _fits(size) and (t is None or _fits(t))):
+                return None
+            frame = self.frames_id(e["frames"]) if "frames" in e else -1
+            keys = tuple(e)
+            if not all(type(k) is str for k in keys):
+                return None
+            others = tuple((k, v) for k, v in e.items() if k not in COLUMNS)
+            extra = self.extra_id(keys, others)
+        except TypeError:  # an unhashable action or extra value
+            return None
+        return code, addr, size, NO_TIME if t is None else t, frame, extra
+
+    # -- reading --------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.act)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.event(i) for i in range(*index.indices(len(self)))]
+        n = len(self.act)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("trace index out of range")
+        return self.event(index)
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        for i in range(len(self.act)):
+            yield self.event(i)
+
+    def event(self, i: int) -> Dict[str, Any]:
+        """Event ``i`` as the dict torch wrote (a fresh one: the trace keeps only its columns)."""
+        odd = self.odd.get(i)
+        if odd is not None or i in self.odd:
+            return odd
+        keys, others = self.extras[self.extra[i]]
+        values = dict(others)
+        out = {}
+        for k in keys:
+            if k == "action":
+                out[k] = self.actions[self.act[i]]
+            elif k == "addr":
+                out[k] = self.addr[i]
+            elif k == "size":
+                out[k] = self.size[i]
+            elif k == "time_us":
+                out[k] = self.time[i]
+            elif k == "frames":
+                out[k] = list(self.frames[self.frame[i]])
+            else:
+                out[k] = values[k]
+        return out
+
+    def row(self, i: int) -> Tuple[Any, Any, Any, Any]:
+        """``(action, addr, size, time_us)`` of event ``i``, as :meth:`rows` gives them."""
+        if i in self.odd:
+            e = self.odd[i]
+            if not isinstance(e, Mapping):
+                return None, 0, 0, NO_TIME
+            t = e.get("time_us")
+            return e.get("action"), e.get("addr", 0), e.get("size", 0), NO_TIME if t is None else t
+        return self.actions[self.act[i]], self.addr[i], self.size[i], self.time[i]
+
+    def frames_at(self, i: int) -> Any:
+        """Event ``i``'s ``frames`` (None without)."""
+        if i in self.odd:
+            e = self.odd[i]
+            return e.get("frames") if isinstance(e, Mapping) else None
+        fid = self.frame[i]
+        return None if fid < 0 else self.frames[fid]
+
+    def rows(self, reverse: bool = False) -> Iterator[Tuple[Any, Any, Any, Any]]:
+        """``(action, addr, size, time_us)`` of every event (``addr``/``size`` 0 and time :data:`NO_TIME` when absent)."""
+        columns = (self.act, self.addr, self.size, self.time)
+        if reverse:
+            columns = tuple(reversed(c) for c in columns)
+        act, addr, size, time = columns
+        rows = zip(map(self.actions.__getitem__, act), addr, size, time)
+        if not self.odd:
+            return rows
+        return self._patched(rows, reverse)
+
+    def _patched(self, rows, reverse: bool):
+        n = len(self.act)
+        for k, row in enumerate(rows):
+            i = n - 1 - k if reverse else k
+            e = self.odd.get(i)
+            if e is None and i not in self.odd:
+                yield row
+            elif isinstance(e, Mapping):
+                t = e.get("time_us")
+                yield e.get("action"), e.get("addr", 0), e.get("size", 0), NO_TIME if t is None else t
+            else:
+                yield None, 0, 0, NO_TIME
+
+    def has_key(self, key: str, first: int = 50) -> bool:
+        """Whether any of the first ``first`` events has ``key``."""
+        return any(key in e for e in self[:first] if isinstance(e, Mapping))
+
+    def value_counts(self, keys: Sequence[str]) -> Dict[str, Counter]:
+        """For each of ``keys`` (keys outside the columns), how many events carry each value."""
+        out = {k: Counter() for k in keys}
+        per_extra = Counter(self.extra)
+        if self.odd:  # their rows hold extra 0 without meaning it
+            per_extra[0] -= len(self.odd)
+        for xid, n in per_extra.items():
+            values = dict(self.extras[xid][1]) if n > 0 and xid < len(self.extras) else {}
+            for k in keys:
+                if k in values:
+                    out[k][values[k]] += n
+        for e in self.odd.values():
+            if isinstance(e, Mapping):
+                for k in keys:
+                    if k in e:
+                        out[k][e[k]] += 1
+        return out
+
+
+def _fits(value: Any) -> bool:
+    return type(value) is int and _LOW <= value <= _HIGH
