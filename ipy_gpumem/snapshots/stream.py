@@ -77,7 +77,13 @@ class _Machine:
         self.frames: List[Any] = []  # every device's stacks, each once
         self.frames_of_run: Dict[bytes, int] = {}
         self.frames_of_obj: Dict[int, int] = {}
+        self.frames_of_ref: Dict[bytes, int] = {}  # a reference's bytes -> frames index (shared lists)
         self.pending: Optional[int] = None  # memo slot of an event going the general way
+        # Memo slots never change once written, so a reference's bytes always mean the same object.
+        self.refs: Dict[bytes, Any] = {}
+        self.strtok: Dict[bytes, str] = {}  # a short string's bytes -> the one str (torch repeats "N/A")
+        self.templates: Dict[tuple, "_Template"] = {}
+        self.recent: Optional["_Template"] = None
 
     # -- the buffer -----------------------------------------------------------------------------
     def more(self, pos: int, need: int) -> int:
@@ -398,10 +404,31 @@ class _Machine:
     # -- the fast path: one event in two regex calls --------------------------------------------
     def event(self, trace: Trace, buf: bytes, pos: int) -> int:
         """Read the event at ``pos`` into ``trace``'s columns; its end, or -1 to read it the general way."""
+        tpl = self.recent
+        if tpl is not None:
+            m = tpl.regex.match(buf, pos)
+            if m is not None and tpl.handle(self, trace, m.groups(), len(self.memo)):
+                return m.end()
         m = _SPAN.match(buf, pos)
         if m is None:
             return -1
         end = m.end()
+        pairs = _PAIR.findall(buf, pos + 3, end - 1)
+        ktoks = tuple(k for k, _v in pairs)
+        tpl = self.templates.get(ktoks)
+        if tpl is None and all(k[0] != 0x8C for k in ktoks) and len(self.templates) < 64:
+            keys = [self.token(k, [], len(self.memo)) for k in ktoks]
+            if all(type(k) is str for k in keys) and len(set(keys)) == len(keys):
+                tpl = self.templates[ktoks] = _Template(ktoks, tuple(keys))
+        if tpl is not None:
+            m = tpl.regex.match(buf, pos)
+            if m is not None and tpl.handle(self, trace, m.groups(), len(self.memo)):
+                self.recent = tpl
+                return m.end()
+        return self.generic_event(trace, pairs, end)
+
+    def generic_event(self, trace: Trace, pairs: list, end: int) -> int:
+        """An event of the common shape whose keys are not all memo references yet (the first ones of a file)."""
         memo = self.memo
         base = len(memo)
         new: List[Any] = [_EVENT]
@@ -411,8 +438,10 @@ class _Machine:
         addr = size = 0
         t = NO_TIME
         fid = -1
-        for ktok, vtok in _PAIR.findall(buf, pos + 3, end - 1):
+        for ktok, vtok in pairs:
             key = self.token(ktok, new, base)
+            if ktok[0] == 0x8C:
+                new.append(key)
             if type(key) is not str:
                 return -1
             keys.append(key)
@@ -422,6 +451,8 @@ class _Machine:
                     return -1
                 continue
             value = self.token(vtok, new, base)
+            if vtok[0] == 0x8C:
+                new.append(value)
             if key == "action":
                 action = value
             elif key == "addr":
@@ -432,7 +463,7 @@ class _Machine:
                 t = value
             else:
                 others.append((key, value))
-        if not (type(addr) is int and type(size) is int and type(t) is int) or "action" not in keys:
+        if not (type(addr) is int and type(size) is int and type(t) is int):
             return -1
         code = trace.action_code(action)
         if code is None:
@@ -446,11 +477,18 @@ class _Machine:
         return end
 
     def token(self, tok: bytes, new: list, base: int) -> Any:
-        """The value of one fast-path token (memo entries it makes go to ``new``)."""
+        """The value of one fast-path token (a short string's memo entry is the caller's to add to ``new``)."""
         c = tok[0]
         if c == 0x68 or c == 0x6A:
             index = tok[1] if c == 0x68 else int.from_bytes(tok[1:], "little")
-            obj = self.memo[index] if index < base else new[index - base]
+            if index < base:
+                obj = self.memo[index]
+                if obj is not _EVENT:
+                    self.refs[tok] = obj
+            elif index - base < len(new):
+                obj = new[index - base]
+            else:
+                return _EVENT  # a reference past the memo: the general way says why
             if obj is _EVENT:
                 raise Fallback()
             return obj
@@ -463,11 +501,12 @@ class _Machine:
         if c == 0x4D:
             return tok[1] | tok[2] << 8
         if c == 0x8C:
-            try:
-                s = self.intern(str(tok[2:-1], "utf-8", "surrogatepass"))
-            except UnicodeDecodeError:
-                return _EVENT  # not a str: the general way says why
-            new.append(s)
+            s = self.strtok.get(tok)
+            if s is None:
+                try:
+                    s = self.strtok[tok] = self.intern(str(tok[2:-1], "utf-8", "surrogatepass"))
+                except UnicodeDecodeError:
+                    return _EVENT  # not a str: the general way says why
             return s
         if c == 0x4E:
             return None
@@ -487,6 +526,8 @@ class _Machine:
             if fid is None or self.frames[fid] is not obj:
                 fid = self.frames_of_obj[id(obj)] = len(self.frames)
                 self.frames.append(obj)
+            if tok in self.refs:  # a settled memo slot: the same bytes mean the same frames from now on
+                self.frames_of_ref[tok] = fid
             return fid
         run = tok[2:]
         fid = self.frames_of_run.get(run)
@@ -516,3 +557,89 @@ class _Machine:
 
 class _Short(IndexError):
     """An argument runs past the buffer (handled as truncation or refilled by ``long_arg``)."""
+
+
+class _Template:
+    """The regex and the straight-line reader of one event shape: its keys, in order, as memo references.
+
+    Torch writes every event of a kind with the same keys, so after the first few events each one
+    is a single ``match`` and a few lines of generated Python, with no loop over its keys.
+    """
+
+    def __init__(self, ktoks: tuple, keys: tuple):
+        self.keys = keys
+        self.regex = re.compile(rb"\}\x94\(" + b"".join(re.escape(k) + rb"(" + _VALUE + rb")" for k in ktoks) + rb"u")
+        self.xids: Dict[tuple, int] = {}
+        space = {"_EVENT": _EVENT, "NO_TIME": NO_TIME, "_from": int.from_bytes, "KEYS": keys}
+        exec(compile(self.source(keys), "<snapshot event template>", "exec"), space)
+        self.handle = space["handle"]
+
+    @staticmethod
+    def source(keys: tuple) -> str:
+        out = ["def handle(self, trace, g, base, xids={}):",
+               "    new = [_EVENT]",
+               "    refs = self.refs",
+               "    addr = size = 0",
+               "    t = NO_TIME",
+               "    fid = -1",
+               "    action = None"]
+        others = []
+        for i, key in enumerate(keys):
+            v = f"v{i}"
+            out.append(f"    {v} = g[{i}]")
+            if key == "frames":
+                out += [f"    if {v}[0] == 0x5D:",
+                        f"        fid = self.frames_of_run.get({v}[2:])",
+                        "        if fid is not None:",
+                        "            new.append(self.frames[fid])",
+                        "    else:",
+                        f"        fid = self.frames_of_ref.get({v})",
+                        "    if fid is None:",
+                        f"        fid = self.frames_token({v}, new, base)",
+                        "        if fid < 0:",
+                        "            return False"]
+                continue
+            name = {"addr": "addr", "size": "size", "time_us": "t"}.get(key)
+            if name is not None:
+                out += [f"    c = {v}[0]",
+                        f"    if c == 0x8A:\n        {name} = _from({v}[2:], 'little', signed=True)",
+                        f"    elif c == 0x4A:\n        {name} = _from({v}[1:], 'little', signed=True)",
+                        f"    elif c == 0x4B:\n        {name} = {v}[1]",
+                        f"    elif c == 0x4D:\n        {name} = {v}[1] | {v}[2] << 8",
+                        "    else:\n        return False"]
+                continue
+            name = "action" if key == "action" else f"x{i}"
+            if key != "action":
+                others.append((key, name))
+            out += [f"    if {v}[0] == 0x8C:",
+                    f"        {name} = self.strtok.get({v}) or self.token({v}, new, base)",
+                    f"        new.append({name})",
+                    "    else:",
+                    f"        {name} = refs.get({v})",
+                    f"        if {name} is None:",
+                    f"            {name} = self.token({v}, new, base)",
+                    f"    if {name} is _EVENT:",
+                    "        return False"]
+        values = "(" + "".join(f"{n}, " for _k, n in others) + ")"
+        pairs = "(" + "".join(f"({k!r}, {n}), " for k, n in others) + ")"
+        out += ["    code = trace._action_code.get(action)",
+                "    if code is None:",
+                "        code = trace.action_code(action)",
+                "        if code is None:",
+                "            return False",
+                "    try:",
+                f"        xk = (trace, {values})",
+                "        xid = xids.get(xk)",
+                "        if xid is None:",
+                f"            xid = xids[xk] = trace.extra_id(KEYS, {pairs})",
+                "    except TypeError:",
+                "        return False",
+                "    self.memo.extend(new)",
+                "    trace.act.append(code)",
+                "    trace.addr.append(addr)",
+                "    trace.size.append(size)",
+                "    trace.time.append(t)",
+                "    trace.frame.append(fid)",
+                "    trace.extra.append(xid)",
+                "    return True"]
+        return "\n".join(out) + "\n"
