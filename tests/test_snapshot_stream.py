@@ -1,0 +1,162 @@
+"""The streaming snapshot reader gives exactly what plain unpickling gives, on every capture, every protocol and every framing, and refuses what is not plain data in one line."""
+import gzip
+import io
+import os
+import pickle
+import pickletools
+import random
+import struct
+
+import pytest
+
+from ipy_gpumem.snapshots import SnapshotError, read_snapshot, stream
+from ipy_gpumem.snapshots.load import _PlainData, load_snapshot
+from ipy_gpumem.snapshots.report import SnapshotReport
+from ipy_gpumem.snapshots.schema import parse
+from ipy_gpumem.snapshots.trace import Trace
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "snapshots")
+CAPTURES = sorted(f for f in os.listdir(HERE) if f.endswith(".pickle.gz"))
+
+
+def raw(name):
+    with gzip.open(os.path.join(HERE, name), "rb") as fh:
+        return _PlainData(fh).load()  # the plain C unpickler: what the streaming reader must match
+
+
+def plain_report(data, source):
+    return SnapshotReport(parse(data), source).to_dict()
+
+
+@pytest.mark.parametrize("name", CAPTURES)
+def test_every_capture_reads_as_plain_unpickling_does(name):
+    data = raw(name)
+    assert read_snapshot(os.path.join(HERE, name)).to_dict() == plain_report(data, name)
+    streamed = load_snapshot(os.path.join(HERE, name))
+    if isinstance(data, dict):
+        for trace, events in zip(streamed["device_traces"], data["device_traces"]):
+            assert isinstance(trace, Trace) and len(trace) == len(events)
+            assert list(trace) == events  # every event, key order and values, rebuilt from the columns
+        assert streamed["segments"] == data["segments"]
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_protocols_2_to_5(protocol):
+    data = raw("Constructor-Sun_memory_snapshot.pickle.gz")  # three devices, an OOM, expandable segments
+    got = read_snapshot(pickle.dumps(data, protocol=protocol)).to_dict()
+    want = read_snapshot(data).to_dict()
+    got.pop("source"), want.pop("source")
+    assert got == want
+
+
+def reframed(blob, seed):
+    """The same pickle with FRAME opcodes put back at random opcode boundaries (frames of 1 to 300 bytes)."""
+    rng = random.Random(seed)
+    starts = [pos for op, _arg, pos in pickletools.genops(blob) if op.name not in ("FRAME", "PROTO")]
+    body = bytearray()
+    kept = [(p, blob[p:q]) for p, q in zip(starts, starts[1:] + [len(blob)])]
+    out = bytearray(blob[:2])
+    for _p, op in kept:
+        if op[:1] == b"\x95":
+            continue
+        body += op
+        if len(body) > rng.randint(1, 300):
+            out += b"\x95" + struct.pack("<Q", len(body)) + body
+            body = bytearray()
+    out += b"\x95" + struct.pack("<Q", len(body)) + body
+    return bytes(out)
+
+
+def test_frames_and_buffers_split_anywhere(monkeypatch):
+    data = raw("bcrafton.pickle.gz")
+    want = plain_report(data, "snapshot bytes")
+    blob = pickle.dumps(data, protocol=4)
+    assert read_snapshot(blob).to_dict() == want
+    awkward = reframed(blob, 1)
+    assert pickle.loads(awkward) == data  # still a valid pickle of the same data
+    assert read_snapshot(awkward).to_dict() == want
+    # A buffer refilled every few bytes: events cut at every place, read the general way or the fast one.
+    monkeypatch.setattr(stream, "CHUNK", 97)
+    monkeypatch.setattr(stream, "MARGIN", 211)
+    assert read_snapshot(awkward).to_dict() == want
+    assert list(load_snapshot(awkward)["device_traces"][0]) == data["device_traces"][0]
+
+
+def test_an_event_shared_by_reference_reads_the_plain_way():
+    data = raw("sil_mem_snapshot.pickle.gz")
+    data["device_traces"][0] = data["device_traces"][0] * 2  # the same dicts twice: memo references to events
+    got = read_snapshot(pickle.dumps(data, protocol=4)).to_dict()
+    assert got["events"] == 2 * 97
+    assert got == plain_report(data, "snapshot bytes")
+
+
+class Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+@pytest.mark.parametrize("where", ["top", "event"])
+def test_a_class_reference_runs_nothing(tmp_path, protocol, where):
+    marker = tmp_path / "ran"
+    data = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 2}] * 3]}
+    if where == "top":
+        data["x"] = Evil(marker)
+    else:
+        data["device_traces"][0] = [dict(e) for e in data["device_traces"][0]] + [{"action": Evil(marker)}]
+    f = tmp_path / "evil.pickle"
+    f.write_bytes(pickle.dumps(data, protocol=protocol))
+    with pytest.raises(SnapshotError, match=r"refers to (posix|nt|os)\.system") as err:
+        read_snapshot(str(f))
+    assert "\n" not in str(err.value) and not marker.exists()
+
+
+def test_a_truncated_file_gives_one_line(tmp_path):
+    blob = (gzip.open(os.path.join(HERE, "ZidongLiu_memory.pickle.gz")).read())
+    for cut in (3, 11, 5000, len(blob) // 2, len(blob) - 1):
+        f = tmp_path / "cut.pickle"
+        f.write_bytes(blob[:cut])
+        with pytest.raises(SnapshotError, match="not a readable pickle") as err:
+            read_snapshot(str(f))
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("content", [
+    b"\x80\x04" + bytes(range(256)) * 4,
+    b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00}\x94(zzzz",
+    b"\x80\x05" + os.urandom(3000),
+    b"\x00\x01garbage",
+    b"",
+])
+def test_garbage_gives_one_line(tmp_path, content):
+    f = tmp_path / "g.pickle"
+    f.write_bytes(content)
+    with pytest.raises(SnapshotError) as err:
+        read_snapshot(str(f))
+    assert "\n" not in str(err.value)
+
+
+def test_the_limit_counts_uncompressed_bytes(tmp_path):
+    gz = os.path.join(HERE, "ZidongLiu_memory.pickle.gz")
+    unpacked = len(gzip.open(gz).read())
+    between = (os.path.getsize(gz) + unpacked) // 2
+    with pytest.raises(SnapshotError, match="over the limit") as err:
+        read_snapshot(gz, max_bytes=between)
+    assert "\n" not in str(err.value)
+    assert read_snapshot(gz, max_bytes=unpacked).to_dict()["events"] == 23105
+
+
+def test_trace_columns_rebuild_any_event():
+    events = [{"action": "alloc", "addr": 1 << 40, "size": 512, "stream": 0, "time_us": 5, "frames": []},
+              {"action": "oom", "device_free": 3, "size": 1 << 33, "stream": 0, "frames": [{"name": "f"}]},
+              {"addr": 7, "action": "free_completed", "size": 512.0},  # a float size: kept whole
+              {"action": "alloc", "addr": 1 << 70, "size": 1},  # too big for a column
+              {"action": "segment_map", "addr": 0, "size": 2, "note": ["a", "list"]}]
+    trace = Trace.from_events(events)
+    assert list(trace) == events and trace[-1] == events[-1] and trace[1:3] == events[1:3]
+    assert sorted(trace.odd) == [2, 3, 4]
+    assert [r[0] for r in trace.rows()] == [e.get("action") for e in events]
+    assert [r[0] for r in trace.rows(reverse=True)] == [e.get("action") for e in reversed(events)]
