@@ -56,11 +56,19 @@ def test_tier_follows_the_front_end(monkeypatch):
     assert tier == "text" and "terminal" in note
     monkeypatch.setitem(sys.modules, "ipykernel", _fake_ipykernel())
     zmq_shell = type("ZMQInteractiveShell", (), {})()
-    # In a kernel the HTML chart is the default: it needs no widget state to be seen again.
-    assert choose_tier(zmq_shell) == ("html", None)
+    # In a kernel the live plotly figure is the default where plotly's widget can be built.
+    from ipy_gpumem.chart.figures.live import plotly_widget_status
+
+    assert choose_tier(zmq_shell) == ("plotly" if plotly_widget_status() is None else "html", None)
     assert choose_tier(zmq_shell, prefer="html") == ("html", None)
     if widgets_status() is None:
         assert choose_tier(zmq_shell, prefer="widget") == ("widget", None)
+    monkeypatch.setitem(sys.modules, "anywidget", None)  # an import of it now fails
+    if widgets_status() is None:
+        assert choose_tier(zmq_shell) == ("html", None)  # the default falls back quietly
+        tier, note = choose_tier(zmq_shell, prefer="plotly")
+        assert tier == "html" and "anywidget" in note
+    monkeypatch.delitem(sys.modules, "anywidget")
     monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
     assert choose_tier(zmq_shell) == ("html", None)
     tier, note = choose_tier(zmq_shell, prefer="widget")
@@ -206,7 +214,8 @@ def test_widget_view_holds_the_chart_and_closes_its_widgets_when_frozen():
     assert view.finalize() is True and "application/vnd.jupyter.widget-view+json" in updates[-1]
     view.freeze()
     assert set(_widgets()) == before  # closed: nothing left in the kernel, nothing in the saved state
-    assert set(updates[-1]) == {"text/html", "text/plain"}  # the output keeps a picture, no dead widget
+    # the output keeps the plotly figure and a picture, no dead widget
+    assert set(updates[-1]) == {"application/vnd.plotly.v1+json", "text/html", "text/plain"}
     assert "<img" in updates[-1]["text/html"] and not view.live
 
 
@@ -381,12 +390,18 @@ def test_repeated_charts_keep_one_live_view_and_no_widgets(ip, monkeypatch):
     chart = LiveChart(MemoryProbe(), lambda: [], lambda: None)
     try:
         with capture_output():
-            for kind in ("widget", "html", None) * 10:
+            for kind in ("widget", None, "plotly", "html") * 10:
                 chart.show(ip, kind, run=False)
         assert len(chart.views) == 1 and len(set(_widgets()) - before) == 0  # the last one is html
         with capture_output():
             chart.show(ip, "widget", run=False)
         assert len(set(_widgets()) - before) == 3
+        from ipy_gpumem.chart.figures.live import plotly_widget_status
+
+        if plotly_widget_status() is None:
+            with capture_output():
+                chart.show(ip, None, run=False)  # the default: one FigureWidget, the HTML widget closed
+            assert len(set(_widgets()) - before) == 1 and chart.views[0].tier == "plotly"
     finally:
         chart.close()
     assert set(_widgets()) == before and chart.views == []

@@ -120,7 +120,7 @@ def test_the_gpumem_line_is_read_into_a_typed_command():
     assert parse_command("") == Command("status") and parse_command("HISTORY 3").limit == 3
     assert parse_command("chart Text").tier == "text" and parse_command("free --dry-run").dry_run
     assert parse_command("who cpu").device == HOST and parse_command("export ~/c.csv").path.endswith("/c.csv")
-    for bad in ("history ²", "history x", "chart plotly", "who a b", "free now", "export c.txt", "on now", "zap", '"open'):
+    for bad in ("history ²", "history x", "chart svg", "who a b", "free now", "export c.txt", "on now", "zap", '"open'):
         with pytest.raises(CommandError):
             parse_command(bad)
     from ipy_gpumem.ledger import commands

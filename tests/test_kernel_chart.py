@@ -58,7 +58,8 @@ def errors(messages):
     return [m["content"] for _, m in messages if m["msg_type"] == "error"]
 
 
-@pytest.mark.parametrize("kind, update_type", [("widget", "comm_msg"), ("html", "update_display_data")])
+@pytest.mark.parametrize("kind, update_type", [("plotly", "comm_msg"), ("widget", "comm_msg"),
+                                               ("html", "update_display_data")])
 def test_chart_updates_arrive_while_the_cell_is_busy(kernel, kind, update_type):
     for code in ("%load_ext ipy_gpumem", "import torch", f"%gpumem chart {kind}"):
         messages, _, _ = run(kernel, code)
@@ -107,26 +108,51 @@ def test_saved_notebook_carries_a_static_snapshot():
     chart = nb.cells[2]
     bundles = [o["data"] for o in outputs(chart, "display_data") if "text/html" in o.get("data", {})]
     assert bundles, chart.outputs
-    html = bundles[0]["text/html"]
+    data = bundles[0]
+    html = data["text/html"]
     assert "data:image/svg+xml," in html and "<svg" not in html.split("data:image/svg+xml,")[0]
     # the picture was rewritten after later cells ran: it shows their spans, not the initial state
     assert 'title="[4] import time' in html and 'title="[5] z = bytearray' in html
-    assert "application/vnd.jupyter.widget-view+json" not in bundles[0]  # the default chart is no widget
+    # the default chart is the live plotly figure: its widget first, then the figure's JSON (what an
+    # untrusted or reopened notebook draws), also rewritten after the later cells
+    assert list(data)[:2] == ["application/vnd.jupyter.widget-view+json", "application/vnd.plotly.v1+json"]
+    figure = data["application/vnd.plotly.v1+json"]
+    hovers = json.dumps([trace.get("hovertext") for trace in figure["data"]])
+    assert "[4] import time" in hovers and "[5] z = bytearray" in hovers
+    assert figure["layout"]["uirevision"] and figure["layout"]["xaxis"]["rangeslider"]["visible"]
+    assert any(trace["name"] == "host RSS" and len(trace["x"]) >= 5 for trace in figure["data"])
     report = [o for o in outputs(nb.cells[4], "display_data") if "%%gpumem" in o["data"].get("text/plain", "")]
     assert "<svg" in report[0]["data"]["text/html"]  # the report's own chart of that cell
 
 
+class _LabLikeClient:
+    """nbclient's widget-state saving, with one change to act like JupyterLab: a widget whose comm
+    is closed leaves the saved state (nbclient keeps the last state of every widget ever opened)."""
+
+    @staticmethod
+    def make(**kwargs):
+        from nbclient import NotebookClient
+
+        class Client(NotebookClient):
+            def handle_comm_msg(self, outs, msg, cell_index):
+                if msg["msg_type"] == "comm_close":
+                    self.widget_state.pop(msg["content"]["comm_id"], None)
+                    self.widget_buffers.pop(msg["content"]["comm_id"], None)
+                    return
+                super().handle_comm_msg(outs, msg, cell_index)
+
+        return Client(**kwargs)
+
+
 def execute_saving_widgets(cells, timeout=180):
-    """Run ``cells`` in a fresh kernel and save the widget state as JupyterLab does (nbclient's
-    store_widget_state writes the notebook metadata ``widgets`` /
-    ``application/vnd.jupyter.widget-state+json`` with every widget still open)."""
+    """Run ``cells`` in a fresh kernel and save the widget state as JupyterLab does with "save widget
+    state" switched on: the notebook metadata ``widgets`` holds every widget still open."""
     import nbformat
-    from nbclient import NotebookClient
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True, store_widget_state=True,
-                            resources={"metadata": {"path": os.getcwd()}})
+    client = _LabLikeClient.make(nb=nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                                 store_widget_state=True, resources={"metadata": {"path": os.getcwd()}})
     client.km = client.create_kernel_manager()
     client.km.kernel_spec.argv[0] = sys.executable
     client.km.kernel_spec.env = dict(os.environ, PYTHONWARNINGS="ignore::DeprecationWarning")
@@ -139,32 +165,39 @@ MAX_BYTES_PER_VIEW = 200 * 1024
 
 
 def test_saved_notebooks_stay_small_and_show_every_chart():
+    import copy
+
     import nbformat
 
     cells = ["%load_ext ipy_gpumem", "bufs = [bytearray(2**24) for _ in range(4)]"]
-    cells += ["%gpumem chart\nimport time; time.sleep(0.5)", "%gpumem chart widget\ntime.sleep(0.5)"] * 3
+    cells += ["%gpumem chart widget\nimport time; time.sleep(0.5)", "%gpumem chart\ntime.sleep(0.5)"] * 3
     cells += [GROW]
     nb = execute_saving_widgets(cells)
-    text = nbformat.writes(nb)
-    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
     views = 6
-    per_view = len(text) / views
-    assert per_view <= MAX_BYTES_PER_VIEW, f"{len(text):,} bytes for {views} chart views"
-    # Only core widgets (no plotly bundle), a few KiB to a few tens of KiB each. nbclient keeps
-    # the last state of closed widgets too (it ignores comm_close; JupyterLab drops them, see
-    # test_repeated_charts_leave_no_widgets_behind), so this is the pessimistic count.
-    # (An HTML widget's style is HTMLStyleModel in ipywidgets 8, DescriptionStyleModel in 7, Colab's.)
-    assert {v["model_name"] for v in state.values()} in (
-        {"HTMLModel", "HTMLStyleModel", "LayoutModel"}, {"HTMLModel", "DescriptionStyleModel", "LayoutModel"}), state
-    assert sum(len(json.dumps(v)) for v in state.values()) <= 3 * MAX_BYTES_PER_VIEW
-    # Every chart view left a picture in its output, the latest one showing the last cell.
+    # As JupyterLab and Notebook 7 save by default: outputs, no widget state.
+    plain_nb = copy.deepcopy(nb)
+    plain_nb.metadata.pop("widgets", None)
+    text = nbformat.writes(plain_nb)
+    assert len(text) / views <= MAX_BYTES_PER_VIEW, f"{len(text):,} bytes for {views} chart views"
+    # With widget state saving on: the one live figure's plotly bundle, never one per view.
+    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    bundles = [v for v in state.values() if "plotly" in json.dumps(v.get("state", {}).get("_esm", ""))[:100000]
+               or v["model_name"] in ("AnyModel", "FigureModel")]
+    assert len(bundles) == 1, sorted(v["model_name"] for v in state.values())
+    assert len(nbformat.writes(nb)) <= len(text) + 6.5 * 2**20
+    # Every chart view left a picture and, once replaced, a static plotly figure in its output.
     for index in range(2, 8):
-        html = [o["data"]["text/html"] for o in outputs(nb.cells[index], "display_data")
+        data = [o["data"] for o in outputs(nb.cells[index], "display_data")
                 if "ipy-gpumem-chart" in o.get("data", {}).get("text/html", "")]
-        assert html and "data:image/svg+xml," in html[-1], (index, nb.cells[index].outputs)
-    last = [o["data"] for o in outputs(nb.cells[7], "display_data") if "text/html" in o.get("data", {})][-1]
-    assert "application/vnd.jupyter.widget-view+json" in last  # the live widget chart
-    assert re.search(r'title="\[9\] import time', last["text/html"] + state_html(state))
+        assert data and "data:image/svg+xml," in data[-1]["text/html"], (index, nb.cells[index].outputs)
+        if index < 7:
+            assert "application/vnd.jupyter.widget-view+json" not in data[-1], index  # no dead widget
+            assert "application/vnd.plotly.v1+json" in data[-1], index
+    last = [o["data"] for o in outputs(nb.cells[7], "display_data")
+            if "application/vnd.plotly.v1+json" in o.get("data", {})][-1]
+    assert "application/vnd.jupyter.widget-view+json" in last  # the live plotly chart
+    assert re.search(r'title="\[9\] import time', last["text/html"])
+    assert "[9] import time" in json.dumps(last["application/vnd.plotly.v1+json"])
 
 
 def state_html(state) -> str:
@@ -183,17 +216,19 @@ def test_repeated_charts_leave_no_widgets_behind(kernel):
         run(kernel, "%gpumem sidebar")
     for _ in range(5):
         run(kernel, "%gpumem chart")
+    run(kernel, "%gpumem chart html")  # the plotly figure replaced too: its widget closes
     messages, _, _ = run(kernel, "print(len(_live) - base, sorted(type(w).__name__ for w in _live.values()))")
     printed = "".join(m["content"].get("text", "") for _, m in messages if m["msg_type"] == "stream")
-    # What is left: the sidebar (its Sidecar and layout, its chart's HTML, layout and style); the
+    # What is left: the sidebar (its Sidecar and layout, its chart's widgets); the
     # ten inline widget charts were replaced, and replaced views close their widgets. Without the
     # sidecar package the sidebar falls back to an inline chart, replaced like the others.
     try:
         import sidecar  # noqa: F401
     except ImportError:
         assert printed.startswith("0 []"), printed
-    else:
-        assert printed.startswith(("5 ['HTML', 'HTMLStyle', 'Layout', 'Layout', 'Sidecar']",
+    else:  # the sidebar's plotly figure, or without plotly's widget its HTML chart
+        assert printed.startswith(("3 ['FigureWidget', 'Layout', 'Sidecar']",
+                                   "5 ['HTML', 'HTMLStyle', 'Layout', 'Layout', 'Sidecar']",
                                    "5 ['DescriptionStyle', 'HTML', 'Layout', 'Layout', 'Sidecar']")), printed
     run(kernel, "%unload_ext ipy_gpumem")
     messages, _, _ = run(kernel, "print(len(_live) - base)")

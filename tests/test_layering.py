@@ -30,7 +30,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 LEVELS = {"core": 0, "tensors": 1, "display": 1, "sealed": 1, "attribution": 2, "chart": 2, "anatomy": 3,
           "preflight": 4, "free": 5, "oom": 5, "snapshots": 6, "ledger": 7}
 #: Modules that draw: inside a room, no other module imports them.
-DRAWING = {"view", "panel", "svg", "views", "live"}
+DRAWING = {"view", "panel", "svg", "views", "live", "figures"}
 HEAVY = ("IPython", "torch", "plotly", "ipywidgets", "pynvml", "pandas", "psutil", "sidecar", "anywidget")
 
 

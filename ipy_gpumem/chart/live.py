@@ -92,6 +92,19 @@ class RedrawBudget:
             self.spent += max(0.0, seconds)
 
 
+def _sidebar_view(timeline):
+    """The sidebar's chart: the plotly figure drawn at the sidebar's own width where plotly's widget
+    can be built, else the SVG chart in an HTML widget."""
+    from .figures.live import SIDEBAR_HEIGHT, FigureChartView, plotly_widget_status
+
+    if plotly_widget_status() is None:
+        try:
+            return FigureChartView(timeline, height=SIDEBAR_HEIGHT)
+        except Exception:  # noqa: BLE001 - a plotly/anywidget mismatch: the picture still works
+            pass
+    return WidgetChartView(timeline, size=SIDEBAR_SIZE)
+
+
 class LiveChart:
     """Timeline, sampler and views for one shell.
 
@@ -196,7 +209,7 @@ class LiveChart:
             self._retire(old)
         self._close_sidecar()
         self.sidecar = Sidecar(title="GPU memory", anchor="right")
-        view = WidgetChartView(timeline, size=SIDEBAR_SIZE)
+        view = _sidebar_view(timeline)
         view.inline = False
         view.display(target=self.sidecar)
         # One live line stays inline, so the numbers are never lost where the sidebar cannot show.

@@ -33,12 +33,13 @@ from .svg import IMG_INK, draw_timeline, span_hover
 from .timeline import HOST_RSS, SeriesKey, TimelineSnapshot
 
 __all__ = ["WIDGETS_HINT", "TIERS", "choose_tier", "make_view", "timeline_text", "status_line", "chart_html", "svg_data_uri",
+           "static_bundle",
            "sidebar_unavailable", "widgets_status", "HtmlChartView", "WidgetChartView", "TextChartView",
            "StatusLineView"]
 
 WIDGETS_HINT = "pip install 'ipy_gpumem[widgets]'"
 #: Chart kinds for ``%gpumem chart KIND``, richest first.
-TIERS = ("widget", "html", "text")
+TIERS = ("plotly", "widget", "html", "text")
 _WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 _SPARK = "▁▂▃▄▅▆▇█"
 #: Inline chart size, and the narrower one the sidebar gets (an image scales down, never up).
@@ -97,9 +98,10 @@ def sidebar_unavailable(shell=None, environ=None) -> Optional[str]:
 def choose_tier(shell=None, prefer: Optional[str] = None):
     """``(tier, note)``: the tier to show, and a one-line reason when it is not the one asked for.
 
-    In a kernel the default is ``html``: it moves as smoothly as a widget, and unlike a widget it
-    needs no widget state to be seen again in a saved notebook (JupyterLab does not save widget
-    state by default, and shows "model not found" for a widget without it).
+    In a kernel the default is ``plotly``, a live plotly ``FigureWidget`` (zoom, pan, legend and
+    range slider that survive updates), where one can be built; Colab, or a kernel without plotly's
+    widget, gets ``html``, the SVG chart updated in place. A chart that stops being live leaves a
+    static plotly figure with the SVG picture beside it in either case.
 
     Raises:
         ValueError: ``prefer`` is not one of :data:`TIERS`.
@@ -110,14 +112,26 @@ def choose_tier(shell=None, prefer: Optional[str] = None):
         if prefer not in (None, "text"):
             return "text", f"no notebook front end here (terminal IPython): showing text instead of {prefer}"
         return "text", None
-    if prefer != "widget":
-        return prefer or "html", None
+    if prefer in ("html", "text"):
+        return prefer, None
     if in_colab():
-        return "html", "Colab gets the HTML chart updated in place (widget updates from a thread are not reliable there)"
+        # Colab draws third-party widgets only after enable_custom_widget_manager(), a setting of the
+        # user's that we do not change; its HTML outputs update in place.
+        note = None if prefer is None else (f"Colab gets the HTML chart updated in place ({prefer} charts need "
+                                             "Colab's custom widget manager)")
+        return "html", note
     why_not = widgets_status()
+    if prefer == "widget":
+        if why_not is not None:
+            return "html", f"widget chart unavailable ({why_not}): showing an HTML chart updated in place"
+        return "widget", None
+    from .figures.live import plotly_widget_status
+
+    why_not = why_not or plotly_widget_status()
     if why_not is not None:
-        return "html", f"widget chart unavailable ({why_not}): showing an HTML chart updated in place"
-    return "widget", None
+        return "html", (None if prefer is None else f"plotly chart unavailable ({why_not}): showing an HTML "
+                                                     "chart updated in place")
+    return "plotly", None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,6 +294,37 @@ def chart_html(snapshot: Optional[TimelineSnapshot], width: int = CHART_SIZE[0],
             f'style="width:100%;display:block">{boxes}</div></div>')
 
 
+def _colab_html(figure: dict, picture: str) -> str:
+    """Colab draws no plotly MIME output: plotly.js from its CDN draws the figure over the picture,
+    which stays where scripts do not run (GitHub, nbviewer)."""
+    import json
+    import uuid
+
+    try:
+        from plotly.offline import get_plotlyjs_version
+
+        version = get_plotlyjs_version()
+    except Exception:  # noqa: BLE001 - plotly missing or changed: the picture alone
+        return picture
+    div = "ipy-gpumem-" + uuid.uuid4().hex[:12]
+    spec = json.dumps(figure).replace("</", "<\\/")
+    return (f'<div id="{div}">{picture}</div><script src="https://cdn.plot.ly/plotly-{version}.min.js"></script>'
+            f'<script>(function(){{var d=document.getElementById("{div}"),f={spec};'
+            f'if(!window.Plotly||!d)return;d.innerHTML="";Plotly.newPlot(d,f.data,f.layout,f.config);}})();</script>')
+
+
+def static_bundle(snapshot: Optional[TimelineSnapshot], figure: Optional[dict] = None, size=CHART_SIZE) -> dict:
+    """A chart that no longer moves: plotly's figure first, the SVG picture for viewers without
+    plotly (GitHub, nbviewer), text for a terminal. ``figure`` defaults to the snapshot's."""
+    from .figures.timeline import PLOTLY_MIME, timeline_figure
+
+    figure = figure if figure is not None else timeline_figure(snapshot)
+    picture = chart_html(snapshot, *size)
+    if in_colab():
+        picture = _colab_html(figure, picture)
+    return {PLOTLY_MIME: figure, "text/html": picture, "text/plain": timeline_text(snapshot)}
+
+
 # ---------------------------------------------------------------------------------------------
 # Views
 # ---------------------------------------------------------------------------------------------
@@ -297,6 +342,7 @@ class _View:
         self.handle = None
         self.live = True
         self._drawn = -1
+        self._bundled = -1  # the version whose fallback the output holds (widget views)
         self._lock = threading.Lock()  # the sampler thread and the main thread both refresh
 
     def refresh(self, force: bool = False) -> bool:
@@ -371,8 +417,9 @@ class HtmlChartView(_View):
             self.handle.update(self._bundle(snapshot), raw=True)
 
     def _leave(self, snapshot) -> None:
-        if self.handle is not None and self._drawn != snapshot.version:
-            self.handle.update(self._bundle(snapshot), raw=True)
+        # plotly's renderer does not redraw in place, so the figure comes once the chart stops moving.
+        if self.handle is not None:
+            self.handle.update(static_bundle(snapshot, size=self.size), raw=True)
 
 
 class StatusLineView(HtmlChartView):
@@ -387,6 +434,10 @@ class StatusLineView(HtmlChartView):
         text = f"ipy_gpumem · {line}" + (f"  ({self.where})" if self.where else "")
         return {"text/html": f'<div style="font:12px var(--jp-code-font-family,monospace);opacity:.85">{esc(text)}</div>',
                 "text/plain": text}
+
+    def _leave(self, snapshot) -> None:  # a line of numbers stays a line of numbers
+        if self.handle is not None and self._drawn != snapshot.version:
+            self.handle.update(self._bundle(snapshot), raw=True)
 
 
 class WidgetChartView(_View):
@@ -413,6 +464,7 @@ class WidgetChartView(_View):
         self._drawn = snapshot.version
         if target is None:
             self.handle = display(self._bundle(snapshot), raw=True, display_id=True)
+            self._bundled = snapshot.version
         else:
             with target:
                 display(self.html)
@@ -437,16 +489,19 @@ class WidgetChartView(_View):
 
     def finalize(self) -> bool:
         drew = self.refresh()
-        if drew and self.handle is not None:
-            with self._lock:
-                if self.live:  # same widget, fresh static fallback for an untrusted reopen
-                    self.handle.update(self._bundle(self.timeline.snapshot()), raw=True)
+        with self._lock:
+            snapshot = self.timeline.snapshot()
+            # Same widget, fresh fallback for an untrusted or reopened notebook: also when the
+            # sampler thread drew the widget last, since it never rewrites the output itself.
+            if self.live and self.handle is not None and snapshot.version != self._bundled:
+                self.handle.update(self._bundle(snapshot), raw=True)
+                self._bundled = snapshot.version
         return drew
 
     def _leave(self, snapshot) -> None:
         if self.handle is not None:
-            # The output keeps a picture and no reference to a widget that is about to go.
-            self.handle.update(self._bundle(snapshot, live=False), raw=True)
+            # The output keeps the figure and its picture, and no reference to a widget about to go.
+            self.handle.update(static_bundle(snapshot, size=self.size), raw=True)
         close_widgets(self.widgets)
 
 
@@ -461,6 +516,14 @@ def close_widgets(widgets) -> None:
 
 def make_view(tier: str, timeline, note: Optional[str] = None):
     """A view of ``timeline`` in ``tier`` (see :func:`choose_tier`); HTML if a widget cannot be built."""
+    if tier == "plotly":
+        try:
+            from .figures.live import FigureChartView
+
+            return FigureChartView(timeline, note)
+        except Exception as exc:  # noqa: BLE001 - e.g. a plotly or anywidget version mismatch
+            return HtmlChartView(timeline, f"plotly chart unavailable ({type(exc).__name__}: {exc}): "
+                                           "showing an HTML chart updated in place")
     if tier == "widget":
         try:
             return WidgetChartView(timeline, note)

@@ -23,7 +23,7 @@ __all__ = ["Command", "CommandError", "MODES", "parse_command", "export", "estim
            "LINE_HELP", "CELL_HELP"]
 
 MODES = ("status", "history", "chart", "sidebar", "who", "free", "on", "off", "clear", "export", "snapshot")
-TIERS = ("widget", "html", "text")  # the chart's kinds (chart/views.py checks it uses the same)
+TIERS = ("plotly", "widget", "html", "text")  # the chart's kinds (chart/views.py checks it uses the same)
 _MODES_HELP = "status, history [N], chart [widget|html|text], sidebar, who [DEVICE], free [--dry-run], on, off, clear, export PATH, snapshot PATH"
 
 

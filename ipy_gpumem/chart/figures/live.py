@@ -1,0 +1,158 @@
+"""The live chart as a plotly ``FigureWidget``: it moves while cells run and keeps the user's zoom across updates.
+
+plotly's own renderer does not redraw a figure that is updated in place through a ``display_id``,
+so a figure that moves needs a widget. The widget is shown in one output bundle with the figure's
+JSON and the SVG picture beside it: an untrusted or reopened notebook, where no widget can be
+drawn, shows the plotly figure (plotly's renderer is trusted to run) or the picture.
+
+Updates touch only what the data owns: each trace's points, the cell bands and the capacity notes.
+The axes' ranges are never set from here, and the layout's ``uirevision`` stays constant, so a
+zoom, a pan or a legend toggle that the user made survives every update (the widget writes the
+user's ranges back into the figure, and an update that does not mention them leaves them be).
+
+plotly is imported here only, when a live figure is asked for (about a second the first time, on
+the main thread, never inside a cell's measurement). A view that stops leaves the figure as it is
+now, with the user's zoom, as static JSON, and closes its widget: saved widget state then holds at
+most the one live figure's plotly bundle (about 5 MB), never one per chart shown.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .timeline import PLOTLY_MIME, figure_config, timeline_figure
+from ..views import _View, chart_html, close_widgets, static_bundle, timeline_text
+
+__all__ = ["FigureChartView", "plotly_widget_status", "figure_json", "WIDGET_MIME"]
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+#: Inline height in pixels; the width follows the output area.
+HEIGHT = 330
+#: The sidebar's figure: drawn at the sidebar's own width, so its labels keep their size.
+SIDEBAR_HEIGHT = 300
+
+
+def plotly_widget_status() -> Optional[str]:
+    """None when a plotly ``FigureWidget`` can be built here, else why not (one line)."""
+    try:
+        import plotly  # noqa: F401
+    except ImportError:
+        return "plotly is not installed (pip install plotly)"
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return "ipywidgets is not installed (pip install ipywidgets)"
+    major = int(plotly.__version__.split(".")[0])
+    if major >= 6:
+        try:  # plotly 6 draws its FigureWidget through anywidget
+            import anywidget  # noqa: F401
+        except ImportError:
+            return "plotly's FigureWidget needs anywidget (pip install anywidget)"
+    return None
+
+
+def _same_traces(widget_data, specs) -> bool:
+    return len(widget_data) == len(specs) and all(
+        trace.name == spec.get("name") and trace.type == spec.get("type") for trace, spec in zip(widget_data, specs))
+
+
+class FigureChartView(_View):
+    """The live chart as a plotly ``FigureWidget``, inline or inside an Output-like widget (the sidebar)."""
+
+    tier = "plotly"
+
+    def __init__(self, timeline, note: Optional[str] = None, height: int = HEIGHT):
+        super().__init__(timeline, note)
+        import plotly.graph_objects as go
+
+        self.height = height
+        self._last = None  # the figure spec last drawn: updates send only what changed
+        spec = timeline_figure(timeline.snapshot(), height=height)
+        self.figure = go.FigureWidget(data=spec["data"], layout=spec["layout"])
+        try:
+            self.figure._config = figure_config()
+        except Exception:  # noqa: BLE001 - an older plotly without a synced config: the default mode bar
+            pass
+
+    @property
+    def widgets(self) -> tuple:
+        """Every widget model this view created."""
+        return (self.figure,)
+
+    def display(self, target=None) -> None:
+        """Show the figure inline (``target`` None) or inside an Output-like widget (the sidebar)."""
+        from IPython.display import display
+
+        if self.note:
+            print(f"ipy_gpumem: {self.note}")
+        snapshot = self.timeline.snapshot()
+        self._draw(snapshot)
+        self._drawn = snapshot.version
+        if target is None:
+            self.handle = display(self._bundle(snapshot), raw=True, display_id=True)
+            self._bundled = snapshot.version
+        else:
+            with target:
+                display(self.figure)
+
+    def _bundle(self, snapshot, live: bool = True) -> dict:
+        text = timeline_text(snapshot)
+        if not live:
+            return static_bundle(snapshot, figure_json(self.figure))
+        # The widget's own state holds the live figure; the JSON and picture beside it are what an
+        # untrusted or reopened notebook shows.
+        return {WIDGET_MIME: {"version_major": 2, "version_minor": 0, "model_id": self.figure.model_id},
+                PLOTLY_MIME: figure_json(self.figure), "text/html": chart_html(snapshot),
+                "text/plain": text}
+
+    def _draw(self, snapshot) -> None:
+        spec = timeline_figure(snapshot, height=self.height)
+        last, self._last = self._last, spec
+        figure = self.figure
+        with figure.batch_update():
+            if last is not None and _same_traces(figure.data, spec["data"]):
+                # Only what changed goes through plotly's validation (a list compare is C speed; a
+                # validated assignment of the same points costs milliseconds).
+                for trace, new, old in zip(figure.data, spec["data"], last["data"]):
+                    changed = {key: new[key] for key in _MOVING if key in new and new[key] != old.get(key)}
+                    if changed:
+                        trace.update(changed)
+            else:  # the first draw, or a device or the cells appeared: the set of traces changed
+                figure.data = ()
+                figure.add_traces(spec["data"])
+            layout, before = spec["layout"], (last or {}).get("layout", {})
+            changed = {key: layout[key] for key in ("shapes", "annotations", "showlegend") if layout[key] != before.get(key)}
+            if changed:
+                figure.layout.update(changed)
+            if layout["yaxis"]["title"] != before.get("yaxis", {}).get("title"):
+                figure.layout.yaxis.title.text = layout["yaxis"]["title"]["text"]
+            if layout["xaxis"]["rangeslider"] != before.get("xaxis", {}).get("rangeslider"):
+                figure.layout.xaxis.rangeslider.visible = layout["xaxis"]["rangeslider"]["visible"]
+
+    def finalize(self) -> bool:
+        drew = self.refresh()
+        with self._lock:
+            snapshot = self.timeline.snapshot()
+            # Same widget, fresh fallback for an untrusted or reopened notebook: also when the
+            # sampler thread drew the widget last, since it never rewrites the output itself.
+            if self.live and self.handle is not None and snapshot.version != self._bundled:
+                self.handle.update(self._bundle(snapshot), raw=True)
+                self._bundled = snapshot.version
+        return drew
+
+    def _leave(self, snapshot) -> None:
+        if self.handle is not None:
+            # The output keeps the figure as the user left it (zoom included) and no widget reference.
+            self.handle.update(self._bundle(snapshot, live=False), raw=True)
+        close_widgets(self.widgets)
+
+
+#: Trace properties that change as the session goes on (the rest is fixed per trace).
+_MOVING = ("x", "y", "text", "hovertext", "marker", "mode")
+
+
+def figure_json(figure) -> dict:
+    """The figure as it is now, the user's zoom included, as the plotly MIME type's JSON."""
+    spec = figure.to_plotly_json()
+    return {"data": spec.get("data", []), "layout": spec.get("layout", {}), "config": figure_config()}
+
+

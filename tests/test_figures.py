@@ -1,0 +1,205 @@
+"""The plotly figures: what the timeline figure holds, that plotly accepts it, and that the live view keeps a
+user's zoom and sends only what changed."""
+import json
+import time
+
+import pytest
+
+from ipy_gpumem.chart.figures.timeline import PLOTLY_MIME, UIREVISION, byte_unit, timeline_figure
+from ipy_gpumem.chart.svg.base import DEVICE_COLORS, FAILED_COLOR, RUNNING_COLOR
+from ipy_gpumem.chart.timeline import Timeline
+from ipy_gpumem.core.devices import HOST, cuda
+from ipy_gpumem.core.probes import DeviceSample, HostSample, Sample
+from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord
+from ipy_gpumem.core.units import GiB, MiB
+
+
+def gpu(t, allocated, reserved=None, total=16 * GiB, index=0):
+    return Sample(t, HostSample(GiB, None), (DeviceSample(index, allocated, reserved, None, None, None, total),))
+
+
+def host(t, rss):
+    return Sample(t, HostSample(rss, None), ())
+
+
+def record(n, peak, error=None, source="y = model(x)"):
+    dev = DeviceRecord(0, "GPU", allocated_before=GiB, allocated_after=GiB, allocated_peak=peak,
+                       reserved_before=2 * GiB, reserved_after=2 * GiB, reserved_peak=peak, total=16 * GiB)
+    return CellRecord(n, None, source, time.time(), 1.0, error=error, devices=(dev,), host=HostRecord(GiB, GiB, GiB))
+
+
+def session(cells=5, points_per_cell=10, running=True, capacity=16 * GiB):
+    tl = Timeline()
+    t = 100.0
+    for n in range(1, cells + 1):
+        tl.cell_started(t, "[*]", f"step({n})\nmore()")
+        for i in range(points_per_cell):
+            tl.add(gpu(t + i * 0.1, GiB + i * 100 * MiB, 2 * GiB + i * 100 * MiB, total=capacity))
+        t += points_per_cell * 0.1
+        # a peak between samples (the record's exact peak is above every sample of the cell)
+        tl.cell_finished(t, record(n, 9 * GiB if n == 2 else GiB + 950 * MiB, error="ValueError" if n == 3 else None))
+        t += 0.2
+    if running:
+        tl.cell_started(t, "[*]", "train()")
+        tl.add(gpu(t + 0.5, 3 * GiB, 4 * GiB, total=capacity))
+    return tl
+
+
+def _trace(figure, name):
+    return next(trace for trace in figure["data"] if trace.get("name") == name)
+
+
+def test_figure_has_the_series_bands_peaks_and_capacity_in_torch_words():
+    figure = timeline_figure(session().snapshot())
+    names = [trace["name"] for trace in figure["data"]]
+    assert "cuda:0 allocated" in names and "cuda:0 reserved" in names and "cell peak (exact)" in names
+    allocated, reserved = _trace(figure, "cuda:0 allocated"), _trace(figure, "cuda:0 reserved")
+    assert allocated["line"]["color"] == reserved["line"]["color"] == DEVICE_COLORS[0]
+    assert allocated["line"]["dash"] == "solid" and reserved["line"]["dash"] == "dash"
+    assert figure["layout"]["yaxis"]["title"]["text"] == "GiB" and "GiB" in allocated["hovertemplate"]
+    assert max(v for v in reserved["y"] if v is not None) == pytest.approx(4.0)
+    peaks = _trace(figure, "cell peak (exact)")
+    assert 9.0 in peaks["y"]  # the record's peak the samples missed
+    # the cells: one hover marker each, naming the cell, its first line and what it did
+    cells = _trace(figure, "cells")
+    assert len(cells["x"]) == 6 and cells["text"][:2] == ["[1]", "[2]"]
+    assert "[1] y = model(x)" in cells["hovertext"][0] and "cuda:0 allocated" in cells["hovertext"][0]
+    assert "ValueError" in cells["hovertext"][2] and "running" in cells["hovertext"][-1]
+    # the running cell amber, the failed one red, both as band fills
+    fills = " ".join(trace.get("fillcolor", "") for trace in figure["data"])
+    for colour in (RUNNING_COLOR, FAILED_COLOR):
+        red, green, blue = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
+        assert f"rgba({red},{green},{blue}," in fills
+    # capacity: 16 GiB is on the scale of a 9 GiB peak, drawn as a line with its total
+    (line,) = [shape for shape in figure["layout"]["shapes"] if shape["type"] == "line"]
+    assert line["y0"] == pytest.approx(16.0) and "16.00 GiB total" in json.dumps(figure["layout"]["annotations"])
+
+
+def test_figure_carries_what_a_user_needs_to_explore_it():
+    figure = timeline_figure(session().snapshot(), filename="my-session")
+    layout = figure["layout"]
+    assert layout["uirevision"] == UIREVISION and layout["xaxis"]["rangeslider"]["visible"]
+    assert layout["showlegend"] and figure["config"]["toImageButtonOptions"] == {
+        "format": "png", "filename": "my-session", "scale": 2}
+    assert figure["config"]["displaylogo"] is False
+
+
+def test_off_scale_capacity_is_written_not_drawn():
+    figure = timeline_figure(session(capacity=80 * GiB).snapshot())
+    assert not [shape for shape in figure["layout"]["shapes"] if shape["type"] == "line"]
+    assert "cuda:0 80.00 GiB total" in json.dumps(figure["layout"]["annotations"])
+
+
+def test_host_only_sessions_chart_rss_and_empty_ones_say_so():
+    tl = Timeline()
+    for i in range(5):
+        tl.add(host(10.0 + i, 300 * MiB + i * MiB))
+    figure = timeline_figure(tl.snapshot())
+    assert [trace["name"] for trace in figure["data"]] == ["host RSS"]
+    assert figure["layout"]["yaxis"]["title"]["text"] == "host RSS (MiB)"
+    empty = timeline_figure(None)
+    assert empty["data"] == [] and "no samples yet" in json.dumps(empty["layout"]["annotations"])
+    assert byte_unit(0) == (1024, "KiB") and byte_unit(3 * GiB)[1] == "GiB"
+
+
+def test_plotly_accepts_every_figure():
+    go = pytest.importorskip("plotly.graph_objects")
+    for figure in (timeline_figure(session().snapshot()), timeline_figure(None),
+                   timeline_figure(session(capacity=80 * GiB, running=False).snapshot(), title="t")):
+        go.Figure(data=figure["data"], layout=figure["layout"])  # raises on any property plotly does not know
+
+
+def test_long_sessions_stay_small_and_keep_every_cells_peak():
+    tl = session(cells=300, points_per_cell=40, running=False)
+    snapshot = tl.snapshot()
+    figure = timeline_figure(snapshot)
+    size = len(json.dumps({PLOTLY_MIME: figure}))
+    assert size < 200 * 1024, size
+    assert len(_trace(figure, "cuda:0 allocated")["x"]) <= 2000  # the timeline's bound on points
+    # the one big peak among 300 cells is still there, exactly
+    assert 9.0 in _trace(figure, "cell peak (exact)")["y"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The live view (a real FigureWidget, no front end)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def live_view():
+    pytest.importorskip("anywidget")
+    pytest.importorskip("plotly")
+    from ipy_gpumem.chart.figures.live import FigureChartView
+
+    tl = session()
+    view = FigureChartView(tl)
+    view.refresh()
+    yield tl, view
+    view.freeze()
+
+
+def _spy(monkeypatch, figure):
+    """Record what the widget sends to the front end (restyle and relayout, batched into updates)."""
+    sent = []
+    cls = type(figure)
+    original = cls._send_update_msg
+
+    def spy(self, restyle_data, relayout_data, trace_indexes=None, source_view_id=None):
+        sent.append((dict(restyle_data), dict(relayout_data)))
+        return original(self, restyle_data, relayout_data, trace_indexes, source_view_id)
+
+    monkeypatch.setattr(cls, "_send_update_msg", spy)
+    return sent
+
+
+def test_a_users_zoom_survives_the_next_update(live_view, monkeypatch):
+    tl, view = live_view
+    figure = view.figure
+    # What plotly.js sends back when the user zooms (the widget writes it into the figure).
+    figure.layout.xaxis.range = (1.0, 2.0)
+    figure.layout.xaxis.autorange = False
+    figure.layout.yaxis.range = (0.5, 1.5)
+    sent = _spy(monkeypatch, figure)
+    allocated = next(trace for trace in figure.data if trace.name == "cuda:0 allocated")
+    before = len(allocated.x)
+    tl.add(gpu(103.0, 5 * GiB, 6 * GiB))
+    assert view.refresh() is True
+    assert len(allocated.x) == before + 1 and allocated.y[-1] == 5.0  # the new point arrived
+    assert tuple(figure.layout.xaxis.range) == (1.0, 2.0) and tuple(figure.layout.yaxis.range) == (0.5, 1.5)
+    assert sent and not any("range" in key or "autorange" in key for _, relayout in sent for key in relayout), sent
+    assert figure.layout.uirevision == UIREVISION
+
+
+def test_updates_send_only_what_changed(live_view, monkeypatch):
+    tl, view = live_view
+    sent = _spy(monkeypatch, view.figure)
+    tl.add(gpu(103.0, 5 * GiB, 6 * GiB))
+    view.refresh()
+    touched = {name for restyle, _ in sent for name in restyle}
+    assert touched and touched <= {"x", "y", "text", "hovertext", "marker", "mode", "marker.color"}, touched
+    count = len(sent)
+    assert view.refresh() is False and len(sent) == count  # nothing new: nothing sent
+
+
+def test_a_frozen_view_leaves_the_figure_as_the_user_left_it(live_view):
+    tl, view = live_view
+    updates = []
+    view.handle = type("Handle", (), {"update": lambda self, bundle, raw: updates.append(bundle)})()
+    view.figure.layout.xaxis.range = (1.0, 2.0)
+    view.freeze()
+    (bundle,) = updates
+    assert list(bundle)[0] == PLOTLY_MIME and "application/vnd.jupyter.widget-view+json" not in bundle
+    assert tuple(bundle[PLOTLY_MIME]["layout"]["xaxis"]["range"]) == (1.0, 2.0)
+    assert "data:image/svg+xml," in bundle["text/html"] and bundle["text/plain"].startswith("ipy_gpumem")
+    assert view.figure.comm is None or getattr(view.figure, "_repr_keys", None) is None  # closed
+
+
+def test_plotly_stays_off_the_figure_path():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom ipy_gpumem.chart.figures.timeline import timeline_figure\n"
+            "from ipy_gpumem.chart.views import static_bundle\nstatic_bundle(None)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('plotly', 'ipywidgets', 'anywidget')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
