@@ -3,15 +3,21 @@
     python benchmarks/bench_snapshots.py [--captures DIR] [--big-mb 300]
 
 Captures default to tests/fixtures/snapshots (trimmed copies of ../shared/gpu-captures; the
-numbers are the same, frames aside). The large file is made here: a real capture's events
-repeated until the pickle is about --big-mb MB; it is read in a fresh process, once with
-``ipy_gpumem.snapshot`` and once with a bare ``pickle.load`` (the alternative: reading it at all),
-and each process's peak RSS is reported.
+numbers are the same, frames aside). The large file is made here, once per size, in /tmp: the
+pickled events of a real capture (ZidongLiu, 23,105 events) repeated byte for byte until the file
+is about --big-mb MB, framed as pickle frames it (so every copy reads as that capture's events do,
+first-seen strings and stacks included). It is read in a fresh process each by a bare
+``pickle.load`` (the alternative: reading it at all), by the streaming reader alone
+(``load_snapshot``) and by ``ipy_gpumem.snapshot`` with ``to_dict()`` (read and replay), and each
+process's time, peak RSS (VmHWM: ru_maxrss would carry this process's peak into the child) and
+peak RSS over its RSS before reading are reported.
 """
 import argparse
 import gzip
 import os
 import pickle
+import pickletools
+import struct
 import subprocess
 import sys
 import tempfile
@@ -63,12 +69,13 @@ def model_table(folder):
                 continue
             # The model starts empty: give it the blocks in place when recording began, then the trace.
             events, keys = [], {}
-            for a in r.allocations:
+            allocations = list(r.allocations)  # built on demand from columns: held here so id() stays theirs
+            for a in allocations:
                 if a.born < 0:
                     keys[id(a)] = len(keys)
                     events.append((keys[id(a)], a.requested))
             order = []
-            for a in r.allocations:
+            for a in allocations:
                 if a.born >= 0:
                     order.append((a.born, 0, a))
                 if a.gone is not None:
@@ -93,50 +100,99 @@ def model_table(folder):
 
 _CHILD = r"""
 import resource, sys, time, pickle
-t = time.perf_counter()
-if sys.argv[1] == "ipy_gpumem":
-    import ipy_gpumem
-    r = ipy_gpumem.snapshot(sys.argv[2])
-    peak = r.to_dict()["peak_allocated"]
-else:
+def rss(field="VmHWM"):
+    # Not ru_maxrss: Linux carries the parent's peak into it across fork and exec (this benchmark's
+    # own process is a few hundred MB by now). VmHWM is this process's own peak, VmRSS its RSS now.
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(field + ":"))
+if sys.argv[1] == "pickle.load":
+    before = rss("VmRSS")
+    t = time.perf_counter()
     with open(sys.argv[2], "rb") as fh:
         pickle.load(fh)
-    peak = None
-print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak)
+elif sys.argv[1] == "load_snapshot":
+    from ipy_gpumem.snapshots.load import load_snapshot
+    before = rss("VmRSS")
+    t = time.perf_counter()
+    load_snapshot(sys.argv[2])
+else:
+    import ipy_gpumem
+    from ipy_gpumem.snapshots import view
+    before = rss("VmRSS")
+    t = time.perf_counter()
+    ipy_gpumem.snapshot(sys.argv[2]).to_dict()
+print(time.perf_counter() - t, rss(), before)
 """
+
+_FRAME = 1 << 16
+
+
+def _framed(ops):
+    """Opcode bytes grouped into pickle frames of about 64 KiB, as the pickler writes them."""
+    out, body = [], []
+    size = 0
+    for op in ops:
+        body.append(op)
+        size += len(op)
+        if size >= _FRAME:
+            out.append(b"\x95" + struct.pack("<Q", size) + b"".join(body))
+            body, size = [], 0
+    if body:
+        out.append(b"\x95" + struct.pack("<Q", size) + b"".join(body))
+    return b"".join(out)
+
+
+def build_big(folder, megabytes):
+    """A ~``megabytes`` MB snapshot in /tmp (kept for the next run): a real capture's events repeated byte for byte."""
+    path = os.path.join(tempfile.gettempdir(), f"ipy_gpumem_snapshot_{int(megabytes)}mb.pickle")
+    with gzip.open(os.path.join(folder, "ZidongLiu_memory.pickle.gz"), "rb") as fh:
+        data = pickle.load(fh)
+    events = len(data["device_traces"][0])
+    data["device_traces"] = data.pop("device_traces")  # last: nothing after the copies refers back into the memo
+    blob = pickle.dumps(data, protocol=4)
+    found = [(op.name, arg, pos) for op, arg, pos in pickletools.genops(blob)]
+    ends = [pos for _n, _a, pos in found[1:]] + [len(blob)]
+    ops = [(name, arg, blob[pos:end]) for (name, arg, pos), end in zip(found, ends) if name != "FRAME"]
+    key = next(i for i, (name, arg, _b) in enumerate(ops) if arg == "device_traces")
+    first = next(i for i in range(key, len(ops)) if ops[i][0] == "MARK") + 1  # the trace's first event
+    assert [n for n, _a, _b in ops[-4:]] == ["APPENDS", "APPEND", "SETITEMS", "STOP"]
+    region = _framed([b for _n, _a, b in ops[first:-4]])
+    copies = max(1, int(megabytes * 2**20 / len(region)))
+    if not (os.path.exists(path) and os.path.getsize(path) > copies * len(region)):
+        with open(path, "wb") as fh:
+            fh.write(ops[0][2] + _framed([b for _n, _a, b in ops[1:first]]))
+            for _ in range(copies):
+                fh.write(region)
+            fh.write(_framed([b for _n, _a, b in ops[-4:]]))
+    return path, copies * events
 
 
 def big_file(folder, megabytes):
-    with gzip.open(os.path.join(folder, "ZidongLiu_memory.pickle.gz"), "rb") as fh:
-        data = pickle.load(fh)
-    trace = data["device_traces"][0]
-    one = len(pickle.dumps(data, protocol=4))
-    copies = max(1, int(megabytes * 2**20 / one))
-    data["device_traces"][0] = [dict(e) for _ in range(copies) for e in trace]  # fresh dicts: no memo sharing
-    with tempfile.NamedTemporaryFile(suffix=".pickle", delete=False) as fh:
-        pickle.dump(data, fh, protocol=4)
-        path = fh.name
+    path, events = build_big(folder, megabytes)
     size = os.path.getsize(path)
-    del data
-    print(f"A real capture's events repeated {copies} times: {size / 2**20:.0f} MB, {copies * len(trace):,} events")
+    print(f"A real capture's events repeated to {size / 2**20:.0f} MB ({size:,} bytes), {events:,} events, in {path}")
     print()
-    print("| reader | time | peak RSS of the process |")
-    print("|---|---|---|")
+    print("| reader | time | per 100 MB | peak RSS of the process | peak RSS over RSS before reading |")
+    print("|---|---|---|---|---|")
     rows = {}
-    for reader in ("pickle.load", "ipy_gpumem"):
+    for reader in ("pickle.load", "load_snapshot", "ipy_gpumem"):
         out = subprocess.run([sys.executable, "-c", _CHILD, reader, path], capture_output=True, text=True,
                              cwd=os.path.dirname(HERE))
         if out.returncode != 0:
-            print(f"| {reader} | failed: {out.stderr.strip().splitlines()[-1]} | |")
+            print(f"| {reader} | failed: {(out.stderr.strip().splitlines() or ['?'])[-1]} | | | |")
             continue
-        seconds, rss, _ = out.stdout.split()
-        rows[reader] = (float(seconds), int(rss))
-        print(f"| {reader} | {float(seconds):.1f} s | {b(int(rss))} |")
-    if len(rows) == 2:
+        seconds, rss, before = out.stdout.split()
+        seconds, rss, before = float(seconds), int(rss), int(before)
+        rows[reader] = (seconds, rss, rss - before)
+        name = {"ipy_gpumem": "ipy_gpumem.snapshot + to_dict (read and replay)",
+                "load_snapshot": "load_snapshot (the streaming reader alone)"}.get(reader, reader)
+        print(f"| {name} | {seconds:.1f} s | {seconds * 100 * 2**20 / size:.2f} s | {b(rss)} | {b(rss - before)} "
+              f"({(rss - before) / size:.2f}x the file) |")
+    if "ipy_gpumem" in rows and "pickle.load" in rows:
         print()
         print(f"ipy_gpumem / pickle.load: {rows['ipy_gpumem'][0] / rows['pickle.load'][0]:.2f}x time, "
-              f"{rows['ipy_gpumem'][1] / rows['pickle.load'][1]:.2f}x peak RSS")
-    os.unlink(path)
+              f"{rows['ipy_gpumem'][2] / rows['pickle.load'][2]:.2f}x the memory it adds; "
+              f"{rows['ipy_gpumem'][2] / events:.0f} bytes per event")
 
 
 def main():
