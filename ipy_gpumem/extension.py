@@ -91,6 +91,12 @@ def _display(obj) -> None:
     display(obj)
 
 
+def _display_raw(bundle: dict) -> None:
+    from IPython.display import display
+
+    display(bundle, raw=True)
+
+
 def _say(message: str) -> None:
     """One line to the user; stdout, so a notebook shows no red block for it."""
     print(message)
@@ -270,12 +276,7 @@ class GpuMemMagics(Magics):
             record = outcome.record
             if plan.output:
                 self.shell.user_ns[plan.output] = record  # -o NAME: asked for by name
-            from .chart.svg import cell_svg
-            from .ledger.view import cell_report_view
-
-            chart = cell_svg(record, outcome.measurement.samples, width=640, height=200)
-            _display(cell_report_view(record, outcome.header.source_lines, stopped=outcome.stopped,
-                                      counted=outcome.counted, chart_html=chart))
+            self._show_report(outcome)
             if outcome.trace_note and outcome.trace is None:
                 _say(f"ipy_gpumem: {outcome.trace_note}")
             if outcome.trace is not None:
@@ -286,6 +287,27 @@ class GpuMemMagics(Magics):
             _display(cell_view(outcome.record, self.watcher.settings.threshold))
         if outcome.chart_message:
             _say(outcome.chart_message)
+
+    def _show_report(self, outcome) -> None:
+        """The ``%%gpumem`` report; in a notebook its chart follows it as a plotly figure of its own
+        output (a report is one output, so its text stays whole), with the SVG picture beside it for
+        viewers without plotly. A terminal gets the report alone."""
+        from .chart.svg import IMG_INK, cell_svg
+        from .chart.views import figure_output, in_kernel
+        from .ledger.view import cell_report_view
+
+        record, samples = outcome.record, outcome.measurement.samples
+        report = dict(stopped=outcome.stopped, counted=outcome.counted)
+        if not in_kernel(self.shell):
+            _display(cell_report_view(record, outcome.header.source_lines, **report))
+            return
+        from .chart.figures.cell import cell_figure
+
+        _display(cell_report_view(record, outcome.header.source_lines, **report))
+        figure = cell_figure(record, samples)
+        if figure is not None:
+            _display_raw(figure_output(figure, cell_svg(record, samples, width=640, height=200, ink=IMG_INK),
+                                       text=f"(chart of {record.label})"))
 
     def _show_trace(self, outcome) -> None:
         """The allocator's events of a ``--trace`` cell, read as any snapshot is (its lines named ``In [n]``)."""

@@ -203,3 +203,45 @@ def test_plotly_stays_off_the_figure_path():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('plotly', 'ipywidgets', 'anywidget')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# One cell: the waterfall of its lines, or its samples
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cell_waterfall_has_a_bar_per_line_stacked_by_role_with_hovers():
+    from test_svgchart import _training_record
+
+    from ipy_gpumem.chart.figures.cell import cell_figure
+    from ipy_gpumem.chart.svg.base import ROLE_COLORS
+
+    figure = cell_figure(_training_record())
+    layout = figure["layout"]
+    assert layout["xaxis"]["categoryarray"] == ["before", "line 1", "line 2", "line 3", "line 4", "line 5", "after"]
+    bars = {trace["name"]: trace for trace in figure["data"] if trace["type"] == "bar"}
+    assert {"parameters", "gradients", "optimizer state", "activations", "other tensors"} <= set(bars)
+    assert bars["parameters"]["marker"]["color"] == ROLE_COLORS["parameters"]
+    # exact bytes: 880 MiB of activations on line 2, hung from where the line started
+    act = bars["activations"]
+    at = act["x"].index("line 2")
+    assert act["y"][at] == pytest.approx(880 / 1024, abs=1e-3) and "line 2 ×1: out = model(x)" in act["hovertext"][at]
+    assert bars["before / after"]["y"] == [1.0, pytest.approx(1 + (400 + 900 - 480 + 800) / 1024, abs=1e-3)]
+    # a peak above the line's end gets its marker; the print line moved nothing and has no bar of a role
+    peaks = next(trace for trace in figure["data"] if trace["name"] == "peak")
+    assert "line 2" in peaks["x"] and "no change" in bars and "line 4" in bars["no change"]["x"]
+    assert layout["yaxis"]["title"]["text"] == "cuda:0 allocated (GiB)"
+    go = pytest.importorskip("plotly.graph_objects")
+    go.Figure(data=figure["data"], layout=figure["layout"])
+
+
+def test_cell_figure_from_samples_draws_the_exact_peak_and_never_raises():
+    from ipy_gpumem.chart.figures.cell import cell_figure
+
+    rec = record(3, 6 * GiB)
+    samples = [gpu(10.0 + i * 0.1, GiB + i * 100 * MiB, 2 * GiB) for i in range(10)]
+    figure = cell_figure(rec, samples)
+    assert any(trace["name"] == "cuda:0 allocated" for trace in figure["data"])
+    assert "peak 6.00 GiB (exact, from the record)" in json.dumps(figure["layout"]["annotations"])
+    assert cell_figure(None) is None and cell_figure(rec, samples=5) is not None
+    assert cell_figure(CellRecord(1, None, "pass", time.time(), 0.1)) is None  # no reading at all

@@ -56,8 +56,10 @@ def test_time_swallowed_error_is_recorded(nb):
 def test_gpumem_report_follows_the_users_unchanged_error(nb):
     cell = nb.cells[6]
     kinds = [o.output_type for o in cell.outputs]
-    assert kinds == ["error", "display_data"]
+    assert kinds == ["error", "display_data", "display_data"]  # the report, then its chart
     assert cell.outputs[0].ename == "ZeroDivisionError"
+    chart = cell.outputs[2]["data"]
+    assert list(chart)[0] == "application/vnd.plotly.v1+json" and "data:image/svg+xml," in chart["text/html"]
     assert not any("ipy_gpumem" in line for line in cell.outputs[0].traceback)
     report = cell.outputs[1]["data"]["text/plain"]
     assert report.startswith("%%gpumem [6]") and "ZeroDivisionError" in report.splitlines()[0]

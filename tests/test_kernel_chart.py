@@ -121,8 +121,10 @@ def test_saved_notebook_carries_a_static_snapshot():
     assert "[4] import time" in hovers and "[5] z = bytearray" in hovers
     assert figure["layout"]["uirevision"] and figure["layout"]["xaxis"]["rangeslider"]["visible"]
     assert any(trace["name"] == "host RSS" and len(trace["x"]) >= 5 for trace in figure["data"])
-    report = [o for o in outputs(nb.cells[4], "display_data") if "%%gpumem" in o["data"].get("text/plain", "")]
-    assert "<svg" in report[0]["data"]["text/html"]  # the report's own chart of that cell
+    shown = outputs(nb.cells[4], "display_data")
+    at = next(i for i, o in enumerate(shown) if o["data"].get("text/plain", "").startswith("%%gpumem"))
+    chart = shown[at + 1]["data"]  # the report's own chart of that cell, right after it
+    assert "application/vnd.plotly.v1+json" in chart and "data:image/svg+xml," in chart["text/html"]
 
 
 class _LabLikeClient:

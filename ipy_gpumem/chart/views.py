@@ -33,7 +33,7 @@ from .svg import IMG_INK, draw_timeline, span_hover
 from .timeline import HOST_RSS, SeriesKey, TimelineSnapshot
 
 __all__ = ["WIDGETS_HINT", "TIERS", "choose_tier", "make_view", "timeline_text", "status_line", "chart_html", "svg_data_uri",
-           "static_bundle",
+           "static_bundle", "figure_output",
            "sidebar_unavailable", "widgets_status", "HtmlChartView", "WidgetChartView", "TextChartView",
            "StatusLineView"]
 
@@ -311,6 +311,17 @@ def _colab_html(figure: dict, picture: str) -> str:
     return (f'<div id="{div}">{picture}</div><script src="https://cdn.plot.ly/plotly-{version}.min.js"></script>'
             f'<script>(function(){{var d=document.getElementById("{div}"),f={spec};'
             f'if(!window.Plotly||!d)return;d.innerHTML="";Plotly.newPlot(d,f.data,f.layout,f.config);}})();</script>')
+
+
+def figure_output(figure: dict, svg: str, text: str = "") -> dict:
+    """An output holding one plotly figure, with its SVG picture (as an image, which every sanitizer
+    keeps) for viewers without plotly."""
+    from .figures.timeline import PLOTLY_MIME
+
+    picture = f'<img alt="memory chart" src=\'{svg_data_uri(svg)}\' style="max-width:100%;display:block">'
+    if in_colab():
+        picture = _colab_html(figure, picture)
+    return {PLOTLY_MIME: figure, "text/html": picture, "text/plain": text or "(memory chart)"}
 
 
 def static_bundle(snapshot: Optional[TimelineSnapshot], figure: Optional[dict] = None, size=CHART_SIZE) -> dict:

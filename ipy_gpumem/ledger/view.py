@@ -258,18 +258,24 @@ def cell_report_view(record: CellRecord, source_lines: Optional[Sequence[str]] =
     when roles were counted at only some line boundaries. ``chart_html`` (an inline SVG of the
     cell, from ``chart.svg.cell_svg``) goes into the HTML between the summary and the line table.
     """
+    head, tail = _report_parts(record, source_lines, stopped, counted)
+    chart = [Raw("", f'<div style="margin:4px 0">{chart_html}</div>')] if chart_html else []
+    return render(head + chart + tail, data=record)
+
+
+def _report_parts(record: CellRecord, source_lines, stopped, counted) -> Tuple[list, list]:
+    """The report's parts before the chart (title, summary table, capacity) and after it."""
     title = f"%%gpumem {record.label} · {format_seconds(record.duration_s)}"
     if record.error:
         title += f" · {record.error}"
-    parts = [Line(Span(title, "bold")),
-             bytes_table(["", "before", "after", "Δ", "peak", "peak Δ"], _span_rows(record),
-                         signed=(False, False, True, False, True))]
+    head = [Line(Span(title, "bold")),
+            bytes_table(["", "before", "after", "Δ", "peak", "peak Δ"], _span_rows(record),
+                        signed=(False, False, True, False, True))]
     for dev in record.devices:
         if dev.total:
-            parts.append(Line(Span(f"{dev.label}: {format_bytes(dev.reserved_after)} reserved of "
-                                   f"{format_bytes(dev.total)} total", "dim")))
-    if chart_html:
-        parts.append(Raw("", f'<div style="margin:4px 0">{chart_html}</div>'))
+            head.append(Line(Span(f"{dev.label}: {format_bytes(dev.reserved_after)} reserved of "
+                                  f"{format_bytes(dev.total)} total", "dim")))
+    parts: list = []
     if record.lines is not None:
         lines_src = list(source_lines) if source_lines is not None else record.source.splitlines()
         parts.append(Blank())
@@ -288,7 +294,7 @@ def cell_report_view(record: CellRecord, source_lines: Optional[Sequence[str]] =
         parts.append(Para(f"The cell: {reason}."))
     parts.extend(_phase_parts(record))
     parts.extend(Line(Span(n, "dim")) for n in _notes(record, stopped, counted))
-    return render(parts, data=record)
+    return head, parts
 
 
 def _phase_parts(record: CellRecord) -> list:
