@@ -371,9 +371,30 @@ class GpuMemMagics(Magics):
                            reason=sample.reason, names=names, notes=[capture] if capture else [])
 
     def _mode_history(self, command):
+        from .chart.views import in_kernel
         from .ledger.view import history_view
 
-        return history_view(self.ledger.records(), command.limit)
+        records = self.ledger.records()
+        if command.limit is not None and command.limit > 0:
+            records = list(records)[-command.limit:]
+        view = history_view(records)
+        if not records or not in_kernel(self.shell):
+            return view
+        # In a notebook the table is followed by its chart: one column per cell, plotly with the SVG beside it.
+        from .chart.figures.history import history_figure
+        from .chart.svg import IMG_INK, timeline_svg
+        from .chart.timeline import Timeline, seed_timeline
+        from .chart.views import figure_output
+
+        figure = history_figure(records)
+        if figure is None:
+            return view
+        _display(view)
+        timeline = Timeline()
+        seed_timeline(timeline, records)
+        _display_raw(figure_output(figure, timeline_svg(timeline.snapshot(), 720, 220, ink=IMG_INK),
+                                   text=f"(chart of {len(records)} recorded cells)"))
+        return None
 
     def _live(self):
         """The live chart, made on the first chart request."""
@@ -525,6 +546,14 @@ class GpuMemMagics(Magics):
         if plan.output:
             self.shell.user_ns[plan.output] = result.estimate  # -o NAME: asked for by name
         _display(estimate_view(result))
+        from .chart.views import figure_output, in_kernel
+
+        if in_kernel(self.shell):  # the per-line table drawn, as its own output after the report
+            from .chart.figures.estimate import estimate_figure
+
+            figure = estimate_figure(result)
+            if figure is not None:
+                _display_raw(figure_output(figure, None, text="(chart of the estimate's lines)"))
 
 
 # ---------------------------------------------------------------------------------------------

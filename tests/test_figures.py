@@ -245,3 +245,43 @@ def test_cell_figure_from_samples_draws_the_exact_peak_and_never_raises():
     assert "peak 6.00 GiB (exact, from the record)" in json.dumps(figure["layout"]["annotations"])
     assert cell_figure(None) is None and cell_figure(rec, samples=5) is not None
     assert cell_figure(CellRecord(1, None, "pass", time.time(), 0.1)) is None  # no reading at all
+
+
+def test_history_figure_has_a_column_per_cell_with_its_peak_and_reserved():
+    from ipy_gpumem.chart.figures.history import history_figure
+
+    records = [record(n, (9 if n == 3 else 2) * GiB, error="ValueError" if n == 4 else None) for n in range(1, 6)]
+    figure = history_figure(records)
+    assert figure["layout"]["xaxis"]["categoryarray"] == ["[1]", "[2]", "[3]", "[4]", "[5]"]
+    assert "failed: [4]" in figure["layout"]["xaxis"]["title"]["text"]
+    peaks = next(trace for trace in figure["data"] if trace["name"] == "peak (exact)")
+    assert peaks["y"][2] == 9.0 and figure["layout"]["yaxis"]["title"]["text"] == "cuda:0 allocated (GiB)"
+    assert any(trace["name"] == "cuda:0 reserved after" for trace in figure["data"])
+    hovers = json.dumps([trace.get("hovertext") for trace in figure["data"]])
+    assert "[3] y = model(x)" in hovers and "ValueError" in hovers
+    assert history_figure([]) is None and history_figure([CellRecord(1, None, "pass", time.time(), 0.1)]) is None
+    go = pytest.importorskip("plotly.graph_objects")
+    go.Figure(data=figure["data"], layout=figure["layout"])
+
+
+def test_estimate_figure_draws_the_predicted_lines_against_the_gpu():
+    torch = pytest.importorskip("torch")
+    from ipy_gpumem.chart.figures.estimate import estimate_figure
+    from ipy_gpumem.preflight.cell import estimate_cell
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(64, 256)
+    step = "out = model(x)\nloss = out.sum()\nloss.backward()\nopt.step()\nopt.zero_grad()\n"
+    cell = estimate_cell(step, {"model": model, "opt": opt, "x": x, "torch": torch}, gpu="T4")
+    figure = estimate_figure(cell)
+    ticks = figure["layout"]["xaxis"]["categoryarray"]
+    assert ticks[0] == "before" and ticks[-1] == "peak" and "line 4" in ticks
+    hovers = json.dumps([trace.get("hovertext") for trace in figure["data"]])
+    assert "opt.step()" in hovers and "out = model(x)" in hovers
+    assert "T4" in json.dumps(figure["layout"]["annotations"]) or cell.fit is None
+    unit = figure["layout"]["yaxis"]["title"]["text"].split("(")[-1].rstrip(")")
+    divisor = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    assert figure["data"][0]["y"][1] == pytest.approx(cell.estimate.peak_allocated / divisor, abs=1e-3)
+    go = pytest.importorskip("plotly.graph_objects")
+    go.Figure(data=figure["data"], layout=figure["layout"])

@@ -313,15 +313,20 @@ def _colab_html(figure: dict, picture: str) -> str:
             f'if(!window.Plotly||!d)return;d.innerHTML="";Plotly.newPlot(d,f.data,f.layout,f.config);}})();</script>')
 
 
-def figure_output(figure: dict, svg: str, text: str = "") -> dict:
+def figure_output(figure: dict, svg: Optional[str], text: str = "") -> dict:
     """An output holding one plotly figure, with its SVG picture (as an image, which every sanitizer
-    keeps) for viewers without plotly."""
+    keeps) for viewers without plotly; without a picture they get ``text``."""
     from .figures.timeline import PLOTLY_MIME
 
-    picture = f'<img alt="memory chart" src=\'{svg_data_uri(svg)}\' style="max-width:100%;display:block">'
+    bundle = {PLOTLY_MIME: figure}
+    picture = (f'<img alt="memory chart" src=\'{svg_data_uri(svg)}\' style="max-width:100%;display:block">'
+               if svg else "")
     if in_colab():
         picture = _colab_html(figure, picture)
-    return {PLOTLY_MIME: figure, "text/html": picture, "text/plain": text or "(memory chart)"}
+    if picture:
+        bundle["text/html"] = picture
+    bundle["text/plain"] = text or "(memory chart)"
+    return bundle
 
 
 def static_bundle(snapshot: Optional[TimelineSnapshot], figure: Optional[dict] = None, size=CHART_SIZE) -> dict:

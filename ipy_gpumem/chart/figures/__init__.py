@@ -1,7 +1,9 @@
 """Charts as plotly figures: plain JSON-ready dicts built by hand, and the live ``FigureWidget`` view.
 
     timeline   the session timeline (and a snapshot's) as a figure dict; plotly is not imported
-    waterfall  a cell's lines (``--lines``, the estimate) as a figure dict
+    cell       one cell: the waterfall of its lines (``--lines``) or its samples, as a figure dict
+    history    the recorded cells (``%gpumem history``), one column per cell
+    estimate   a ``--estimate``: the predicted level line by line against the GPU
     live       the live chart as a plotly ``FigureWidget`` (imports plotly, when one is asked for)
 
 The SVG charts (``chart.svg``) stay beside every figure as the picture for viewers without plotly.
