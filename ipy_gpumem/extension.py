@@ -268,19 +268,23 @@ class GpuMemMagics(Magics):
             pass
 
     def _show(self, outcome) -> None:
-        """Render what a finished cell has to show: its OOM panel, its %%gpumem report, its line."""
+        """Render what a finished cell has to show: its OOM panel, its %%gpumem report, its line.
+
+        A ``--trace`` cell's recording is read first: when the cell died of out-of-memory, the panel
+        takes the recorded state at the failure, and the trace's report leaves its own panel out."""
+        trace = self._read_trace(outcome) if outcome.trace is not None else None
         if outcome.oom is not None:
-            _display(self._oom_view(outcome))
+            _display(self._oom_view(outcome, trace))
         if outcome.header is not None:
             plan = outcome.header.plan
             record = outcome.record
             if plan.output:
                 self.shell.user_ns[plan.output] = record  # -o NAME: asked for by name
             self._show_report(outcome)
-            if outcome.trace_note and outcome.trace is None:
-                _say(f"ipy_gpumem: {outcome.trace_note}")
-            if outcome.trace is not None:
-                self._show_trace(outcome)
+            if trace is not None:
+                self._show_snapshot(trace, panel=outcome.oom is None)  # one OOM panel, not two
+            if outcome.trace_note:  # why there is no trace, or what was cut or kept
+                _say(f"ipy_gpumem: {'' if outcome.trace is None else '--trace: '}{outcome.trace_note}")
         elif outcome.show_line:
             from .ledger.view import cell_view
 
@@ -309,8 +313,9 @@ class GpuMemMagics(Magics):
             _display_raw(figure_output(figure, cell_svg(record, samples, width=640, height=200, ink=IMG_INK),
                                        text=f"(chart of {record.label})"))
 
-    def _show_trace(self, outcome) -> None:
-        """The allocator's events of a ``--trace`` cell, read as any snapshot is (its lines named ``In [n]``)."""
+    def _read_trace(self, outcome):
+        """The allocator's events of a ``--trace`` cell, read as any snapshot is (its lines named ``In [n]``); None
+        (said in one line) when they cannot be read."""
         from .snapshots import SnapshotError
         from .snapshots.view import open_snapshot
 
@@ -318,20 +323,33 @@ class GpuMemMagics(Magics):
             report = open_snapshot(outcome.trace, cells=cell_files(self.shell))
         except SnapshotError as exc:
             _say(f"ipy_gpumem: --trace: {exc}")
-            return
+            return None
         report.source = f"of In [{outcome.record.execution_count}]" if outcome.record.execution_count else "of the cell"
-        _display(report.view())
-        if outcome.trace_note:
-            _say(f"ipy_gpumem: --trace: {outcome.trace_note}")
+        return report
 
-    def _oom_view(self, outcome):
+    def _show_snapshot(self, report, start=None, end=None, device=None, panel: bool = True) -> None:
+        """A snapshot report; in a notebook its chart follows it as a plotly figure of its own output
+        (the SVG picture beside it), as for ``%%gpumem`` reports. A terminal gets the text alone."""
+        from .chart.views import in_kernel
+
+        if not in_kernel(self.shell):
+            _display(report.view(start=start, end=end, device=device, panel=panel))
+            return
+        from .snapshots.view import figure_bundle
+
+        _display(report.view(start=start, end=end, device=device, chart=False, panel=panel))
+        _display_raw(figure_bundle(report, start, end, device))
+
+    def _oom_view(self, outcome, trace=None):
+        """The OOM panel; with a ``--trace`` recording of the cell, from the allocator's recorded state at the failure."""
         from .oom.analysis import analyse
         from .oom.panel import oom_panel
 
         shell = self.shell
+        recorded = trace.recorded_ooms(source="the cell's allocator trace") if trace is not None else ()
         analysis = analyse(outcome.oom, outcome.record, namespace=shell.user_ns, records=self.ledger.tail(50),
                            probe=self.probe, capture=outcome.capture, tb=getattr(sys, "last_traceback", None),
-                           refs=self._refs())
+                           refs=self._refs(), recorded=recorded)
         return oom_panel(analysis)
 
     def _refs(self):
@@ -497,7 +515,12 @@ class GpuMemMagics(Magics):
         if device is not None and device not in report.replays:
             raise _commands.CommandError(f"%gpumem snapshot: {report.source} has no cuda:{device}; it has "
                                          + ", ".join(f"cuda:{d}" for d in sorted(report.replays)))
-        return report.view(start=command.start, end=command.end, device=device)
+        from .chart.views import in_kernel
+
+        if not in_kernel(self.shell):
+            return report.view(start=command.start, end=command.end, device=device)
+        self._show_snapshot(report, command.start, command.end, device)  # the report, then its figure
+        return None
 
     @cell_magic("gpumem")
     def gpumem_cell(self, line: str, cell: str):

@@ -314,3 +314,102 @@ def test_a_failing_snapshot_costs_the_trace_not_the_recording(ip, gpumem, monkey
     assert result.error_in_exec is None and ip.user_ns["u"] == 5
     assert "the allocator's snapshot failed (RuntimeError" in out.stdout + out.stderr
     assert gpumem.broken is None  # recording goes on
+
+
+# -- %%gpumem --trace at an out-of-memory: one panel, from the recorded state at the failure -------
+
+def _oom_message(rec, total="79.15 GiB"):
+    """The message torch prints for the recorded failure ``rec`` (a ``RecordedOom``): its numbers in
+    torch's two-decimal format; the total is an 80 GB A100's, which the snapshot does not record."""
+    from ipy_gpumem.core.units import format_bytes as fb
+
+    return (f"CUDA out of memory. Tried to allocate {fb(rec.requested)}. GPU {rec.device} has a total capacity of "
+            f"{total} of which {fb(rec.device_free)} is free. Of the allocated memory {fb(rec.allocated)} is "
+            f"allocated by PyTorch, and {fb(rec.reserved_unallocated)} is reserved by PyTorch but unallocated. If "
+            "reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+            "to avoid fragmentation.")
+
+
+def test_a_traced_cell_that_runs_out_of_memory_gets_one_panel_from_the_recording(ip, gpumem, monkeypatch):
+    """The live path of ``%%gpumem --trace`` at a CUDA out-of-memory, which this CPU machine cannot
+    cause. Two stand-ins, labelled: torch's recorder (``RecorderReplay``) hands back a real capture
+    with an OOM event (Constructor-Sun's, recorded on cuda:1 of a GPU machine), its failing frame
+    renamed to the line of this cell that raises; the cell raises the ``torch.OutOfMemoryError``
+    torch would have raised for it, with the message built from the capture's own numbers.
+    Everything after taking the snapshot is the extension's own path."""
+    torch = pytest.importorskip("torch")
+    from conftest import run
+
+    from ipy_gpumem.extension import cell_files
+    from ipy_gpumem.ledger import allocator_trace
+
+    recorded = read_snapshot(path("Constructor-Sun_memory_snapshot")).recorded_ooms()[-1]
+    ip.user_ns.update(torch=torch, MESSAGE=_oom_message(recorded))
+
+    class RecorderAtOom(RecorderReplay):
+        def allocator_snapshot(self):
+            self.calls.append(("snapshot",))
+            snap = raw("Constructor-Sun_memory_snapshot")
+            files = cell_files(ip)
+            this_cell = max(files, key=files.get)  # the file name this very cell was compiled under
+            for event in snap["device_traces"][1]:
+                if event["action"] == "oom":
+                    event["frames"] = [dict(f, filename=this_cell, line=3) if f["filename"].endswith("models.py")
+                                       else f for f in event["frames"]]
+            return snap
+
+    monkeypatch.setattr(allocator_trace.CellTrace, "begin",
+                        classmethod(lambda cls, path=None: (cls(RecorderAtOom(False)), None)))
+    result, cap = run(ip, "%%gpumem --trace\nx = 1\nraise torch.OutOfMemoryError(MESSAGE)")
+    assert type(result.error_in_exec).__name__ == "OutOfMemoryError"
+    count = result.execution_count
+    panels = [o for o in cap.outputs if o.data.get("text/plain", "").startswith("Out of memory on")]
+    assert len(panels) == 1  # one panel ...
+    assert sum("Diagnosis" in o.data.get("text/plain", "") for o in cap.outputs) == 1  # ... not two
+    text = panels[0].data["text/plain"]
+    assert text.startswith("Out of memory on cuda:1: tried to allocate 4.95 GiB with 91.25 MiB free")
+    assert "Recorded at the failure (the cell's allocator trace): 132.93 MiB free inside reserved segments" in text
+    assert f"the failing allocation: In [{count}], line 3" in text
+    assert "the cell's allocator trace at the failure" in text  # the layers' source
+    trace_report = [o for o in cap.outputs if o.data.get("text/plain", "").startswith(f"Memory snapshot of In [{count}]")]
+    assert len(trace_report) == 1 and "Out of memory at" in trace_report[0].data["text/plain"]
+
+    # The numbers, exact: the recording's, not the message's two-decimal roundings.
+    from ipy_gpumem.oom.analysis import analyse
+
+    outcome_oom = gpumem.watcher.oom.failure("OutOfMemoryError", ip.user_ns["MESSAGE"], 0.0)[0]
+    exact = analyse(outcome_oom, None, namespace=None, recorded=[recorded])
+    assert exact.recorded == recorded
+    assert (exact.oom.requested, exact.oom.free) == (5309988864, 95682560) == (recorded.requested, recorded.device_free)
+    assert (exact.memory.allocated, exact.memory.reserved) == (84063358976, 84202749952)
+    rounded = analyse(outcome_oom, None, namespace=None)
+    assert rounded.recorded is None and rounded.memory.allocated != 84063358976  # "78.29 GiB" read back
+
+
+def test_a_recording_of_another_failure_is_not_used():
+    from ipy_gpumem.oom.analysis import analyse, recorded_failure
+    from ipy_gpumem.oom.parse import parse_oom
+
+    recorded = read_snapshot(path("Constructor-Sun_memory_snapshot")).recorded_ooms()
+    same = parse_oom("OutOfMemoryError: " + _oom_message(recorded[0]))
+    assert recorded_failure(same, recorded) == recorded[0]
+    other = parse_oom("OutOfMemoryError: " + _oom_message(recorded[0]._replace(requested=2 * 2**30)))
+    assert recorded_failure(other, recorded) is None  # a 2 GiB request is not the recorded 4.95 GiB one
+    on_cuda0 = parse_oom("OutOfMemoryError: " + _oom_message(recorded[0]._replace(device=0)))
+    assert recorded_failure(on_cuda0, recorded) is None
+    assert analyse(other, None, namespace=None, recorded=recorded).recorded is None
+
+
+def test_the_largest_free_block_makes_fragmentation_certain():
+    from ipy_gpumem.oom.analysis import RecordedOom, analyse
+    from ipy_gpumem.oom.panel import oom_panel
+    from ipy_gpumem.oom.parse import parse_oom
+
+    GiB_ = 2**30
+    rec = RecordedOom(0, 2 * GiB_, 100 * MiB, 10 * GiB_, 14 * GiB_, 4 * GiB_, 512 * MiB, "In [4], line 2", "a test")
+    oom = parse_oom("OutOfMemoryError: " + _oom_message(rec))
+    analysis = analyse(oom, None, namespace=None, recorded=[rec], env={}, modules=())
+    frag = next(f for f in analysis.findings if f.key == "fragmentation")
+    assert frag.confidence == "certain" and "the largest is 512.00 MiB, recorded at the failure" in frag.detail
+    text = oom_panel(analysis).text
+    assert "the largest free block 512.00 MiB (too small for the 2.00 GiB request)" in text

@@ -12,7 +12,7 @@ import os
 import sys
 import traceback as _traceback
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ..core.devices import cuda
 from ..core.memory import DeviceMemory, Process
@@ -20,10 +20,77 @@ from ..core.units import MiB
 from .rules import Finding, explain
 from .rules.facts import cell_deltas
 
-__all__ = ["OomAnalysis", "analyse", "memory_at_failure", "find_this_process", "traceback_frames"]
+__all__ = ["OomAnalysis", "RecordedOom", "analyse", "memory_at_failure", "find_this_process", "traceback_frames",
+           "recorded_failure", "with_recorded"]
 
 #: Frames of the failing traceback handed to the diagnosis (innermost last).
 MAX_FRAMES = 40
+
+
+class RecordedOom(NamedTuple):
+    """The allocator's own state at one out-of-memory, as a recording kept it (``%%gpumem --trace``, a
+    snapshot's ``oom`` event replayed): exact bytes where the message rounds to two decimals.
+
+    Attributes:
+        device: the CUDA device index.
+        requested: the block size it tried to allocate (what torch's message prints).
+        device_free: free on the device, as the driver reported it at the failure (None: not recorded).
+        allocated, reserved: the allocator's counters at the failure (block sizes, from the replay).
+        free_in_reserved: free bytes inside reserved segments.
+        largest_free_block: the largest free range of a plain segment; None when every segment is
+            expandable (free pages are unmapped, not split).
+        site: where the failing allocation was made (``"In [5], line 3"``), or None without a stack.
+        source: where these numbers come from, in words (``"the cell's allocator trace"``).
+    """
+
+    device: int
+    requested: int
+    device_free: Optional[int]
+    allocated: int
+    reserved: int
+    free_in_reserved: int
+    largest_free_block: Optional[int]
+    site: Optional[str]
+    source: str
+
+    @property
+    def reserved_unallocated(self) -> int:
+        return self.reserved - self.allocated
+
+
+def _rounded_equal(printed: Optional[int], exact: int) -> bool:
+    """Whether a message's two-decimal size (``4.95 GiB``) can be ``exact`` bytes."""
+    return printed is None or abs(printed - exact) <= 0.006 * max(printed, exact) + 1024
+
+
+def recorded_failure(oom, recorded: Sequence[RecordedOom]) -> Optional[RecordedOom]:
+    """The recorded out-of-memory that is this error: the last one on the message's device whose
+    request and free memory agree with the message's rounded numbers; None when none does (the
+    recording missed it, or the cell caught it and failed differently)."""
+    device = getattr(oom, "gpu_index", None)
+    if getattr(oom, "device_type", None) not in (None, "cuda"):
+        return None
+    for rec in reversed(tuple(recorded)):
+        if device is not None and rec.device != device:
+            continue
+        if not _rounded_equal(getattr(oom, "requested", None), rec.requested):
+            continue
+        if rec.device_free is not None and not _rounded_equal(getattr(oom, "free", None), rec.device_free):
+            continue
+        return rec
+    return None
+
+
+def with_recorded(oom, recorded: RecordedOom):
+    """``oom`` (an ``OomReport``) with the recording's exact numbers in place of the message's rounded ones."""
+    exact = dict(requested=recorded.requested, allocated_by_pytorch=recorded.allocated,
+                 reserved_unallocated=recorded.reserved_unallocated, reserved_by_pytorch=None,
+                 allocated_in_private_pools=None, gpu_index=recorded.device)
+    if recorded.device_free is not None:
+        exact["free"] = recorded.device_free
+    if getattr(oom, "device_type", None) is None:
+        exact["device_type"] = "cuda"
+    return replace(oom, **exact)
 
 
 @dataclass(frozen=True)
@@ -47,6 +114,8 @@ class OomAnalysis:
         batch: what is known about the failing cell's batch (``oom.batch.BatchKnown``), read
             from data already there (an earlier estimate or run of the cell, its record); None
             when there is no failing cell to speak of.
+        recorded: the allocator's recorded state at this failure (:class:`RecordedOom`), when a
+            recording of it was kept; ``oom`` and ``memory`` then carry its exact numbers.
     """
 
     oom: Any
@@ -58,6 +127,7 @@ class OomAnalysis:
     maybe_own: Tuple[int, ...] = ()
     errors: Tuple[str, ...] = ()
     batch: Any = None
+    recorded: Optional[RecordedOom] = None
 
     @property
     def impossible(self) -> bool:
@@ -68,7 +138,8 @@ class OomAnalysis:
 def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = (), probe=None,
             capture=None, tb=None, refs=None, env: Optional[Mapping[str, str]] = None,
             modules: Optional[Iterable[str]] = None, who_fn: Optional[Callable[..., Any]] = None,
-            pid: Optional[int] = None, executable: Optional[str] = None) -> OomAnalysis:
+            pid: Optional[int] = None, executable: Optional[str] = None,
+            recorded: Sequence[RecordedOom] = ()) -> OomAnalysis:
     """Everything known about a cell that failed with ``oom`` (an ``OomReport``).
 
     It only reads: none of the user's code runs, on fake tensors or otherwise (the batch finding
@@ -88,18 +159,28 @@ def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = 
         modules: imported module names (default ``sys.modules``).
         who_fn: ``who(namespace, device=..., allocator_total=..., refs=...)``; the attribution room's by default.
         pid, executable: this process, as NVML would list it (default ``os.getpid()``, ``sys.executable``).
+        recorded: the out-of-memory events a recording of the cell kept (``%%gpumem --trace``); the
+            one that is this error (:func:`recorded_failure`) gives the exact request, free memory,
+            allocated and reserved, and the fragmentation at the failure. Best source of all.
     """
     errors: List[str] = []
+    found = recorded_failure(oom, recorded) if recorded else None
+    if found is not None:
+        oom = with_recorded(oom, found)
     memory, maybe_own = memory_at_failure(oom, probe, capture, pid=pid, executable=executable)
+    if found is not None:
+        # The recording is exact and from the very moment: it wins over the observer and a reading now.
+        memory = replace(memory, allocated=found.allocated, reserved=found.reserved,
+                         source=f"{found.source} at the failure" + (f" + {memory.source}" if memory.source else ""))
     who_report = _who(namespace, memory, refs, who_fn, errors)
     earlier = tuple(r for r in records if not _same_cell(r, record))
     batch = _batch(oom, memory, record, records, who_report, namespace, errors)
     findings = explain(oom, memory, who_report, earlier, failing=record, frames=traceback_frames(tb),
                        env=os.environ if env is None else env, modules=modules, maybe_own=maybe_own,
                        on_error=lambda rule, exc: errors.append(f"the {rule} rule: {type(exc).__name__}: {exc}"),
-                       batch=batch)
+                       batch=batch, recorded=found)
     return OomAnalysis(oom, memory, who_report, tuple(findings), record, tuple(cell_deltas(earlier, memory)),
-                       maybe_own, tuple(errors), batch)
+                       maybe_own, tuple(errors), batch, found)
 
 
 def _batch(oom, memory: DeviceMemory, record, records, who_report, namespace, errors: List[str]):

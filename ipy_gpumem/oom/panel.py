@@ -42,12 +42,14 @@ def oom_panel(analysis, *, max_holders: int = 8, max_cells: int = 5) -> View:
     """The panel for an ``OomAnalysis`` (see :func:`ipy_gpumem.oom.analysis.analyse`).
 
     Sections, in order: the headline (the request against free), the device's memory in layers
-    with the request drawn against the free part, who holds it, what earlier cells left behind,
+    with the request drawn against the free part, what a recording of the failure adds (the
+    fragmentation and the failing line), who holds it, what earlier cells left behind,
     and the numbered diagnosis. ``View.data`` is the analysis itself.
     """
     parts = [
         _headline(analysis),
         _layers(analysis),
+        _recorded(getattr(analysis, "recorded", None)),
         _who(analysis.who, max_holders),
         _earlier(analysis, max_cells),
         _diagnosis(analysis),
@@ -250,6 +252,25 @@ def _html_request(requested: int, whole: int, note: str) -> str:
             f'<div class="gm-request" title="{esc(note)}" style="width:{width:.3f}%;min-width:3px;height:8px;'
             f'border:1.5px dashed {_REQUEST_COLOUR};box-sizing:border-box"></div></div>'
             f'<div style="text-align:right;color:{_REQUEST_COLOUR};font-weight:600">{esc(note)}</div>')
+
+
+def _recorded(recorded) -> Optional[Block]:
+    """What the allocator's recording adds to the layers: free space inside the reserved segments
+    against the largest free block, and the line whose allocation failed."""
+    if recorded is None:
+        return None
+    free = format_bytes(recorded.free_in_reserved)
+    if recorded.largest_free_block is None:
+        pieces = f"{free} free inside reserved segments (expandable segments: free pages are unmapped, not split)"
+    else:
+        fits = "large enough" if recorded.largest_free_block >= recorded.requested else "too small"
+        pieces = (f"{free} free inside reserved segments, the largest free block "
+                  f"{format_bytes(recorded.largest_free_block)} ({fits} for the {format_bytes(recorded.requested)} "
+                  "request)")
+    lines = [Line(Span(f"Recorded at the failure ({recorded.source}): ", "bold"), pieces)]
+    if recorded.site:
+        lines.append(Line("  the failing allocation: ", Span(recorded.site, "bold")))
+    return Block(lines)
 
 
 # ==================================================================================================

@@ -5,6 +5,7 @@ import bisect
 import os
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+from ..oom.analysis import RecordedOom
 from ..preflight.allocator import segment_size
 from .load import MAX_BYTES, SnapshotError, load_snapshot
 from .replay import DeviceReplay, Fragmentation, replay_device
@@ -167,6 +168,18 @@ class SnapshotReport:
             "ooms": len(r.ooms),
         }
 
+    def recorded_ooms(self, device: Optional[int] = None, source: str = "the snapshot") -> List[RecordedOom]:
+        """Every out-of-memory event, in order, as the OOM analysis reads a recorded failure (every
+        device's when ``device`` is None); the failing allocation's site names a cell ``In [n], line L``."""
+        out: List[RecordedOom] = []
+        for d in sorted(self.replays) if device is None else (device,):
+            for o in self.replays[d].ooms:
+                site = site_of(o.frames, self.cells)
+                out.append(RecordedOom(d, segment_size(o.requested), o.device_free, o.allocated, o.reserved,
+                                       o.fragmentation.free, o.fragmentation.largest,
+                                       None if site is UNKNOWN else site.label, source))
+        return out
+
     def device_dict(self, device: int, max_sites: int = MAX_SITES) -> dict:
         r = self.replays[device]
         peak_a, at_a = r.peak("allocated")
@@ -213,11 +226,21 @@ class SnapshotReport:
         return out
 
     # -- display (through the views handed in: this module computes, it never draws) ------------
-    def view(self, start: Optional[float] = None, end: Optional[float] = None, device: Optional[int] = None):
-        """The report as a ``View`` (text and HTML with the chart), zoomed to ``[start, end]`` seconds if given."""
+    def view(self, start: Optional[float] = None, end: Optional[float] = None, device: Optional[int] = None,
+             chart: bool = True, panel: bool = True):
+        """The report as a ``View`` (text and HTML with the chart), zoomed to ``[start, end]`` seconds if given;
+        ``chart=False`` leaves the chart out, ``panel=False`` the OOM panel."""
         if self._views is None:
             raise SnapshotError("this report was read without views: use ipy_gpumem.snapshot() to read it")
-        return self._views.snapshot_view(self, start=start, end=end, device=device)
+        return self._views.snapshot_view(self, start=start, end=end, device=device, chart=chart, panel=panel)
+
+    def figure(self, start: Optional[float] = None, end: Optional[float] = None, device: Optional[int] = None) -> dict:
+        """The chart as a plotly figure dict (``data``, ``layout``, ``config``): allocated and reserved
+        over ``[start, end]``, the peak marked, the annotations as bands; x in seconds, or in events
+        when the capture has no times. ``plotly.graph_objects.Figure(**fig)`` or ``plotly.io.show(fig)`` draws it."""
+        if self._views is None:
+            raise SnapshotError("this report was read without views: use ipy_gpumem.snapshot() to read it")
+        return self._views.snapshot_figure(self, start=start, end=end, device=device)
 
     def oom_panel(self, device: Optional[int] = None):
         """The OOM panel of the recorded failure, as a live OOM would show it; None without one."""

@@ -18,7 +18,8 @@ from ..oom.rules import explain
 from .load import MAX_BYTES
 from .report import SnapshotReport, read_snapshot
 
-__all__ = ["open_snapshot", "snapshot_view", "oom_view", "timeline_of", "MAX_POINTS"]
+__all__ = ["open_snapshot", "snapshot_view", "oom_view", "timeline_of", "snapshot_figure", "figure_bundle",
+           "MAX_POINTS"]
 
 #: Points per series in the chart: longer windows keep each bucket's highest and lowest value.
 MAX_POINTS = 1200
@@ -57,7 +58,7 @@ def timeline_of(report, device: Optional[int] = None, start: Optional[float] = N
         if (start is not None and a.end < start) or (end is not None and a.start > end):
             continue
         label = a.name.split("#")[-1].rsplit(".", 1)[-1][:14]
-        spans.append(Span(a.start, a.end, label, a.name[:80], recorded=True))
+        spans.append(Span(a.start, a.end, label, a.name[:80], recorded=True, duration=a.end - a.start))
         if len(spans) >= MAX_SPANS:
             break
     return TimelineSnapshot(t=tuple(t), series={k: tuple(v) for k, v in high.items()},
@@ -66,13 +67,70 @@ def timeline_of(report, device: Optional[int] = None, start: Optional[float] = N
                             added=len(times))
 
 
-def _chart(report, device: int, start, end) -> Raw:
-    snap = timeline_of(report, device, start, end)
+def _title(report, device: int, start, end, solid: bool = True) -> str:
     peak, _ = report.peak(device, "allocated", start, end)
     unit = "s" if report.replay(device).timed else "events"
-    title = f"cuda:{device}: allocated (solid) and reserved (dashed) over {unit}, peak allocated {b(peak)}"
-    svg = draw_timeline(snap, title=title).svg if not snap.empty else ""
+    lines = " (solid) and reserved (dashed)" if solid else " and reserved"
+    return f"cuda:{device}: allocated{lines} over {unit}, peak allocated {b(peak)}"
+
+
+def _svg(report, device: int, start, end, ink: Optional[str] = None) -> str:
+    snap = timeline_of(report, device, start, end)
+    if snap.empty:
+        return ""
+    return draw_timeline(snap, title=_title(report, device, start, end), ink=ink, titles=ink is None).svg
+
+
+def _chart(report, device: int, start, end) -> Raw:
+    svg = _svg(report, device, start, end)
     return Raw("", f'<div style="margin:4px 0">{svg}</div>' if svg else "")
+
+
+def snapshot_figure(report, start: Optional[float] = None, end: Optional[float] = None,
+                    device: Optional[int] = None) -> dict:
+    """The chart as a plotly figure dict: allocated and reserved over the window, the peak marked,
+    the annotations as bands; the x axis in seconds, or in events when the capture has no times."""
+    from ..chart.figures.timeline import byte_unit, timeline_figure
+
+    d = report.device if device is None else device
+    snap = timeline_of(report, d, start, end)
+    timed = report.replay(d).timed
+    figure = timeline_figure(snap, height=300, title=_title(report, d, start, end, solid=False),
+                             filename=f"snapshot-cuda{d}")
+    xaxis = figure["layout"]["xaxis"]
+    if not timed:
+        xaxis["title"]["text"] = "event (no times recorded)"
+        xaxis["ticksuffix"] = ""
+    for trace in figure["data"]:  # the bands are the program's annotations here, not cells
+        if str(trace.get("name", "")).startswith("cells"):
+            trace["name"] = "annotations" + trace["name"][len("cells"):]
+    for note in figure["layout"]["annotations"]:
+        if note.get("text") == "no samples yet":
+            note["text"] = "no allocator events recorded"
+    if not snap.empty:
+        peak, at = report.peak(d, "allocated", start, end)
+        t = report.time_of(at, d)
+        top = max(max(v) for v in snap.series.values() if v)
+        divisor, unit = byte_unit(top)
+        when = (f"{format_seconds(t)}" if timed else f"event {int(t)}") if t is not None else "the start"
+        figure["data"].append({
+            "type": "scatter", "mode": "markers", "name": f"peak allocated {b(peak)}",
+            "x": [t if t is not None else (snap.t[0] if snap.t else 0.0)], "y": [round(peak / divisor, 4)],
+            "marker": {"symbol": "triangle-down", "size": 11, "color": "#d1495b"},
+            "hovertemplate": f"peak allocated {b(peak)} at {when}<extra></extra>",
+        })
+    return figure
+
+
+def figure_bundle(report, start: Optional[float] = None, end: Optional[float] = None,
+                  device: Optional[int] = None) -> dict:
+    """One output: the plotly figure, the SVG chart as an image for viewers without plotly, a line of text."""
+    from ..chart.svg.base import IMG_INK
+    from ..chart.views import figure_output
+
+    d = report.device if device is None else device
+    return figure_output(snapshot_figure(report, start, end, d), _svg(report, d, start, end, ink=IMG_INK),
+                         text=f"(chart of {report.source}, cuda:{d})")
 
 
 def _sites_table(rows) -> Table:
@@ -89,8 +147,12 @@ def _frag_line(frag: Optional[dict], what: str) -> Optional[Line]:
     return Line(f"  {what}: {b(frag['free_in_reserved'])} free inside reserved segments{tail}")
 
 
-def snapshot_view(report, start: Optional[float] = None, end: Optional[float] = None, device: Optional[int] = None):
-    """Text and HTML for ``report`` (``View.data`` is the report's ``to_dict()``)."""
+def snapshot_view(report, start: Optional[float] = None, end: Optional[float] = None, device: Optional[int] = None,
+                  chart: bool = True, panel: bool = True):
+    """Text and HTML for ``report`` (``View.data`` is the device's ``device_dict()``, zoomed).
+
+    ``chart=False`` leaves the inline SVG chart out (a notebook shows :func:`figure_bundle` after it);
+    ``panel=False`` leaves the OOM panel out (a live panel already shows this failure)."""
     d = report.device if device is None else device
     data = report.device_dict(d)
     r = report.replay(d)
@@ -126,7 +188,8 @@ def snapshot_view(report, start: Optional[float] = None, end: Optional[float] = 
                           + (f", largest free block {b(largest)}" if largest is not None else "") + ")"))
         if oom["site"]:
             parts.append(Line(Text(f"  the failing allocation: {oom['site']['name']}", "dim")))
-    parts.append(_chart(report, d, start, end))
+    if chart:
+        parts.append(_chart(report, d, start, end))
     if data["sites"]:
         parts += [Heading("Allocated at the peak, by site"), _sites_table(data["sites"])]
     frag = data["fragmentation"]
@@ -149,10 +212,10 @@ def snapshot_view(report, start: Optional[float] = None, end: Optional[float] = 
     if not check.ok:
         parts.append(Line(Text(f"Replay check: {check.exact} of {check.blocks} block sizes exact, "
                                f"{check.anomalies} events outside the recorded state", "dim")))
-    if oom:
-        panel = oom_view(report, d)
-        if panel is not None:
-            parts += [Blank(), Raw(panel.text, panel.html)]
+    if oom and panel:
+        shown = oom_view(report, d)
+        if shown is not None:
+            parts += [Blank(), Raw(shown.text, shown.html)]
     return render(parts, style=_STYLE, data=data)
 
 
@@ -175,8 +238,9 @@ def oom_view(report, device: Optional[int] = None):
                if isinstance(f, dict) and str(f.get("filename", "")).endswith(".py"))
     conf = report.settings.get("PYTORCH_CUDA_ALLOC_CONF")
     env = {"PYTORCH_CUDA_ALLOC_CONF": conf} if conf else {}
-    findings = explain(report_, memory, None, (), frames=tb, env=env, modules=())
-    return oom_panel(OomAnalysis(report_, memory, findings=tuple(findings)))
+    recorded = report.recorded_ooms(d)[0]
+    findings = explain(report_, memory, None, (), frames=tb, env=env, modules=(), recorded=recorded)
+    return oom_panel(OomAnalysis(report_, memory, findings=tuple(findings), recorded=recorded))
 
 
 def open_snapshot(source, *, cells: Optional[Mapping[str, int]] = None, max_bytes: int = MAX_BYTES) -> SnapshotReport:

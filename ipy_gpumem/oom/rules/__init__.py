@@ -87,6 +87,7 @@ def explain(
     maybe_own: Iterable[int] = (),
     on_error: Optional[Callable[[str, BaseException], None]] = None,
     batch: Any = None,
+    recorded: Any = None,
 ) -> List[Finding]:
     """Ranked findings, most useful first: certain before likely before possible, then by bytes freed.
 
@@ -107,6 +108,8 @@ def explain(
             findings are returned all the same.
         batch: what is known about the failing cell's batch (``oom.batch.BatchKnown``, read from
             an earlier estimate or run of the cell, never by running it), or None.
+        recorded: the allocator's recorded state at the failure (``oom.analysis.RecordedOom``: its
+            largest free block tells fragmentation for certain), or None.
 
     Returns:
         At most :data:`MAX_FINDINGS` findings; never empty when ``oom`` is given. When the request
@@ -115,7 +118,8 @@ def explain(
         nothing that frees memory can make it fit, so no such finding may look "likely".
     """
     facts = Facts.build(oom, memory, who, earlier, failing=failing, failing_source=failing_source, frames=frames,
-                        env=env, requested=requested, modules=modules, maybe_own=maybe_own, batch=batch)
+                        env=env, requested=requested, modules=modules, maybe_own=maybe_own, batch=batch,
+                        recorded=recorded)
     found: List[Finding] = []
     for rule in RULES:
         try:

@@ -116,10 +116,14 @@ def fragmentation(x: Facts) -> Optional[Finding]:
     if short is not None and not x.matters(ru):
         return None
     var = _conf_var(x)
+    # A recording of the failure knows the largest free piece: split for certain when it is too small.
+    largest = x.recorded.largest_free_block if x.recorded is not None else None
+    split = fits and largest is not None and req is not None and largest < req
     detail = (f"PyTorch has {b(ru)} reserved but unallocated"
               + (f" ({pct(ru, reserved)} of {b(reserved)} reserved)" if reserved else "")
               + (f", more than the {b(req)} it tried to allocate: the free pieces are split across "
-                 "segments and none is large enough." if fits else ": cached blocks that are too small to reuse."))
+                 "segments and none is large enough" if fits else ": cached blocks that are too small to reuse")
+              + (f" (the largest is {b(largest)}, recorded at the failure)." if split else "."))
     if short is not None:
         detail += (f" Even all of it with the {b(free)} free is {b(short)} short of the request: defragmenting "
                    "helps only together with freeing more.")
@@ -135,7 +139,7 @@ def fragmentation(x: Facts) -> Optional[Finding]:
         fix = (f"Set {var}=expandable_segments:True (torch >= 2.1; older: max_split_size_mb:128) in the first "
                "cell, before CUDA initializes: restart the kernel first.")
         snippet = f'import os\nos.environ["{var}"] = "{value}"   # first cell, before torch uses the GPU\nimport torch'
-        conf = "likely" if fits and short is None else "possible"
+        conf = ("certain" if split else "likely") if fits and short is None else "possible"
     return Finding("fragmentation", f"Fragmentation: {b(ru)} reserved but unallocated", detail, fix, snippet,
                    ru, conf)
 

@@ -69,6 +69,7 @@ class Facts:
         holders: ``who()``'s typed ``Holder`` rows that hold bytes, largest first.
         model_names: how the user reaches each ``nn.Module`` (``model``, ``trainer.model``).
         batch: what is known about the failing cell's batch (``oom.batch.BatchKnown``), or None.
+        recorded: the allocator's recorded state at the failure (``oom.analysis.RecordedOom``), or None.
     """
 
     oom: Any
@@ -89,12 +90,14 @@ class Facts:
     holders: Tuple[Any, ...] = ()
     model_names: Tuple[str, ...] = ()
     batch: Any = None
+    recorded: Any = None
 
     @classmethod
     def build(cls, oom, memory: DeviceMemory, who=None, earlier: Sequence[Any] = (), *, failing=None,
               failing_source: Optional[str] = None, frames: Sequence[Sequence[str]] = (),
               env: Optional[Mapping[str, str]] = None, requested: Optional[int] = None,
-              modules: Optional[Iterable[str]] = None, maybe_own: Iterable[int] = (), batch=None) -> "Facts":
+              modules: Optional[Iterable[str]] = None, maybe_own: Iterable[int] = (), batch=None,
+              recorded=None) -> "Facts":
         """Derive the facts; ``env`` and ``modules`` default to this process's."""
         if failing_source is None:
             failing_source = getattr(failing, "source", "") or ""
@@ -107,7 +110,7 @@ class Facts:
             modules=frozenset(sys.modules if modules is None else modules),
             maybe_own=frozenset(maybe_own or ()),
             kind=oom.kind if oom is not None else ("cpu" if memory.is_host else ""),
-            batch=batch,
+            batch=batch, recorded=recorded,
         )
         if who is not None:
             facts.cats = {k: int(v) for k, v in (who.categories or {}).items() if v is not None}
