@@ -137,8 +137,8 @@ def snapshot(source, *, max_bytes=None):
     ``peak_reserved`` as torch's counters had them (block sizes, replayed against the segments),
     ``start`` (the state when recording began), ``oom``, ``sites`` (what was allocated at the peak,
     by file and line; notebook cells as ``In [n]``), ``fragmentation`` and ``annotations``; ``str()``
-    is the text view, ``view(start=, end=)`` zooms the chart, ``oom_panel()`` explains a recorded
-    out-of-memory as a live one is. Raises ``SnapshotError`` (one line) when it cannot be read.
+    is the text view, ``view(start=, end=)`` zooms the chart, ``figure(start=, end=)`` is the chart
+    as a plotly figure dict, ``oom_panel()`` explains a recorded out-of-memory as a live one is. Raises ``SnapshotError`` (one line) when it cannot be read.
     """
     from .snapshots.load import MAX_BYTES
     from .snapshots.view import open_snapshot

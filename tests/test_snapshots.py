@@ -413,3 +413,43 @@ def test_the_largest_free_block_makes_fragmentation_certain():
     assert frag.confidence == "certain" and "the largest is 512.00 MiB, recorded at the failure" in frag.detail
     text = oom_panel(analysis).text
     assert "the largest free block 512.00 MiB (too small for the 2.00 GiB request)" in text
+
+
+def test_the_timeline_as_a_plotly_figure():
+    go = pytest.importorskip("plotly.graph_objects")
+    report = open_snapshot(path("bcrafton"))  # timed, with optimizer annotations
+    fig = report.figure()
+    go.Figure(data=fig["data"], layout=fig["layout"])  # plotly accepts every trace and layout key
+    names = [t.get("name") for t in fig["data"]]
+    peak, at = report.peak()
+    assert {"cuda:0 allocated", "cuda:0 reserved", "peak allocated 3.60 GiB"} <= set(names)
+    mark = next(t for t in fig["data"] if t.get("name", "").startswith("peak allocated"))
+    assert mark["x"] == [report.time_of(at)] and mark["y"][0] == pytest.approx(peak / 2**30, abs=1e-4)
+    assert fig["layout"]["xaxis"]["title"]["text"] == "time (s)" and fig["layout"]["xaxis"]["ticksuffix"] == " s"
+    spans = [a for a in report.annotations() if a.start is not None and a.end is not None]
+    markers = next(t for t in fig["data"] if t.get("name") == "annotations")
+    assert len(markers["x"]) == len(spans) > 0 and "cells" not in " ".join(map(str, names))
+    assert all(spans[i].start <= x <= spans[i].end for i, x in enumerate(markers["x"]))
+    # A window: only its events, and its own peak.
+    t_peak = report.time_of(at)
+    early = report.figure(end=t_peak / 2)
+    xs = [x for t in early["data"] if t.get("name") == "cuda:0 allocated" for x in t["x"]]
+    assert max(xs) <= t_peak / 2 and not any(n == "peak allocated 3.60 GiB" for n in (t.get("name") for t in early["data"]))
+
+
+def test_a_capture_without_times_is_drawn_over_events():
+    go = pytest.importorskip("plotly.graph_objects")
+    report = open_snapshot(path("cranberrii_memory_snapshot"))
+    fig = report.figure()
+    go.Figure(data=fig["data"], layout=fig["layout"])
+    assert fig["layout"]["xaxis"]["title"]["text"] == "event (no times recorded)" and fig["layout"]["xaxis"]["ticksuffix"] == ""
+    assert "over events" in fig["layout"]["title"]["text"]
+    mark = next(t for t in fig["data"] if t.get("name", "").startswith("peak allocated"))
+    assert mark["x"] == [report.peak()[1]]
+    empty = open_snapshot(path("Muduard_memory_snapshot")).figure()  # segments only, no events
+    assert [a["text"] for a in empty["layout"]["annotations"]] == ["no allocator events recorded"]
+
+
+def test_snapshot_display_keeps_its_inline_chart():
+    bundle = ipy_gpumem.snapshot(path("magma27"))._repr_mimebundle_()
+    assert "<svg" in bundle["text/html"] and "application/vnd.plotly.v1+json" not in bundle
