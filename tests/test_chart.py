@@ -372,10 +372,13 @@ def test_an_idle_chart_is_not_redrawn_for_repeated_numbers(live):
     timeline.add(Sample(5.0, HostSample(2 * GiB, None), ()))
     live._on_redraw()
     assert view.refreshes == 2  # a real move
-    clock.now += 11.0
-    timeline.add(Sample(16.0, HostSample(2 * GiB, None), ()))
+    clock.now += 600.0
+    timeline.add(Sample(605.0, HostSample(2 * GiB, None), ()))
     live._on_redraw()
-    assert view.refreshes == 3  # and every IDLE_REDRAW seconds anyway (the time axis moves on)
+    assert view.refreshes == 2  # ten idle minutes later, still no redraw: the time axis does not stretch
+    live.cell_started(Sample(606.0, HostSample(2 * GiB, None), ()), "y = 2")
+    live._on_redraw()
+    assert view.refreshes == 3  # a cell runs: the idle time is drawn now
 
 
 def test_repeated_charts_keep_one_live_view_and_no_widgets(ip, monkeypatch):

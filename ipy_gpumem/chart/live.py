@@ -9,8 +9,8 @@ Redrawing is the expensive part (a snapshot, an SVG, a message to the front end:
 millisecond or two each), so it draws from a CPU budget (:class:`RedrawBudget`): a cell's end
 redraws at once while the budget lasts, which covers every cell of a normal session, and cells
 that run back to back faster than the budget allows are drawn together by the sampler's next
-redraw. While no cell runs and no value moves, the sampler redraws only every
-:data:`IDLE_REDRAW` seconds. Sampling and drawing together stay under 1% of a core however fast
+redraw. While no cell runs and no value moves, the sampler does not redraw at all (the time axis
+would only stretch). Sampling and drawing together stay under 1% of a core however fast
 cells run. Nothing here imports IPython; views do their own displaying (``views.py``).
 """
 from __future__ import annotations
@@ -28,8 +28,6 @@ __all__ = ["LiveChart", "RedrawBudget", "MAX_RATE", "MIN_RATE", "check_rate"]
 #: Fastest sampling the chart accepts (samples per second); the sampler costs about 2% of a
 #: core there.
 MAX_RATE = 100.0
-#: While no cell runs and no value moves, the chart is redrawn this rarely (seconds).
-IDLE_REDRAW = 10.0
 #: Slowest sampling other than 0: one sample every 1000 s. Below it the interval stops meaning
 #: anything (1e-10 would be a sample every 300 years).
 MIN_RATE = 0.001
@@ -265,9 +263,10 @@ class LiveChart:
         timeline = self.timeline
         if not self.views or timeline is None:
             return
-        if (not self._pending and not timeline.running and timeline.moved == self._drawn_moved
-                and self.budget.clock() - self._drawn_at < IDLE_REDRAW):
-            return  # idle and nothing moved: a redraw would only stretch the time axis
+        if not self._pending and not timeline.running and timeline.moved == self._drawn_moved:
+            # Idle and nothing moved: a redraw would only stretch the time axis, in the live chart
+            # and in the picture a saved notebook keeps. The next cell's start draws the idle time.
+            return
         if self.budget.allows():
             self._redraw(final=self._pending)
 
