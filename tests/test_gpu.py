@@ -181,3 +181,30 @@ def test_trace_records_the_cell_and_names_its_lines(ip, gpumem):
     assert 16 * MiB <= grown <= 17 * MiB  # one block: the request, or a cached range's rest of at most 1 MiB
     del snap
     ip.run_cell("del keep, keep2")
+
+
+def test_a_traced_out_of_memory_gets_one_panel_from_the_recording(ip, gpumem):
+    """The real path of what tests/test_snapshots.py checks with a stand-in recorder: a cell that
+    asks for more than the card under ``--trace``: one panel, its numbers the recorded ones."""
+    import torch
+
+    from ipy_gpumem.core.units import format_bytes
+
+    torch.ones(1, device="cuda")
+    ip.run_cell("import torch")
+    too_much = torch.cuda.get_device_properties(0).total_memory + 2**30
+    path = os.path.join(os.environ.get("IPY_GPUMEM_CAPTURE", "/tmp"), "trace_oom.pickle")
+    with capture_output() as cap:
+        result = ip.run_cell(f"%%gpumem --trace {path}\nbig = torch.empty({too_much}, dtype=torch.uint8, device='cuda')",
+                             store_history=True)
+    assert type(result.error_in_exec).__name__ == "OutOfMemoryError"
+    texts = [o.data.get("text/plain", "") for o in cap.outputs]
+    panels = [t for t in texts if t.startswith("Out of memory on cuda:0")]
+    assert len(panels) == 1 and sum("Diagnosis" in t for t in texts) == 1
+    from ipy_gpumem.snapshots import read_snapshot
+
+    recorded = read_snapshot(path).recorded_ooms(0)[-1]
+    assert "Recorded at the failure (the cell's allocator trace)" in panels[0]
+    assert f"tried to allocate {format_bytes(recorded.requested)} with {format_bytes(recorded.device_free)} free" in panels[0]
+    assert f"the failing allocation: In [{result.execution_count}], line 2" in panels[0]
+    _capture("trace_oom_panel.txt", {"panel": panels[0]})
