@@ -347,9 +347,14 @@ class GpuMemMagics(Magics):
 
         shell = self.shell
         recorded = trace.recorded_ooms(source="the cell's allocator trace") if trace is not None else ()
-        analysis = analyse(outcome.oom, outcome.record, namespace=shell.user_ns, records=self.ledger.tail(50),
+        record = outcome.record
+        failure, rss = record.rank_failure, None  # a launched process's out-of-memory (issue 20)
+        for rank in record.ranks or ():
+            if failure is not None and rank.pid == failure.pid:
+                rss = rank.host.rss_peak
+        analysis = analyse(outcome.oom, record, namespace=shell.user_ns, records=self.ledger.tail(50),
                            probe=self.probe, capture=outcome.capture, tb=getattr(sys, "last_traceback", None),
-                           refs=self._refs(), recorded=recorded)
+                           refs=self._refs(), recorded=recorded, rank=failure, rank_rss=rss)
         return oom_panel(analysis)
 
     def _refs(self):

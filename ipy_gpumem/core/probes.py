@@ -485,6 +485,34 @@ class NvmlProbe:
             out.append((int(proc.pid), None if used is None else int(used), name))
         return out
 
+    def process_memory(self, pids) -> dict:
+        """``{pid: {nvml index: bytes}}`` of the ``pids`` among every device's compute processes.
+
+        For processes seen from outside (a launched rank): NVML's per-process use, context and
+        cache included. Slow (~5 ms a device, the driver's global lock): callers poll it at a few
+        Hz at most. Initializes NVML (never CUDA); {} without a driver. In a container NVML lists
+        host pids, which match none of ours: then {} too.
+        """
+        wanted = set(pids)
+        if not wanted or not self._init():
+            return {}
+        nvml = self._pynvml
+        out: dict = {}
+        try:
+            count = int(nvml.nvmlDeviceGetCount())
+        except Exception:  # noqa: BLE001
+            return {}
+        for index in range(count):
+            try:
+                procs = nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByIndex(index))
+            except Exception:  # noqa: BLE001
+                continue
+            for proc in procs:
+                used = getattr(proc, "usedGpuMemory", None)
+                if proc.pid in wanted and used is not None:
+                    out.setdefault(int(proc.pid), {})[index] = int(used)
+        return out
+
     def shutdown(self) -> None:
         if self._state == "ok":
             try:

@@ -17,8 +17,8 @@ from .devices import Device, cuda
 from .text import first_line as _first_line
 from .why import Rerun, Why
 
-__all__ = ["HostRecord", "DeviceRecord", "LineRecord", "LoopSpan", "CellRecord", "largest_change", "ROW_FIELDS", "record_rows",
-           "records_frame", "write_csv"]
+__all__ = ["HostRecord", "DeviceRecord", "LineRecord", "LoopSpan", "RankRecord", "RankFailure", "CellRecord",
+           "largest_change", "worst_rank", "ROW_FIELDS", "record_rows", "records_frame", "write_csv"]
 
 
 def _delta(after, before):
@@ -261,6 +261,100 @@ class LoopSpan(NamedTuple):
 
 
 @dataclass(frozen=True)
+class RankRecord:
+    """One process a cell launched (a rank of a distributed launch), with the cell's own fields.
+
+    ``host`` and ``devices`` mean what they mean on the cell: ``rss_before`` is the process's RSS
+    when it started (a forked rank: right after the fork; a rank seen from outside: its first
+    reading), ``rss_peak`` its high-water mark (``VmHWM``: exact when recorded inside, the highest
+    of the readings taken from outside otherwise). ``devices`` is None when they cannot be seen.
+    """
+
+    rank: Optional[int]
+    pid: int
+    host: HostRecord = field(default_factory=HostRecord)
+    #: ``DeviceRecord``s: torch's counters when recorded inside; from outside, NVML's per-process
+    #: use as ``used_before``/``used_after`` (the first and last readings). None: not visible.
+    devices: Optional[tuple] = None
+    local_rank: Optional[int] = None
+    world_size: Optional[int] = None
+    #: ``"inside"``: recorded by the process itself (a fork of the kernel, where ipy_gpumem is
+    #: loaded: its start, and its end unless it was killed); ``"outside"``: read from the kernel
+    #: (/proc, NVML) while the cell ran (a spawned process, ``!torchrun``'s workers).
+    seen: str = "outside"
+    #: Where ``rank`` comes from: ``"torch.distributed"``, ``"env"`` (RANK), ``"launcher"`` (the
+    #: process index torch.multiprocessing passed to the function), ``"start order"``.
+    rank_from: Optional[str] = None
+    #: ``"exited"`` (its end was recorded), ``"running"`` (alive when the cell ended), ``"gone"``
+    #: (it ended unrecorded: killed, terminated, or only ever seen from outside).
+    end: str = "exited"
+    #: How the launcher said it ended, when it did (the failing rank): exit code, signal name.
+    exit_code: Optional[int] = None
+    signal: Optional[str] = None
+    #: Why ``devices`` is empty when recorded inside ("this torch build has no CUDA ...").
+    devices_note: Optional[str] = None
+    #: Readings taken from outside (0 when only the process's own record is known).
+    readings: int = 0
+
+    @property
+    def rise(self) -> Optional[int]:
+        """How far the rank rose above its start at its worst: the largest device peak increase,
+        else its RSS peak increase (what names the worst rank)."""
+        peaks = [d.peak_increase for d in self.devices or () if d.peak_increase is not None]
+        if peaks:
+            return max(peaks)
+        return self.host.rss_peak_increase
+
+    @property
+    def label(self) -> str:
+        return f"rank {self.rank}" if self.rank is not None else f"pid {self.pid}"
+
+    @property
+    def note(self) -> Optional[str]:
+        """What could not be seen, and how it ended (made now, from the fields)."""
+        return _words.rank_note(self)
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank, "pid": self.pid, "local_rank": self.local_rank, "world_size": self.world_size,
+            "seen": self.seen, "rank_from": self.rank_from, "end": self.end, "exit_code": self.exit_code,
+            "signal": self.signal, "readings": self.readings,
+            "host": self.host.to_dict(),
+            "devices": None if self.devices is None else [d.to_dict() for d in self.devices],
+            "devices_note": self.devices_note,
+            "note": self.note,
+        }
+
+
+def worst_rank(ranks) -> Optional[RankRecord]:
+    """The rank that rose most above its start (:attr:`RankRecord.rise`); None without ranks."""
+    known = [r for r in ranks or () if r.rise is not None]
+    return max(known, key=lambda r: r.rise) if known else None
+
+
+class RankFailure(NamedTuple):
+    """A launched process that failed, as the launcher's exception told the cell.
+
+    ``launcher`` is ``"torch.multiprocessing"`` or ``"torch.distributed.elastic"``; ``exception``
+    the launcher's exception class (``ProcessRaisedException``, ``ProcessExitedException``,
+    ``ChildFailedError``); ``error`` the child's own error class when its traceback came back, and
+    ``message`` the end of that traceback (the child's message, for the out-of-memory parser).
+    """
+
+    rank: Optional[int]
+    pid: Optional[int]
+    launcher: str
+    exception: str
+    error: Optional[str] = None
+    message: Optional[str] = None
+    exit_code: Optional[int] = None
+    signal: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        return self._asdict()
+
+
+@dataclass(frozen=True)
 class CellRecord:
     """What one cell did to memory: host RSS and each initialized CUDA device, before/after/peak."""
 
@@ -304,6 +398,10 @@ class CellRecord:
     #: For a re-run of an earlier cell, who keeps the earlier run's memory and the fix, as data
     #: (:class:`~.why.Rerun`); None for a first run (see ``ipy_gpumem.ledger.reruns``).
     rerun: Optional[Rerun] = None
+    #: The processes the cell launched (``RankRecord``s, by rank); None for a cell that launched none.
+    ranks: Optional[tuple] = None
+    #: The launched process whose failure reached the cell through its launcher (``RankFailure``).
+    rank_failure: Optional[RankFailure] = None
 
     @property
     def failed(self) -> bool:
@@ -355,6 +453,8 @@ class CellRecord:
             "phase_summary": self.phase_summary,
             "layers": None if self.layers is None else [{"module": m, "activations": b} for m, b in self.layers],
             "rerun": _rerun_dict(self.rerun),
+            "ranks": None if self.ranks is None else [r.to_dict() for r in self.ranks],
+            "rank_failure": None if self.rank_failure is None else self.rank_failure.to_dict(),
         }
         if self.lines is not None:
             out["lines"] = [line.to_dict() for line in self.lines]
@@ -375,12 +475,14 @@ def _rerun_dict(rerun: Optional[Rerun]) -> Optional[dict]:
 #: The flat form of a record, shared by ``history_frame()`` (pandas) and ``%gpumem export x.csv``:
 #: one row per cell and device, a ``host`` row for every cell. ``before``/``after``/``peak``/
 #: ``delta``/``peak_increase`` are allocated bytes on a CUDA row and RSS on the host row, so one
-#: column can be plotted across both; the other columns keep their ``to_dict()`` names.
+#: column can be plotted across both; the other columns keep their ``to_dict()`` names. A cell
+#: that launched processes adds the same rows for each of them, with its ``rank`` and ``pid``
+#: (the kernel's own rows have both empty).
 ROW_FIELDS = (
     "execution_count", "cell_id", "first_line", "started_at", "duration_s", "error", "device", "name",
     "before", "after", "peak", "delta", "peak_increase",
     "reserved_before", "reserved_after", "reserved_peak", "reserved_delta", "used_before", "used_after", "total",
-    "rss_before", "rss_after", "rss_peak", "rss_delta", "source",
+    "rss_before", "rss_after", "rss_peak", "rss_delta", "source", "rank", "pid",
 )
 _BYTE_FIELDS = tuple(f for f in ROW_FIELDS if f.startswith(("before", "after", "peak", "delta", "reserved", "used",
                                                                "total", "rss")))
@@ -389,23 +491,28 @@ _BYTE_FIELDS = tuple(f for f in ROW_FIELDS if f.startswith(("before", "after", "
 def record_rows(records):
     """The records as flat dicts with the keys of :data:`ROW_FIELDS`, oldest first."""
     for rec in records:
-        host = rec.host
-        base = {
-            "execution_count": rec.execution_count, "cell_id": rec.cell_id, "first_line": rec.first_line,
-            "started_at": rec.started_at, "duration_s": rec.duration_s, "error": rec.error,
-            "rss_before": host.rss_before, "rss_after": host.rss_after, "rss_peak": host.rss_peak,
-            "rss_delta": host.rss_delta, "source": rec.source,
-        }
-        empty = dict.fromkeys(ROW_FIELDS)
-        yield {**empty, **base, "device": "host", "before": host.rss_before, "after": host.rss_after,
-               "peak": host.rss_peak, "delta": host.rss_delta, "peak_increase": host.rss_peak_increase}
-        for dev in rec.devices:
-            yield {**empty, **base, "device": dev.label, "name": dev.name,
-                   "before": dev.allocated_before, "after": dev.allocated_after, "peak": dev.allocated_peak,
-                   "delta": dev.allocated_delta, "peak_increase": dev.peak_increase,
-                   "reserved_before": dev.reserved_before, "reserved_after": dev.reserved_after,
-                   "reserved_peak": dev.reserved_peak, "reserved_delta": dev.reserved_delta,
-                   "used_before": dev.used_before, "used_after": dev.used_after, "total": dev.total}
+        yield from _rows(rec, rec.host, rec.devices)
+        for rank in rec.ranks or ():
+            yield from _rows(rec, rank.host, rank.devices or (), rank=rank.rank, pid=rank.pid)
+
+
+def _rows(rec, host, devices, **who):
+    base = {
+        "execution_count": rec.execution_count, "cell_id": rec.cell_id, "first_line": rec.first_line,
+        "started_at": rec.started_at, "duration_s": rec.duration_s, "error": rec.error,
+        "rss_before": host.rss_before, "rss_after": host.rss_after, "rss_peak": host.rss_peak,
+        "rss_delta": host.rss_delta, "source": rec.source, **who,
+    }
+    empty = dict.fromkeys(ROW_FIELDS)
+    yield {**empty, **base, "device": "host", "before": host.rss_before, "after": host.rss_after,
+           "peak": host.rss_peak, "delta": host.rss_delta, "peak_increase": host.rss_peak_increase}
+    for dev in devices:
+        yield {**empty, **base, "device": dev.label, "name": dev.name,
+               "before": dev.allocated_before, "after": dev.allocated_after, "peak": dev.allocated_peak,
+               "delta": dev.allocated_delta, "peak_increase": dev.peak_increase,
+               "reserved_before": dev.reserved_before, "reserved_after": dev.reserved_after,
+               "reserved_peak": dev.reserved_peak, "reserved_delta": dev.reserved_delta,
+               "used_before": dev.used_before, "used_after": dev.used_after, "total": dev.total}
 
 
 def records_frame(records):
@@ -420,7 +527,7 @@ def records_frame(records):
         raise ImportError("history_frame() needs pandas: pip install pandas") from None
     frame = pd.DataFrame(list(record_rows(records)), columns=list(ROW_FIELDS))
     frame["started_at"] = pd.to_datetime(frame["started_at"], unit="s")
-    for col in _BYTE_FIELDS:
+    for col in _BYTE_FIELDS + ("rank", "pid"):
         frame[col] = frame[col].astype("Int64")  # nullable: None stays missing, bytes stay exact
     return frame
 

@@ -21,7 +21,7 @@ from .units import format_bytes, format_delta
 from .why import Rerun, Suspect, Why, owner_module
 
 __all__ = ["Clause", "clauses", "sentence", "headline", "line_sentence", "rerun_warning", "cause", "causes",
-           "MIN_BYTES", "KINDS", "FIXES"]
+           "MIN_BYTES", "KINDS", "FIXES", "rank_note"]
 
 #: Changes smaller than this are not worth a clause (a loss scalar, a step counter).
 MIN_BYTES = 64 * 1024
@@ -250,3 +250,25 @@ def cause(s: Suspect) -> str:
                 "it at the top of the cell")
     what = f"the earlier run's `{s.model}`" if s.model else "tensors from the earlier run"
     return f"`{name}` still holds {what} ({size}): `del {name}` (or rebind it)"
+
+
+def rank_note(rank) -> Optional[str]:
+    """What could not be seen of a launched process (a ``RankRecord``), and how it ended; None when
+    it was recorded whole from inside."""
+    parts = []
+    if rank.end == "gone":
+        how = f"killed by {rank.signal}" if rank.signal else (
+            f"exit code {rank.exit_code}" if rank.exit_code is not None else "killed, terminated or seen from outside only")
+        parts.append(f"ended without recording its end ({how}): its numbers are the last readings taken from outside")
+    elif rank.end == "running":
+        parts.append("still running when the cell ended: its numbers are those of the cell's end")
+    if rank.seen == "outside":
+        if rank.devices is None:
+            parts.append("not a fork of this kernel, so read from outside: host RSS and its high-water mark from "
+                         "/proc; device memory not visible (no NVML reading for its pid)")
+        else:
+            parts.append("read from outside: device memory is NVML's per-process use (context and cache "
+                         "included); torch's allocated and reserved are not visible")
+    elif rank.devices_note and not rank.devices:
+        parts.append(f"no CUDA device measured: {rank.devices_note}")
+    return "; ".join(parts) if parts else None

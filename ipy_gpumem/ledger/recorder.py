@@ -49,7 +49,8 @@ class Measurement:
     __slots__ = ("probe", "cell_id", "source", "devices", "detailed", "include_host", "lines", "loops", "joined",
                  "started_at", "start", "end", "samples", "track_peaks", "host_peak_reset", "reset_devices",
                  "_seen_host", "_seen_alloc", "_seen_reserved", "_lock", "t0", "duration", "error", "message",
-                 "execution_count", "roles", "why", "phases", "phase_summary", "layers", "rerun", "_record")
+                 "execution_count", "roles", "why", "phases", "phase_summary", "layers", "rerun", "ranks", "rank_failure",
+                 "_record")
 
     #: Most sampler readings a detailed cell keeps for its chart (every other one is dropped
     #: when full, so a long cell keeps its whole span at a coarser step).
@@ -94,6 +95,9 @@ class Measurement:
         self.phase_summary = None
         self.layers = None
         self.rerun = None
+        # The processes the cell launched (RankRecords) and the one whose failure reached it (ranks.py).
+        self.ranks = None
+        self.rank_failure = None
         self._record = None
 
     @classmethod
@@ -231,6 +235,7 @@ class Measurement:
             devices_note=end.reason if not devices else None, lines=self.lines, loops=self.loops, joined=self.joined,
             detailed=self.detailed, peaks=peaks, roles=self.roles, why=self.why,
             phases=self.phases, phase_summary=self.phase_summary, layers=self.layers, rerun=self.rerun,
+            ranks=self.ranks, rank_failure=self.rank_failure,
         )
 
 

@@ -18,6 +18,7 @@ from ..display.parts import Blank, Line, Para, Raw, Span, Table, render
 from ..display.tables import (Column, as_modules, bytes_table, delta_cell, heaviest, line_table, peak_cell, phase_table,
                               roles_cell, summarize_phases)
 from ..display.view import View, delta_class, format_of
+from .rankview import rank_line_parts, rank_report_parts
 
 __all__ = ["cell_view", "cell_report_view", "history_view", "loop_summaries"]
 
@@ -73,6 +74,7 @@ def cell_view(record: CellRecord, threshold: int = 0) -> View:
     phrase = words.headline(record.why)
     if phrase:
         parts.append(Line(Span("  " + phrase, "dim")))
+    parts.extend(rank_line_parts(record))  # the processes it launched (issue 20)
     parts.extend(rerun_parts(record))  # re-runs (issue 12)
     return render(parts, data=record)
 
@@ -275,6 +277,7 @@ def _report_parts(record: CellRecord, source_lines, stopped, counted) -> Tuple[l
         if dev.total:
             head.append(Line(Span(f"{dev.label}: {format_bytes(dev.reserved_after)} reserved of "
                                   f"{format_bytes(dev.total)} total", "dim")))
+    head.extend(rank_report_parts(record))  # the processes it launched (issue 20)
     parts: list = []
     if record.lines is not None:
         lines_src = list(source_lines) if source_lines is not None else record.source.splitlines()

@@ -14,6 +14,7 @@ one of them:
     explain.py    the baseline census and the anatomy of a finished cell
     reruns.py     re-runs of a cell and what keeps an earlier run's memory
     oomwatch.py   torch's out-of-memory captures
+    ranks.py      the processes a cell launches (the ranks of a distributed launch)
 
 The hot path is short: a cell that starts within :data:`REUSE_S` of the previous cell's end starts
 from that end's reading (nothing of the user's ran in between), so a cell costs one reading, plus,
@@ -36,6 +37,7 @@ from .allocator_trace import CellTrace
 from .header import CellHeader, find_header
 from .oomwatch import OomWatch
 from .phasing import start_phases
+from .ranks import RankWatch, launcher_failure
 from .recorder import Ledger, Measurement
 from .reruns import RerunTracker
 from .stack import CellStack, Frame, cell_error, exception_marker, live_runners
@@ -113,6 +115,16 @@ class CellOutcome:
         return self.measurement.record()
 
 
+def _exception(result):
+    """The cell's exception object (only asked for a cell that failed)."""
+    return (getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
+            or getattr(sys, "last_value", None))
+
+
+def _ranks_moved(ranks, threshold: int) -> bool:
+    return any(r.rise is not None and r.rise >= threshold for r in ranks or ())
+
+
 class CellWatcher:
     """Measures cells between ``start(info)`` and ``finish(result)``.
 
@@ -134,12 +146,14 @@ class CellWatcher:
             record)``, ``.sampler``) when one is open, else None.
         schedule: ``schedule(fn)`` runs ``fn`` when the process is next idle (a kernel's event loop);
             the baseline census of the next cell is taken then instead of at the end of this one.
+        ranks: the :class:`RankWatch` (default: one reading with ``probe``'s CUDA adapter and NVML).
     """
 
     def __init__(self, probe, ledger: Ledger, settings: Optional[Settings] = None, *, runner_code=None,
                  ast_transformers: Optional[list] = None, names: Optional[Callable[[], tuple]] = None,
                  reruns: Optional[RerunTracker] = None, check_plan: Optional[Callable] = None,
-                 listener: Optional[Callable[[], Any]] = None, schedule: Optional[Callable] = None):
+                 listener: Optional[Callable[[], Any]] = None, schedule: Optional[Callable] = None,
+                 ranks: Optional[RankWatch] = None):
         self.probe = probe
         self.ledger = ledger
         self.settings = settings if settings is not None else Settings()
@@ -147,6 +161,9 @@ class CellWatcher:
         self.reruns = reruns if reruns is not None else RerunTracker(names)
         self.anatomy = CellAnatomy(names, schedule)
         self.oom = OomWatch()
+        cuda = getattr(probe, "cuda", None)
+        self.ranks = ranks if ranks is not None else RankWatch(getattr(cuda, "_internals", None),
+                                                               getattr(cuda, "nvml", None))
         self._check_plan = check_plan
         self._listener = listener or (lambda: None)
         self._lines = LineTracing(ast_transformers)
@@ -195,6 +212,8 @@ class CellWatcher:
             devices = header.plan.cuda_indices  # () for -d host: the host is always measured
         measurement = self._begin(devices, settings.track_peaks, cell_id=cell_id, source=raw,
                                   detailed=header is not None, outermost=not stack)
+        if not stack:
+            self.ranks.cell_started()
         tracer = snapshot = phases = None
         if header is not None and header.plan.lines:
             census = self.anatomy.census if self.anatomy.names is not None and "torch" in sys.modules else None
@@ -251,6 +270,9 @@ class CellWatcher:
                     self.anatomy.refresh()  # our own magics (%gpumem free) may have freed the user's tensors
             return None
         error, message = cell_error(result, frame.marker)
+        if outermost:
+            failure = launcher_failure(_exception(result)) if error is not None else None
+            measurement.ranks, measurement.rank_failure = self.ranks.cell_finished(failure), failure
         header = frame.header
         if tracer is not None:
             self._line_records(measurement, tracer, header)
@@ -263,7 +285,7 @@ class CellWatcher:
             for parent in self._stack:
                 parent.reported_inside = True
         show_line = (outermost and header is None and not frame.reported_inside and not settings.quiet
-                     and measurement.moved(settings.threshold))
+                     and (measurement.moved(settings.threshold) or _ranks_moved(measurement.ranks, settings.threshold)))
         # -- re-runs: a dict lookup per cell; a walk only after a run that kept memory --
         if outermost and self.reruns.after_cell(measurement, settings.threshold, self.ledger):
             show_line = show_line or (header is None and not frame.reported_inside and not settings.quiet)
@@ -281,7 +303,11 @@ class CellWatcher:
                 self.anatomy.refresh()
         oom = capture = None
         if error is not None and settings.oom_panel and (outermost or header is not None):
-            oom, capture = self.oom.failure(error, message, measurement.t0)
+            failure = measurement.rank_failure
+            if failure is not None:  # a rank's message, explained as the kernel's would be (its allocator is not ours)
+                oom, capture = self.oom.failure(failure.error or error, failure.message, measurement.t0)[0], None
+            else:
+                oom, capture = self.oom.failure(error, message, measurement.t0)
         chart_message = None
         listener = self._listener()
         if outermost and listener is not None:
@@ -323,6 +349,7 @@ class CellWatcher:
         lines_running = any(frame.tracer is not None for frame in self._stack)
         self.reset()
         self.oom.close()
+        self.ranks.close()
         if not lines_running:
             self._lines.remove_hook()
         return lines_running

@@ -128,6 +128,9 @@ class OomAnalysis:
     errors: Tuple[str, ...] = ()
     batch: Any = None
     recorded: Optional[RecordedOom] = None
+    #: The launched process that failed (``core.records.RankFailure``), when the error came back
+    #: through its launcher: the memory and the message are that process's, not this kernel's.
+    rank: Any = None
 
     @property
     def impossible(self) -> bool:
@@ -139,7 +142,7 @@ def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = 
             capture=None, tb=None, refs=None, env: Optional[Mapping[str, str]] = None,
             modules: Optional[Iterable[str]] = None, who_fn: Optional[Callable[..., Any]] = None,
             pid: Optional[int] = None, executable: Optional[str] = None,
-            recorded: Sequence[RecordedOom] = ()) -> OomAnalysis:
+            recorded: Sequence[RecordedOom] = (), rank=None, rank_rss: Optional[int] = None) -> OomAnalysis:
     """Everything known about a cell that failed with ``oom`` (an ``OomReport``).
 
     It only reads: none of the user's code runs, on fake tensors or otherwise (the batch finding
@@ -162,12 +165,22 @@ def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = 
         recorded: the out-of-memory events a recording of the cell kept (``%%gpumem --trace``); the
             one that is this error (:func:`recorded_failure`) gives the exact request, free memory,
             allocated and reserved, and the fragmentation at the failure. Best source of all.
+        rank: the launched process that failed (a ``RankFailure``), when ``oom`` is its message: the
+            kernel's names, frames, allocator and reading are then not asked (they are not that
+            process's); its pid is "this process" among NVML's, ``rank_rss`` (its peak RSS, when
+            known) its host memory.
     """
     errors: List[str] = []
+    if rank is not None:
+        namespace, tb, capture, probe = None, None, None, None
+        pid = rank.pid if rank.pid is not None else pid
     found = recorded_failure(oom, recorded) if recorded else None
     if found is not None:
         oom = with_recorded(oom, found)
     memory, maybe_own = memory_at_failure(oom, probe, capture, pid=pid, executable=executable)
+    if rank is not None and memory.is_host:
+        memory = replace(memory, process_used=rank_rss,
+                         source=f"the message; RSS of rank {rank.rank} at its peak" if rank_rss is not None else memory.source)
     if found is not None:
         # The recording is exact and from the very moment: it wins over the observer and a reading now.
         memory = replace(memory, allocated=found.allocated, reserved=found.reserved,
@@ -180,7 +193,7 @@ def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = 
                        on_error=lambda rule, exc: errors.append(f"the {rule} rule: {type(exc).__name__}: {exc}"),
                        batch=batch, recorded=found)
     return OomAnalysis(oom, memory, who_report, tuple(findings), record, tuple(cell_deltas(earlier, memory)),
-                       maybe_own, tuple(errors), batch, found)
+                       maybe_own, tuple(errors), batch, found, rank)
 
 
 def _batch(oom, memory: DeviceMemory, record, records, who_report, namespace, errors: List[str]):

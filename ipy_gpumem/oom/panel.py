@@ -62,11 +62,13 @@ def oom_panel(analysis, *, max_holders: int = 8, max_cells: int = 5) -> View:
 # ==================================================================================================
 
 
-def headline(memory: DeviceMemory, requested: Optional[int], free: Optional[int], sure: bool = True) -> str:
+def headline(memory: DeviceMemory, requested: Optional[int], free: Optional[int], sure: bool = True,
+             process: Optional[str] = None) -> str:
     """``Out of memory on cuda:0: tried to allocate 2.32 GiB with 182.75 MiB free (15.78 GiB total)``.
 
     ``sure=False`` (a message that is out-of-memory only in most reports, such as cuDNN finding no
-    algorithm) starts it with "Probably out of memory".
+    algorithm) starts it with "Probably out of memory". ``process`` names a launched process that
+    failed (``rank 1 (pid 4242)``): ``Out of memory in rank 1 (pid 4242) on ...``.
     """
     kind = memory.device.type if memory.device is not None else ""
     where = "the host (cpu)" if memory.is_host else ("an unknown device" if memory.device is None else memory.label)
@@ -76,7 +78,8 @@ def headline(memory: DeviceMemory, requested: Optional[int], free: Optional[int]
         else "an allocation of unknown size failed"
     have = f" with {format_bytes(free)} {free_word}" if free is not None else f" with unknown {free_word} memory"
     total = f" ({format_bytes(memory.total)} {total_word})" if memory.total is not None else f" ({total_word} unknown)"
-    return f"{'Out' if sure else 'Probably out'} of memory on {where}: {what}{have}{total}"
+    within = f" in {process}" if process else ""
+    return f"{'Out' if sure else 'Probably out'} of memory{within} on {where}: {what}{have}{total}"
 
 
 def _free(analysis) -> Optional[int]:
@@ -94,9 +97,22 @@ def _sure(oom) -> bool:
     return isinstance(confidence, (int, float)) and not isinstance(confidence, bool) and confidence >= 1
 
 
-def _headline(analysis) -> Line:
-    text = headline(analysis.memory, getattr(analysis.oom, "requested", None), _free(analysis), _sure(analysis.oom))
-    return Line(Span(text, "font-size:13px;font-weight:700"))
+def _headline(analysis):
+    rank = getattr(analysis, "rank", None)
+    process = None
+    if rank is not None:
+        process = (f"rank {rank.rank}" if rank.rank is not None else "a launched process") + (
+            f" (pid {rank.pid})" if rank.pid is not None else "")
+    text = headline(analysis.memory, getattr(analysis.oom, "requested", None), _free(analysis), _sure(analysis.oom),
+                    process)
+    line = Line(Span(text, "font-size:13px;font-weight:700"))
+    if rank is None:
+        return line
+    # The launcher's traceback reached the cell; the message explained is the process's own.
+    note = (f"{process[0].upper()}{process[1:]} failed with {rank.error or 'an out-of-memory error'}; {rank.launcher}'s "
+            f"{rank.exception} brought its traceback back to this cell, and its message is explained below "
+            "(the other ranks are in the cell's line).")
+    return Block([line, Para(note, "dim")])
 
 
 # ==================================================================================================
