@@ -221,14 +221,18 @@ def test_repeated_charts_leave_no_widgets_behind(kernel):
     run(kernel, "%gpumem chart html")  # the plotly figure replaced too: its widget closes
     messages, _, _ = run(kernel, "print(len(_live) - base, sorted(type(w).__name__ for w in _live.values()))")
     printed = "".join(m["content"].get("text", "") for _, m in messages if m["msg_type"] == "stream")
-    # What is left: the sidebar (its Sidecar and layout, its chart's widgets); the
-    # ten inline widget charts were replaced, and replaced views close their widgets. Without the
-    # sidecar package the sidebar falls back to an inline chart, replaced like the others.
-    try:
+    # Nothing is left: one live chart at a time, and each chart asked for closed the sidebar (its
+    # Sidecar and its figure) and every earlier chart's widgets.
+    assert printed.startswith("0 []"), printed
+    for code in ("%gpumem sidebar", "%gpumem sidebar"):
+        run(kernel, code)
+    messages, _, _ = run(kernel, "print(len(_live) - base, sorted(type(w).__name__ for w in _live.values()))")
+    printed = "".join(m["content"].get("text", "") for _, m in messages if m["msg_type"] == "stream")
+    try:  # the sidebar: its Sidecar and layout, and its figure (or, without plotly's widget, its HTML chart)
         import sidecar  # noqa: F401
     except ImportError:
         assert printed.startswith("0 []"), printed
-    else:  # the sidebar's plotly figure, or without plotly's widget its HTML chart
+    else:
         assert printed.startswith(("3 ['FigureWidget', 'Layout', 'Sidecar']",
                                    "5 ['HTML', 'HTMLStyle', 'Layout', 'Layout', 'Sidecar']",
                                    "5 ['DescriptionStyle', 'HTML', 'Layout', 'Layout', 'Sidecar']")), printed
@@ -257,3 +261,21 @@ def test_terminal_prints_a_text_chart():
     assert "ipy_gpumem · host" in out.stdout and "host rss" in out.stdout, out.stdout + out.stderr
     assert "the sidebar needs JupyterLab (this is terminal IPython)" in out.stdout
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_a_sidebar_nobody_draws_moves_its_chart_inline():
+    """nbclient draws no widget, as Notebook 7 draws no sidecar: the sidebar's figure never reports a
+    draw, so its inline line of numbers becomes the live chart, with a title saying why."""
+    pytest.importorskip("sidecar")
+    pytest.importorskip("anywidget")
+    nb = execute(["%load_ext ipy_gpumem", "%gpumem sidebar",
+                  "import time\nbufs = []\nfor i in range(12):\n    bufs.append(bytearray(8 * 2**20))\n    time.sleep(1)",
+                  "x = 1"])
+    shown = outputs(nb.cells[1], "display_data")
+    line = [o["data"] for o in shown if "application/vnd.plotly.v1+json" in o["data"]]
+    assert line, [sorted(o["data"]) for o in shown]
+    data = line[-1]
+    assert "application/vnd.jupyter.widget-view+json" in data  # the sidebar's own live figure, inline now
+    figure = data["application/vnd.plotly.v1+json"]
+    assert "the sidebar did not show the chart" in json.dumps(figure["layout"].get("title", {}))
+    assert any(trace["name"] == "host RSS" and len(trace["x"]) >= 5 for trace in figure["data"])

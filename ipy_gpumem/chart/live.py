@@ -28,6 +28,9 @@ __all__ = ["LiveChart", "RedrawBudget", "MAX_RATE", "MIN_RATE", "check_rate"]
 #: Fastest sampling the chart accepts (samples per second); the sampler costs about 2% of a
 #: core there.
 MAX_RATE = 100.0
+#: Seconds the sidebar has to draw its chart before the chart moves inline (a front end draws a
+#: widget within a second or two of its display; a cold JupyterLab on a loaded machine, a few more).
+SIDEBAR_PATIENCE = 8.0
 #: Slowest sampling other than 0: one sample every 1000 s. Below it the interval stops meaning
 #: anything (1e-10 would be a sample every 300 years).
 MIN_RATE = 0.001
@@ -134,6 +137,7 @@ class LiveChart:
         self._drawn_moved = -1  # Timeline.moved at the last redraw
         self._drawn_at = float("-inf")
         self._pending = False  # a cell ended without its redraw (budget spent): the sampler owes one
+        self._sidebar_watch = None  # (sidebar view, inline line, deadline) until the sidebar draws it
         self.error: Optional[str] = None  # why the sampler stopped, until reported
         self._error_shown = False
 
@@ -158,6 +162,7 @@ class LiveChart:
         timeline.cell_finished(sample.t, record)
         sampler = self.sampler
         if self.views:
+            self._check_sidebar()
             if sampler is None or not sampler.running or self.budget.allows():
                 # Without a running sampler nobody would redraw later: draw now, whatever it costs.
                 self._redraw(final=True)
@@ -187,10 +192,12 @@ class LiveChart:
         """
         tier, why = choose_tier(shell, prefer)
         view = make_view(tier, self._ensure_timeline(), note or why)
-        # Asking again re-shows the chart: the previous inline view keeps a static picture, closes
-        # its widgets and stops moving, so live views and widgets never pile up.
-        for old in [v for v in self.views if v.inline]:
+        # One live chart at a time: asking again re-shows it here, and every earlier view (the
+        # sidebar's too) keeps a static figure, closes its widgets and stops moving, so live views
+        # and widgets never pile up.
+        for old in list(self.views):
             self._retire(old)
+        self._close_sidecar()
         view.display()
         if view.live:  # a text chart is printed once: nothing to keep moving
             self.views.append(view)
@@ -199,11 +206,16 @@ class LiveChart:
                 self.ensure_sampler()
 
     def show_sidebar(self, run: bool = True) -> None:
-        """The widget chart in JupyterLab's right sidebar, and a live line of numbers inline."""
+        """The chart in JupyterLab's right sidebar, and a live line of numbers inline.
+
+        Where the sidebar cannot show it (Notebook 7 runs the sidecar package but has no area for it,
+        and the kernel cannot tell from here), the chart's widget never reports being drawn: after
+        :data:`SIDEBAR_PATIENCE` seconds the inline line becomes the live chart itself.
+        """
         from sidecar import Sidecar
 
         timeline = self._ensure_timeline()
-        for old in [v for v in self.views if not v.inline]:
+        for old in list(self.views):  # one live chart at a time: an inline one keeps a static figure
             self._retire(old)
         self._close_sidecar()
         self.sidecar = Sidecar(title="GPU memory", anchor="right")
@@ -215,9 +227,31 @@ class LiveChart:
         line.inline = False
         line.display()
         self.views += [view, line]
+        self._sidebar_watch = (view, line, self.budget.clock() + SIDEBAR_PATIENCE)
         self.error, self._error_shown = None, False
         if run:
             self.ensure_sampler()
+
+    def _check_sidebar(self) -> None:
+        """Move the sidebar's chart into the inline line if no front end has drawn it (any thread)."""
+        watch = self._sidebar_watch
+        if watch is None:
+            return
+        view, line, deadline = watch
+        if getattr(view, "rendered", True) or view not in self.views:
+            self._sidebar_watch = None
+            return
+        if self.budget.clock() < deadline:
+            return
+        self._sidebar_watch = None
+        if line.handle is None or not line.live or not hasattr(view, "adopt"):
+            return
+        line.live = False  # its output now holds the chart
+        if line in self.views:
+            self.views.remove(line)
+        view.adopt(line.handle, "the sidebar did not show the chart here (Notebook 7 has no sidebar for it): "
+                                "it is live inline instead")
+        view.inline = True
 
     def _retire(self, view) -> None:
         view.freeze()
@@ -263,6 +297,7 @@ class LiveChart:
         timeline = self.timeline
         if not self.views or timeline is None:
             return
+        self._check_sidebar()
         if not self._pending and not timeline.running and timeline.moved == self._drawn_moved:
             # Idle and nothing moved: a redraw would only stretch the time axis, in the live chart
             # and in the picture a saved notebook keeps. The next cell's start draws the idle time.

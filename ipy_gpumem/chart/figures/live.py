@@ -65,6 +65,7 @@ class FigureChartView(_View):
         import plotly.graph_objects as go
 
         self.height = height
+        self.rendered = False  # True once a front end drew the widget (it sends its first deltas back)
         self._last = None  # the figure spec last drawn: updates send only what changed
         spec = timeline_figure(timeline.snapshot(), height=height)
         self.figure = go.FigureWidget(data=spec["data"], layout=spec["layout"])
@@ -72,6 +73,26 @@ class FigureChartView(_View):
             self.figure._config = figure_config()
         except Exception:  # noqa: BLE001 - an older plotly without a synced config: the default mode bar
             pass
+        try:  # plotly.js answers its first draw with the trace and layout deltas it computed
+            self.figure.observe(self._drawn_somewhere, names=["_js2py_traceDeltas", "_js2py_layoutDelta"])
+        except Exception:  # noqa: BLE001 - no such traits in this plotly: assume it is drawn
+            self.rendered = True
+
+    def _drawn_somewhere(self, _change) -> None:
+        self.rendered = True
+
+    def adopt(self, handle, note: str) -> None:
+        """Show this (sidebar) figure in another output, ``handle``'s, with ``note`` as its title."""
+        with self._lock:
+            if not self.live:
+                return
+            self.figure.layout.title = {"text": note, "font": {"size": 11}, "x": 0, "xanchor": "left"}
+            self.height = HEIGHT
+            self.figure.layout.height = HEIGHT
+            self.handle = handle
+            snapshot = self.timeline.snapshot()
+            handle.update(self._bundle(snapshot), raw=True)
+            self._bundled = snapshot.version
 
     @property
     def widgets(self) -> tuple:
