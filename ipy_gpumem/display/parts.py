@@ -28,7 +28,7 @@ TEXT_WIDTH = 100
 #: Inline styles per span style; colours are mid-tones that read on light and dark themes.
 _SPAN_CSS = {
     "": "", "dim": "opacity:0.75", "up": "color:#c0392b", "down": "color:#27864a", "err": "color:#c0392b;font-weight:600",
-    "bold": "font-weight:700", "code": "font-family:var(--jp-code-font-family,monospace)",
+    "bold": "font-weight:700", "code": "font-family:monospace;font-family:var(--jp-code-font-family,monospace)",
 }
 
 

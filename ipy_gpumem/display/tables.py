@@ -26,10 +26,12 @@ Cell = Tuple[str, str]  # (text, style class)
 
 
 class Column(NamedTuple):
-    """One column of a per-line table: its header and its cell for a line that ran."""
+    """One column of a per-line table: its header, its cell for a line that ran, and whether its
+    cells are words (left-aligned, wrapping where the table would not fit) rather than a number."""
 
     header: str
     cell: Callable[[object], Cell]
+    words: bool = False
 
 
 def delta_cell(value: Optional[int]) -> Cell:
@@ -86,7 +88,8 @@ def line_table(source_lines: Sequence[str], lines: Sequence, columns: Sequence[C
         rows.append([str(lineno), str(line.hits)] + [c[0] for c in cells] + [text])
         classes.append(["", ""] + [c[1] for c in cells] + [""])
     source = len(headers) - 1
-    return Table(headers, rows, left=(source,), classes=classes, src_col=source)
+    words = tuple(2 + i for i, column in enumerate(columns) if column.words)
+    return Table(headers, rows, left=words + (source,), classes=classes, src_col=source)
 
 
 def roles_cell(roles: Optional[Mapping], temporaries: Optional[Mapping] = None, count: int = 3) -> str:

@@ -14,19 +14,29 @@ from ..core.units import format_bytes
 
 __all__ = ["View", "esc", "format_of", "delta_class", "text_table", "html_table", "wrap_html"]
 
-_CSS = (
-    "<style>"
-    ".ipy-gpumem{font-family:var(--jp-code-font-family,monospace);font-size:12px;line-height:1.4}"
-    ".ipy-gpumem table{border-collapse:collapse;margin:2px 0}"
-    ".ipy-gpumem th,.ipy-gpumem td{padding:1px 8px;text-align:right;white-space:nowrap}"
-    ".ipy-gpumem th{border-bottom:1px solid #999;font-weight:600}"
-    ".ipy-gpumem td.l,.ipy-gpumem th.l{text-align:left}"
-    ".ipy-gpumem td.src{text-align:left;white-space:pre}"
-    ".ipy-gpumem .up{color:#c0392b}.ipy-gpumem .down{color:#27864a}.ipy-gpumem .dim{color:#888}"
-    ".ipy-gpumem .err{color:#c0392b;font-weight:600}"
-    "</style>"
-)
-
+# Every style is inline, on the element it styles: an untrusted notebook (a copy someone sent,
+# one opened fresh from disk) drops <style> elements and keeps style attributes, filtered by
+# JupyterLab's sanitizer, which keeps a declaration only when its value is in CSS's own grammar
+# (keywords, lengths, #hex colours). So each value here is plain; where a better value is not
+# in that grammar (a var(), overflow-wrap:anywhere) it follows a plain one for the same property,
+# which is what an untrusted copy keeps.
+#: The container: monospace at a code cell's size, and a scroll bar rather than a cut edge for a
+#: table wider than the output area.
+_BOX = ("font-family:monospace;font-family:var(--jp-code-font-family,monospace);font-size:12px;line-height:1.4;"
+        "max-width:100%;overflow-x:auto")
+_TABLE = "border-collapse:collapse;margin:2px 0;font-size:12px"  # the frontend styles tables too: ours wins inline
+_PAD = "padding:1px 5px"
+#: Headers wrap at their spaces ("host peak / in line"), so no header makes its column wide.
+_HEAD = f"{_PAD};vertical-align:bottom;border-bottom:1px solid #999999;font-weight:600;white-space:normal"
+#: Numbers stay whole and right-aligned; words and source wrap when the table would not fit.
+_NUMBER = f"{_PAD};vertical-align:top;text-align:right;white-space:nowrap"
+_WORDS = (f"{_PAD};vertical-align:top;text-align:left;white-space:normal;overflow-wrap:break-word;"
+          "overflow-wrap:anywhere")
+_SOURCE = (f"{_PAD};vertical-align:top;text-align:left;white-space:pre-wrap;overflow-wrap:break-word;"
+           "overflow-wrap:anywhere")
+#: A cell's style name (``classes[r][c]``) as its colour.
+CELL_CSS = {"up": "color:#c0392b", "down": "color:#27864a", "dim": "color:#888888",
+            "err": "color:#c0392b;font-weight:600"}
 
 
 @dataclass(frozen=True)
@@ -97,25 +107,45 @@ def text_table(headers: Sequence[str], rows: Iterable[Sequence[str]], left: Sequ
     return "\n".join(lines)
 
 
+def _html_order(count: int, src_col: Optional[int]) -> list:
+    """Column order in HTML: the source right after the first column (the line or the cell), the
+    column a reader looks at first, where a narrow output area cannot push it out of sight."""
+    order = list(range(count))
+    if src_col is not None and 1 < src_col < count:
+        order.remove(src_col)
+        order.insert(1, src_col)
+    return order
+
+
 def html_table(headers: Sequence[str], rows: Iterable[Sequence[object]], left: Sequence[int] = (0,),
                classes: Optional[Sequence[Sequence[str]]] = None, src_col: Optional[int] = None) -> str:
-    """An HTML table; every cell is escaped. ``classes[r][c]`` adds a CSS class to a cell."""
-    head = "".join(f'<th class="{"l" if i in left else ""}">{esc(h)}</th>' for i, h in enumerate(headers))
+    """An HTML table; every cell is escaped and carries its own inline style (see ``_BOX``):
+    ``left`` columns are words (left-aligned, wrapping), the others numbers (right-aligned, whole),
+    ``src_col`` source (its whitespace kept, placed after the first column), and ``classes[r][c]``
+    a cell's colour (:data:`CELL_CSS`)."""
+    order = _html_order(len(headers), src_col)
+
+    def style(c: int) -> str:
+        return _SOURCE if c == src_col else _WORDS if c in left else _NUMBER
+
+    head = "".join(f'<th style="{_HEAD};text-align:{"left" if c in left else "right"}">{esc(headers[c])}</th>'
+                   for c in order)
     body = []
     for r, row in enumerate(rows):
+        row = list(row)
+        names = classes[r] if classes is not None and r < len(classes) else ()
         cells = []
-        for c, cell in enumerate(row):
-            names = []
-            if c in left:
-                names.append("l")
-            if c == src_col:
-                names.append("src")
-            if classes is not None and r < len(classes) and c < len(classes[r]) and classes[r][c]:
-                names.append(classes[r][c])
-            cells.append(f'<td class="{" ".join(names)}">{esc(cell)}</td>')
+        for c in order:
+            if c >= len(row):
+                continue
+            name = names[c] if c < len(names) else ""
+            # the class names the meaning (up, down, dim, err); the inline colour shows it
+            named = f' class="{esc(name)}" style="{style(c)};{CELL_CSS.get(name, "")}"' if name else f' style="{style(c)}"'
+            cells.append(f"<td{named}>{esc(row[c])}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    return f'<table style="{_TABLE}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
 def wrap_html(inner: str) -> str:
-    return f'{_CSS}<div class="ipy-gpumem">{inner}</div>'
+    """The container every view's HTML sits in: its styles inline, no ``<style>`` element."""
+    return f'<div class="ipy-gpumem" style="{_BOX}">{inner}</div>'

@@ -169,7 +169,7 @@ def _lines_table(record: CellRecord, source_lines: Sequence[str]) -> Table:
                 Column("host peak in line", lambda line: (format_delta(line.host.rss_peak_increase), "dim")),
                 Column("time", lambda line: (format_seconds(line.duration_s), "dim"))]
     if any(line.roles is not None for line in record.lines or ()):
-        columns.append(Column("by role", lambda line: (roles_cell(line.roles, line.temporaries), "")))
+        columns.append(Column("by role", lambda line: (roles_cell(line.roles, line.temporaries), ""), words=True))
     return line_table(source_lines, record.lines or (), columns)
 
 

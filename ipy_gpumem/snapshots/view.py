@@ -25,7 +25,7 @@ __all__ = ["open_snapshot", "snapshot_view", "oom_view", "timeline_of", "snapsho
 MAX_POINTS = 1200
 #: Annotated spans drawn on the chart (optimizer steps, data loading, ...).
 MAX_SPANS = 60
-_STYLE = "font-family:var(--jp-ui-font-family,sans-serif);font-size:13px;line-height:1.45"
+_STYLE = "font-family:sans-serif;font-family:var(--jp-ui-font-family,sans-serif);font-size:13px;line-height:1.45"
 
 
 def _when(report, t: Optional[float], device: int) -> str:

@@ -1,0 +1,185 @@
+"""The tables fit the notebook and keep their looks untrusted (issue 22, item 5).
+
+An output area is 716 px wide in JupyterLab's default layout: the ``--lines`` table, the
+estimate's per-line table and the history must fit in it, the source next to the line number.
+An untrusted copy drops ``<style>`` elements and keeps inline styles (filtered by JupyterLab's
+sanitizer, which drops values outside CSS's grammar, such as ``var()``), so every cell carries its
+own style. The width test measures in headless Chromium (marked ``browser``).
+"""
+import re
+
+import pytest
+
+from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord, LineRecord
+from ipy_gpumem.core.units import GiB, MiB
+from ipy_gpumem.ledger.view import cell_report_view, history_view
+
+SOURCE = ("%%gpumem --lines",
+          "model = build_model(config, vocabulary_size=32000, hidden_size=4096).to(device)",
+          "optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)",
+          "for step, (inputs, targets) in enumerate(loader):",
+          "    outputs = model(inputs.to(device, non_blocking=True), attention_mask=mask)",
+          "    loss = criterion(outputs.logits.view(-1, outputs.logits.size(-1)), targets.view(-1))",
+          "    loss.backward()",
+          "    optimizer.step(); optimizer.zero_grad(set_to_none=True)")
+
+
+def _dev(index, delta, peak):
+    return DeviceRecord(index, None, GiB, GiB + delta, GiB + max(delta, 0) + peak, 2 * GiB, 2 * GiB + delta,
+                        2 * GiB + delta, allocated_delta_sum=delta, reserved_delta_sum=delta, peak_increase_max=peak)
+
+
+def lines_record(devices=1, roles=True):
+    lines = []
+    for n, delta in zip(range(2, 9), (3 * GiB, 2 * GiB, 0, 512 * MiB, -64 * MiB, 1536 * MiB, -2 * GiB)):
+        role = {"cuda:0": {"activations": delta, "gradients": 256 * MiB}} if roles and devices else None
+        lines.append(LineRecord(n, SOURCE[n - 1], 12 if n > 3 else 1,
+                                HostRecord(GiB, GiB + 48 * MiB, GiB + 96 * MiB, 48 * MiB),
+                                tuple(_dev(i, delta, 768 * MiB) for i in range(devices)), 1.25, roles=role,
+                                temporaries={"cuda:0": 300 * MiB} if role else None))
+    return CellRecord(5, None, "\n".join(SOURCE), 0.0, 12.5,
+                      host=HostRecord(GiB, GiB + 300 * MiB, GiB + 400 * MiB),
+                      devices=tuple(_dev(i, 3 * GiB, GiB) for i in range(devices)), lines=tuple(lines))
+
+
+def history_records(devices=1):
+    records = []
+    for n in range(1, 9):
+        records.append(CellRecord(n, None, SOURCE[n - 1] + "  # " + "x" * 30, 0.0, 125.0,
+                                  host=HostRecord(GiB, GiB + 12 * MiB, GiB + 700 * MiB),
+                                  devices=tuple(_dev(i, -1536 * MiB if n % 2 else 3 * GiB, 512 * MiB)
+                                                for i in range(devices)),
+                                  error="OutOfMemoryError" if n == 4 else None))
+    return records
+
+
+def estimate():
+    from ipy_gpumem.preflight.cell import CellEstimate, LineEstimate
+    from ipy_gpumem.preflight.result import Estimate
+    from ipy_gpumem.preflight.view import estimate_view
+
+    roles = {"cuda:0": {"activations": 900 * MiB}}
+    est = Estimate("cuda:0", 3 * GiB, 4 * GiB, 0, roles, [], [], {})
+    lines = [LineEstimate(n, 1, 512 * MiB * n, 0, 768 * MiB) for n in range(2, 9)]
+    return estimate_view(CellEstimate(est, lines, SOURCE), title=None)
+
+
+def views():
+    return {
+        "--lines, one GPU": cell_report_view(lines_record(1), SOURCE),
+        "--lines, host": cell_report_view(lines_record(0, roles=False), SOURCE),
+        "estimate": estimate(),
+        "history, one GPU": history_view(history_records(1)),
+        "history, host": history_view(history_records(0)),
+    }
+
+
+def _cells(html):
+    return re.findall(r"<t[dh]\b([^>]*)>", html)
+
+
+@pytest.mark.parametrize("name", list(views()))
+def test_every_cell_carries_its_own_style_and_no_style_element(name):
+    html = views()[name].html
+    assert "<table" in html and "<style" not in html
+    cells = _cells(html)
+    assert cells
+    for attrs in cells:
+        style = re.search(r'style="([^"]*)"', attrs).group(1)
+        assert re.search(r"text-align:(left|right)", style), attrs
+        assert "white-space:" in style and "padding:" in style
+    box = re.search(r'<div class="ipy-gpumem" style="([^"]*)"', html).group(1)
+    # monospace survives the sanitizer (which drops var()): a plain family first
+    assert box.startswith("font-family:monospace;") and "font-size:12px" in box
+    for cls, colour in (("up", "color:#c0392b"), ("down", "color:#27864a"), ("dim", "color:#888888")):
+        for attrs in _cells(html):
+            if f'class="{cls}"' in attrs:
+                assert colour in attrs, attrs
+
+
+def test_the_source_comes_right_after_the_line_number():
+    html = views()["--lines, one GPU"].html
+    headers = re.findall(r"<th[^>]*>([^<]*)</th>", html)
+    first = headers.index("line")
+    assert headers[first:first + 3] == ["line", "source", "hits"]
+    text = views()["--lines, one GPU"].text  # terminals keep the source last, unpadded
+    assert text.splitlines()[[i for i, t in enumerate(text.splitlines()) if t.lstrip().startswith("line")][0]] \
+        .rstrip().endswith("source")
+
+
+# -- in Chromium --------------------------------------------------------------------------------------
+
+#: JupyterLab 4's rules for tables in an output (rendermime's .jp-RenderedHTMLCommon), which
+#: apply whatever the output's own styles: ours must win where they matter.
+_LAB_TABLE_CSS = """
+.out table {border-collapse:collapse;border-spacing:0;border:none;font-size:13px;table-layout:fixed;
+            margin-left:auto;margin-right:auto}
+.out td, .out th, .out tr {vertical-align:middle;padding:0.5em;line-height:normal;white-space:normal;
+                           max-width:none;border:none;text-align:right}
+body {font-family:sans-serif;margin:0}
+"""
+
+
+def _untrusted(html):
+    """What JupyterLab's sanitizer leaves of an untrusted output, for our HTML: no <style>
+    element, and no declaration whose value uses var() (outside the grammar it accepts)."""
+    html = re.sub(r"<style.*?</style>", "", html, flags=re.S)
+    return re.sub(r"[a-z-]+:var\([^;\"]*\)\)?;?", "", html)
+
+
+@pytest.fixture(scope="module")
+def page():
+    pytest.importorskip("playwright.sync_api")
+    from browser_helpers import CHROMIUM_ARGS, find_chromium
+    from playwright.sync_api import sync_playwright
+
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("no Chromium")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        yield browser.new_page(viewport={"width": 1200, "height": 900})
+        browser.close()
+
+
+def _measure(page, html):
+    page.set_content(f"<html><head><style>{_LAB_TABLE_CSS}</style></head><body>"
+                     f'<div class="out" style="width:716px">{html}</div></body></html>')
+    return page.evaluate("""() => {
+        const out = document.querySelector('.out'), box = out.querySelector('.ipy-gpumem');
+        const tables = [...out.querySelectorAll('table')].map(t => ({
+            width: t.getBoundingClientRect().width,
+            source: [...t.querySelectorAll('th')].findIndex(th => th.textContent === 'source'),
+            sourceRight: Math.max(0, ...[...t.querySelectorAll('tr')].map(tr => {
+                const i = [...t.querySelectorAll('th')].findIndex(th => th.textContent === 'source');
+                return i < 0 || !tr.children[i] ? 0 : tr.children[i].getBoundingClientRect().right; }))}));
+        const td = out.querySelector('td'), up = out.querySelector('td.up') || out.querySelector('td.down');
+        return {scroll: box.scrollWidth, client: box.clientWidth, outer: out.scrollWidth, tables,
+                font: getComputedStyle(td).fontFamily, align: up ? getComputedStyle(up).textAlign : null,
+                up: up ? getComputedStyle(up).color : null};
+    }""")
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("untrusted", [False, True], ids=["trusted", "untrusted"])
+@pytest.mark.parametrize("name", list(views()))
+def test_every_table_fits_a_716_px_output(page, name, untrusted):
+    html = views()[name].html
+    m = _measure(page, _untrusted(html) if untrusted else html)
+    if not untrusted:
+        assert m["scroll"] <= m["client"] + 1, (name, m)
+        assert m["outer"] <= 716, (name, m)
+        assert all(t["width"] <= 716 for t in m["tables"]), (name, m)
+    else:
+        # an untrusted copy keeps monospace, alignment and colours; the source stays in sight
+        assert "monospace" in m["font"], m
+        assert m["align"] == "right", m  # a change: a number
+        assert m["up"] in ("rgb(192, 57, 43)", "rgb(39, 134, 74)"), m  # and its colour
+    assert all(t["sourceRight"] <= 716 for t in m["tables"]), (name, m)
+
+
+@pytest.mark.browser
+def test_two_devices_scroll_inside_the_output_with_the_source_in_sight(page):
+    m = _measure(page, cell_report_view(lines_record(2), SOURCE).html)
+    assert m["outer"] <= 716, m  # the output never widens: the table scrolls in its own box
+    assert all(t["sourceRight"] <= 716 for t in m["tables"]), m
