@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Dict, List, NamedTuple, Optional
 
-__all__ = ["ChildInfo", "ChildMemory", "descendants", "child_info", "child_memory", "is_launcher_helper", "is_spawned_worker"]
+__all__ = ["ChildInfo", "ChildMemory", "MainThreadChildren", "descendants", "child_info", "child_memory", "is_launcher_helper", "is_spawned_worker"]
 
 _PROC = "/proc"
 _LINUX = sys.platform.startswith("linux")
@@ -72,6 +72,44 @@ def descendants(pid: Optional[int] = None, psutil_module=None) -> Optional[List[
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]
     except Exception:  # noqa: BLE001 - unknown, not an error
         return None
+
+
+class MainThreadChildren:
+    """This process's main thread's direct children, with one ``pread`` of a file kept open (~2 us).
+
+    The end of every cell asks whether anything is running below the kernel: the main thread is
+    where cells (and the launchers they call) fork, so that one file answers it, where a full
+    :func:`descendants` walk opens a file per thread. None where it cannot be read (then walk).
+    """
+
+    def __init__(self):
+        self._pid = None
+        self._fd = None
+
+    def read(self) -> Optional[List[int]]:
+        pid = os.getpid()
+        if self._pid != pid:
+            self.close()
+            self._pid = pid
+            if _LINUX:
+                try:
+                    self._fd = os.open(f"{_PROC}/{pid}/task/{pid}/children", os.O_RDONLY)
+                except OSError:
+                    self._fd = None
+        if self._fd is None:
+            return None
+        try:
+            return [int(p) for p in os.pread(self._fd, 65536, 0).split()]
+        except (OSError, ValueError):
+            return None
+
+    def close(self) -> None:
+        if self._fd is not None and self._pid == os.getpid():
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._fd = None
 
 
 def _int(value) -> Optional[int]:

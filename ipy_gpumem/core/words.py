@@ -256,10 +256,13 @@ def rank_note(rank) -> Optional[str]:
     """What could not be seen of a launched process (a ``RankRecord``), and how it ended; None when
     it was recorded whole from inside."""
     parts = []
-    if rank.end == "gone":
-        how = f"killed by {rank.signal}" if rank.signal else (
-            f"exit code {rank.exit_code}" if rank.exit_code is not None else "killed, terminated or seen from outside only")
-        parts.append(f"ended without recording its end ({how}): its numbers are the last readings taken from outside")
+    how = f"killed by {rank.signal}" if rank.signal else (
+        f"exit code {rank.exit_code}" if rank.exit_code is not None else None)
+    if rank.end == "gone" and rank.seen == "inside":
+        parts.append(f"ended without recording its end ({how or 'killed or terminated'}): its numbers after its "
+                     "start are the last readings taken from outside")
+    elif rank.end == "gone" and how:
+        parts.append(f"ended: {how}")
     elif rank.end == "running":
         parts.append("still running when the cell ended: its numbers are those of the cell's end")
     if rank.seen == "outside":

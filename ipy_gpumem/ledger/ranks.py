@@ -282,6 +282,7 @@ class RankWatch:
         self._thread: Optional[threading.Thread] = None
         self._seen: Dict[int, _Seen] = {}
         self._nvml_at = 0.0
+        self._main = _children.MainThreadChildren()
         #: Listings of the children made (the benchmark reads it: one per cell that launched nothing).
         self.listings = 0
 
@@ -323,6 +324,7 @@ class RankWatch:
     def close(self) -> None:
         self._closed = True
         _S.dir = None
+        self._main.close()
         self._wake.set()
 
     # -- reading from outside ------------------------------------------------------------------------
@@ -343,6 +345,13 @@ class RankWatch:
                     self._wake.clear()  # idle: sleep until the next cell
 
     def _poll(self, final: bool = False) -> None:
+        if final and not self._seen:
+            # The cell's end: one read of the main thread's children answers "did anything run below
+            # us" for a cell that launched nothing (a walk of every thread is for cells that did).
+            direct = self._main.read()
+            if direct is not None and not direct:
+                self.listings += 1
+                return
         pids = _children.descendants()
         self.listings += 1
         if not pids and not self._seen:

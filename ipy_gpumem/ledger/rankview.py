@@ -19,7 +19,6 @@ __all__ = ["rank_line_parts", "rank_report_parts"]
 
 def _spans(rank: RankRecord) -> List[Span]:
     spans: List[Span] = []
-    shown = False
     for dev in rank.devices or ():
         if dev.allocated_after is None and dev.used_after is not None:  # NVML's per-process use, from outside
             spans.append(Span(f"{dev.label} {format_bytes(dev.used_after)} used (NVML)"))
@@ -29,7 +28,6 @@ def _spans(rank: RankRecord) -> List[Span]:
             if dev.peak_increase is not None:
                 spans.append(Span(f" (peak {format_delta(dev.peak_increase)})", "up"))
         spans.append(Span(" │ ", "dim"))
-        shown = True
     host = rank.host
     spans.append(Span("host "))
     spans.append(Span(f"{format_delta(host.rss_delta)} RSS", delta_class(host.rss_delta)))
@@ -37,7 +35,6 @@ def _spans(rank: RankRecord) -> List[Span]:
         spans.append(Span(f" (peak {format_delta(host.rss_peak_increase)})", "up"))
     if host.rss_after is not None:
         spans.append(Span(f" · {format_bytes(host.rss_after)} resident"))
-    del shown
     return spans
 
 
@@ -45,8 +42,9 @@ def _end_word(rank: RankRecord) -> str:
     if rank.end == "running":
         return "still running"
     if rank.end == "gone":
-        return f"killed by {rank.signal}" if rank.signal else (
-            f"exit code {rank.exit_code}" if rank.exit_code is not None else "ended unrecorded")
+        if rank.signal or rank.exit_code is not None:
+            return f"killed by {rank.signal}" if rank.signal else f"exit code {rank.exit_code}"
+        return "ended unrecorded" if rank.seen == "inside" else ""  # a process read from outside never records its end
     return ""
 
 
