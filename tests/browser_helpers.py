@@ -58,10 +58,14 @@ def write_kernelspec(data_dir: str, name: str = KERNEL_NAME) -> str:
 
 
 def write_lab_settings(config_dir: str) -> None:
-    """User settings for a quiet, deterministic lab: no news toast, no update check."""
+    """User settings for a quiet, deterministic lab: no news toast, no update check; and widget state
+    saved with the notebook (off by default: on, the saved file shows what it would carry)."""
     settings = {
         "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
             "fetchNews": "false", "checkForUpdates": False},
+        "@jupyter-widgets/jupyterlab-manager/plugin.jupyterlab-settings": {"saveState": True},
+        # Every cell drawn, in view or not (the default windowing leaves far cells unrendered).
+        "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
     }
     for rel, value in settings.items():
         path = os.path.join(config_dir, "lab", "user-settings", rel)
@@ -114,7 +118,8 @@ class LabServer:
         env["PYTHONWARNINGS"] = "ignore::DeprecationWarning"
         cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", "--port=0",
                "--IdentityProvider.token=", "--ServerApp.password=", "--allow-root",
-               "--LabApp.expose_app_in_browser=True", f"--ServerApp.root_dir={self.root}",
+               "--LabApp.expose_app_in_browser=True", "--JupyterNotebookApp.expose_app_in_browser=True",
+               f"--ServerApp.root_dir={self.root}",
                f"--MappingKernelManager.default_kernel_name={KERNEL_NAME}"]
         log = open(self.log_path, "w")
         try:
@@ -254,3 +259,59 @@ SAVED_CHARTS_JS = r"""() => {
 #: The titles of the right sidebar's tabs (the sidecar's "GPU memory" among them).
 RIGHT_TABS_JS = """() => [...document.querySelectorAll('.jp-SideBar.jp-mod-right .lm-TabBar-tab')]
   .map((e) => e.textContent.trim()).filter((t) => t)"""
+
+
+#: Every plotly figure drawn in the notebook and the sidebar: where it is, how it got there (the live
+#: widget, or plotly's renderer of a saved figure), its points (the longest line trace) and its x range.
+FIGURES_JS = r"""(path) => {
+  const app = window.jupyterapp;
+  const panel = app && app.shell ? app.shell.currentWidget : null;
+  const out = {kernel: null, prompts: [], errors: [], figures: [], images: [], sidecars: [], runAll: window.__gpumemRunAll};
+  if (!panel || !panel.content) return out;
+  const session = panel.sessionContext && panel.sessionContext.session;
+  if (session && session.kernel) out.kernel = session.kernel.status;
+  const figure = (gd, cell, trusted) => {
+    const lines = (gd.data || []).filter((t) => t.mode === 'lines');
+    // The box plotly sizes: a figure collapsed by a resize keeps an SVG of full height inside a 0 px box.
+    const drawn = gd.querySelector('.svg-container');
+    const box = (drawn || gd).getBoundingClientRect();
+    const typed = gd.closest('[data-mime-type]');
+    const full = gd._fullLayout || {};
+    return {cell, points: lines.reduce((n, t) => Math.max(n, (t.x || []).length), 0), traces: (gd.data || []).length,
+            names: (gd.data || []).map((t) => t.name || ''),
+            range: gd.layout && gd.layout.xaxis && gd.layout.xaxis.range ? [...gd.layout.xaxis.range] : null,
+            autorange: full.xaxis ? full.xaxis.autorange : null, width: Math.round(box.width),
+            visible: box.width > 0 && box.height > 0, inSidecar: !!gd.closest('.jupyterlab-sidecar'),
+            inRight: !!gd.closest('#jp-right-stack'),
+            // plotly's renderer draws a saved figure (its output element is the plot); else it is the widget
+            mime: gd.classList.contains('jp-RenderedPlotly') ? 'application/vnd.plotly.v1+json'
+                  : (typed ? typed.getAttribute('data-mime-type') : 'application/vnd.jupyter.widget-view+json'),
+            trusted: trusted === undefined ? null : trusted,
+            title: full.title && full.title.text ? String(full.title.text).slice(0, 300) : ''};
+  };
+  panel.content.widgets.forEach((cell, i) => {
+    const prompt = cell.node.querySelector('.jp-InputArea-prompt');
+    out.prompts.push(prompt ? prompt.textContent.trim() : null);
+    const outputs = cell.model && cell.model.outputs ? cell.model.outputs.toJSON() : [];
+    outputs.filter((o) => o.output_type === 'error').forEach((o) => {
+      const tb = (o.traceback || []).join('\n').replace(/\u001b\[[0-9;]*m/g, '');
+      out.errors.push({cell: i, text: `${o.ename}: ${o.evalue}\n${tb.slice(-1500)}`});
+    });
+    const trusted = cell.model ? !!cell.model.trusted : null;
+    // an image output, or the PNG plotly's renderer saved beside a figure and shows where it may not run
+    cell.node.querySelectorAll('.jp-RenderedImage img, .jp-RenderedPlotly img.plot-img').forEach((img) => {
+      const box = img.getBoundingClientRect();
+      out.images.push({cell: i, visible: img.naturalWidth > 0 && box.width > 0 && box.height > 0, trusted,
+                       width: Math.round(box.width)});
+    });
+    cell.node.querySelectorAll('.js-plotly-plot').forEach((gd) => {
+      if (!gd.parentElement || !gd.parentElement.closest('.js-plotly-plot')) out.figures.push(figure(gd, i, trusted));
+    });
+  });
+  document.querySelectorAll('.jupyterlab-sidecar').forEach((sc) => {
+    const box = sc.getBoundingClientRect();
+    out.sidecars.push({inRight: !!sc.closest('#jp-right-stack'), visible: box.width > 0,
+                       figures: [...sc.querySelectorAll('.js-plotly-plot')].map((gd) => figure(gd, null))});
+  });
+  return out;
+}"""

@@ -100,7 +100,7 @@ def _sidebar_view(timeline):
 
     if plotly_widget_status() is None:
         try:
-            return FigureChartView(timeline, height=SIDEBAR_HEIGHT)
+            return FigureChartView(timeline, height=SIDEBAR_HEIGHT, narrow=True)
         except Exception:  # noqa: BLE001 - a plotly/anywidget mismatch: the picture still works
             pass
     return WidgetChartView(timeline, size=SIDEBAR_SIZE)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .timeline import PLOTLY_MIME, figure_config, timeline_figure
-from ..views import _View, chart_html, close_widgets, static_bundle, timeline_text
+from ..views import _View, chart_html, close_widgets, static_bundle, status_line, timeline_text
 
 __all__ = ["FigureChartView", "plotly_widget_status", "figure_json", "WIDGET_MIME"]
 
@@ -28,7 +28,7 @@ WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 #: Inline height in pixels; the width follows the output area.
 HEIGHT = 330
 #: The sidebar's figure: drawn at the sidebar's own width, so its labels keep their size.
-SIDEBAR_HEIGHT = 300
+SIDEBAR_HEIGHT = 360
 
 
 def plotly_widget_status() -> Optional[str]:
@@ -60,14 +60,16 @@ class FigureChartView(_View):
 
     tier = "plotly"
 
-    def __init__(self, timeline, note: Optional[str] = None, height: int = HEIGHT):
+    def __init__(self, timeline, note: Optional[str] = None, height: int = HEIGHT, narrow: bool = False):
         super().__init__(timeline, note)
         import plotly.graph_objects as go
 
         self.height = height
+        self.narrow = narrow  # drawn in the sidebar: its title is broken into lines
         self.rendered = False  # True once a front end drew the widget (it sends its first deltas back)
         self._last = None  # the figure spec last drawn: updates send only what changed
-        spec = timeline_figure(timeline.snapshot(), height=height)
+        self._note = ""  # said in the title before the numbers (why the chart is where it is)
+        spec = self._spec(timeline.snapshot())
         self.figure = go.FigureWidget(data=spec["data"], layout=spec["layout"])
         try:
             self.figure._config = figure_config()
@@ -86,11 +88,13 @@ class FigureChartView(_View):
         with self._lock:
             if not self.live:
                 return
-            self.figure.layout.title = {"text": note, "font": {"size": 11}, "x": 0, "xanchor": "left"}
+            self._note = note
+            self.narrow = False
             self.height = HEIGHT
             self.figure.layout.height = HEIGHT
             self.handle = handle
             snapshot = self.timeline.snapshot()
+            self._draw(snapshot)
             handle.update(self._bundle(snapshot), raw=True)
             self._bundled = snapshot.version
 
@@ -125,8 +129,18 @@ class FigureChartView(_View):
                 PLOTLY_MIME: figure_json(self.figure), "text/html": chart_html(snapshot),
                 "text/plain": text}
 
+    def _spec(self, snapshot) -> dict:
+        """The figure, titled with the current numbers as the SVG chart's header line is."""
+        line = status_line(snapshot) if not snapshot.empty else "no samples yet"
+        if self.narrow:  # the sidebar: one number per line, so the title fits its width
+            line = line.replace(" · ", "<br>")
+        title = f"{self._note}<br>ipy_gpumem · {line}" if self._note else f"ipy_gpumem · {line}"
+        spec = timeline_figure(snapshot, height=self.height, title=title)
+        spec["layout"]["margin"]["t"] = 18 + 15 * title.count("<br>") + 16
+        return spec
+
     def _draw(self, snapshot) -> None:
-        spec = timeline_figure(snapshot, height=self.height)
+        spec = self._spec(snapshot)
         last, self._last = self._last, spec
         figure = self.figure
         with figure.batch_update():
@@ -141,9 +155,10 @@ class FigureChartView(_View):
                 figure.data = ()
                 figure.add_traces(spec["data"])
             layout, before = spec["layout"], (last or {}).get("layout", {})
-            changed = {key: layout[key] for key in ("shapes", "annotations", "showlegend") if layout[key] != before.get(key)}
-            if changed:
-                figure.layout.update(changed)
+            # Assigned, not updated: an update with an empty list would leave the old items.
+            for key in ("shapes", "annotations", "showlegend", "title", "margin"):
+                if layout.get(key) != before.get(key):
+                    figure.layout[key] = layout.get(key)
             if layout["yaxis"]["title"] != before.get("yaxis", {}).get("title"):
                 figure.layout.yaxis.title.text = layout["yaxis"]["title"]["text"]
             if layout["xaxis"]["rangeslider"] != before.get("xaxis", {}).get("rangeslider"):
@@ -162,7 +177,10 @@ class FigureChartView(_View):
 
     def _leave(self, snapshot) -> None:
         if self.handle is not None:
-            # The output keeps the figure as the user left it (zoom included) and no widget reference.
+            # The output keeps the figure as it is now, as the user left it (zoom included, which the
+            # widget wrote back), and no widget reference.
+            if snapshot.version != self._drawn:
+                self._draw(snapshot)
             self.handle.update(self._bundle(snapshot, live=False), raw=True)
         close_widgets(self.widgets)
 

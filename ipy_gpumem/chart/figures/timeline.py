@@ -49,7 +49,9 @@ def byte_unit(top: float) -> tuple:
 
 def figure_config(filename: str = "ipy_gpumem") -> dict:
     """The mode bar: PNG export named after the chart, no plotly logo, scroll does not zoom the page."""
-    return {"displaylogo": False, "responsive": True, "scrollZoom": False,
+    # No "responsive": it sizes the plot to its container, and an output area has no height of its own (the
+    # figure collapses to 0 px when the notebook is resized); the front ends resize figures themselves.
+    return {"displaylogo": False, "scrollZoom": False,
             "toImageButtonOptions": {"format": "png", "filename": filename, "scale": 2}}
 
 
@@ -63,7 +65,7 @@ def _max(values) -> int:
 
 def _span_colour(span, index: int) -> tuple:
     if span.end is None:
-        return RUNNING_COLOR, 0.28
+        return RUNNING_COLOR, 0.2
     if span.failed:
         return FAILED_COLOR, 0.18
     return IMG_INK, (0.07 if index % 2 else 0.13)  # alternate: back-to-back cells stay apart
@@ -193,18 +195,19 @@ def timeline_figure(snapshot: Optional[TimelineSnapshot], *, height: int = 320, 
             "linecolor": "rgba(140,140,140,0.5)", "color": IMG_INK}
     layout = {
         "uirevision": UIREVISION, "height": int(height), "autosize": True,
-        "margin": {"l": 56, "r": 12, "t": 28 if title else 14, "b": 8},
+        "margin": {"l": 56, "r": 12, "t": (44 if "<br>" in title else 30) if title else 14, "b": 8},
         "paper_bgcolor": "rgba(0,0,0,0)", "plot_bgcolor": "rgba(0,0,0,0)",
         "font": {"family": "var(--jp-ui-font-family, sans-serif)", "size": 11, "color": IMG_INK},
         "hovermode": "closest", "showlegend": bool(keys),
-        "legend": {"orientation": "h", "x": 0, "y": -0.32, "yanchor": "top", "font": {"size": 10}},
+        # Below the range slider and the axis title (plotly grows the bottom margin to fit it).
+        "legend": {"orientation": "h", "x": 0, "y": -0.45, "yanchor": "top", "font": {"size": 10}},
         "xaxis": dict(axis, title={"text": "time (s)", "font": {"size": 10}}, ticksuffix=" s",
                       rangeslider={"visible": bool(keys), "thickness": 0.08}),
         "yaxis": dict(axis, title={"text": unit, "font": {"size": 10}}, rangemode="tozero", fixedrange=False),
         "shapes": shapes, "annotations": notes,
     }
     if title:
-        layout["title"] = {"text": title, "x": 0, "xanchor": "left", "font": {"size": 12}}
+        layout["title"] = {"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 12}}
     if keys and all(k.device.is_host for k in keys):
         layout["yaxis"]["title"]["text"] = f"host RSS ({unit})"
     return {"data": data, "layout": layout, "config": figure_config(filename)}
