@@ -26,8 +26,8 @@ adds over the same workload without a chart, as a percentage of one core and as 
 Each round is measured after 2 s of the same workload, with the redraw budget's initial burst
 (20 ms, a session's first redraws) already spent: the rows show the steady state.
 
-**In a kernel** (``--kernel``): a real ipykernel per configuration (no chart, ``%gpumem chart``,
-``%gpumem chart widget``), idle for ``--seconds`` and then executing ``time.sleep(0.1)`` cells
+**In a kernel** (``--kernel``): a real ipykernel per configuration (no chart, ``%gpumem chart``
+(the live plotly figure), ``%gpumem chart html`` (the SVG updated in place), ``%gpumem chart widget``), idle for ``--seconds`` and then executing ``time.sleep(0.1)`` cells
 back to back from a client; the kernel process's CPU time from ``/proc`` (Linux only).
 """
 from __future__ import annotations
@@ -355,7 +355,7 @@ def bench_kernels(paths: list, seconds: float, rounds: int) -> None:
         label = "this tree" if os.path.abspath(path) == os.path.abspath(ROOT) else path
         results = {}
         for _ in range(rounds):
-            for kind in (None, "", "widget"):
+            for kind in (None, "", "html", "widget"):
                 idle, busy, n, wall = kernel_run(path, kind, seconds, cell)
                 acc = results.setdefault(kind, [0.0, 0.0, 0, 0.0])
                 acc[0] += idle * wall

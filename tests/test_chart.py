@@ -63,6 +63,11 @@ def test_tier_follows_the_front_end(monkeypatch):
     assert choose_tier(zmq_shell, prefer="html") == ("html", None)
     if widgets_status() is None:
         assert choose_tier(zmq_shell, prefer="widget") == ("widget", None)
+    monkeypatch.setenv("VSCODE_PID", "1")  # VS Code: the picture by default, the figure when asked
+    assert choose_tier(zmq_shell) == ("html", None)
+    if widgets_status() is None and plotly_widget_status() is None:
+        assert choose_tier(zmq_shell, prefer="plotly") == ("plotly", None)
+    monkeypatch.delenv("VSCODE_PID")
     monkeypatch.setitem(sys.modules, "anywidget", None)  # an import of it now fails
     if widgets_status() is None:
         assert choose_tier(zmq_shell) == ("html", None)  # the default falls back quietly

@@ -285,3 +285,23 @@ def test_estimate_figure_draws_the_predicted_lines_against_the_gpu():
     assert figure["data"][0]["y"][1] == pytest.approx(cell.estimate.peak_allocated / divisor, abs=1e-3)
     go = pytest.importorskip("plotly.graph_objects")
     go.Figure(data=figure["data"], layout=figure["layout"])
+
+
+def test_colab_gets_plotly_js_from_its_cdn_over_the_picture(monkeypatch):
+    """Colab renders no plotly MIME output: its static figures are plotly.js from the CDN, drawn over
+    the SVG picture, which stays where scripts do not run (google.colab is a stand-in module here)."""
+    import sys
+    import types
+
+    pytest.importorskip("plotly")
+    from ipy_gpumem.chart.views import figure_output, static_bundle
+
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    bundle = static_bundle(session().snapshot())
+    html = bundle["text/html"]
+    assert list(bundle)[0] == PLOTLY_MIME
+    assert '<script src="https://cdn.plot.ly/plotly-' in html and "Plotly.newPlot(" in html
+    assert html.index("data:image/svg+xml,") < html.index("<script")  # the picture first, inside the div
+    assert "</script" not in html.split("<script>", 1)[1].split("})();")[0]  # the figure cannot close the script
+    out = figure_output({"data": [], "layout": {"title": {"text": "</script><b>x"}}}, None)
+    assert "<\\/script>" in out["text/html"]

@@ -60,6 +60,14 @@ def in_colab() -> bool:
     return "google.colab" in sys.modules
 
 
+def in_vscode(environ=None) -> bool:
+    """True in a kernel VS Code started (it sets these in the kernel's environment)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    return any(key in environ for key in ("VSCODE_PID", "VSCODE_CWD", "VSCODE_IPC_HOOK_CLI"))
+
+
 def widgets_status() -> Optional[str]:
     """None when ipywidgets can be imported here, else why not."""
     try:
@@ -83,7 +91,7 @@ def sidebar_unavailable(shell=None, environ=None) -> Optional[str]:
         return "the sidebar needs JupyterLab (this is terminal IPython)"
     if in_colab():
         return "Colab has no side panel for notebook outputs"
-    if any(key in environ for key in ("VSCODE_PID", "VSCODE_CWD", "VSCODE_IPC_HOOK_CLI")):
+    if in_vscode(environ):
         return "VS Code cannot show JupyterLab sidebar widgets"
     try:
         import sidecar  # noqa: F401
@@ -120,6 +128,10 @@ def choose_tier(shell=None, prefer: Optional[str] = None):
         note = None if prefer is None else (f"Colab gets the HTML chart updated in place ({prefer} charts need "
                                              "Colab's custom widget manager)")
         return "html", note
+    if prefer is None and in_vscode():
+        # VS Code loads a third-party widget's front end from a CDN only where the user allowed it;
+        # its HTML outputs update in place everywhere. `%gpumem chart plotly` asks for the figure.
+        return "html", None
     why_not = widgets_status()
     if prefer == "widget":
         if why_not is not None:

@@ -24,7 +24,7 @@ __all__ = ["Command", "CommandError", "MODES", "parse_command", "export", "estim
 
 MODES = ("status", "history", "chart", "sidebar", "who", "free", "on", "off", "clear", "export", "snapshot")
 TIERS = ("plotly", "widget", "html", "text")  # the chart's kinds (chart/views.py checks it uses the same)
-_MODES_HELP = "status, history [N], chart [widget|html|text], sidebar, who [DEVICE], free [--dry-run], on, off, clear, export PATH, snapshot PATH"
+_MODES_HELP = "status, history [N], chart [plotly|widget|html|text], sidebar, who [DEVICE], free [--dry-run], on, off, clear, export PATH, snapshot PATH"
 
 
 class CommandError(ValueError):
@@ -178,9 +178,12 @@ LINE_HELP = """Inspect and control ipy_gpumem's per-cell memory ledger.
                                 and device used (host RSS without a GPU), each cell marked
                                 [n] (hover: its first line, deltas, peak), a peak the samples
                                 missed, the running cell highlighted, the capacity drawn.
-                                KIND is html (updated in place; the default in a notebook, and
-                                a saved notebook still shows it), widget (an ipywidgets.HTML)
-                                or text (terminal IPython). Asking again moves it.
+                                KIND is plotly (a live plotly figure: zoom, pan, legend, range
+                                slider; the default in a notebook), html (the SVG picture updated
+                                in place; Colab's default), widget (that picture in an
+                                ipywidgets.HTML) or text (terminal IPython). One chart is live at
+                                a time: asking again moves it, the old one stays as a static
+                                plotly figure.
         %gpumem sidebar         the live chart in JupyterLab's right sidebar (sidecar), with
                                 a live line of numbers left inline; elsewhere, shown inline
         %gpumem who [DEVICE]    who holds the memory: parameters, gradients, optimizer
