@@ -74,7 +74,7 @@ def test_chart_updates_arrive_while_the_cell_is_busy(kernel, kind, update_type):
     messages, _, _ = run(kernel, "import threading; print([t.name for t in threading.enumerate() if 'ipy_gpumem' in t.name])")
     assert "ipy_gpumem-sampler" in "".join(m["content"].get("text", "") for _, m in messages)
     run(kernel, "%gpumem off")
-    messages, _, _ = run(kernel, "print([t.name for t in threading.enumerate() if 'ipy_gpumem' in t.name])")
+    messages, _, _ = run(kernel, "print([t.name for t in threading.enumerate() if 'ipy_gpumem-sampler' in t.name])")
     assert "[]" in "".join(m["content"].get("text", "") for _, m in messages)  # off stops the sampler
 
 

@@ -326,6 +326,9 @@ class RankWatch:
         _S.dir = None
         self._main.close()
         self._wake.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2.0)  # unload leaves no thread of ours behind (it wakes and returns)
 
     # -- reading from outside ------------------------------------------------------------------------
 
