@@ -305,3 +305,44 @@ def test_colab_gets_plotly_js_from_its_cdn_over_the_picture(monkeypatch):
     assert "</script" not in html.split("<script>", 1)[1].split("})();")[0]  # the figure cannot close the script
     out = figure_output({"data": [], "layout": {"title": {"text": "</script><b>x"}}}, None)
     assert "<\\/script>" in out["text/html"]
+
+
+def test_a_cell_that_launched_ranks_draws_one_series_per_rank():
+    from ipy_gpumem.core.records import RankRecord
+
+    ranks = (RankRecord(0, 101, HostRecord(200 * MiB, 210 * MiB, 300 * MiB)),
+             RankRecord(1, 102, HostRecord(200 * MiB, 220 * MiB, 900 * MiB)))
+    rec = CellRecord(4, None, "start_processes(train, nprocs=2)", time.time(), 2.0,
+                     host=HostRecord(GiB, GiB, GiB), ranks=ranks)
+    tl = Timeline()
+    tl.add(host(10.0, GiB))
+    tl.cell_started(10.0, "[*]", rec.source)
+    tl.add(host(11.0, GiB))
+    tl.cell_finished(12.0, rec)
+    (span,) = tl.snapshot().spans
+    assert [r.label for r in span.ranks] == ["rank 0", "rank 1"]
+    figure = timeline_figure(tl.snapshot())
+    traces = {trace["name"]: trace for trace in figure["data"]}
+    assert {"rank 0 RSS", "rank 1 RSS", "host RSS"} <= set(traces)
+    worst = traces["rank 1 RSS"]
+    assert worst["x"][:3] == [0.0, 1.0, 2.0] and worst["y"][1] == pytest.approx(900 / 1024, abs=1e-3)
+    assert traces["rank 0 RSS"]["line"]["color"] != worst["line"]["color"]
+    assert figure["layout"]["yaxis"]["title"]["text"] == "host RSS (GiB)"  # the unit fits the ranks too
+
+
+def test_history_lists_each_rank_under_the_cell_that_launched_it():
+    from ipy_gpumem.core.records import RankRecord
+    from ipy_gpumem.ledger.view import history_view
+
+    ranks = (RankRecord(0, 101, HostRecord(200 * MiB, 210 * MiB, 300 * MiB)),
+             RankRecord(1, 102, HostRecord(200 * MiB, 220 * MiB, 900 * MiB), end="gone"))
+    recs = [CellRecord(3, None, "x = 1", time.time(), 0.1, host=HostRecord(GiB, GiB, GiB)),
+            CellRecord(4, None, "start_processes(train, nprocs=2)", time.time(), 2.0,
+                       host=HostRecord(GiB, GiB, GiB), ranks=ranks),
+            CellRecord(5, None, "y = 2", time.time(), 0.1, host=HostRecord(GiB, GiB, GiB))]
+    text = history_view(recs).text
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    at = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("[4]"))
+    assert lines[at + 1].lstrip().startswith("rank 0") and "pid 101" in lines[at + 1]
+    assert lines[at + 2].lstrip().startswith("rank 1") and "+700.00 MiB" in lines[at + 2] and "gone" in lines[at + 2]
+    assert lines[at + 3].lstrip().startswith("[5]")

@@ -91,6 +91,22 @@ class Span(NamedTuple):
     changes: Tuple[Change, ...] = ()
     recorded: bool = False
     largest: Optional["Span"] = None
+    #: the processes the cell launched (:class:`RankChange`), empty for most cells
+    ranks: Tuple[RankChange, ...] = ()
+
+
+class RankChange(NamedTuple):
+    """A process the cell launched (a rank): its host RSS at its start, at its peak and at its end."""
+
+    rank: Optional[int]
+    pid: int
+    rss_before: Optional[int]
+    rss_peak: Optional[int]
+    rss_after: Optional[int]
+
+    @property
+    def label(self) -> str:
+        return f"rank {self.rank}" if self.rank is not None else f"pid {self.pid}"
 
 
 class MissedPeak(NamedTuple):
@@ -208,6 +224,17 @@ def _changes(record) -> Tuple[Change, ...]:
     if host.rss_before is None and host.rss_after is None:
         return ()
     return (Change(HOST, host.rss_delta, host.rss_peak, host.rss_peak_increase),)
+
+
+def _rank_changes(record) -> Tuple[RankChange, ...]:
+    """The ranks ``record``'s cell launched, as the chart draws them (host RSS; never raises)."""
+    out = []
+    for rank in getattr(record, "ranks", None) or ():
+        host = rank.host
+        if host.rss_before is None and host.rss_peak is None and host.rss_after is None:
+            continue
+        out.append(RankChange(rank.rank, rank.pid, host.rss_before, host.rss_peak, host.rss_after))
+    return tuple(out)
 
 
 def _first(source: str) -> str:
@@ -601,7 +628,7 @@ class Timeline:
             source = record.source
             first = running.first_line if not source or source == running.source else _first(source)
             span = Span(running.start, end, label, first, record.moved_bytes, 1, record.error is not None,
-                        record.error, record.duration_s, _changes(record), True)
+                        record.error, record.duration_s, _changes(record), True, ranks=_rank_changes(record))
             for dev in record.devices:
                 if dev.total is not None:
                     self._capacities[cuda(dev.index)] = int(dev.total)

@@ -319,6 +319,38 @@ def _phase_parts(record: CellRecord) -> list:
 # ---------------------------------------------------------------------------------------------
 
 
+def _history_rank_rows(records, cuda: bool) -> dict:
+    """``{row index: [(row, classes)]}``: under a cell that launched processes, one row per rank
+    (its host RSS change and peak rise, and on a GPU its device's), inserted after the cell's rows."""
+    out, at = {}, 0
+    for rec in records:
+        at += 1 if not cuda else len(rec.devices or (None,))
+        if not rec.ranks:
+            continue
+        rows = []
+        for rank in rec.ranks:
+            name = f"  rank {rank.rank}" if rank.rank is not None else f"  pid {rank.pid}"
+            host = rank.host
+            note = f"pid {rank.pid}" + ("" if rank.end == "exited" else f", {rank.end}")
+            if not cuda:
+                rows.append(([name, format_delta(host.rss_delta), format_delta(host.rss_peak_increase),
+                              format_bytes(host.rss_after), "", "", note],
+                             ["dim", delta_class(host.rss_delta), delta_class(host.rss_peak_increase), "", "", "", "dim"]))
+                continue
+            for dev in rank.devices or (None,):
+                if dev is None:
+                    row = [name, "host", "", "", "", "", format_delta(host.rss_delta)]
+                    cls = ["dim", "", "", "", "", "", delta_class(host.rss_delta)]
+                else:
+                    row = [name, dev.label, format_delta(dev.allocated_delta), format_delta(dev.peak_increase),
+                           format_delta(dev.reserved_delta), format_bytes(dev.reserved_after), format_delta(host.rss_delta)]
+                    cls = ["dim", "", delta_class(dev.allocated_delta), delta_class(dev.peak_increase),
+                           delta_class(dev.reserved_delta), "", delta_class(host.rss_delta)]
+                rows.append((row + ["", "", note], cls + ["", "", "dim"]))
+        out[at] = rows
+    return out
+
+
 def history_view(records: Sequence[CellRecord], limit: Optional[int] = None) -> View:
     """One row per recorded cell: per device deltas and peaks, or host RSS when no cell used CUDA."""
     if limit is not None and limit > 0:
@@ -347,6 +379,9 @@ def history_view(records: Sequence[CellRecord], limit: Optional[int] = None) -> 
                        delta_class(dev.reserved_delta), "", delta_class(host.rss_delta)]
             rows.append(row + [format_seconds(rec.duration_s), error, source])
             classes.append(cls + ["dim", "err", ""])
+    for at, rank_rows in sorted(_history_rank_rows(records, cuda).items(), reverse=True):
+        rows[at:at] = [row for row, _cls in rank_rows]
+        classes[at:at] = [cls for _row, cls in rank_rows]
     if cuda:
         headers = ["cell", "device", "Δallocated", "peak Δ", "Δreserved", "reserved", "Δhost RSS", "time", "error", "source"]
         left = (0, 1, 8, 9)

@@ -12,6 +12,7 @@ What the figure has, and why:
 - each cell as a band (the running one amber, failed ones red) with a hover marker at its top that
   names the cell, its first line and what it did (``span_hover``);
 - each cell's exact peak where the samples missed it, as its own legend entry with its own symbol;
+- one series per rank for a cell that launched processes (their host RSS: start, peak, end);
 - the device's capacity as a dash-dot line when it is on the chart's scale;
 - ``uirevision``: a zoom, pan or legend toggle survives every update of a live figure;
 - a range slider under the time axis for long sessions, and PNG export from the mode bar.
@@ -138,6 +139,38 @@ def _rgba(colour: str, opacity: float) -> str:
     return f"rgba({red},{green},{blue},{opacity})"
 
 
+#: One colour per rank, apart from the devices' (Okabe-Ito's darker half).
+RANK_COLORS = ("#CC79A7", "#0072B2", "#D55E00", "#009E73", "#E69F00", "#56B4E9", "#999933", "#882255")
+
+
+def _rank_values(spans) -> list:
+    return [v for span in spans for r in span.ranks for v in (r.rss_before, r.rss_peak, r.rss_after) if v is not None]
+
+
+def _rank_traces(spans, divisor: float, unit: str) -> list:
+    """One series per rank: its host RSS at the start of the cell that launched it, at its peak (mid-cell:
+    the time of a rank's peak is not known) and at its end; cells apart are not joined."""
+    series: dict = {}
+    for span in spans:
+        if not span.ranks or span.end is None:
+            continue
+        mid = (span.start + span.end) / 2
+        for r in span.ranks:
+            xs, ys = series.setdefault(r.label, ([], []))
+            for t, v in ((span.start, r.rss_before), (mid, r.rss_peak), (span.end, r.rss_after)):
+                if v is not None:
+                    xs.append(round(t, 3))
+                    ys.append(round(v / divisor, 4))
+            xs.append(None)
+            ys.append(None)
+    names = sorted(series, key=lambda name: (not name.startswith("rank"), len(name), name))
+    return [{"type": "scatter", "mode": "lines+markers", "name": f"{name} RSS", "x": series[name][0],
+             "y": series[name][1], "connectgaps": False, "legendgroup": "ranks",
+             "line": {"color": RANK_COLORS[i % len(RANK_COLORS)], "dash": "dot", "width": 1.4},
+             "marker": {"size": 5}, "hovertemplate": f"%{{y:.2f}} {unit}<extra>{name} host RSS</extra>"}
+            for i, name in enumerate(names)]
+
+
 def _capacity_parts(snapshot: TimelineSnapshot, keys, data_max: int, divisor: float) -> tuple:
     devices = sorted({k.device for k in keys if k.device.is_cuda}, key=lambda d: d.index or 0)
     on_scale, off_scale = _capacity_layout(snapshot.capacities, devices, data_max)
@@ -165,8 +198,8 @@ def timeline_figure(snapshot: Optional[TimelineSnapshot], *, height: int = 320, 
     """
     keys = _drawn_keys(snapshot.series) if snapshot is not None and not snapshot.empty else []
     spans = snapshot.spans if snapshot is not None else ()
-    data_max = max([_max(snapshot.series[k]) for k in keys] + [m.peak for m in snapshot.missed_peaks(keys)]
-                   if keys else [0])
+    data_max = max(([_max(snapshot.series[k]) for k in keys] + [m.peak for m in snapshot.missed_peaks(keys)]
+                    if keys else [0]) + _rank_values(spans))
     divisor, unit = byte_unit(data_max)
     data: list = []
     shapes: list = []
@@ -174,6 +207,7 @@ def timeline_figure(snapshot: Optional[TimelineSnapshot], *, height: int = 320, 
     off = ""
     if keys:
         data += _series_traces(snapshot, keys, divisor, unit)
+        data += _rank_traces(spans, divisor, unit)
         peaks = _peak_trace(snapshot, keys, divisor, unit)
         if peaks:
             data.append(peaks)
