@@ -163,7 +163,9 @@ def test_a_users_zoom_survives_the_next_update(live_view, monkeypatch):
     allocated = next(trace for trace in figure.data if trace.name == "cuda:0 allocated")
     before = len(allocated.x)
     tl.add(gpu(103.0, 5 * GiB, 6 * GiB))
-    assert view.refresh() is True
+    assert view.refresh() is False and view.owes  # within MIN_INTERVAL of the last draw: held back, owed
+    view._drawn_at = float("-inf")  # a second later
+    assert view.refresh() is True and not view.owes
     assert len(allocated.x) == before + 1 and allocated.y[-1] == 5.0  # the new point arrived
     assert tuple(figure.layout.xaxis.range) == (1.0, 2.0) and tuple(figure.layout.yaxis.range) == (0.5, 1.5)
     assert sent and not any("range" in key or "autorange" in key for _, relayout in sent for key in relayout), sent
@@ -174,10 +176,12 @@ def test_updates_send_only_what_changed(live_view, monkeypatch):
     tl, view = live_view
     sent = _spy(monkeypatch, view.figure)
     tl.add(gpu(103.0, 5 * GiB, 6 * GiB))
+    view._drawn_at = float("-inf")
     view.refresh()
     touched = {name for restyle, _ in sent for name in restyle}
     assert touched and touched <= {"x", "y", "text", "hovertext", "marker", "mode", "marker.color"}, touched
     count = len(sent)
+    view._drawn_at = float("-inf")
     assert view.refresh() is False and len(sent) == count  # nothing new: nothing sent
 
 

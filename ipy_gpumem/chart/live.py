@@ -298,7 +298,8 @@ class LiveChart:
         if not self.views or timeline is None:
             return
         self._check_sidebar()
-        if not self._pending and not timeline.running and timeline.moved == self._drawn_moved:
+        owed = any(getattr(view, "owes", False) for view in self.views)
+        if not self._pending and not owed and not timeline.running and timeline.moved == self._drawn_moved:
             # Idle and nothing moved: a redraw would only stretch the time axis, in the live chart
             # and in the picture a saved notebook keeps. The next cell's start draws the idle time.
             return

@@ -17,6 +17,7 @@ most the one live figure's plotly bundle (about 5 MB), never one per chart shown
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from .timeline import PLOTLY_MIME, figure_config, timeline_figure
@@ -25,6 +26,8 @@ from ..views import _View, chart_html, close_widgets, static_bundle, status_line
 __all__ = ["FigureChartView", "plotly_widget_status", "figure_json", "WIDGET_MIME"]
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+#: Seconds between two redraws of a live figure (cell ends included; a held-back one is made later).
+MIN_INTERVAL = 0.9  # the sampler ticks once a second: one redraw a tick, never more
 #: Inline height in pixels; the width follows the output area.
 HEIGHT = 330
 #: The sidebar's figure: drawn at the sidebar's own width, so its labels keep their size.
@@ -67,6 +70,8 @@ class FigureChartView(_View):
         self.height = height
         self.narrow = narrow  # drawn in the sidebar: its title is broken into lines
         self.rendered = False  # True once a front end drew the widget (it sends its first deltas back)
+        self.owes = False  # a redraw was held back by MIN_INTERVAL
+        self._drawn_at = float("-inf")
         self._last = None  # the figure spec last drawn: updates send only what changed
         self._note = ""  # said in the title before the numbers (why the chart is where it is)
         spec = self._spec(timeline.snapshot())
@@ -164,16 +169,35 @@ class FigureChartView(_View):
             if layout["xaxis"]["rangeslider"] != before.get("xaxis", {}).get("rangeslider"):
                 figure.layout.xaxis.rangeslider.visible = layout["xaxis"]["rangeslider"]["visible"]
 
+    def refresh(self, force: bool = False, final: bool = False) -> bool:
+        """The sampler's redraws come at most every :data:`MIN_INTERVAL` seconds: a figure update
+        sends every changed trace whole (tens of KiB of JSON with a long session), where the SVG view
+        sends one picture. A redraw held back is owed (:attr:`owes`); the live chart's next tick
+        makes it. A cell's end (:meth:`finalize`) is drawn at once, within the redraw budget."""
+        now = time.monotonic()
+        if not (force or final) and now - self._drawn_at < MIN_INTERVAL:
+            self.owes = self.live and self.timeline.snapshot().version != self._drawn
+            return False
+        drew = super().refresh(force)
+        if drew:
+            self._drawn_at = now
+        self.owes = False
+        if drew and not self.timeline.running:
+            self._write_fallback()  # an owed redraw after the last cell: the output catches up too
+        return drew
+
     def finalize(self) -> bool:
-        drew = self.refresh()
+        drew = self.refresh(final=True)
+        self._write_fallback()
+        return drew
+
+    def _write_fallback(self) -> None:
         with self._lock:
             snapshot = self.timeline.snapshot()
-            # Same widget, fresh fallback for an untrusted or reopened notebook: also when the
-            # sampler thread drew the widget last, since it never rewrites the output itself.
+            # Same widget, fresh fallback for an untrusted or reopened notebook.
             if self.live and self.handle is not None and snapshot.version != self._bundled:
                 self.handle.update(self._bundle(snapshot), raw=True)
                 self._bundled = snapshot.version
-        return drew
 
     def _leave(self, snapshot) -> None:
         if self.handle is not None:
