@@ -208,3 +208,86 @@ def test_a_traced_out_of_memory_gets_one_panel_from_the_recording(ip, gpumem):
     assert f"tried to allocate {format_bytes(recorded.requested)} with {format_bytes(recorded.device_free)} free" in panels[0]
     assert f"the failing allocation: In [{result.execution_count}], line 2" in panels[0]
     _capture("trace_oom_panel.txt", {"panel": panels[0]})
+
+
+# ---------------------------------------------------------------------------------------------
+# Several processes on CUDA (issue 20): torch's counters inside forked ranks, NVML from outside, NCCL
+# ---------------------------------------------------------------------------------------------
+
+CUDA_RANKS = '''
+import os
+import torch
+import torch.distributed as dist
+
+def work(rank, world, port, backend, big):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    device = rank % torch.cuda.device_count()
+    torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    keep = torch.empty((512 if rank == big else 64) * 2**20, dtype=torch.uint8, device="cuda")
+    t = torch.ones(1024, device="cuda" if backend == "nccl" else "cpu")
+    dist.all_reduce(t)
+    dist.barrier()
+    dist.destroy_process_group()
+    return int(keep.numel())
+'''
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_cells(tmp_path, world, backend, how):
+    (tmp_path / "cuda_ranks.py").write_text(CUDA_RANKS)
+    launch = (f"mp.start_processes(cuda_ranks.work, args=({world}, {_free_port()}, '{backend}', 1), nprocs={world}, "
+              f"start_method='{how}')")
+    return ["import json, os, sys, torch.multiprocessing as mp\nsys.path.insert(0, os.getcwd())\nimport cuda_ranks",
+            launch,
+            "import ipy_gpumem, torch\nprint(json.dumps(ipy_gpumem.history()[-1].to_dict()['ranks']))\n"
+            "print(torch.cuda.is_initialized())"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["fork", "spawn"])
+def test_cuda_ranks_report_device_memory_without_initializing_cuda_in_the_kernel(tmp_path, how):
+    """Two ranks on cuda:0 with gloo: forked ranks report torch's own counters (512 MiB for rank 1),
+    spawned ones NVML's per-process use; the kernel never initializes CUDA (a fork after that fails)."""
+    import torch
+
+    from kernel_helpers import execute, plain, outputs
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    nb = execute(_rank_cells(tmp_path, 2, "gloo", how), extensions=["ipy_gpumem"], cwd=str(tmp_path), timeout=240)
+    assert outputs(nb.cells[1], "error") == [], plain(nb.cells[1])
+    printed = plain(nb.cells[2])[0].splitlines()
+    ranks = json.loads(printed[0])
+    assert printed[1] == "False"  # the kernel itself never touched CUDA
+    assert [r["rank"] for r in ranks] == [0, 1]
+    big = ranks[1]
+    if how == "fork":  # recorded inside: torch's counters, exact
+        (dev,) = big["devices"]
+        assert dev["allocated_peak"] - dev["allocated_before"] >= 512 * MiB
+    else:  # from outside: NVML's per-process use, the CUDA context included
+        assert big["devices"], big
+        assert max(d.get("used_after") or 0 for d in big["devices"]) >= 512 * MiB
+    _capture(f"ranks_{how}.json", ranks)
+
+
+@pytest.mark.slow
+def test_nccl_ranks_on_two_gpus(tmp_path):
+    import torch
+
+    from kernel_helpers import execute, plain, outputs
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs one GPU per rank: this machine has fewer than 2")
+    nb = execute(_rank_cells(tmp_path, 2, "nccl", "spawn"), extensions=["ipy_gpumem"], cwd=str(tmp_path), timeout=240)
+    assert outputs(nb.cells[1], "error") == [], plain(nb.cells[1])
+    ranks = json.loads(plain(nb.cells[2])[0].splitlines()[0])
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["devices"] for r in ranks)
