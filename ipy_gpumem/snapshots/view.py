@@ -11,6 +11,7 @@ from ..core.memory import DeviceMemory
 from ..core.units import format_bytes as b
 from ..core.units import format_seconds
 from ..display.parts import Blank, Details, Heading, Line, Para, Raw, Span as Text, Table, render
+from ..display.view import esc
 from ..oom.analysis import OomAnalysis
 from ..oom.panel import oom_panel
 from ..oom.parse.report import OomReport
@@ -82,8 +83,17 @@ def _svg(report, device: int, start, end, ink: Optional[str] = None) -> str:
 
 
 def _chart(report, device: int, start, end) -> Raw:
-    svg = _svg(report, device, start, end)
-    return Raw("", f'<div style="margin:4px 0">{svg}</div>' if svg else "")
+    """The chart as an image of the SVG: an untrusted notebook's sanitizer strips an inline <svg> (its
+    axis labels would spill out as a run-on line of text) but keeps an image."""
+    from ..chart.svg.base import IMG_INK
+    from ..chart.views import svg_data_uri
+
+    svg = _svg(report, device, start, end, ink=IMG_INK)
+    if not svg:
+        return Raw("", "")
+    title = _title(report, device, start, end)
+    return Raw("", f'<div style="margin:4px 0"><img alt="{esc(title)}" src=\'{svg_data_uri(svg)}\' '
+                   f'style="max-width:100%;display:block"></div>')
 
 
 def snapshot_figure(report, start: Optional[float] = None, end: Optional[float] = None,
