@@ -413,3 +413,22 @@ def test_repeated_charts_keep_one_live_view_and_no_widgets(ip, monkeypatch):
     finally:
         chart.close()
     assert set(_widgets()) == before and chart.views == []
+
+
+def test_a_view_that_fails_to_draw_stops_alone_and_says_so_once(live):
+    """A fake fault (a view raising mid-redraw, which nothing here can cause for real): the view stops,
+    the recording and the timeline go on, and the next cell's end says so once, in one line."""
+    broken = live.views[0]
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("plotly went away\nsecond line")
+
+    broken.finalize = boom
+    sample = Sample(1.0, HostSample(GiB, None), ())
+    live.cell_started(sample, "x = 1")
+    message = live.cell_finished(sample, CellRecord(1, None, "x = 1", 0.0, 0.01, host=HostRecord(GiB, GiB, GiB)))
+    assert message is not None and "RuntimeError: plotly went away" in message and "\n" not in message
+    assert broken not in live.views and not broken.live
+    live.cell_started(sample, "y = 2")
+    assert live.cell_finished(sample, CellRecord(2, None, "y = 2", 0.0, 0.01, host=HostRecord(GiB, GiB, GiB))) is None
+    assert len(live.timeline.snapshot().spans) == 2  # recording went on

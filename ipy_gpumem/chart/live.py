@@ -138,6 +138,7 @@ class LiveChart:
         self._drawn_at = float("-inf")
         self._pending = False  # a cell ended without its redraw (budget spent): the sampler owes one
         self._sidebar_watch = None  # (sidebar view, inline line, deadline) until the sidebar draws it
+        self._view_error: Optional[str] = None  # a view that failed to draw, until reported
         self.error: Optional[str] = None  # why the sampler stopped, until reported
         self._error_shown = False
 
@@ -168,6 +169,10 @@ class LiveChart:
                 self._redraw(final=True)
             else:
                 self._pending = True
+        if self._view_error is not None:
+            error, self._view_error = self._view_error, None
+            return (f"ipy_gpumem: the live chart stopped drawing ({error}); it keeps what it showed, recording "
+                    "goes on. %gpumem chart html shows it again.")
         if self.error and not self._error_shown:
             self._error_shown = True
             self.stop_sampler()
@@ -273,11 +278,26 @@ class LiveChart:
         self._drawn_at = self.budget.clock()
         cpu0 = time.thread_time()
         for view in list(self.views):
-            if final:
-                view.finalize()
-            else:
-                view.refresh()
+            try:
+                if final:
+                    view.finalize()
+                else:
+                    view.refresh()
+            except Exception as exc:  # noqa: BLE001 - a view that fails stops; recording goes on
+                self._drop(view, exc)
         self.budget.spend(time.thread_time() - cpu0)
+
+    def _drop(self, view, exc: BaseException) -> None:
+        """Stop a view that failed to draw (any thread): it leaves the chart as it last drew it, and
+        the next cell's end says so once. The recording and the other views go on."""
+        view.live = False
+        if view in self.views:
+            self.views.remove(view)
+        try:
+            close_widgets(getattr(view, "widgets", ()))
+        except Exception:  # noqa: BLE001
+            pass
+        self._view_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}".rstrip(": ")
 
     # -- the sampler -----------------------------------------------------------------------------
 
