@@ -101,7 +101,12 @@ def test_the_source_comes_right_after_the_line_number():
     html = views()["--lines, one GPU"].html
     headers = re.findall(r"<th[^>]*>([^<]*)</th>", html)
     first = headers.index("line")
-    assert headers[first:first + 3] == ["line", "source", "hits"]
+    assert headers[first:first + 4] == ["line", "source", "", "hits"]  # the source heads a row of its own
+    # each line's source runs across the table's whole width, right after its number
+    source = "model = build_model(config, vocabulary_size=32000, hidden_size=4096).to(device)"
+    row = re.search(r"<tr><td[^>]*>2</td><td colspan=\"(\d+)\"[^>]*><div[^>]*>([^<]*)</div></td></tr>", html)
+    assert row and row.group(2) == source.replace('"', "&quot;") and int(row.group(1)) >= 6
+    assert "by role: act +3.00 GiB" in html  # the long words under the numbers, across the width too
     text = views()["--lines, one GPU"].text  # terminals keep the source last, unpadded
     assert text.splitlines()[[i for i, t in enumerate(text.splitlines()) if t.lstrip().startswith("line")][0]] \
         .rstrip().endswith("source")
@@ -150,7 +155,10 @@ def _measure(page, html):
         const tables = [...out.querySelectorAll('table')].map(t => ({
             width: t.getBoundingClientRect().width,
             source: [...t.querySelectorAll('th')].findIndex(th => th.textContent === 'source'),
-            sourceRight: Math.max(0, ...[...t.querySelectorAll('tr')].map(tr => {
+            // a stacked table's source runs across its width, wrapped in a box: that box's right edge
+            sourceRight: t.querySelector('td[colspan] > div')
+                ? Math.max(...[...t.querySelectorAll('td[colspan] > div')].map(d => d.getBoundingClientRect().right))
+                : Math.max(0, ...[...t.querySelectorAll('tr')].map(tr => {
                 const i = [...t.querySelectorAll('th')].findIndex(th => th.textContent === 'source');
                 return i < 0 || !tr.children[i] ? 0 : tr.children[i].getBoundingClientRect().right; }))}));
         const td = out.querySelector('td'), up = out.querySelector('td.up') || out.querySelector('td.down');

@@ -117,12 +117,66 @@ def _html_order(count: int, src_col: Optional[int]) -> list:
     return order
 
 
+#: A table with a source column and at least this many other columns (besides its first) stacks each
+#: row (:func:`_stacked_table`): six numbers leave a 716 px output too little room for the source.
+STACK_FROM = 6
+#: A word column whose longest value is longer than this goes under its row, full width.
+LONG_WORDS = 24
+#: Text across a stacked table wraps within this width (JupyterLab's narrowest output area is 716 px,
+#: less the line column), so it stays in sight when a wide table scrolls sideways.
+ACROSS_PX = 660
+#: The first row of a stacked row: a light rule above it keeps its rows together as one.
+_GROUP = "border-top:1px solid rgba(128,128,128,0.3)"
+
+
+def _stacked_table(headers, rows, left, classes, src_col) -> str:
+    """A wide table with source code, three rows per row: the first column and the source across
+    the whole width (the line a reader looks for first, never squeezed to a word a line), then the
+    numbers and short words under it, then each long word column ("by role") across the width."""
+    rows = [list(map(str, row)) for row in rows]
+    rest = [c for c in range(len(headers)) if c not in (0, src_col)]
+    long_words = [c for c in rest if c in left and max((len(r[c]) for r in rows if c < len(r)), default=0) > LONG_WORDS]
+    under = [c for c in rest if c not in long_words]
+    span = max(len(under), 1)
+
+    def cell(r: int, c: int, style: str, value: str, extra: str = "") -> str:
+        names = classes[r] if classes is not None and r < len(classes) else ()
+        name = names[c] if c < len(names) else ""
+        colour = f";{CELL_CSS.get(name, '')}" if name else ""
+        cls = f' class="{esc(name)}"' if name else ""
+        text = esc(value)
+        if extra:  # across the width: wrapped within the output area even when the numbers scroll
+            text = f'<div style="max-width:{ACROSS_PX}px">{text}</div>'
+        return f"<td{extra}{cls} style=\"{style}{colour}\">{text}</td>"
+
+    head = (f'<tr><th style="{_HEAD};text-align:left">{esc(headers[0])}</th>'
+            f'<th colspan="{span}" style="{_HEAD};text-align:left">{esc(headers[src_col])}</th></tr>'
+            f'<tr><th style="{_HEAD};text-align:left"></th>' + "".join(
+                f'<th style="{_HEAD};text-align:{"left" if c in left else "right"}">{esc(headers[c])}</th>'
+                for c in under) + "</tr>")
+    body = []
+    for r, row in enumerate(rows):
+        row += [""] * (len(headers) - len(row))
+        body.append("<tr>" + cell(r, 0, f"{_WORDS};{_GROUP}", row[0])
+                    + cell(r, src_col, f"{_SOURCE};{_GROUP}", row[src_col], f' colspan="{span}"') + "</tr>")
+        body.append(f'<tr><td style="{_WORDS}"></td>' + "".join(
+            cell(r, c, _WORDS if c in left else _NUMBER, row[c]) for c in under) + "</tr>")
+        for c in long_words:
+            if row[c].strip():
+                body.append(f'<tr><td style="{_WORDS}"></td>' + cell(r, c, _WORDS, f"{headers[c]}: {row[c]}",
+                                                                    f' colspan="{span}"') + "</tr>")
+    return f'<table style="{_TABLE}"><thead>{head}</thead><tbody>{"".join(body)}</tbody></table>'
+
+
 def html_table(headers: Sequence[str], rows: Iterable[Sequence[object]], left: Sequence[int] = (0,),
                classes: Optional[Sequence[Sequence[str]]] = None, src_col: Optional[int] = None) -> str:
     """An HTML table; every cell is escaped and carries its own inline style (see ``_BOX``):
     ``left`` columns are words (left-aligned, wrapping), the others numbers (right-aligned, whole),
     ``src_col`` source (its whitespace kept, placed after the first column), and ``classes[r][c]``
-    a cell's colour (:data:`CELL_CSS`)."""
+    a cell's colour (:data:`CELL_CSS`). A table with source and :data:`STACK_FROM` other columns
+    gives each row the whole width for its source (:func:`_stacked_table`)."""
+    if src_col is not None and 0 < src_col < len(headers) and len(headers) - 2 >= STACK_FROM:
+        return _stacked_table(headers, rows, left, classes, src_col)
     order = _html_order(len(headers), src_col)
 
     def style(c: int) -> str:
