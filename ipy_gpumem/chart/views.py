@@ -346,7 +346,9 @@ def static_bundle(snapshot: Optional[TimelineSnapshot], figure: Optional[dict] =
     plotly (GitHub, nbviewer), text for a terminal. ``figure`` defaults to the snapshot's."""
     from .figures.timeline import PLOTLY_MIME, timeline_figure
 
-    figure = figure if figure is not None else timeline_figure(snapshot)
+    if figure is None:  # titled, or plotly's renderer offers "Click to enter Plot title" in its place
+        line = status_line(snapshot) if snapshot is not None and not snapshot.empty else "no samples yet"
+        figure = timeline_figure(snapshot, title=f"ipy_gpumem · {line}")
     picture = chart_html(snapshot, *size)
     if in_colab():
         picture = _colab_html(figure, picture)
