@@ -105,8 +105,16 @@ class FigureChartView(_View):
 
     @property
     def widgets(self) -> tuple:
-        """Every widget model this view created."""
-        return (self.figure,)
+        """Every widget model this view created: the figure, and the ipywidgets ``Layout`` a
+        DOMWidget-based FigureWidget (plotly 5) makes behind plotly's own ``layout`` property."""
+        made = getattr(self.figure, "_trait_values", {}).get("layout")
+        try:
+            import ipywidgets
+
+            extra = (made,) if isinstance(made, ipywidgets.Widget) else ()
+        except ImportError:
+            extra = ()
+        return (self.figure,) + extra
 
     def display(self, target=None) -> None:
         """Show the figure inline (``target`` None) or inside an Output-like widget (the sidebar)."""
