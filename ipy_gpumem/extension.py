@@ -301,13 +301,11 @@ class GpuMemMagics(Magics):
         from .ledger.view import cell_report_view
 
         record, samples = outcome.record, outcome.measurement.samples
-        report = dict(stopped=outcome.stopped, counted=outcome.counted)
+        _display(cell_report_view(record, outcome.header.source_lines, stopped=outcome.stopped, counted=outcome.counted))
         if not in_kernel(self.shell):
-            _display(cell_report_view(record, outcome.header.source_lines, **report))
             return
         from .chart.figures.cell import cell_figure
 
-        _display(cell_report_view(record, outcome.header.source_lines, **report))
         figure = cell_figure(record, samples)
         if figure is not None:
             _display_raw(figure_output(figure, cell_svg(record, samples, width=640, height=200, ink=IMG_INK),

@@ -485,19 +485,7 @@ class WidgetChartView(_View):
 
     def display(self, target=None) -> None:
         """Show the chart inline (``target`` None) or inside an Output-like widget (the sidebar)."""
-        from IPython.display import display
-
-        if self.note:
-            print(f"ipy_gpumem: {self.note}")
-        snapshot = self.timeline.snapshot()
-        self._draw(snapshot)
-        self._drawn = snapshot.version
-        if target is None:
-            self.handle = display(self._bundle(snapshot), raw=True, display_id=True)
-            self._bundled = snapshot.version
-        else:
-            with target:
-                display(self.html)
+        show_widget_view(self, self.html, target)
 
     @property
     def widgets(self) -> tuple:
@@ -533,6 +521,25 @@ class WidgetChartView(_View):
             # The output keeps the figure and its picture, and no reference to a widget about to go.
             self.handle.update(static_bundle(snapshot, size=self.size), raw=True)
         close_widgets(self.widgets)
+
+
+def show_widget_view(view, widget, target=None) -> None:
+    """Draw a widget view and show it: inline as its bundle (the widget, with the fallbacks an
+    untrusted or reopened notebook shows) under a display id, or the bare widget inside ``target``,
+    an Output-like widget such as the sidebar."""
+    from IPython.display import display
+
+    if view.note:
+        print(f"ipy_gpumem: {view.note}")
+    snapshot = view.timeline.snapshot()
+    view._draw(snapshot)
+    view._drawn = snapshot.version
+    if target is None:
+        view.handle = display(view._bundle(snapshot), raw=True, display_id=True)
+        view._bundled = snapshot.version
+    else:
+        with target:
+            display(widget)
 
 
 def close_widgets(widgets) -> None:

@@ -12,22 +12,19 @@ from typing import Optional
 
 from ...core.roles import ROLE_WORDS
 from ...core.units import format_bytes, format_delta
-from ..svg.base import DOWN_COLOR, IMG_INK, UP_COLOR, role_color
+from ..svg.base import IMG_INK, role_color
 from ..svg.legend import series_name
 from ..svg.roles import _role_plan
 from ..svg.slots import _line_slots, _record_title, _Slot, _subject
 from ..svg.waterfall import _waterfall_levels
 from ..timeline import Timeline
+from .bars import END_BARS_COLOR, change_bars, column_layout, hover_text
 from .timeline import byte_unit, figure_config, timeline_figure
 
 __all__ = ["cell_figure", "MAX_COLUMNS"]
 
 #: More lines than this share columns (as the SVG does when it runs out of width).
 MAX_COLUMNS = 80
-
-
-def _html(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("\n", "<br>")
 
 
 def _samples_figure(record, points, height: int) -> dict:
@@ -86,19 +83,14 @@ def _waterfall_figure(record, height: int) -> dict:
     ticks = ["before"] + [_tick(slot) for slot in slots] + ["after"]
     data: list = [{
         "type": "bar", "name": "before / after", "x": [ticks[0], ticks[-1]], "y": [scale(before), scale(after)],
-        "marker": {"color": "rgba(140,140,140,0.45)"}, "hovertemplate": f"%{{x}}: %{{y:.2f}} {unit}<extra></extra>",
+        "marker": {"color": END_BARS_COLOR}, "hovertemplate": f"%{{x}}: %{{y:.2f}} {unit}<extra></extra>",
     }]
-    plain = {"grew": ([], [], [], []), "shrank": ([], [], [], []), "no change": ([], [], [], [])}
+    plain: list = []  # (tick, start, end, hover) of the columns drawn without roles
     roles: dict = {}
     for tick, slot, (start, end, _whisker), plan in zip(ticks[1:-1], slots, levels, plans):
-        hover = _html(slot.hover)
+        hover = hover_text(slot.hover)
         if plan is None:
-            kind = "grew" if end > start else "shrank" if end < start else "no change"
-            xs, bases, ys, texts = plain[kind]
-            xs.append(tick)
-            bases.append(scale(min(start, end)))
-            ys.append(max(scale(abs(end - start)), 0.0005))
-            texts.append(hover)
+            plain.append((tick, start, end, hover))
             continue
         for segment in plan.segments:  # stacked by role, as the SVG column is
             xs, bases, ys, texts = roles.setdefault(segment.role, ([], [], [], []))
@@ -106,11 +98,7 @@ def _waterfall_figure(record, height: int) -> dict:
             bases.append(scale(min(segment.v0, segment.v1)))
             ys.append(scale(abs(segment.v1 - segment.v0)))
             texts.append(f"{ROLE_WORDS.get(segment.role, segment.role)} {format_delta(segment.exact)}<br>{hover}")
-    colours = {"grew": UP_COLOR, "shrank": DOWN_COLOR, "no change": IMG_INK}
-    for kind, (xs, bases, ys, texts) in plain.items():
-        if xs:
-            data.append({"type": "bar", "name": kind, "x": xs, "base": bases, "y": ys, "hovertext": texts,
-                         "hoverinfo": "text", "marker": {"color": colours[kind], "opacity": 0.8}})
+    data += change_bars(plain, scale)
     for role, (xs, bases, ys, texts) in roles.items():
         data.append({"type": "bar", "name": ROLE_WORDS.get(role, role), "x": xs, "base": bases, "y": ys,
                      "hovertext": texts, "hoverinfo": "text", "marker": {"color": role_color(role), "opacity": 0.85}})
@@ -137,17 +125,8 @@ def _waterfall_figure(record, height: int) -> dict:
                        "line": {"dash": "dashdot", "color": IMG_INK}})
         notes.append({"xref": "paper", "yref": "y", "x": 1, "y": y, "xanchor": "right", "yanchor": "bottom",
                       "showarrow": False, "text": f"{format_bytes(subject.total)} total", "font": {"size": 10}})
-    axis = {"gridcolor": "rgba(140,140,140,0.2)", "linecolor": "rgba(140,140,140,0.5)", "color": IMG_INK}
-    layout = {
-        "title": {"text": _html(f"{_record_title(record)} · {name}"), "x": 0, "xanchor": "left", "font": {"size": 12}},
-        "barmode": "overlay", "height": int(height), "autosize": True, "uirevision": "ipy_gpumem",
-        "margin": {"l": 56, "r": 12, "t": 30, "b": 8}, "paper_bgcolor": "rgba(0,0,0,0)", "plot_bgcolor": "rgba(0,0,0,0)",
-        "font": {"family": "var(--jp-ui-font-family, sans-serif)", "size": 11, "color": IMG_INK},
-        "legend": {"orientation": "h", "x": 0, "y": -0.18, "yanchor": "top", "font": {"size": 10}},
-        "xaxis": dict(axis, type="category", categoryorder="array", categoryarray=ticks, tickfont={"size": 9}),
-        "yaxis": dict(axis, title={"text": f"{name} ({unit})", "font": {"size": 10}}),
-        "shapes": shapes, "annotations": notes, "hovermode": "closest",
-    }
+    layout = column_layout(hover_text(f"{_record_title(record)} · {name}"), ticks, f"{name} ({unit})", height, -0.18,
+                           shapes, notes)
     return {"data": data, "layout": layout,
             "config": figure_config(f"ipy_gpumem-cell-{record.execution_count or 'x'}")}
 

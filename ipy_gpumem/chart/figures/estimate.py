@@ -12,14 +12,11 @@ from typing import Optional
 
 from ...core.text import clip
 from ...core.units import format_bytes, format_delta
-from ..svg.base import DOWN_COLOR, FAILED_COLOR, IMG_INK, UP_COLOR
-from .timeline import UIREVISION, byte_unit, figure_config
+from ..svg.base import FAILED_COLOR, IMG_INK
+from .bars import END_BARS_COLOR, change_bars, column_layout, hover_text
+from .timeline import byte_unit, figure_config
 
 __all__ = ["estimate_figure"]
-
-
-def _html(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def estimate_figure(cell, *, height: int = 300) -> Optional[dict]:
@@ -47,22 +44,15 @@ def estimate_figure(cell, *, height: int = 300) -> Optional[dict]:
 
     ticks = ["before"] + [f"line {line.lineno}" for line, *_r in rows] + ["peak"]
     data = [{"type": "bar", "name": "before / predicted peak", "x": [ticks[0], ticks[-1]],
-             "y": [scale(est.start_allocated), scale(est.peak_allocated)], "marker": {"color": "rgba(140,140,140,0.45)"},
+             "y": [scale(est.start_allocated), scale(est.peak_allocated)], "marker": {"color": END_BARS_COLOR},
              "hovertemplate": f"%{{x}}: %{{y:.2f}} {unit} allocated<extra></extra>"}]
-    kinds = {"grows": ([], [], [], []), "shrinks": ([], [], [], []), "no change": ([], [], [], [])}
+    columns = []
     for tick, (line, start, end, _top) in zip(ticks[1:-1], rows):
         source = cell.source_lines[line.lineno - 1] if 0 < line.lineno <= len(cell.source_lines) else ""
-        kind = "grows" if end > start else "shrinks" if end < start else "no change"
-        xs, bases, ys, texts = kinds[kind]
-        xs.append(tick)
-        bases.append(scale(min(start, end)))
-        ys.append(max(scale(abs(end - start)), 0.0005))
-        texts.append(_html(f"line {line.lineno} ×{line.hits}: {clip(source.strip(), 80)}")
-                     + f"<br>allocated {format_delta(line.allocated_delta)}, peak in line "
-                       f"{format_delta(line.peak_increase)}, reserved {format_delta(line.reserved_delta)}")
-    colours = {"grows": UP_COLOR, "shrinks": DOWN_COLOR, "no change": IMG_INK}
-    data += [{"type": "bar", "name": kind, "x": xs, "base": bases, "y": ys, "hovertext": texts, "hoverinfo": "text",
-              "marker": {"color": colours[kind], "opacity": 0.8}} for kind, (xs, bases, ys, texts) in kinds.items() if xs]
+        columns.append((tick, start, end, hover_text(f"line {line.lineno} ×{line.hits}: {clip(source.strip(), 80)}")
+                        + f"<br>allocated {format_delta(line.allocated_delta)}, peak in line "
+                          f"{format_delta(line.peak_increase)}, reserved {format_delta(line.reserved_delta)}"))
+    data += change_bars(columns, scale, words=("grows", "shrinks"))
     peaks = [(tick, top) for tick, (_l, _s, _e, top) in zip(ticks[1:-1], rows) if top is not None]
     if peaks:
         data.append({"type": "scatter", "mode": "markers", "name": "peak in line", "x": [p[0] for p in peaks],
@@ -86,16 +76,6 @@ def estimate_figure(cell, *, height: int = 300) -> Optional[dict]:
                       "showarrow": False, "font": {"size": 10, "color": colour},
                       "text": f"{fit.gpu}: {format_bytes(fit.capacity)} usable · "
                               + ("fits" if fit.fits else f"needs {format_bytes(fit.needed)}")})
-    axis = {"gridcolor": "rgba(140,140,140,0.2)", "linecolor": "rgba(140,140,140,0.5)", "color": IMG_INK}
-    layout = {
-        "title": {"text": "predicted allocated memory, line by line (second run)", "x": 0, "xanchor": "left",
-                  "font": {"size": 12}},
-        "barmode": "overlay", "height": int(height), "autosize": True, "uirevision": UIREVISION,
-        "margin": {"l": 56, "r": 12, "t": 30, "b": 8}, "paper_bgcolor": "rgba(0,0,0,0)", "plot_bgcolor": "rgba(0,0,0,0)",
-        "font": {"family": "var(--jp-ui-font-family, sans-serif)", "size": 11, "color": IMG_INK},
-        "legend": {"orientation": "h", "x": 0, "y": -0.2, "yanchor": "top", "font": {"size": 10}},
-        "xaxis": dict(axis, type="category", categoryorder="array", categoryarray=ticks, tickfont={"size": 9}),
-        "yaxis": dict(axis, title={"text": f"{est.device} allocated ({unit})", "font": {"size": 10}}),
-        "shapes": shapes, "annotations": notes, "hovermode": "closest",
-    }
+    layout = column_layout("predicted allocated memory, line by line (second run)", ticks,
+                           f"{est.device} allocated ({unit})", height, -0.2, shapes, notes)
     return {"data": data, "layout": layout, "config": figure_config("ipy_gpumem-estimate")}

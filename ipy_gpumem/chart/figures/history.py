@@ -13,11 +13,12 @@ from typing import Optional, Sequence
 
 from ...core.text import clip
 from ...core.units import format_bytes, format_delta, format_seconds
-from ..svg.base import DOWN_COLOR, IMG_INK, UP_COLOR, device_color
+from ..svg.base import device_color
 from ..svg.legend import series_name
 from ..timeline import HOST_RSS, SeriesKey
 from ...core.devices import cuda
-from .timeline import UIREVISION, byte_unit, figure_config
+from .bars import change_bars, column_layout, hover_text
+from .timeline import byte_unit, figure_config
 
 __all__ = ["history_figure", "MAX_CELLS"]
 
@@ -46,10 +47,6 @@ def _values(rec, key: SeriesKey) -> tuple:
     return None, None, None, None
 
 
-def _html(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
 def history_figure(records: Sequence, *, height: int = 320) -> Optional[dict]:
     """The recorded cells as a plotly figure dict, or None when no cell has a reading."""
     records = [rec for rec in list(records)[-MAX_CELLS:]]
@@ -74,22 +71,14 @@ def history_figure(records: Sequence, *, height: int = 320) -> Optional[dict]:
         return round(value / divisor, 4)
 
     labels = [f"{rec.label}" if rec.execution_count is not None else f"[ ] #{i}" for i, (rec, *_v) in enumerate(rows)]
-    bars = {"grew": ([], [], [], []), "shrank": ([], [], [], []), "no change": ([], [], [], [])}
+    columns = []
     for label, (rec, before, after, peak, reserved) in zip(labels, rows):
-        kind = "grew" if after > before else "shrank" if after < before else "no change"
-        xs, bases, ys, texts = bars[kind]
-        xs.append(label)
-        bases.append(scale(min(before, after)))
-        ys.append(max(scale(abs(after - before)), 0.0005))
-        hover = (f"{rec.label} {clip(rec.first_line, 80)}<br>{name} {format_delta(after - before)} "
+        hover = (f"{rec.label} {clip(rec.first_line, 80)}\n{name} {format_delta(after - before)} "
                  f"→ {format_bytes(after)}" + ("" if peak is None else f", peak {format_bytes(peak)}")
-                 + ("" if reserved is None else f"<br>reserved {format_bytes(reserved)}")
-                 + f"<br>{format_seconds(rec.duration_s)}" + (f" · {rec.error}" if rec.error else ""))
-        texts.append(_html(hover).replace("&lt;br&gt;", "<br>"))
-    colours = {"grew": UP_COLOR, "shrank": DOWN_COLOR, "no change": IMG_INK}
-    data = [{"type": "bar", "name": kind, "x": xs, "base": bases, "y": ys, "hovertext": texts, "hoverinfo": "text",
-             "marker": {"color": colours[kind], "opacity": 0.8}}
-            for kind, (xs, bases, ys, texts) in bars.items() if xs]
+                 + ("" if reserved is None else f"\nreserved {format_bytes(reserved)}")
+                 + f"\n{format_seconds(rec.duration_s)}" + (f" · {rec.error}" if rec.error else ""))
+        columns.append((label, before, after, hover_text(hover)))
+    data = change_bars(columns, scale)
     peaks = [(label, peak) for label, (_r, _b, _a, peak, _res) in zip(labels, rows) if peak is not None]
     if peaks:
         data.append({"type": "scatter", "mode": "markers", "name": "peak (exact)", "x": [p[0] for p in peaks],
@@ -104,17 +93,6 @@ def history_figure(records: Sequence, *, height: int = 320) -> Optional[dict]:
                      "line": {"dash": "dash", "color": device_color(key.device), "width": 1.4, "shape": "hv"},
                      "hovertemplate": f"reserved %{{y:.2f}} {unit}<extra>%{{x}}</extra>"})
     errors = [label for label, (rec, *_v) in zip(labels, rows) if rec.error]
-    axis = {"gridcolor": "rgba(140,140,140,0.2)", "linecolor": "rgba(140,140,140,0.5)", "color": IMG_INK}
-    layout = {
-        "title": {"text": f"recorded cells · {name}", "x": 0, "xanchor": "left", "font": {"size": 12}},
-        "barmode": "overlay", "height": int(height), "autosize": True, "uirevision": UIREVISION,
-        "margin": {"l": 56, "r": 12, "t": 30, "b": 8}, "paper_bgcolor": "rgba(0,0,0,0)", "plot_bgcolor": "rgba(0,0,0,0)",
-        "font": {"family": "var(--jp-ui-font-family, sans-serif)", "size": 11, "color": IMG_INK},
-        "legend": {"orientation": "h", "x": 0, "y": -0.22, "yanchor": "top", "font": {"size": 10}},
-        "xaxis": dict(axis, type="category", categoryorder="array", categoryarray=labels, tickfont={"size": 9},
-                      title={"text": "cell" + (f" (failed: {', '.join(errors[:6])})" if errors else ""),
-                             "font": {"size": 10}}),
-        "yaxis": dict(axis, title={"text": f"{name} ({unit})", "font": {"size": 10}}),
-        "hovermode": "closest",
-    }
+    layout = column_layout(f"recorded cells · {name}", labels, f"{name} ({unit})", height, -0.22,
+                           xtitle="cell" + (f" (failed: {', '.join(errors[:6])})" if errors else ""))
     return {"data": data, "layout": layout, "config": figure_config("ipy_gpumem-history")}

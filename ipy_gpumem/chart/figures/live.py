@@ -21,7 +21,7 @@ import time
 from typing import Optional
 
 from .timeline import PLOTLY_MIME, figure_config, timeline_figure
-from ..views import _View, chart_html, close_widgets, static_bundle, status_line, timeline_text
+from ..views import _View, chart_html, close_widgets, show_widget_view, static_bundle, status_line, timeline_text
 
 __all__ = ["FigureChartView", "plotly_widget_status", "figure_json", "WIDGET_MIME"]
 
@@ -118,19 +118,7 @@ class FigureChartView(_View):
 
     def display(self, target=None) -> None:
         """Show the figure inline (``target`` None) or inside an Output-like widget (the sidebar)."""
-        from IPython.display import display
-
-        if self.note:
-            print(f"ipy_gpumem: {self.note}")
-        snapshot = self.timeline.snapshot()
-        self._draw(snapshot)
-        self._drawn = snapshot.version
-        if target is None:
-            self.handle = display(self._bundle(snapshot), raw=True, display_id=True)
-            self._bundled = snapshot.version
-        else:
-            with target:
-                display(self.figure)
+        show_widget_view(self, self.figure, target)
 
     def _bundle(self, snapshot, live: bool = True) -> dict:
         text = timeline_text(snapshot)
