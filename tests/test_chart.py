@@ -8,10 +8,10 @@ import urllib.parse
 
 import pytest
 
-from ipy_gpumem.chart.live import MAX_RATE, MIN_RATE, LiveChart, RedrawBudget, check_rate
+from ipy_gpumem.chart.live import MAX_RATE, MIN_RATE, LiveChart, RedrawBudget, check_rate, make_view
 from ipy_gpumem.chart.timeline import HOST_RSS, Timeline, seed_timeline
 from ipy_gpumem.chart.views import (
-    HtmlChartView, StatusLineView, TextChartView, chart_html, choose_tier, make_view, sidebar_unavailable,
+    HtmlChartView, StatusLineView, TextChartView, chart_html, choose_tier, sidebar_unavailable,
     status_line, timeline_text, widgets_status,
 )
 from ipy_gpumem.core.probes import DeviceSample, HostSample, MemoryProbe, Sample

@@ -1,1 +1,1 @@
-"""The live chart: the session's timeline, the background sampler, inline SVG and the widget/HTML/text views."""
+"""The charts: the session's timeline and background sampler, plotly figures (figures/) with SVG pictures beside them (svg/), and the live plotly/HTML/widget/text views."""

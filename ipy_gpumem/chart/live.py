@@ -21,9 +21,11 @@ from typing import Callable, Optional
 
 from .sampler import Sampler
 from .timeline import Timeline, seed_timeline
-from .views import SIDEBAR_SIZE, StatusLineView, WidgetChartView, choose_tier, close_widgets, make_view
+from .figures.live import SIDEBAR_HEIGHT, FigureChartView
+from .views import (SIDEBAR_SIZE, HtmlChartView, StatusLineView, TextChartView, WidgetChartView, choose_tier,
+                    close_widgets, plotly_widget_status)
 
-__all__ = ["LiveChart", "RedrawBudget", "MAX_RATE", "MIN_RATE", "check_rate"]
+__all__ = ["LiveChart", "RedrawBudget", "MAX_RATE", "MIN_RATE", "check_rate", "make_view"]
 
 #: Fastest sampling the chart accepts (samples per second); the sampler costs about 2% of a
 #: core there.
@@ -93,11 +95,22 @@ class RedrawBudget:
             self.spent += max(0.0, seconds)
 
 
+def make_view(tier: str, timeline, note: Optional[str] = None):
+    """A view of ``timeline`` in ``tier`` (see :func:`~.views.choose_tier`); HTML if a widget cannot be built."""
+    if tier in ("plotly", "widget"):
+        try:
+            return FigureChartView(timeline, note) if tier == "plotly" else WidgetChartView(timeline, note)
+        except Exception as exc:  # noqa: BLE001 - e.g. a plotly, anywidget or ipywidgets version mismatch
+            return HtmlChartView(timeline, f"{tier} chart unavailable ({type(exc).__name__}: {exc}): "
+                                           "showing an HTML chart updated in place")
+    if tier == "html":
+        return HtmlChartView(timeline, note)
+    return TextChartView(timeline, note)
+
+
 def _sidebar_view(timeline):
     """The sidebar's chart: the plotly figure drawn at the sidebar's own width where plotly's widget
     can be built, else the SVG chart in an HTML widget."""
-    from .figures.live import SIDEBAR_HEIGHT, FigureChartView, plotly_widget_status
-
     if plotly_widget_status() is None:
         try:
             return FigureChartView(timeline, height=SIDEBAR_HEIGHT, narrow=True)

@@ -32,7 +32,7 @@ from ..display.view import esc
 from .svg import IMG_INK, draw_timeline, span_hover
 from .timeline import HOST_RSS, SeriesKey, TimelineSnapshot
 
-__all__ = ["WIDGETS_HINT", "TIERS", "choose_tier", "make_view", "timeline_text", "status_line", "chart_html", "svg_data_uri",
+__all__ = ["WIDGETS_HINT", "TIERS", "choose_tier", "plotly_widget_status", "timeline_text", "status_line", "chart_html", "svg_data_uri",
            "static_bundle", "figure_output",
            "sidebar_unavailable", "widgets_status", "HtmlChartView", "WidgetChartView", "TextChartView",
            "StatusLineView"]
@@ -74,6 +74,25 @@ def widgets_status() -> Optional[str]:
         import ipywidgets  # noqa: F401
     except ImportError as exc:
         return f"{exc.name or 'ipywidgets'} is not installed ({WIDGETS_HINT})"
+    return None
+
+
+def plotly_widget_status() -> Optional[str]:
+    """None when a plotly ``FigureWidget`` (the live chart) can be built here, else why not (one line)."""
+    try:
+        import plotly  # noqa: F401
+    except ImportError:
+        return "plotly is not installed (pip install plotly)"
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return "ipywidgets is not installed (pip install ipywidgets)"
+    major = int(plotly.__version__.split(".")[0])
+    if major >= 6:
+        try:  # plotly 6 draws its FigureWidget through anywidget
+            import anywidget  # noqa: F401
+        except ImportError:
+            return "plotly's FigureWidget needs anywidget (pip install anywidget)"
     return None
 
 
@@ -137,8 +156,6 @@ def choose_tier(shell=None, prefer: Optional[str] = None):
         if why_not is not None:
             return "html", f"widget chart unavailable ({why_not}): showing an HTML chart updated in place"
         return "widget", None
-    from .figures.live import plotly_widget_status
-
     why_not = why_not or plotly_widget_status()
     if why_not is not None:
         return "html", (None if prefer is None else f"plotly chart unavailable ({why_not}): showing an HTML "
@@ -549,24 +566,3 @@ def close_widgets(widgets) -> None:
             widget.close()
         except Exception:  # noqa: BLE001 - a widget already gone
             pass
-
-
-def make_view(tier: str, timeline, note: Optional[str] = None):
-    """A view of ``timeline`` in ``tier`` (see :func:`choose_tier`); HTML if a widget cannot be built."""
-    if tier == "plotly":
-        try:
-            from .figures.live import FigureChartView
-
-            return FigureChartView(timeline, note)
-        except Exception as exc:  # noqa: BLE001 - e.g. a plotly or anywidget version mismatch
-            return HtmlChartView(timeline, f"plotly chart unavailable ({type(exc).__name__}: {exc}): "
-                                           "showing an HTML chart updated in place")
-    if tier == "widget":
-        try:
-            return WidgetChartView(timeline, note)
-        except Exception as exc:  # noqa: BLE001 - e.g. an ipywidgets version mismatch
-            return HtmlChartView(timeline, f"widget chart unavailable ({type(exc).__name__}: {exc}): "
-                                           "showing an HTML chart updated in place")
-    if tier == "html":
-        return HtmlChartView(timeline, note)
-    return TextChartView(timeline, note)

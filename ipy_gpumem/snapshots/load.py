@@ -8,6 +8,8 @@ import pickle
 import zlib
 from typing import Any, Union
 
+from .stream import SnapshotError  # defined with the reader that raises it most; named here as before
+
 __all__ = ["SnapshotError", "load_snapshot", "MAX_BYTES"]
 
 #: Snapshots above this many bytes of pickle are refused (for a gzipped file: bytes once
@@ -15,10 +17,6 @@ __all__ = ["SnapshotError", "load_snapshot", "MAX_BYTES"]
 #: the file (a 1 GB snapshot reads in well under 1 GiB: benchmarks/RESULTS.md section 13), so the
 #: limit only stops a runaway file. ``snapshot(path, max_bytes=...)`` lifts it.
 MAX_BYTES = 16 << 30
-
-
-class SnapshotError(ValueError):
-    """A snapshot that cannot be read; the message is one line and says why."""
 
 
 class _PlainData(pickle.Unpickler):
@@ -67,7 +65,7 @@ class _Limited(io.RawIOBase):
 
 def _read(opener, name: str, max_bytes: int) -> Any:
     """Stream the pickle ``opener()`` gives (protocol 2-5: events as columns), or unpickle it plainly (protocol 0-1)."""
-    from .stream import Fallback, read_stream  # stream imports SnapshotError from here
+    from .stream import Fallback, read_stream
 
     with opener() as raw:
         stream = io.BufferedReader(_Limited(raw, max_bytes, name), 1 << 20)

@@ -9,7 +9,7 @@ a :class:`~.trace.Trace` (a few bytes of columns) and its memo slot holds a shar
 Speed comes from the common event shape (``}`` MEMOIZE MARK, key/value pairs of memo references,
 ints, short strings and a frames list of memo references, SETITEMS) read with two regex calls;
 anything else runs through the general opcode loop, slower and just as exact. Any class
-reference, reduce or persistent id raises :class:`~.load.SnapshotError` the moment it is seen:
+reference, reduce or persistent id raises :class:`SnapshotError` the moment it is seen:
 nothing is imported and nothing runs.
 """
 from __future__ import annotations
@@ -18,10 +18,15 @@ import re
 import struct
 from typing import Any, Dict, List, Optional
 
-from .load import SnapshotError
 from .trace import NO_TIME, Trace
 
-__all__ = ["read_stream", "Fallback", "CHUNK"]
+
+__all__ = ["read_stream", "Fallback", "CHUNK", "SnapshotError"]
+
+
+class SnapshotError(ValueError):
+    """A snapshot that cannot be read; the message is one line and says why."""
+
 
 #: Bytes read from the file at a time.
 CHUNK = 1 << 20

@@ -21,7 +21,8 @@ import time
 from typing import Optional
 
 from .timeline import PLOTLY_MIME, figure_config, timeline_figure
-from ..views import _View, chart_html, close_widgets, show_widget_view, static_bundle, status_line, timeline_text
+from ..views import (_View, chart_html, close_widgets, plotly_widget_status, show_widget_view, static_bundle,  # noqa: F401
+                     status_line, timeline_text)
 
 __all__ = ["FigureChartView", "plotly_widget_status", "figure_json", "WIDGET_MIME"]
 
@@ -32,25 +33,6 @@ MIN_INTERVAL = 0.9  # the sampler ticks once a second: one redraw a tick, never 
 HEIGHT = 330
 #: The sidebar's figure: drawn at the sidebar's own width, so its labels keep their size.
 SIDEBAR_HEIGHT = 360
-
-
-def plotly_widget_status() -> Optional[str]:
-    """None when a plotly ``FigureWidget`` can be built here, else why not (one line)."""
-    try:
-        import plotly  # noqa: F401
-    except ImportError:
-        return "plotly is not installed (pip install plotly)"
-    try:
-        import ipywidgets  # noqa: F401
-    except ImportError:
-        return "ipywidgets is not installed (pip install ipywidgets)"
-    major = int(plotly.__version__.split(".")[0])
-    if major >= 6:
-        try:  # plotly 6 draws its FigureWidget through anywidget
-            import anywidget  # noqa: F401
-        except ImportError:
-            return "plotly's FigureWidget needs anywidget (pip install anywidget)"
-    return None
 
 
 def _same_traces(widget_data, specs) -> bool:
