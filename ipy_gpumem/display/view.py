@@ -2,15 +2,15 @@
 
 Every function here takes plain data and returns strings; nothing is displayed or imported
 from IPython. Everything that comes from the user (source lines, error messages, names) is
-HTML-escaped by the caller through :func:`esc` or by the table helpers.
+HTML-escaped by the caller through :func:`esc` (``display.escape``) or by the table helpers.
 """
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 from ..core.units import format_bytes
+from .escape import esc  # every view's HTML escaping, kept importable from here
 
 __all__ = ["View", "esc", "format_of", "delta_class", "text_table", "html_table", "wrap_html"]
 
@@ -61,11 +61,6 @@ class View:
         bundle = {"text/plain": self.text, "text/html": self.html}
         wanted = set(include or bundle) - set(exclude or ())
         return {mime: body for mime, body in bundle.items() if mime in wanted}
-
-
-def esc(value) -> str:
-    """``value`` as text, escaped for HTML (quotes included, for attributes)."""
-    return html.escape(str(value), quote=True)
 
 
 def format_of(part: Optional[int], whole: Optional[int]) -> str:

@@ -10,7 +10,8 @@ import math
 from typing import Optional
 
 from ...core.units import GiB, KiB, MiB, format_bytes
-from .base import _num, _text, device_color
+from ...display.escape import xml_text
+from .base import _num, device_color
 
 #: A capacity line is drawn (and included in the y range) when the data reach this fraction
 #: of it; below that, a 80 GiB line would squash a 2 GiB session into the bottom pixels, so
@@ -106,7 +107,7 @@ def _y_axis(frame: _Frame, ticks: list) -> str:
             f'<line x1="{_num(frame.px0)}" y1="{_num(y)}" x2="{_num(frame.px1)}" y2="{_num(y)}" '
             f'stroke="currentColor" stroke-opacity="{0.35 if value == 0 else 0.12}"/>'
             f'<text x="{_num(frame.px0 - 4)}" y="{_num(y + 3.5)}" text-anchor="end" fill="currentColor" '
-            f'fill-opacity="0.75">{_text(format_bytes(int(value)))}</text>'
+            f'fill-opacity="0.75">{xml_text(format_bytes(int(value)))}</text>'
         )
     return "".join(out)
 
@@ -121,7 +122,7 @@ def _x_axis(frame: _Frame) -> str:
         out.append(
             f'<line x1="{_num(x)}" y1="{_num(y)}" x2="{_num(x)}" y2="{_num(y + 3)}" stroke="currentColor" '
             f'stroke-opacity="0.5"/><text x="{_num(x)}" y="{_num(y + 13)}" text-anchor="middle" '
-            f'fill="currentColor" fill-opacity="0.75">{_text(format_time(value, step, ticks[-1]))}</text>'
+            f'fill="currentColor" fill-opacity="0.75">{xml_text(format_time(value, step, ticks[-1]))}</text>'
         )
     return "".join(out)
 
@@ -151,7 +152,7 @@ def _capacities(on: list, frame: _Frame, several: bool) -> str:
             f'<line x1="{_num(frame.px0)}" y1="{_num(y)}" x2="{_num(frame.px1)}" y2="{_num(y)}" '
             f'stroke="{device_color(device)}" stroke-width="1.2" stroke-dasharray="8 3 2 3" stroke-opacity="0.8"/>'
             f'<text x="{_num(frame.px1 - 3)}" y="{_num(_label_y(y, frame))}" text-anchor="end" fill="currentColor" '
-            f'fill-opacity="0.8">{_text(text)}</text>'
+            f'fill-opacity="0.8">{xml_text(text)}</text>'
         )
     return "".join(out)
 

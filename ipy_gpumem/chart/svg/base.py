@@ -2,16 +2,15 @@
 
 Text and axes use ``currentColor`` and fills are semi-transparent, so the charts read in light and
 dark themes; a chart meant for an ``<img>`` (where nothing is inherited) sets that colour to a mid
-grey that reads on both (``ink=IMG_INK``). Every piece of text goes through :func:`_text`, which
-escapes it and drops what XML 1.0 forbids.
+grey that reads on both (``ink=IMG_INK``). Every piece of text goes through ``display.escape.xml_text``,
+which escapes it and drops what XML 1.0 forbids.
 """
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 from ...core.devices import Device
-from ...display.view import esc
+from ...display.escape import xml_text
 
 FONT = "-apple-system,BlinkMacSystemFont,'Segoe UI',Helvetica,Arial,sans-serif"
 #: Line colours per CUDA device (mid tones: readable on white and on a dark theme).
@@ -40,12 +39,6 @@ IMG_INK = "#8c8c8c"
 CHAR_W = 5.6  # average glyph width at font-size 10, for layout estimates
 #: Smaller charts are drawn at this size: axis labels alone need about 70 x 60 pixels.
 MIN_WIDTH, MIN_HEIGHT = 240, 120
-_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
-
-
-def _text(value) -> str:
-    """Escape for XML text and attributes, dropping characters XML 1.0 forbids."""
-    return esc(_CONTROL.sub("", str(value)))
 
 
 def _num(value: float) -> str:
@@ -61,7 +54,7 @@ def _svg_open(width: int, height: int, label: str, ink: Optional[str] = None) ->
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{int(width)}" height="{int(height)}" '
         f'viewBox="0 0 {int(width)} {int(height)}" font-family="{FONT}" font-size="10" '
-        f'role="img" aria-label="{_text(label)}" style="color:{color};overflow:visible">'
+        f'role="img" aria-label="{xml_text(label)}" style="color:{color};overflow:visible">'
     )
 
 
@@ -73,7 +66,7 @@ def empty_svg(message: str = "no samples yet", width: int = 720, height: int = 4
         + f'<rect x="0.5" y="0.5" width="{int(width) - 1}" height="{height - 1}" rx="4" fill="none" '
         f'stroke="currentColor" stroke-opacity="0.25"/>'
         + f'<text x="{int(width) / 2:.1f}" y="{height / 2 + 3.5:.1f}" text-anchor="middle" '
-        f'fill="currentColor" fill-opacity="0.6">{_text(message)}</text></svg>'
+        f'fill="currentColor" fill-opacity="0.6">{xml_text(message)}</text></svg>'
     )
 
 

@@ -9,8 +9,9 @@ from functools import lru_cache
 from typing import Optional
 
 from ...core.units import format_bytes, format_delta, format_seconds
+from ...display.escape import xml_text
 from ..timeline import HOST_RSS, Change, SeriesKey, Span
-from .base import DASHES, HOST_COLOR, _num, _text, _text_width, device_color
+from .base import DASHES, HOST_COLOR, _num, _text_width, device_color
 
 #: The legend kind of a cell's exact peak: the glyph of :func:`peak_mark_path`, a short bar with
 #: end ticks, in the chart and in the legend alike. A series is a line (solid, dashed or dotted by
@@ -113,7 +114,7 @@ def _legend(items: list, x: float, y: float, right: float, note: str = "") -> st
     out = []
     if note:
         out.append(f'<text x="{_num(right - 4)}" y="{_num(y)}" text-anchor="end" fill="currentColor" '
-                   f'fill-opacity="0.6">{_text(note)}</text>')
+                   f'fill-opacity="0.6">{xml_text(note)}</text>')
         right -= _text_width(note) + 14
     for label, color, dash in items:
         swatch = 0 if color is None else 20
@@ -131,7 +132,7 @@ def _legend(items: list, x: float, y: float, right: float, note: str = "") -> st
             dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
             out.append(f'<line x1="{_num(x)}" y1="{_num(y - 3.5)}" x2="{_num(x + 16)}" y2="{_num(y - 3.5)}" '
                        f'stroke="{color}" stroke-width="2"{dash_attr}/>')
-        out.append(f'<text x="{_num(x + swatch)}" y="{_num(y)}" fill="currentColor">{_text(label)}</text>')
+        out.append(f'<text x="{_num(x + swatch)}" y="{_num(y)}" fill="currentColor">{xml_text(label)}</text>')
         x += width + 10
     return "".join(out)
 

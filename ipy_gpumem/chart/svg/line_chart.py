@@ -13,9 +13,10 @@ import bisect
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 from ...core.units import MiB, format_bytes
+from ...display.escape import xml_text
 from ..timeline import Span, TimelineSnapshot, missed_peaks
 from .axes import _capacities, _capacity_layout, _Frame, _off_scale, _x_axis, _y_axis, byte_ticks
-from .base import (FAILED_COLOR, HOST_COLOR, MIN_HEIGHT, MIN_WIDTH, RUNNING_COLOR, _num, _svg_open, _text, _text_width,
+from .base import (FAILED_COLOR, HOST_COLOR, MIN_HEIGHT, MIN_WIDTH, RUNNING_COLOR, _num, _svg_open, _text_width,
                    device_color, empty_svg)
 from .legend import _drawn_keys, _legend, line_legend, peak_mark_path, span_hover
 from .paths import _series_paths
@@ -96,12 +97,12 @@ def _spans(spans: Sequence, frame: _Frame, boxes: Optional[list], titles: bool =
             weight = ' font-weight="600"' if span.end is None else ""
             label = (
                 f'<text x="{_num((x0 + x1) / 2)}" y="{_num(frame.py0 + 9)}" text-anchor="middle" '
-                f'font-size="9" fill="currentColor" fill-opacity="0.8"{weight}>{_text(span.label)}</text>'
+                f'font-size="9" fill="currentColor" fill-opacity="0.8"{weight}>{xml_text(span.label)}</text>'
             )
         if boxes is not None:
             boxes.append(HoverBox(x0, x0 + width, frame.py0, frame.py1, span))
         if titles:
-            out.append(f'<g><title>{_text(span_hover(span))}</title><rect x="{_num(x0)}" y="{_num(frame.py0)}" '
+            out.append(f'<g><title>{xml_text(span_hover(span))}</title><rect x="{_num(x0)}" y="{_num(frame.py0)}" '
                        f'width="{_num(width)}" height="{_num(height)}" fill="{color}" fill-opacity="{opacity}"/>'
                        f'{label}</g>')
         else:
@@ -132,7 +133,7 @@ def _peak_line(peak: Optional[int], frame: _Frame, color: str) -> str:
     return (
         f'<line x1="{_num(frame.px0)}" y1="{_num(y)}" x2="{_num(frame.px1)}" y2="{_num(y)}" stroke="{color}" '
         f'stroke-width="1" stroke-dasharray="3 3"/><text x="{_num(frame.px0 + 3)}" y="{_num(y - 3)}" '
-        f'fill="currentColor" fill-opacity="0.8">{_text("peak " + format_bytes(peak) + " (exact, from the record)")}</text>'
+        f'fill="currentColor" fill-opacity="0.8">{xml_text(f"peak {format_bytes(peak)} (exact, from the record)")}</text>'
     )
 
 
@@ -182,7 +183,7 @@ def _line_chart(times, series, lows, keys, *, spans=(), capacities=None, end=Non
     ]
     if title:
         parts.append(f'<text x="{_num(frame.px0)}" y="13" font-size="11" font-weight="600" fill="currentColor">'
-                     f'{_text(title)}</text>')
+                     f'{xml_text(title)}</text>')
     parts.append("</svg>")
     return "".join(parts)
 

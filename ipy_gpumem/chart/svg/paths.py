@@ -9,8 +9,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Sequence
 
+from ...display.escape import xml_text
 from .axes import _Frame
-from .base import DASHES, _num, _text, device_color
+from .base import DASHES, _num, device_color
 from .legend import series_name
 
 
@@ -111,7 +112,7 @@ def _series_paths(times, series, lows, keys, merged, frame, titles: bool = True)
         dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
         data = _path_data(xs, values, frame)
         if data:
-            title = f"<title>{_text(series_name(key))}</title>" if titles else ""
+            title = f"<title>{xml_text(series_name(key))}</title>" if titles else ""
             out.append(
                 f'<path d="{data}" fill="none" stroke="{color}" stroke-width="1.6" '
                 f'stroke-linejoin="round"{dash_attr} pointer-events="none">{title}</path>'

@@ -10,9 +10,10 @@ from typing import NamedTuple, Optional
 
 from ...core.roles import ROLE_WORDS
 from ...core.units import format_delta
+from ...display.escape import xml_text
 from ..timeline import SeriesKey
 from .axes import _Frame
-from .base import _num, _text, role_color
+from .base import _num, role_color
 from .slots import _role_order, _Slot
 
 #: Roles are scaled to a column's change by at most this factor: tensors that make up less than
@@ -110,8 +111,8 @@ def _role_column(slot: _Slot, plan: _RolePlan, x: float, w: float, frame: _Frame
         style = (f'fill="{color}" fill-opacity="0.3" stroke="{color}" stroke-width="1" stroke-dasharray="3 2"'
                  if seg.exact < 0 else f'fill="{color}" fill-opacity="0.85"')
         y0, y1 = frame.y(max(seg.v0, seg.v1)), frame.y(min(seg.v0, seg.v1))
-        hover = _text(_segment_hover(slot, seg, plan, name))
-        out.append(f'<g class="role" data-role="{_text(seg.role)}"><title>{hover}</title>'
+        hover = xml_text(_segment_hover(slot, seg, plan, name))
+        out.append(f'<g class="role" data-role="{xml_text(seg.role)}"><title>{hover}</title>'
                    f'<rect x="{_num(sx)}" y="{_num(y0)}" width="{_num(sw)}" height="{_num(max(y1 - y0, 1.0))}" '
                    f'{style}/></g>')
     return "".join(out)

@@ -11,8 +11,9 @@ import math
 from typing import Optional
 
 from ...core.units import format_bytes, format_delta
+from ...display.escape import xml_text
 from .axes import _capacities, _Frame, _off_scale, _y_axis, byte_ticks
-from .base import DOWN_COLOR, UP_COLOR, _num, _svg_open, _text, _text_width, empty_svg
+from .base import DOWN_COLOR, UP_COLOR, _num, _svg_open, _text_width, empty_svg
 from .legend import _legend, _legend_rows, series_name
 from .roles import _role_column, _role_legend, _role_plan
 from .slots import _line_slots, _record_title, _Slot, _subject
@@ -53,7 +54,7 @@ def _waterfall_range(low: float, high: float) -> tuple:
 def _bar(x, w, v0, v1, frame, fill, opacity, hover, extra="") -> str:
     y0, y1 = frame.y(max(v0, v1)), frame.y(min(v0, v1))
     return (
-        f'<g><title>{_text(hover)}</title><rect x="{_num(x)}" y="{_num(y0)}" width="{_num(w)}" '
+        f'<g><title>{xml_text(hover)}</title><rect x="{_num(x)}" y="{_num(y0)}" width="{_num(w)}" '
         f'height="{_num(max(y1 - y0, 1.0))}" fill="{fill}" fill-opacity="{opacity}"/>{extra}</g>'
     )
 
@@ -102,7 +103,7 @@ def _waterfall(record, width: int, height: int, title: Optional[str], ink: Optio
         y += 13
         parts.append(_legend(row, frame.px0, y, width - 4))
     parts.append(f'<text x="{_num(frame.px0)}" y="13" font-size="11" font-weight="600" fill="currentColor">'
-                 f'{_text(title)}</text></svg>')
+                 f'{xml_text(title)}</text></svg>')
     return "".join(parts)
 
 
@@ -122,7 +123,7 @@ def _end_bar(slot: int, value: int, reserved, label: str, frame: _Frame) -> str:
     w = frame.sx * 0.7
     x = frame.x(slot) + frame.sx * 0.15
     extra = (f'<text x="{_num(x + w / 2)}" y="{_num(frame.y(value) - 3)}" text-anchor="middle" font-size="9" '
-             f'fill="currentColor">{_text(format_bytes(value))}</text>')
+             f'fill="currentColor">{xml_text(format_bytes(value))}</text>')
     if reserved is not None:
         y = frame.y(reserved)
         extra += (f'<line x1="{_num(x - 2)}" y1="{_num(y)}" x2="{_num(x + w + 2)}" y2="{_num(y)}" '
@@ -133,7 +134,7 @@ def _end_bar(slot: int, value: int, reserved, label: str, frame: _Frame) -> str:
                   f'stroke="currentColor" stroke-opacity="0.6" fill="none"/>')
     hover = f"{label}: {format_bytes(value)}" + ("" if reserved is None else f" (reserved {format_bytes(reserved)})")
     tick = (f'<text x="{_num(x + w / 2)}" y="{_num(frame.py1 + 13)}" text-anchor="middle" fill="currentColor" '
-            f'fill-opacity="0.75">{label}</text>')
+            f'fill-opacity="0.75">{xml_text(label)}</text>')
     base = max(frame.ymin, 0) if value >= 0 else frame.ymin
     return _bar(x, w, base, value, frame, "currentColor", 0.3, hover, extra) + tick
 
@@ -150,7 +151,7 @@ def _whisker(cx: float, w: float, y_from: float, y_top: float) -> str:
 
 def _label(x: float, y: float, text: str, extra: str = "") -> str:
     return (f'<text x="{_num(x)}" y="{_num(y)}" text-anchor="middle" font-size="9" fill="currentColor"{extra}>'
-            f'{_text(text)}</text>')
+            f'{xml_text(text)}</text>')
 
 
 def _slot_texts(slot: _Slot, start: int, end: int, whisker, cx: float, w: float, room: float, frame: _Frame,
@@ -209,7 +210,7 @@ def _slot_marks(slots: list, levels: list, frame: _Frame, plans: Optional[list] 
         if plan is None:
             out.append(_bar(x, w, start, end, frame, color, 0.75 if end != start else 0.3, slot.hover, extra))
         else:
-            out.append(f'<g><title>{_text(slot.hover)}</title>{extra}</g>')
+            out.append(f'<g><title>{xml_text(slot.hover)}</title>{extra}</g>')
             out.append(_role_column(slot, plan, x, w, frame, name))
         # A connector from the previous column's level shows where this one starts.
         out.append(f'<line x1="{_num(frame.x(i + 0.85))}" y1="{_num(frame.y(start))}" x2="{_num(x)}" '
@@ -219,7 +220,7 @@ def _slot_marks(slots: list, levels: list, frame: _Frame, plans: Optional[list] 
             if words and slot.first is not None:
                 tick = f"line {tick}" if slot.first == slot.last else f"lines {tick}"
             out.append(f'<text x="{_num(x + w / 2)}" y="{_num(frame.py1 + 13)}" text-anchor="middle" font-size="9" '
-                       f'fill="currentColor" fill-opacity="0.75">{_text(tick)}</text>')
+                       f'fill="currentColor" fill-opacity="0.75">{xml_text(tick)}</text>')
     if levels:
         last, n = levels[-1][1], len(slots)
         out.append(f'<line x1="{_num(frame.x(n + 0.85))}" y1="{_num(frame.y(last))}" '
