@@ -307,8 +307,9 @@ def test_colab_gets_plotly_js_from_its_cdn_over_the_picture(monkeypatch):
     assert '<script src="https://cdn.plot.ly/plotly-' in html and "Plotly.newPlot(" in html
     assert html.index("data:image/svg+xml,") < html.index("<script")  # the picture first, inside the div
     assert "</script" not in html.split("<script>", 1)[1].split("})();")[0]  # the figure cannot close the script
-    out = figure_output({"data": [], "layout": {"title": {"text": "</script><b>x"}}}, None)
-    assert "<\\/script>" in out["text/html"]
+    out = figure_output({"data": [], "layout": {"title": {"text": "</script><!--<b>x"}}}, None)
+    script = out["text/html"].split("<script>", 1)[1]
+    assert "\\u003c/script\\u003e\\u003c!--" in script and "<" not in script[:script.index("})();")]
 
 
 def test_a_cell_that_launched_ranks_draws_one_series_per_rank():

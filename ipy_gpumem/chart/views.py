@@ -28,7 +28,7 @@ import threading
 from typing import Optional
 
 from ..core.units import format_bytes, format_delta
-from ..display.view import esc
+from ..display.escape import esc, script_json
 from .svg import IMG_INK, draw_timeline, span_hover
 from .timeline import HOST_RSS, SeriesKey, TimelineSnapshot
 
@@ -326,7 +326,6 @@ def chart_html(snapshot: Optional[TimelineSnapshot], width: int = CHART_SIZE[0],
 def _colab_html(figure: dict, picture: str) -> str:
     """Colab draws no plotly MIME output: plotly.js from its CDN draws the figure over the picture,
     which stays where scripts do not run (GitHub, nbviewer)."""
-    import json
     import uuid
 
     try:
@@ -336,7 +335,7 @@ def _colab_html(figure: dict, picture: str) -> str:
     except Exception:  # noqa: BLE001 - plotly missing or changed: the picture alone
         return picture
     div = "ipy-gpumem-" + uuid.uuid4().hex[:12]
-    spec = json.dumps(figure).replace("</", "<\\/")
+    spec = script_json(figure)  # its texts are the user's: no "</script>" or "<!--" may end the element
     return (f'<div id="{div}">{picture}</div><script src="https://cdn.plot.ly/plotly-{version}.min.js"></script>'
             f'<script>(function(){{var d=document.getElementById("{div}"),f={spec};'
             f'if(!window.Plotly||!d)return;d.innerHTML="";Plotly.newPlot(d,f.data,f.layout,f.config);}})();</script>')

@@ -12,13 +12,14 @@ from typing import Optional
 
 from ...core.roles import ROLE_WORDS
 from ...core.units import format_bytes, format_delta
+from ...display.escape import plotly_text
 from ..svg.base import IMG_INK, role_color
 from ..svg.legend import series_name
 from ..svg.roles import _role_plan
 from ..svg.slots import _line_slots, _record_title, _Slot, _subject
 from ..svg.waterfall import _waterfall_levels
 from ..timeline import Timeline
-from .bars import END_BARS_COLOR, change_bars, column_layout, hover_text
+from .bars import END_BARS_COLOR, change_bars, column_layout
 from .timeline import byte_unit, figure_config, timeline_figure
 
 __all__ = ["cell_figure", "MAX_COLUMNS"]
@@ -35,7 +36,7 @@ def _samples_figure(record, points, height: int) -> dict:
                              filename=f"ipy_gpumem-cell-{record.execution_count or 'x'}")
     subject = _subject(record)
     drawn = [trace for trace in figure["data"] if trace.get("mode") == "lines"]
-    if subject.peak is not None and drawn and drawn[0]["name"] == series_name(subject.key):
+    if subject.peak is not None and drawn and drawn[0]["name"] == plotly_text(series_name(subject.key)):
         divisor, _unit = byte_unit(max([subject.peak] + [v for t in drawn for v in t["y"] if v is not None]))
         y = round(subject.peak / divisor, 4)
         figure["layout"]["shapes"].append({"type": "line", "xref": "paper", "yref": "y", "x0": 0, "x1": 1, "y0": y,
@@ -88,7 +89,7 @@ def _waterfall_figure(record, height: int) -> dict:
     plain: list = []  # (tick, start, end, hover) of the columns drawn without roles
     roles: dict = {}
     for tick, slot, (start, end, _whisker), plan in zip(ticks[1:-1], slots, levels, plans):
-        hover = hover_text(slot.hover)
+        hover = plotly_text(slot.hover)
         if plan is None:
             plain.append((tick, start, end, hover))
             continue
@@ -97,10 +98,11 @@ def _waterfall_figure(record, height: int) -> dict:
             xs.append(tick)
             bases.append(scale(min(segment.v0, segment.v1)))
             ys.append(scale(abs(segment.v1 - segment.v0)))
-            texts.append(f"{ROLE_WORDS.get(segment.role, segment.role)} {format_delta(segment.exact)}<br>{hover}")
+            role = plotly_text(ROLE_WORDS.get(segment.role, segment.role))
+            texts.append(f"{role} {format_delta(segment.exact)}<br>{hover}")
     data += change_bars(plain, scale)
     for role, (xs, bases, ys, texts) in roles.items():
-        data.append({"type": "bar", "name": ROLE_WORDS.get(role, role), "x": xs, "base": bases, "y": ys,
+        data.append({"type": "bar", "name": plotly_text(ROLE_WORDS.get(role, role)), "x": xs, "base": bases, "y": ys,
                      "hovertext": texts, "hoverinfo": "text", "marker": {"color": role_color(role), "opacity": 0.85}})
     peaks = [(tick, whisker, slot) for tick, slot, (_s, _e, whisker) in zip(ticks[1:-1], slots, levels)
              if whisker is not None]
@@ -125,7 +127,7 @@ def _waterfall_figure(record, height: int) -> dict:
                        "line": {"dash": "dashdot", "color": IMG_INK}})
         notes.append({"xref": "paper", "yref": "y", "x": 1, "y": y, "xanchor": "right", "yanchor": "bottom",
                       "showarrow": False, "text": f"{format_bytes(subject.total)} total", "font": {"size": 10}})
-    layout = column_layout(hover_text(f"{_record_title(record)} · {name}"), ticks, f"{name} ({unit})", height, -0.18,
+    layout = column_layout(f"{_record_title(record)} · {name}", ticks, f"{name} ({unit})", height, -0.18,
                            shapes, notes)
     return {"data": data, "layout": layout,
             "config": figure_config(f"ipy_gpumem-cell-{record.execution_count or 'x'}")}

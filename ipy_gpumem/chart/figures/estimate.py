@@ -13,7 +13,8 @@ from typing import Optional
 from ...core.text import clip
 from ...core.units import format_bytes, format_delta
 from ..svg.base import FAILED_COLOR, IMG_INK
-from .bars import END_BARS_COLOR, change_bars, column_layout, hover_text
+from ...display.escape import plotly_text
+from .bars import END_BARS_COLOR, change_bars, column_layout
 from .timeline import byte_unit, figure_config
 
 __all__ = ["estimate_figure"]
@@ -49,7 +50,7 @@ def estimate_figure(cell, *, height: int = 300) -> Optional[dict]:
     columns = []
     for tick, (line, start, end, _top) in zip(ticks[1:-1], rows):
         source = cell.source_lines[line.lineno - 1] if 0 < line.lineno <= len(cell.source_lines) else ""
-        columns.append((tick, start, end, hover_text(f"line {line.lineno} ×{line.hits}: {clip(source.strip(), 80)}")
+        columns.append((tick, start, end, plotly_text(f"line {line.lineno} ×{line.hits}: {clip(source.strip(), 80)}")
                         + f"<br>allocated {format_delta(line.allocated_delta)}, peak in line "
                           f"{format_delta(line.peak_increase)}, reserved {format_delta(line.reserved_delta)}"))
     data += change_bars(columns, scale, words=("grows", "shrinks"))
@@ -74,8 +75,8 @@ def estimate_figure(cell, *, height: int = 300) -> Optional[dict]:
                        "line": {"dash": "dashdot", "color": colour, "width": 1.4}})
         notes.append({"xref": "paper", "yref": "y", "x": 1, "y": y, "xanchor": "right", "yanchor": "bottom",
                       "showarrow": False, "font": {"size": 10, "color": colour},
-                      "text": f"{fit.gpu}: {format_bytes(fit.capacity)} usable · "
-                              + ("fits" if fit.fits else f"needs {format_bytes(fit.needed)}")})
+                      "text": plotly_text(f"{fit.gpu}: {format_bytes(fit.capacity)} usable · "
+                                          + ("fits" if fit.fits else f"needs {format_bytes(fit.needed)}"))})
     layout = column_layout("predicted allocated memory, line by line (second run)", ticks,
                            f"{est.device} allocated ({unit})", height, -0.2, shapes, notes)
     return {"data": data, "layout": layout, "config": figure_config("ipy_gpumem-estimate")}

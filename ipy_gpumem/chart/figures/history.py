@@ -17,7 +17,8 @@ from ..svg.base import device_color
 from ..svg.legend import series_name
 from ..timeline import HOST_RSS, SeriesKey
 from ...core.devices import cuda
-from .bars import change_bars, column_layout, hover_text
+from ...display.escape import plotly_text
+from .bars import change_bars, column_layout
 from .timeline import byte_unit, figure_config
 
 __all__ = ["history_figure", "MAX_CELLS"]
@@ -77,7 +78,7 @@ def history_figure(records: Sequence, *, height: int = 320) -> Optional[dict]:
                  f"→ {format_bytes(after)}" + ("" if peak is None else f", peak {format_bytes(peak)}")
                  + ("" if reserved is None else f"\nreserved {format_bytes(reserved)}")
                  + f"\n{format_seconds(rec.duration_s)}" + (f" · {rec.error}" if rec.error else ""))
-        columns.append((label, before, after, hover_text(hover)))
+        columns.append((label, before, after, plotly_text(hover)))
     data = change_bars(columns, scale)
     peaks = [(label, peak) for label, (_r, _b, _a, peak, _res) in zip(labels, rows) if peak is not None]
     if peaks:
@@ -88,7 +89,7 @@ def history_figure(records: Sequence, *, height: int = 320) -> Optional[dict]:
                      "hovertemplate": f"peak %{{y:.2f}} {unit}<extra>%{{x}}</extra>"})
     reserved = [(label, res) for label, (_r, _b, _a, _p, res) in zip(labels, rows) if res is not None]
     if reserved:
-        data.append({"type": "scatter", "mode": "lines", "name": f"{key.device.label} reserved after",
+        data.append({"type": "scatter", "mode": "lines", "name": plotly_text(f"{key.device.label} reserved after"),
                      "x": [r[0] for r in reserved], "y": [scale(r[1]) for r in reserved],
                      "line": {"dash": "dash", "color": device_color(key.device), "width": 1.4, "shape": "hv"},
                      "hovertemplate": f"reserved %{{y:.2f}} {unit}<extra>%{{x}}</extra>"})

@@ -116,10 +116,11 @@ class FigureChartView(_View):
         """The figure, titled with the current numbers as the SVG chart's header line is."""
         line = status_line(snapshot) if not snapshot.empty else "no samples yet"
         if self.narrow:  # the sidebar: one number per line, so the title fits its width
-            line = line.replace(" · ", "<br>")
-        title = f"{self._note}<br>ipy_gpumem · {line}" if self._note else f"ipy_gpumem · {line}"
+            line = line.replace(" · ", "\n")
+        # Plain text, lines apart at "\n": the figure escapes it for plotly and breaks its lines.
+        title = f"{self._note}\nipy_gpumem · {line}" if self._note else f"ipy_gpumem · {line}"
         spec = timeline_figure(snapshot, height=self.height, title=title)
-        spec["layout"]["margin"]["t"] = 18 + 15 * title.count("<br>") + 16
+        spec["layout"]["margin"]["t"] = 18 + 15 * title.count("\n") + 16
         return spec
 
     def _draw(self, snapshot) -> None:

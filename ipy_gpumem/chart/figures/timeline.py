@@ -16,12 +16,17 @@ What the figure has, and why:
 - the device's capacity as a dash-dot line when it is on the chart's scale;
 - ``uirevision``: a zoom, pan or legend toggle survives every update of a live figure;
 - a range slider under the time axis for long sessions, and PNG export from the mode bar.
+
+Every text field (names, hovers, labels, titles, notes) goes through ``display.escape.plotly_text``
+where it is placed: plotly.js reads them as HTML of its own, and a cell's first line is the user's.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 from ...core.units import GiB, KiB, MiB, format_bytes
+from ...display.escape import plotly_text
 from ..svg.axes import _capacity_layout
 from ..svg.base import DASHES, FAILED_COLOR, IMG_INK, RUNNING_COLOR, device_color
 from ..svg.legend import _drawn_keys, series_name, span_hover
@@ -77,12 +82,13 @@ def _series_traces(snapshot: TimelineSnapshot, keys, divisor: float, unit: str) 
     several = len({k.device for k in keys}) > 1
     for key in keys:
         dash = PLOT_DASH.get(DASHES.get(key.quantity, ""), "solid")
+        name = plotly_text(series_name(key))
         traces.append({
-            "type": "scatter", "mode": "lines", "name": series_name(key),
+            "type": "scatter", "mode": "lines", "name": name,
             "x": list(snapshot.t), "y": _scaled(snapshot.series[key], divisor),
             "line": {"color": device_color(key.device), "dash": dash, "width": 1.6},
             "legendgroup": key.device.label if several else key.quantity,
-            "hovertemplate": f"%{{y:.2f}} {unit}<extra>{series_name(key)}</extra>",
+            "hovertemplate": f"%{{y:.2f}} {unit}<extra>{name}</extra>",
         })
     return traces
 
@@ -120,8 +126,8 @@ def _span_parts(spans, top: float, now: float) -> list:
     for span in hovered:
         end = span.end if span.end is not None else max(now, span.start)
         xs.append(round((span.start + end) / 2, 3))
-        texts.append(span_hover(span).replace("\n", "<br>"))
-        labels.append(span.label)
+        texts.append(_hover(span))
+        labels.append(plotly_text(span.label))  # a snapshot's spans are named by the program's annotations
     traces.append({
         "type": "scatter", "mode": "markers+text" if len(hovered) <= 40 else "markers", "name": "cells",
         "x": xs, "y": [top] * len(xs), "text": labels, "textposition": "bottom center",
@@ -131,6 +137,12 @@ def _span_parts(spans, top: float, now: float) -> list:
         "showlegend": False,
     })
     return traces
+
+
+@lru_cache(maxsize=2048)
+def _hover(span) -> str:
+    """A cell's hover as plotly text; cached as ``span_hover`` is: a live figure redraws the same spans each second."""
+    return plotly_text(span_hover(span))
 
 
 def _rgba(colour: str, opacity: float) -> str:
@@ -164,10 +176,10 @@ def _rank_traces(spans, divisor: float, unit: str) -> list:
             xs.append(None)
             ys.append(None)
     names = sorted(series, key=lambda name: (not name.startswith("rank"), len(name), name))
-    return [{"type": "scatter", "mode": "lines+markers", "name": f"{name} RSS", "x": series[name][0],
+    return [{"type": "scatter", "mode": "lines+markers", "name": plotly_text(f"{name} RSS"), "x": series[name][0],
              "y": series[name][1], "connectgaps": False, "legendgroup": "ranks",
              "line": {"color": RANK_COLORS[i % len(RANK_COLORS)], "dash": "dot", "width": 1.4},
-             "marker": {"size": 5}, "hovertemplate": f"%{{y:.2f}} {unit}<extra>{name} host RSS</extra>"}
+             "marker": {"size": 5}, "hovertemplate": f"%{{y:.2f}} {unit}<extra>{plotly_text(name)} host RSS</extra>"}
             for i, name in enumerate(names)]
 
 
@@ -180,7 +192,7 @@ def _capacity_parts(snapshot: TimelineSnapshot, keys, data_max: int, divisor: fl
         shapes.append({"type": "line", "xref": "paper", "yref": "y", "x0": 0, "x1": 1, "y0": y, "y1": y,
                        "line": {"color": device_color(device), "dash": "dashdot", "width": 1.2}})
         notes.append({"xref": "paper", "yref": "y", "x": 1, "y": y, "xanchor": "right", "yanchor": "bottom",
-                      "text": f"{device.label} {format_bytes(total)} total", "showarrow": False,
+                      "text": plotly_text(f"{device.label} {format_bytes(total)} total"), "showarrow": False,
                       "font": {"size": 10, "color": IMG_INK}})
     off = "; ".join(f"{device.label} {format_bytes(total)} total" for device, total in off_scale)
     return shapes, notes, off
@@ -193,7 +205,7 @@ def timeline_figure(snapshot: Optional[TimelineSnapshot], *, height: int = 320, 
     Args:
         snapshot: from ``Timeline.snapshot()``; None or empty gives an empty figure that says so.
         height: pixels; the width follows the output area.
-        title: text above the plot, or None.
+        title: text above the plot (plain text: escaped here, its lines broken at ``\n``), or None.
         filename: the PNG export's file name.
     """
     keys = _drawn_keys(snapshot.series) if snapshot is not None and not snapshot.empty else []
@@ -224,12 +236,12 @@ def timeline_figure(snapshot: Optional[TimelineSnapshot], *, height: int = 320, 
                       "text": "no samples yet", "font": {"color": IMG_INK}})
     if off:
         notes.append({"xref": "paper", "yref": "paper", "x": 1, "y": 1.0, "xanchor": "right", "yanchor": "bottom",
-                      "showarrow": False, "text": off, "font": {"size": 10, "color": IMG_INK}})
+                      "showarrow": False, "text": plotly_text(off), "font": {"size": 10, "color": IMG_INK}})
     axis = {"gridcolor": "rgba(140,140,140,0.2)", "zerolinecolor": "rgba(140,140,140,0.35)",
             "linecolor": "rgba(140,140,140,0.5)", "color": IMG_INK}
     layout = {
         "uirevision": UIREVISION, "height": int(height), "autosize": True,
-        "margin": {"l": 56, "r": 12, "t": (44 if "<br>" in title else 30) if title else 14, "b": 8},
+        "margin": {"l": 56, "r": 12, "t": (44 if "\n" in title else 30) if title else 14, "b": 8},
         "paper_bgcolor": "rgba(0,0,0,0)", "plot_bgcolor": "rgba(0,0,0,0)",
         "font": {"family": "var(--jp-ui-font-family, sans-serif)", "size": 11, "color": IMG_INK},
         "hovermode": "closest", "showlegend": bool(keys),
@@ -241,7 +253,7 @@ def timeline_figure(snapshot: Optional[TimelineSnapshot], *, height: int = 320, 
         "shapes": shapes, "annotations": notes,
     }
     if title:
-        layout["title"] = {"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 12}}
+        layout["title"] = {"text": plotly_text(title), "x": 0.01, "xanchor": "left", "font": {"size": 12}}
     if keys and all(k.device.is_host for k in keys):
         layout["yaxis"]["title"]["text"] = f"host RSS ({unit})"
     return {"data": data, "layout": layout, "config": figure_config(filename)}
