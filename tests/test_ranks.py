@@ -23,6 +23,7 @@ pytest.importorskip("torch")
 
 from ipy_gpumem.core import children  # noqa: E402
 from ipy_gpumem.core.records import CellRecord, HostRecord, RankRecord, records_frame, worst_rank  # noqa: E402
+from ipy_gpumem.ledger.rankfolder import RankFolder, clean_record  # noqa: E402
 from ipy_gpumem.ledger.ranks import RankWatch, launcher_failure  # noqa: E402
 
 MiB = 2 ** 20
@@ -105,13 +106,23 @@ def test_a_cell_that_launches_nothing_lists_children_once_and_gets_no_ranks():
         for _ in range(5):
             watch.cell_started()
             assert watch.cell_finished() is None
-        assert watch.listings == 5  # one listing at each cell's end; cells under POLL_S get no poll
+        assert watch.listings == 5  # one read of the main thread's children at each cell's end
+        assert watch.wakeups == 0 and watch._thread is None  # no thread started, none woken
     finally:
         watch.close()
 
 
-def test_forked_ranks_record_themselves_and_the_launchers_exception_names_the_failing_rank(tmp_path):
+def test_forked_ranks_record_themselves_and_the_launchers_exception_names_the_failing_rank(tmp_path, monkeypatch):
     import torch.multiprocessing as mp
+
+    made = []  # a spy on the real folder maker: which folders the cells made
+
+    def make(real=RankFolder.make):
+        folder = real()
+        made.append(folder.path)
+        return folder
+
+    monkeypatch.setattr(RankFolder, "make", make)
 
     (tmp_path / "rank_work_unit.py").write_text(RANK_MODULE.replace("def work(", "def work(").strip())
     sys.path.insert(0, str(tmp_path))
@@ -137,7 +148,7 @@ def test_forked_ranks_record_themselves_and_the_launchers_exception_names_the_fa
             ranks = watch.cell_finished(failure)
             assert (failure.rank, failure.exception, failure.error) == (1, "ProcessRaisedException", "RuntimeError")
             assert "DefaultCPUAllocator" in failure.message and failure.pid == ranks[1].pid
-            assert not [n for n in os.listdir(os.path.dirname(watch._base)) if n.startswith(os.path.basename(watch._base))]
+            assert len(made) == 2 and not [p for p in made if os.path.lexists(p)]  # one folder a cell, removed
         finally:
             watch.close()
     finally:
@@ -154,6 +165,252 @@ def test_history_frame_has_a_row_per_rank():
     assert int(frame["peak_increase"][1]) == 200 and int(frame["pid"][1]) == 4242
     assert plain_rec.to_dict()["ranks"] is None
     assert rec.to_dict()["ranks"][0]["host"]["rss_peak_increase"] == 200
+
+
+# -- harmless while loaded: a private folder, hostile files, no false ranks (issue 27) -------------
+
+PLANTER = textwrap.dedent('''
+    import json, os, time
+
+    def _folder():
+        """The cell's folder, found as any process of this user could: through its open descriptors."""
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if os.path.basename(target).startswith("ipy_gpumem-ranks-"):
+                return target
+
+    def plant(rank, user_file, report):
+        """Each rank reports the folder, then plants what a hostile process of this user could."""
+        folder, me = _folder(), os.getpid()
+        info = os.stat(folder)
+        with open(f"{report}.{rank}", "w") as fh:
+            json.dump({"folder": folder, "mode": info.st_mode & 0o777, "uid": info.st_uid, "pid": me}, fh)
+        if rank == 0:
+            os.symlink(user_file, os.path.join(folder, f"{me}.end.json"))  # where its end record goes
+            os.unlink(os.path.join(folder, f"{me}.start.json"))
+            os.mkfifo(os.path.join(folder, f"{me}.start.json"))  # a FIFO under a name the kernel reads
+            os.mkfifo(os.path.join(folder, "x.json"))
+            with open(os.path.join(folder, "424242.end.json"), "w") as fh:  # no process of the cell
+                json.dump({"pid": 424242, "index": 0, "rank": 0, "rank_from": "env", "world_size": 2,
+                           "rss_before": 0, "rss_after": 2 ** 40, "rss_peak": 2 ** 40, "devices": []}, fh)
+            os.symlink(user_file, os.path.join(folder, "424243.end.json"))
+        else:
+            with open(os.path.join(folder, f"{me}.start.json"), "wb") as fh:  # too large for a record
+                fh.write(b'{"pid": %d, "index": 1, "rss_before": 1}' % me + b" " * (1 << 20))
+        time.sleep(0.3)
+''')
+
+
+class _Hung(BaseException):
+    """Raised by the alarm: a read that blocks (a FIFO) ends the test instead of hanging it."""
+
+
+def _alarm(signum, frame):
+    raise _Hung()
+
+
+def _run(ip, code):
+    result = ip.run_cell(code)
+    assert result.success, (code, result.error_in_exec)
+    return result
+
+
+def _ranks_of(record):
+    return [(r.rank, r.seen, r.end, r.rank_from) for r in record.ranks or ()]
+
+
+def test_rank_variables_are_validated():
+    rv = children.rank_variables
+    assert rv({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})[:3] == (3, 1, 4)
+    assert rv({"RANK": "3", "WORLD_SIZE": "4"}).says_rank and not rv({"RANK": "3"}).says_rank
+    for bad in ("-1", "1" * 23, " 3", "+3", "3_0", "3.0", "", "٣"):
+        assert rv({"RANK": bad, "WORLD_SIZE": "4"}).rank is None, bad
+    assert rv({"RANK": "4", "WORLD_SIZE": "4"}).rank is None  # below the world size
+    assert rv({"RANK": "0", "WORLD_SIZE": "0"}) == children.RankVariables(0, None, None, None)
+    assert rv({"RANK": "0", "WORLD_SIZE": "1" * 23}).world_size is None
+    assert rv({"TORCHELASTIC_RUN_ID": "x" * 201}).run_id is None and rv({"TORCHELASTIC_RUN_ID": "r1"}).run_id == "r1"
+
+
+def test_records_read_from_the_folder_are_plausible_values_only():
+    good = {"pid": 7, "index": 1, "rank": 1, "rank_from": "env", "world_size": 2, "local_rank": 1,
+            "rss_before": 1, "rss_after": 2, "rss_peak": 3, "devices": [{"index": 0, "name": "GPU", "total": 9}],
+            "devices_note": None, "extra": "dropped"}
+    clean = clean_record(good, 7, "end")
+    assert clean["rank"] == 1 and "extra" not in clean and clean["devices"][0]["allocated_after"] is None
+    assert clean_record({"pid": 7, "index": 0, "rss_before": 5}, 7, "start") == {"pid": 7, "index": 0, "rss_before": 5}
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for change in ({"pid": 8}, {"pid": True}, {"index": -1}, {"index": True}, {"rank": 2}, {"rank_from": "x"},
+                   {"rss_peak": 2 * physical}, {"rss_after": -1}, {"world_size": 0}, {"devices": [{"index": 0}] * 65},
+                   {"devices": [{"index": 0, "total": 1 << 51}]}, {"devices_note": "x" * 1001}, {"devices": "no"}):
+        assert clean_record({**good, **change}, 7, "end") is None, change
+    assert clean_record([good], 7, "end") is None and clean_record("{}", 7, "end") is None
+
+
+def test_planted_files_change_nothing_and_hang_nothing(ip, gpumem, tmp_path, restore_user_ns):
+    """Another user's folder at the old predictable names, links to a user's file, a FIFO, a file
+    claiming 1 TiB for a pid that is not the cell's, and an oversized record: the user's file is
+    untouched, the cell ends at once, the ranks are the two real ones, and the folder was the OS's."""
+    import signal
+    import tempfile
+
+    import ipy_gpumem
+
+    (tmp_path / "rank_planter.py").write_text(PLANTER)
+    sys.path.insert(0, str(tmp_path))
+    user_file = tmp_path / "notes.txt"
+    user_file.write_text("my notes\n")
+    stamp = os.stat(user_file).st_mtime_ns
+    last_pid = int(open("/proc/loadavg").read().split()[-1])
+    old = []  # the names an earlier version used, planted for the next pids
+    for n in range(1, 6):
+        folder = os.path.join(tempfile.gettempdir(), f"ipy_gpumem-ranks-{os.getpid()}-{n}")
+        os.makedirs(folder, exist_ok=True)
+        for pid in range(last_pid + 1, last_pid + 120):
+            os.symlink(user_file, os.path.join(folder, f"{pid}.start.json.tmp"))
+        old.append((folder, sorted(os.listdir(folder))))
+    existing = set(os.listdir(tempfile.gettempdir()))
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(60)
+    try:
+        ip.run_cell("import torch.multiprocessing as mp, rank_planter")
+        started = time.perf_counter()
+        ip.run_cell(f"mp.start_processes(rank_planter.plant, args=({str(user_file)!r}, {str(tmp_path / 'report')!r}), "
+                    "nprocs=2, start_method='fork')")
+        took = time.perf_counter() - started
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        sys.path.remove(str(tmp_path))
+        for folder, _names in old:
+            for name in os.listdir(folder):
+                os.unlink(os.path.join(folder, name))
+            os.rmdir(folder)
+    record = ipy_gpumem.last()
+    assert _ranks_of(record) == [(0, "inside", "exited", "launcher"), (1, "inside", "exited", "launcher")]
+    assert all(r.host.rss_peak < 2 ** 40 for r in record.ranks)
+    reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in (0, 1)]
+    assert [r.pid for r in record.ranks] == [rep["pid"] for rep in reports]
+    assert user_file.read_text() == "my notes\n" and os.stat(user_file).st_mtime_ns == stamp
+    folder = reports[0]["folder"]
+    assert reports[1]["folder"] == folder and os.path.basename(folder) not in existing  # new, made for the cell
+    assert reports[0]["mode"] == 0o700 and reports[0]["uid"] == os.getuid()
+    assert not os.path.lexists(folder)  # removed at the cell's end
+    assert all(names == sorted(set(names)) for _f, names in old) and took < 30
+
+
+def test_a_rank_needs_a_launcher_not_a_variable_the_notebook_has(ip, gpumem, restore_user_ns):
+    """With RANK and WORLD_SIZE in the notebook's environment, ``subprocess.run``, ``!sleep`` and a
+    process that outlives the cell are no ranks; one whose launcher set them is (the control)."""
+    import ipy_gpumem
+
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+    os.environ.update(RANK="0", WORLD_SIZE="2")
+    try:
+        _run(ip, "import os, subprocess, sys")
+        _run(ip, "subprocess.run(['sleep', '0.3'])")
+        assert ipy_gpumem.last().ranks is None
+        _run(ip, "!sleep 0.3")  # the test shell's ! is a subprocess; a kernel's forks a pty (tested there)
+        assert ipy_gpumem.last().ranks is None
+        _run(ip, "p = subprocess.Popen(['sleep', '5'])")  # still running at the cell's end: read there
+        assert ipy_gpumem.last().ranks is None
+        _run(ip, "p.kill(); p.wait()")
+        for rank in ("-1", "1" * 23):
+            _run(ip, f"p = subprocess.Popen(['sleep', '5'], env=dict(os.environ, RANK={rank!r}))")
+            assert ipy_gpumem.last().ranks is None, rank
+            _run(ip, "p.kill(); p.wait()")
+        _run(ip, "p = subprocess.Popen(['sleep', '5'], env=dict(os.environ, RANK='1', WORLD_SIZE='2'))")
+        assert _ranks_of(ipy_gpumem.last()) == [(1, "outside", "running", "env")]
+        _run(ip, "p.kill(); p.wait()")
+        assert ipy_gpumem.last().ranks is None  # the next cell launched nothing: no rank of another cell
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def test_a_quiet_cell_wakes_no_thread_and_reads_the_children_once(ip, gpumem, restore_user_ns):
+    watch = gpumem.watcher.ranks
+    listings, wakeups = watch.listings, watch.wakeups
+    for _ in range(20):
+        ip.run_cell("x = 1")
+    assert watch.wakeups == wakeups and watch.listings - listings == 20
+
+
+WORKERS = textwrap.dedent('''
+    import json, os, subprocess, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "ipy_gpumem")
+    import ipy_gpumem
+    from ipy_gpumem.extension import current_magics
+
+    watch = current_magics().watcher.ranks
+    ip.run_cell("import os, torch, torch.multiprocessing as mp, multiprocessing, time, subprocess, slow_data")
+    cells = {
+        "fork loader": "for _ in torch.utils.data.DataLoader(slow_data.SlowSet(), batch_size=2, num_workers=2): pass",
+        "spawn loader": "for _ in torch.utils.data.DataLoader(slow_data.SlowSet(), batch_size=2, num_workers=2, "
+                        "multiprocessing_context='spawn'): pass",
+        "spawn pool": "with multiprocessing.get_context('spawn').Pool(4) as pool: pool.map(time.sleep, [0.3] * 4)",
+        "RANK=-1": "p = subprocess.Popen(['sleep', '5'], env=dict(os.environ, RANK='-1'))",
+        "23 digits": "p = subprocess.Popen(['sleep', '5'], env=dict(os.environ, RANK='1' * 23))",
+        "fork ranks": "mp.start_processes(slow_data.rank, nprocs=2, start_method='fork')",
+        "spawn ranks": "mp.start_processes(slow_data.rank, nprocs=2, start_method='spawn')",
+    }
+    out = {}
+    for name, code in cells.items():
+        listings = watch.listings
+        result = ip.run_cell(code)
+        rec = ipy_gpumem.last()
+        out[name] = {"ok": result.success, "readings": watch.listings - listings,
+                     "ranks": [[r.rank, r.seen, r.rank_from] for r in rec.ranks or ()]}
+        ip.run_cell("if 'p' in dir(): p.kill(); p.wait(); del p")
+    print(json.dumps(out))
+''')
+
+SLOW_DATA = textwrap.dedent('''
+    import time
+    import torch
+
+    class SlowSet(torch.utils.data.Dataset):
+        """Eight items, each 50 ms: the workers live long enough to be read."""
+
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            time.sleep(0.05)
+            return torch.zeros(4)
+
+    def rank(i):
+        time.sleep(0.3)
+''')
+
+
+@pytest.mark.slow
+def test_workers_are_not_ranks_in_a_kernel_started_with_RANK(tmp_path):
+    """A shell started with RANK=0 and WORLD_SIZE=2 (as under a launcher): fork and spawn DataLoader
+    workers, a spawn Pool(4), and processes with RANK=-1 or a 23-digit RANK are no ranks; torch's own
+    ranks, forked or spawned, are numbered by the launcher, not by the RANK they inherited."""
+    (tmp_path / "slow_data.py").write_text(SLOW_DATA)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", WORKERS, str(tmp_path)], env=env, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(v["ok"] for v in out.values()), out
+    for name in ("fork loader", "spawn loader", "spawn pool", "RANK=-1", "23 digits"):
+        assert out[name]["ranks"] == [] and out[name]["readings"] >= 1, (name, out[name])
+    for name in ("fork loader", "spawn loader", "spawn pool"):
+        assert out[name]["readings"] >= 2, (name, out[name])  # read while they ran, not only at the end
+    assert out["fork ranks"]["ranks"] == [[0, "inside", "launcher"], [1, "inside", "launcher"]], out
+    assert out["spawn ranks"]["ranks"] == [[0, "outside", "launcher"], [1, "outside", "launcher"]], out
 
 
 # -- in a real kernel -----------------------------------------------------------------------------
@@ -190,6 +447,9 @@ def nb(tmp_path_factory):
         "frame[['execution_count', 'device', 'rank', 'pid']].astype(object).values.tolist()]))\n"
         "import threading; print(json.dumps([t.name for t in threading.enumerate()]))",                    # 13
         "import psutil\nprint(json.dumps([' '.join(p.cmdline()) for p in psutil.Process().children(recursive=True)]))",  # 14
+        "from ipy_gpumem.extension import current_magics\n_watch = current_magics().watcher.ranks\n"
+        "_listed = _watch.listings\nos.environ.update(RANK='0', WORLD_SIZE='2')\n!sleep 0.5",                 # 15
+        "print(json.dumps([ipy_gpumem.history()[-1].to_dict()['ranks'], _watch.listings - _listed]))",       # 16
     ]
     started = time.perf_counter()
     out = execute(cells, extensions=["ipy_gpumem"], cwd=str(folder), timeout=150)
@@ -291,6 +551,12 @@ def test_accelerate_notebook_launcher_on_the_cpu(nb):
     assert "Out of memory in rank 1 (pid " in text
     failure = _data(nb)[1][12]
     assert (failure["rank"], failure["launcher"]) == (1, "torch.distributed.elastic")
+
+
+@pytest.mark.slow
+def test_a_shell_command_with_RANK_in_the_notebook_is_read_and_is_no_rank(nb):
+    ranks, listed = json.loads(plain(nb.cells[16])[0])
+    assert ranks is None and listed >= 3, (ranks, listed)  # the kernel's ! forks a pty: read while it ran
 
 
 @pytest.mark.slow

@@ -6,19 +6,47 @@ thread) and each child's memory from ``/proc/<pid>/status`` (``VmRSS`` and the h
 ``VmHWM``, which the kernel keeps for the whole life of the process, so the peak read from outside
 is exact up to the last reading); psutil elsewhere. A child's identity is read once: its command
 line and, for a distributed worker, torch.distributed's ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``
-from its environment (``/proc/<pid>/environ``: the environment it was started with). Nothing here
-waits for a child, signals one or reaps one: the launcher owns them.
+(and elastic's ``TORCHELASTIC_RUN_ID``) from its environment (``/proc/<pid>/environ``: the
+environment it was started with; a fork's is its parent's). Values are validated
+(:func:`rank_variables`): a rank is a non-negative integer of at most 8 digits, below the world
+size when one is given. Nothing here waits for a child, signals one or reaps one: the launcher owns them.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, Mapping, NamedTuple, Optional
 
-__all__ = ["ChildInfo", "ChildMemory", "MainThreadChildren", "descendants", "child_info", "child_memory", "is_launcher_helper", "is_spawned_worker"]
+__all__ = ["ChildInfo", "ChildMemory", "RankVariables", "MainThreadChildren", "MAX_WORLD_SIZE", "rank_variables",
+           "environment_of", "descendants", "descendant_tree", "thread_children", "child_info", "child_memory",
+           "is_launcher_helper"]
 
 _PROC = "/proc"
 _LINUX = sys.platform.startswith("linux")
+#: The largest world size believed: ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` beyond it are not ranks.
+MAX_WORLD_SIZE = 1 << 24
+#: torch.distributed's variables, and elastic's run id (a worker torchrun started has one).
+_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+_KEYS_B = tuple(k.encode() for k in _KEYS)
+_DIGITS = re.compile(r"[0-9]{1,8}")
+#: A process's environment is read up to this many bytes (an environment is a few KiB).
+_MAX_ENVIRON = 1 << 20
+
+
+class RankVariables(NamedTuple):
+    """torch.distributed's variables in one environment, validated (None where absent or invalid)."""
+
+    rank: Optional[int] = None
+    local_rank: Optional[int] = None
+    world_size: Optional[int] = None
+    #: ``TORCHELASTIC_RUN_ID`` (set by torchrun and elastic for their workers), at most 200 characters.
+    run_id: Optional[str] = None
+
+    @property
+    def says_rank(self) -> bool:
+        """``RANK`` together with a ``WORLD_SIZE`` it is below: what a launcher sets for a rank."""
+        return self.rank is not None and self.world_size is not None
 
 
 class ChildInfo(NamedTuple):
@@ -30,6 +58,12 @@ class ChildInfo(NamedTuple):
     rank: Optional[int] = None
     local_rank: Optional[int] = None
     world_size: Optional[int] = None
+    run_id: Optional[str] = None
+
+    @property
+    def variables(self) -> RankVariables:
+        """The variables of its environment as one value (compared with the kernel's own)."""
+        return RankVariables(self.rank, self.local_rank, self.world_size, self.run_id)
 
 
 class ChildMemory(NamedTuple):
@@ -37,6 +71,59 @@ class ChildMemory(NamedTuple):
 
     rss: Optional[int]
     hwm: Optional[int]
+
+
+def _number(value) -> Optional[int]:
+    """A non-negative integer written as plain digits (no sign, spaces or underscores), below the cap."""
+    if not isinstance(value, str) or not _DIGITS.fullmatch(value):
+        return None
+    number = int(value)
+    return number if number < MAX_WORLD_SIZE else None
+
+
+def rank_variables(env: Mapping[str, str]) -> RankVariables:
+    """torch.distributed's variables from ``env`` (``os.environ`` or the like), validated:
+    ``WORLD_SIZE`` from 1 to :data:`MAX_WORLD_SIZE`, ``RANK`` and ``LOCAL_RANK`` non-negative and
+    below it when it is given (``RANK=-1`` or a 23-digit ``RANK`` is no rank)."""
+    world = _number(env.get("WORLD_SIZE"))
+    if world == 0:
+        world = None
+    rank, local = _number(env.get("RANK")), _number(env.get("LOCAL_RANK"))
+    if world is not None:
+        rank = rank if rank is not None and rank < world else None
+        local = local if local is not None and local < world else None
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if not isinstance(run_id, str) or not run_id or len(run_id) > 200:
+        run_id = None
+    return RankVariables(rank, local, world, run_id)
+
+
+def _environ(pid: int) -> Dict[str, str]:
+    """The variables of :data:`_KEYS` in ``/proc/<pid>/environ`` (empty when unreadable)."""
+    out: Dict[str, str] = {}
+    try:
+        with open(f"{_PROC}/{pid}/environ", "rb") as fh:
+            data = fh.read(_MAX_ENVIRON)
+    except OSError:
+        return out
+    for item in data.split(b"\0"):
+        key, _, value = item.partition(b"=")
+        if key in _KEYS_B:
+            out[key.decode()] = value.decode("utf-8", "replace")
+    return out
+
+
+def environment_of(pid: Optional[int] = None) -> RankVariables:
+    """The validated variables ``pid`` (default: this process) was started with; empty where unreadable."""
+    pid = os.getpid() if pid is None else pid
+    if _LINUX:
+        return rank_variables(_environ(pid))
+    try:
+        import psutil
+
+        return rank_variables(psutil.Process(pid).environ())
+    except Exception:  # noqa: BLE001 - unknown, not an error
+        return RankVariables()
 
 
 def _children_linux(pid: int) -> List[int]:
@@ -54,32 +141,62 @@ def _children_linux(pid: int) -> List[int]:
     return out
 
 
-def descendants(pid: Optional[int] = None, psutil_module=None) -> Optional[List[int]]:
-    """Every process below ``pid`` (default: this one), parents before their children; None when
-    the platform cannot tell (no /proc children files and no psutil)."""
+def descendant_tree(pid: Optional[int] = None, psutil_module=None) -> Optional[Dict[int, int]]:
+    """Every process below ``pid`` (default: this one) with its parent, parents before their
+    children; None when the platform cannot tell (no /proc children files and no psutil)."""
     pid = os.getpid() if pid is None else pid
     if _LINUX and os.path.exists(f"{_PROC}/{pid}/task"):
-        out, todo = [], [pid]
+        out: Dict[int, int] = {}
+        todo = [pid]
         while todo:
-            kids = _children_linux(todo.pop(0))
-            out.extend(kids)
-            todo.extend(kids)
+            parent = todo.pop(0)
+            for kid in _children_linux(parent):
+                if kid not in out and kid != pid:
+                    out[kid] = parent
+                    todo.append(kid)
         return out
     try:
         psutil = psutil_module
         if psutil is None:
             import psutil
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+        out = {}
+        for proc in psutil.Process(pid).children(recursive=True):
+            try:
+                out[proc.pid] = proc.ppid()
+            except Exception:  # noqa: BLE001 - gone meanwhile
+                continue
+        return out
     except Exception:  # noqa: BLE001 - unknown, not an error
+        return None
+
+
+def descendants(pid: Optional[int] = None, psutil_module=None) -> Optional[List[int]]:
+    """Every process below ``pid`` (default: this one), parents before their children; None when
+    the platform cannot tell (no /proc children files and no psutil)."""
+    tree = descendant_tree(pid, psutil_module)
+    return None if tree is None else list(tree)
+
+
+def thread_children() -> Optional[List[int]]:
+    """The direct children of the calling thread (a fork lands there): one small /proc read; None
+    where it cannot be read."""
+    if not _LINUX:
+        return None
+    try:
+        import threading
+
+        with open(f"{_PROC}/{os.getpid()}/task/{threading.get_native_id()}/children", "rb") as fh:
+            return [int(p) for p in fh.read().split()]
+    except (OSError, ValueError, AttributeError):
         return None
 
 
 class MainThreadChildren:
     """This process's main thread's direct children, with one ``pread`` of a file kept open (~2 us).
 
-    The end of every cell asks whether anything is running below the kernel: the main thread is
-    where cells (and the launchers they call) fork, so that one file answers it, where a full
-    :func:`descendants` walk opens a file per thread. None where it cannot be read (then walk).
+    The end of every cell asks whether anything new is running below the kernel: the main thread is
+    where cells (and the launchers they call) start processes, so that one file answers it, where a
+    full :func:`descendants` walk opens a file per thread. None where it cannot be read (then walk).
     """
 
     def __init__(self):
@@ -120,23 +237,15 @@ def _int(value) -> Optional[int]:
 
 
 def child_info(pid: int, psutil_module=None) -> Optional[ChildInfo]:
-    """The process's parent, command line and torch.distributed's variables; None once it is gone."""
-    env: Dict[str, str] = {}
+    """The process's parent, command line and validated torch.distributed variables; None once it is gone."""
     try:
         if _LINUX:
             with open(f"{_PROC}/{pid}/cmdline", "rb") as fh:
-                cmdline = tuple(a.decode(errors="replace") for a in fh.read().split(b"\0") if a)
+                cmdline = tuple(a.decode(errors="replace") for a in fh.read(65536).split(b"\0") if a)
             with open(f"{_PROC}/{pid}/stat", "rb") as fh:
-                stat = fh.read()
+                stat = fh.read(4096)
             ppid = _int(stat[stat.rindex(b")") + 2:].split()[1])
-            try:
-                with open(f"{_PROC}/{pid}/environ", "rb") as fh:
-                    for item in fh.read().split(b"\0"):
-                        key, _, value = item.partition(b"=")
-                        if key in (b"RANK", b"LOCAL_RANK", b"WORLD_SIZE"):
-                            env[key.decode()] = value.decode(errors="replace")
-            except OSError:
-                pass
+            variables = rank_variables(_environ(pid))
         else:
             psutil = psutil_module
             if psutil is None:
@@ -144,13 +253,12 @@ def child_info(pid: int, psutil_module=None) -> Optional[ChildInfo]:
             proc = psutil.Process(pid)
             cmdline, ppid = tuple(proc.cmdline()), proc.ppid()
             try:
-                env = {k: v for k, v in proc.environ().items() if k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+                variables = rank_variables(proc.environ())
             except Exception:  # noqa: BLE001 - AccessDenied: no variables
-                env = {}
+                variables = RankVariables()
     except Exception:  # noqa: BLE001 - gone, or not ours to read
         return None
-    return ChildInfo(pid, ppid, cmdline, _int(env.get("RANK")), _int(env.get("LOCAL_RANK")),
-                     _int(env.get("WORLD_SIZE")))
+    return ChildInfo(pid, ppid, cmdline, *variables)
 
 
 def child_memory(pid: int, psutil_module=None) -> Optional[ChildMemory]:
@@ -158,7 +266,7 @@ def child_memory(pid: int, psutil_module=None) -> Optional[ChildMemory]:
     if _LINUX:
         try:
             with open(f"{_PROC}/{pid}/status", "rb") as fh:
-                text = fh.read()
+                text = fh.read(65536)
         except OSError:
             return None
         return ChildMemory(_status_kb(text, b"VmRSS:"), _status_kb(text, b"VmHWM:"))
@@ -178,7 +286,8 @@ def _status_kb(text: bytes, key: bytes) -> Optional[int]:
         return None  # a zombie has no memory lines
     start += len(key)
     end = text.find(b"kB", start)
-    return _int(text[start:end]) * 1024 if end > 0 and _int(text[start:end]) is not None else None
+    value = _int(text[start:end]) if end > 0 else None
+    return value * 1024 if value is not None else None
 
 
 #: multiprocessing's own helper processes: never a rank.
@@ -188,8 +297,3 @@ _HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "m
 def is_launcher_helper(info: ChildInfo) -> bool:
     """multiprocessing's resource tracker or fork server: started by a launcher, never a rank."""
     return any(h in arg for arg in info.cmdline for h in _HELPERS)
-
-
-def is_spawned_worker(info: ChildInfo) -> bool:
-    """A process multiprocessing started with ``spawn`` (a fresh interpreter running the launcher's target)."""
-    return "--multiprocessing-fork" in info.cmdline

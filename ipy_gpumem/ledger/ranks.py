@@ -1,25 +1,44 @@
 """The processes a cell launches (the ranks of a distributed launch), found and recorded through what the launchers already use.
 
-Three sources, each the launcher's own:
+**What is a rank.** A process that torch.distributed, a launcher or ``RANK`` with a ``WORLD_SIZE``
+says is one, and nothing else:
 
-- **The kernel's children**, read from outside while the cell runs (``core.children``: /proc, a
-  few microseconds a reading): a thread polls them every :data:`POLL_S` while a cell runs and the
-  cell's end reads them once more, so a cell that launches nothing costs one listing of this
-  process's children (about 20 us) and a ``threading.Event`` set. A child's RSS and high-water
-  mark come from /proc, its identity from its command line and torch.distributed's ``RANK``,
-  ``LOCAL_RANK`` and ``WORLD_SIZE`` in its environment; on a GPU, NVML's per-process list (at
-  most once a second, only while children exist) gives its device memory.
-- **A fork of the kernel records itself**, the same way the kernel records a cell: multiprocessing
-  runs our ``register_after_fork`` callback in every child it forks, and in a child that runs
-  torch.multiprocessing's ``_wrap`` (``start_processes``, ``spawn`` with fork, elastic's and
-  accelerate's ``notebook_launcher`` through them) it writes its start and, from a
-  multiprocessing ``Finalize`` at its exit, its end into the cell's folder (one JSON file per pid
-  in a per-cell temporary folder, made by the kernel before the fork and removed at the cell's
-  end). Its rank is torch.distributed's when a process group is still up, else ``RANK`` from its
-  environment, else the process index the launcher passed.
-- **The launcher's exception**: torch.multiprocessing's ``ProcessRaisedException`` (the child's
-  traceback) and ``ProcessExitedException`` (its signal), and torch.distributed.elastic's
-  ``ChildFailedError`` name the failing rank (:func:`launcher_failure`).
+- a fork of the kernel running torch.multiprocessing's ``_wrap`` (``start_processes`` and ``spawn``
+  with fork, elastic's and accelerate's ``notebook_launcher`` through them) records itself, as the
+  kernel records a cell: multiprocessing runs our ``register_after_fork`` callback in it, and it
+  writes its start and, from a multiprocessing ``Finalize`` at its exit, its end into the cell's
+  private folder (``rankfolder``). Its rank is torch.distributed's while a process group is up,
+  else ``RANK`` when its launcher set one (not the value it inherited from the kernel), else the
+  process index the launcher passed;
+- a process the kernel started through multiprocessing with spawn or forkserver whose target is
+  that same ``_wrap``: multiprocessing pickles the ``Process`` to start it, and our reducer reads
+  its ``_target`` and ``_args`` then (``start()`` deletes them right after, bpo-30775) and its pid
+  from its ``_popen`` later (the fields Python 3.9 to 3.13 keep): its rank is the launcher's index;
+- a process whose environment has a valid ``RANK`` below a ``WORLD_SIZE`` (``core.children``) that
+  its launcher set: the pair is not the one the kernel has or was started with, or elastic's
+  ``TORCHELASTIC_RUN_ID`` is not the kernel's (torchrun's workers).
+
+Pool and DataLoader workers, ``concurrent.futures`` workers, multiprocessing's helpers,
+``subprocess.run`` and ``!cmd`` (whatever ``RANK`` the notebook has), and a rank's own children are
+not ranks, and are left out: a worker's RSS is mostly pages it shares with its parent, the cell's
+own line already counts what the kernel holds, and a row per worker would read as a rank.
+
+**When.** Reading costs nothing until a cell starts a process. Two hooks tell, both no-ops between
+cells and in any process but the kernel: the at-fork hook (every ``os.fork``: multiprocessing's fork,
+a kernel's ``!cmd`` through its pty) and multiprocessing's pickler (spawn and forkserver pickle the
+new ``Process`` through ``ForkingPickler``, where we register a reducer for multiprocessing's own
+``Process`` classes that notes it and returns what the pickler would have used without it). The
+first one of a cell wakes a thread (started then), which reads the cell's processes from outside
+(``core.children``: RSS and high-water mark from /proc, identity from the command line and
+environment; on a GPU NVML's per-process list at most once a second) every :data:`POLL_S` until the
+cell ends, then sleeps again. A cell's end reads the main thread's children once (one ``pread``): a
+cell that launched nothing costs that, and a process started another way (``subprocess``) that is
+still running is found there (one that already ended is not seen).
+
+**Which.** A cell's processes are those below a child of the kernel that was not running before the
+cell launched anything (multiprocessing's fork server and resource tracker count as the kernel): a
+server started two cells ago is not this cell's. Only files of pids the kernel saw fork during the
+cell, or saw below it, are read.
 
 Nothing here waits for, signals or reaps a child, opens a port or starts a process; nothing
 initializes CUDA in the kernel. A child that is killed leaves its start and the readings taken
@@ -27,40 +46,82 @@ from outside; one that hangs past the cell's end is recorded as still running.
 """
 from __future__ import annotations
 
-import json
 import os
+import pickle
 import re
-import shutil
 import sys
-import tempfile
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+import types
+import weakref
+from dataclasses import replace
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from ..core import children as _children
 from ..core.records import DeviceRecord, HostRecord, RankFailure, RankRecord
+from .rankfolder import RankFolder
 
 __all__ = ["RankWatch", "launcher_failure", "POLL_S", "NVML_EVERY_S"]
 
-#: While a cell runs, the children are read this often (a cell shorter than this is read once, at its end).
+#: While a cell that launched a process runs, its processes are read this often.
 POLL_S = 0.1
 #: NVML's process list is slow (~5 ms a device, the driver's lock): at most this often, only while children exist.
 NVML_EVERY_S = 1.0
-#: How long the polling thread stays awake after a cell, so back-to-back cells do not wake it each time.
-LINGER_S = 2.0
 #: Characters of a child's traceback kept for the out-of-memory parser (its message is at the end).
 MAX_CHILD_MESSAGE = 8000
+#: Processes of one cell read from outside, at most (a launch of thousands is read in part).
+MAX_SEEN = 4096
+
+
+class _Cell:
+    """One running cell as the hooks see it: whether it launched, its folder, the pids it forked."""
+
+    __slots__ = ("watch", "launched", "folder", "folder_tried", "forked", "pre", "pickled", "indices", "seen",
+                 "nvml_at")
+
+    def __init__(self, watch: "RankWatch"):
+        self.watch = watch
+        self.launched = False
+        self.folder: Optional[RankFolder] = None
+        self.folder_tried = False
+        self.forked: Set[int] = set()
+        self.pre: Dict[int, List[int]] = {}  # the forking thread's children just before its fork
+        self.pickled: List[tuple] = []  # (weak Process, rank index or None) for each one spawned
+        self.indices: Dict[int, Optional[int]] = {}  # and by pid, once it has one
+        self.seen: Dict[int, _Seen] = {}
+        self.nvml_at = 0.0
+
+    def launch(self) -> None:
+        """The cell starts a process (a hook says so): learn what ran before it, the first time."""
+        if not self.launched:
+            self.launched = True
+            self.watch.learn_before()
+
+    def resolve(self) -> None:
+        """The pids of the processes pickled to be spawned (multiprocessing gives one once started)."""
+        count = len(self.pickled)  # another thread may append meanwhile: those wait for the next reading
+        waiting = []
+        for ref, index in self.pickled[:count]:
+            proc = ref()
+            popen = vars(proc).get("_popen") if proc is not None else None
+            pid = vars(popen).get("pid") if popen is not None and hasattr(popen, "__dict__") else None
+            if type(pid) is int:
+                self.indices[pid] = index
+            elif proc is not None:
+                waiting.append((ref, index))
+        del self.pickled[:count]
+        self.pickled.extend(waiting)
 
 
 class _Shared:
-    """What a forked child inherits: the running cell's folder, the kernel's pid, the probes' adapter."""
+    """What the process-wide hooks read: the running cell, the kernel's pid, the probes' adapter."""
 
-    dir: Optional[str] = None
-    dir_made: bool = False
+    cell: Optional[_Cell] = None
     kernel_pid: int = -1
     internals: Optional[Callable] = None
     fork_hooks: bool = False
     mp_registered: bool = False
+    pickler_registered: bool = False
 
 
 _S = _Shared()
@@ -73,27 +134,79 @@ class _Token:
 _TOKEN = _Token()
 
 
+def _kernel_cell() -> Optional[_Cell]:
+    cell = _S.cell
+    return cell if cell is not None and os.getpid() == _S.kernel_pid else None
+
+
 def _before_fork() -> None:
-    # In the kernel, before any fork while a cell runs: the child writes into a folder that exists.
-    if _S.dir is not None and not _S.dir_made and os.getpid() == _S.kernel_pid:
-        try:
-            os.mkdir(_S.dir, 0o700)
-        except FileExistsError:
-            pass
-        except OSError:
+    """In the forking thread, before any fork while a cell runs: the folder the child writes into,
+    and the thread's children now (the new one is what appears after)."""
+    try:
+        cell = _kernel_cell()
+        if cell is None:
             return
-        _S.dir_made = True
+        cell.launch()
+        if not cell.folder_tried:
+            cell.folder_tried = True
+            cell.folder = RankFolder.make()
+        kids = _children.thread_children()
+        if kids is not None:
+            cell.pre[threading.get_ident()] = kids
+    except Exception:  # noqa: BLE001 - never cost the user's fork anything
+        pass
+
+
+def _after_fork_in_parent() -> None:
+    """In the kernel, right after a fork: the new child is a process this cell launched."""
+    try:
+        cell = _kernel_cell()
+        if cell is None:
+            return
+        before = cell.pre.pop(threading.get_ident(), None)
+        kids = _children.thread_children()
+        if kids is not None and before is not None:
+            cell.forked.update(set(kids) - set(before))
+        cell.watch.wake()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _pickling_process(proc):
+    """``ForkingPickler``'s reducer for multiprocessing's ``Process`` classes: a process is pickled
+    when it is started with spawn or forkserver (a fork is not). Notes the launch and, while they
+    are still there, its target and arguments; then reduces it as the pickler would have."""
+    try:
+        cell = _kernel_cell()
+        if cell is not None:
+            fields = vars(proc)
+            cell.pickled.append((weakref.ref(proc), _wrap_index(fields.get("_target"), fields.get("_args"))))
+            cell.launch()
+            cell.watch.wake()
+    except Exception:  # noqa: BLE001 - never cost the user's launch anything
+        pass
+    return proc.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
 
 
 def _ensure_hooks() -> None:
+    """Registered once per process (none of them can be unregistered: each does nothing between cells)."""
     if not _S.fork_hooks and hasattr(os, "register_at_fork"):
-        os.register_at_fork(before=_before_fork)  # cannot be unregistered: it does nothing between cells
+        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent)
         _S.fork_hooks = True
     if not _S.mp_registered:
         util = sys.modules.get("multiprocessing.util")
         if util is not None:
             util.register_after_fork(_TOKEN, _in_forked_child)
             _S.mp_registered = True
+    if not _S.pickler_registered:
+        reduction, context = sys.modules.get("multiprocessing.reduction"), sys.modules.get("multiprocessing.context")
+        if reduction is not None and context is not None:
+            # The exact classes only (the pickler's table is by type): a user's subclass is left alone.
+            for name in ("Process", "SpawnProcess", "ForkServerProcess"):
+                cls = getattr(context, name, None)
+                if isinstance(cls, type):
+                    reduction.ForkingPickler.register(cls, _pickling_process)
+            _S.pickler_registered = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,29 +214,35 @@ def _ensure_hooks() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _wrap_index(target, args) -> Optional[int]:
+    """The process index when ``target`` is torch.multiprocessing's ``_wrap(fn, i, args, error_file)``."""
+    if type(target) is not types.FunctionType:  # a plain function: its names are read, no user code runs
+        return None
+    if target.__name__ != "_wrap" or target.__module__ != "torch.multiprocessing.spawn":
+        return None
+    index = args[1] if isinstance(args, tuple) and len(args) > 1 else None
+    return index if type(index) is int and 0 <= index < _children.MAX_WORLD_SIZE else None
+
+
 def _launcher_index() -> Optional[int]:
-    """The process index torch.multiprocessing passed to ``_wrap(fn, i, args, error_file)``; None
-    when this multiprocessing child is not one of its ranks (a DataLoader worker, a pool)."""
+    """In a multiprocessing child: the index torch.multiprocessing passed; None when this child is
+    not one of its ranks (a DataLoader worker, a pool)."""
     import multiprocessing
 
-    proc = multiprocessing.current_process()
-    target = getattr(proc, "_target", None)
-    if getattr(target, "__name__", None) != "_wrap" or getattr(target, "__module__", None) != "torch.multiprocessing.spawn":
-        return None
-    args = getattr(proc, "_args", ())
-    return args[1] if len(args) > 1 and isinstance(args[1], int) else None
+    fields = vars(multiprocessing.current_process())
+    return _wrap_index(fields.get("_target"), fields.get("_args"))
 
 
 def _in_forked_child(_token) -> None:
     """multiprocessing's after-fork callback, in each child it forks: record a rank of this cell."""
     try:
-        folder = _S.dir
-        if folder is None or os.getppid() != _S.kernel_pid:
-            return  # no cell running, or a grandchild (a rank's own workers)
+        cell = _S.cell
+        if cell is None or cell.folder is None or os.getppid() != _S.kernel_pid:
+            return  # no cell running, no folder, or a grandchild (a rank's own workers)
         index = _launcher_index()
         if index is None:
             return
-        recorder = _ChildRecorder(folder, index, _S.internals)
+        recorder = _ChildRecorder(cell.folder, index, _S.internals)
         recorder.begin()
         from multiprocessing import util
 
@@ -134,55 +253,49 @@ def _in_forked_child(_token) -> None:
 
 
 def _read_self() -> tuple:
-    try:
-        with open("/proc/self/status", "rb") as fh:
-            text = fh.read()
-        return _children._status_kb(text, b"VmRSS:"), _children._status_kb(text, b"VmHWM:")
-    except OSError:
-        from ..core.probes import HostProbe
+    mem = _children.child_memory(os.getpid())
+    if mem is not None:
+        return mem.rss, mem.hwm
+    from ..core.probes import HostProbe
 
-        probe = HostProbe()
-        return probe.rss(), probe.peak_rss()
+    probe = HostProbe()
+    return probe.rss(), probe.peak_rss()
 
 
-def _write(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh)
-    os.replace(tmp, path)
-
-
-def _int_env(name: str) -> Optional[int]:
-    try:
-        return int(os.environ[name])
-    except (KeyError, ValueError):
-        return None
+def _set_by_launcher(now: _children.RankVariables, others) -> bool:
+    """``RANK`` with ``WORLD_SIZE`` that is not one of ``others`` (what the process inherited, the
+    kernel's): set for this process, so its launcher's word."""
+    if not now.says_rank:
+        return False
+    if all((now.rank, now.world_size) != (o.rank, o.world_size) for o in others):
+        return True
+    return now.run_id is not None and all(now.run_id != o.run_id for o in others)
 
 
 class _ChildRecorder:
     """A forked rank's own record: its start, and at its exit its end, peak and devices."""
 
-    def __init__(self, folder: str, index: int, internals):
+    def __init__(self, folder: RankFolder, index: int, internals):
         self.folder, self.index, self.internals = folder, index, internals
         self.pid = os.getpid()
+        # What it inherited from the kernel at the fork: a RANK the kernel had is not this rank's.
+        self.inherited = _children.rank_variables(os.environ)
 
     def begin(self) -> None:
         rss, _hwm = _read_self()
         # A fork's high-water mark starts at its RSS at the fork: it measures from here, untouched.
         self.rss_before = rss
-        _write(os.path.join(self.folder, f"{self.pid}.start.json"),
-               {"pid": self.pid, "index": self.index, "rss_before": rss})
+        self.folder.write(f"{self.pid}.start.json", {"pid": self.pid, "index": self.index, "rss_before": rss})
 
     def end(self) -> None:
         try:
-            if os.getpid() != self.pid or not os.path.isdir(self.folder):
-                return  # a fork of the rank, or the cell is over
+            if os.getpid() != self.pid:
+                return  # a fork of the rank
             rss, hwm = _read_self()
-            rank, rank_from, world = self.index, "launcher", None
-            env_rank = _int_env("RANK")
-            if env_rank is not None:
-                rank, rank_from = env_rank, "env"
-            world = _int_env("WORLD_SIZE")
+            rank, rank_from, world, local = self.index, "launcher", None, None
+            env = _children.rank_variables(os.environ)
+            if _set_by_launcher(env, (self.inherited,)):
+                rank, rank_from, world, local = env.rank, "env", env.world_size, env.local_rank
             dist = sys.modules.get("torch.distributed")
             try:
                 if dist is not None and dist.is_available() and dist.is_initialized():
@@ -190,9 +303,9 @@ class _ChildRecorder:
             except Exception:  # noqa: BLE001
                 pass
             devices, note = self._devices()
-            _write(os.path.join(self.folder, f"{self.pid}.end.json"), {
+            self.folder.write(f"{self.pid}.end.json", {
                 "pid": self.pid, "index": self.index, "rank": rank, "rank_from": rank_from, "world_size": world,
-                "local_rank": _int_env("LOCAL_RANK"), "rss_before": self.rss_before, "rss_after": rss,
+                "local_rank": local, "rss_before": self.rss_before, "rss_after": rss,
                 "rss_peak": hwm, "devices": devices, "devices_note": note})
         except Exception:  # noqa: BLE001 - never cost the rank its exit
             pass
@@ -225,13 +338,15 @@ class _ChildRecorder:
 
 
 class _Seen:
-    """One child as read from outside during a cell."""
+    """One process of the cell as read from outside: who it is, what the launcher says, its readings."""
 
-    __slots__ = ("info", "order", "first_rss", "last_rss", "max_rss", "max_hwm", "readings", "alive",
+    __slots__ = ("info", "labelled", "index", "first_rss", "last_rss", "max_rss", "max_hwm", "readings", "alive",
                  "nvml_first", "nvml_last", "nvml_max")
 
-    def __init__(self, info, order: int):
-        self.info, self.order = info, order
+    def __init__(self, info):
+        self.info = info
+        self.labelled = False  # a process multiprocessing spawned (its target known)
+        self.index: Optional[int] = None  # and its torch.multiprocessing rank index, if it is one
         self.first_rss = self.last_rss = self.max_rss = self.max_hwm = None
         self.readings = 0
         self.alive = True
@@ -264,67 +379,103 @@ class RankWatch:
         internals: the probes' adapter to torch's private names (``CudaProbe(internals=...)``),
             handed to forked ranks so they read their devices as the kernel does.
         nvml: the ``NvmlProbe`` for per-process device memory (None: no NVML reading).
-        poll_s: how often the children are read while a cell runs.
+        poll_s: how often the processes are read while a cell that launched some runs.
     """
 
     def __init__(self, internals: Optional[Callable] = None, nvml=None, poll_s: float = POLL_S):
         self.nvml = nvml
         self.poll_s = poll_s
+        self.internals = internals
         _S.kernel_pid = os.getpid()
-        _S.internals = internals
-        self._base: Optional[str] = None  # the per-cell folders' prefix, found at the first cell
-        self._seq = 0
+        self._cell: Optional[_Cell] = None
+        #: The kernel's direct children known to run before the current cell (learnt at the first cell).
+        self._before: Optional[Set[int]] = None
+        #: The kernel's children and whether each is one of multiprocessing's helpers (read once each).
+        self._helpers: Dict[int, bool] = {}
+        self._started_with: Optional[_children.RankVariables] = None
         self._lock = threading.Lock()
+        self._start_lock = threading.Lock()  # two threads forking at once start one reader
         self._wake = threading.Event()
-        self._running = False
-        self._last_end = 0.0
+        self._stop = threading.Event()
         self._closed = False
         self._thread: Optional[threading.Thread] = None
-        self._seen: Dict[int, _Seen] = {}
-        self._nvml_at = 0.0
         self._main = _children.MainThreadChildren()
         #: Listings of the children made (the benchmark reads it: one per cell that launched nothing).
         self.listings = 0
+        #: Times the reading thread woke (none for a cell that launched nothing).
+        self.wakeups = 0
 
     # -- the cell's bounds ---------------------------------------------------------------------------
 
     def cell_started(self) -> None:
         _ensure_hooks()
-        if self._base is None:
-            self._base = os.path.join(tempfile.gettempdir(), f"ipy_gpumem-ranks-{os.getpid()}")
-        self._seq += 1
-        with self._lock:
-            self._seen = {}
-            self._running = True
-        _S.dir, _S.dir_made = f"{self._base}-{self._seq}", False
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="ipy_gpumem-ranks", daemon=True)
-            self._thread.start()
-        if not self._wake.is_set():
-            self._wake.set()
+        if self._cell is not None:
+            self._drop(self._cell)  # a cell that never finished (an internal error): its folder goes
+        cell = self._cell = _Cell(self)
+        _S.internals = self.internals
+        _S.cell = cell
+        if not _S.fork_hooks:
+            cell.launched = True  # no at-fork hook on this platform: read every cell, as a launch
+            self.learn_before()
+            self.wake()
 
     def cell_finished(self, failure: Optional[RankFailure] = None) -> Optional[tuple]:
         """The cell's ranks, by rank (None when it launched none). Never raises."""
-        folder, made = _S.dir, _S.dir_made
-        _S.dir, _S.dir_made = None, False
-        self._last_end = time.perf_counter()
+        cell, self._cell = self._cell, None
+        if _S.cell is cell:
+            _S.cell = None
+        if cell is None:
+            return None
         try:
             with self._lock:
-                self._running = False
-                self._poll(final=True)
-                seen = self._seen
-                self._seen = {}
-            files = _read_folder(folder) if made and folder else {}
-            if made and folder:
-                shutil.rmtree(folder, ignore_errors=True)
-            return _ranks(seen, files, failure)
+                if not cell.launched:
+                    # One read of the main thread's children answers "did anything start below us"
+                    # for a cell that launched nothing (a walk of every thread is for cells that did).
+                    direct = self._main.read()
+                    self.listings += 1
+                    if direct is not None and self._before is None:
+                        self._before = set(direct)  # the first cell: what runs now ran before it
+                    if direct is not None and self._before.issuperset(direct):
+                        return None
+                tree = self._poll(cell)
+                if tree is not None:
+                    self._before = self._known(tree)  # what still runs is no later cell's
+            files = cell.folder.read(self._eligible(cell)) if cell.folder is not None else {}
+            return _ranks(cell.seen, files, failure, self._kernel_variables())
         except Exception:  # noqa: BLE001 - ranks are a nicety: the cell's own record stands
             return None
+        finally:
+            self._drop(cell)
+
+    def learn_before(self) -> None:
+        """At a cell's first launch: the kernel's children that ran before it, if not known yet."""
+        if self._before is None:
+            tree = _children.descendant_tree()
+            self.listings += 1
+            self._before = self._known(tree) if tree is not None else set()
+
+    def wake(self) -> None:
+        """A cell launched a process: the reading thread (started on first use) reads until it ends."""
+        if self._closed:
+            return
+        if self._thread is None:
+            with self._start_lock:
+                if self._thread is None and not self._closed:
+                    thread = threading.Thread(target=self._loop, name="ipy_gpumem-ranks", daemon=True)
+                    thread.start()
+                    self._thread = thread
+        if not self._wake.is_set():
+            self._wake.set()
 
     def close(self) -> None:
         self._closed = True
-        _S.dir = None
+        cell, self._cell = self._cell, None
+        if cell is not None:
+            if _S.cell is cell:
+                _S.cell = None
+            self._drop(cell)
         self._main.close()
+        self._stop.set()
         self._wake.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
@@ -332,125 +483,158 @@ class RankWatch:
 
     # -- reading from outside ------------------------------------------------------------------------
 
+    def _drop(self, cell: _Cell) -> None:
+        folder, cell.folder = cell.folder, None
+        if folder is not None:
+            folder.remove()
+
     def _loop(self) -> None:
-        while not self._closed:
+        while True:
             self._wake.wait()
             if self._closed:
                 return
-            time.sleep(self.poll_s)
-            with self._lock:
-                if self._running:
+            self._wake.clear()
+            self.wakeups += 1
+            while not self._stop.wait(self.poll_s):
+                with self._lock:
+                    cell = self._cell
+                    if cell is None or not cell.launched:
+                        break  # the cell ended: sleep until one launches again
                     try:
-                        self._poll()
+                        self._poll(cell)
                     except Exception:  # noqa: BLE001 - the next reading or the cell's end will do
                         pass
-                elif time.perf_counter() - self._last_end > LINGER_S:
-                    self._wake.clear()  # idle: sleep until the next cell
-
-    def _poll(self, final: bool = False) -> None:
-        if final and not self._seen:
-            # The cell's end: one read of the main thread's children answers "did anything run below
-            # us" for a cell that launched nothing (a walk of every thread is for cells that did).
-            direct = self._main.read()
-            if direct is not None and not direct:
-                self.listings += 1
+            if self._closed:
                 return
-        pids = _children.descendants()
+
+    def _poll(self, cell: _Cell) -> Optional[Dict[int, int]]:
+        """Read the cell's processes once; the tree of every process below the kernel (None: unknown)."""
+        tree = _children.descendant_tree()
         self.listings += 1
-        if not pids and not self._seen:
-            return
-        current = set(pids or ())
-        for pid in pids or ():
-            seen = self._seen.get(pid)
+        if tree is None:
+            return None
+        before = self._before or set()
+        cell.resolve()
+        current = set()
+        for pid, root in self._roots(tree).items():
+            if root is None or root in before:
+                continue  # a helper, or below a process that ran before this cell launched anything
+            seen = cell.seen.get(pid)
             if seen is None:
-                info = _children.child_info(pid)
-                if info is None or _children.is_launcher_helper(info):
+                info = _children.child_info(pid) if len(cell.seen) < MAX_SEEN else None
+                if info is None:
                     continue
-                seen = self._seen[pid] = _Seen(info, len(self._seen))
+                seen = cell.seen[pid] = _Seen(info)
+            if not seen.labelled and pid in cell.indices:
+                seen.labelled, seen.index = True, cell.indices[pid]
+            current.add(pid)
             mem = _children.child_memory(pid)
             if mem is not None and (mem.rss is not None or mem.hwm is not None):
                 seen.fold(mem)
-        for pid, seen in self._seen.items():
+        for pid, seen in cell.seen.items():
             seen.alive = pid in current
         now = time.perf_counter()
-        if self.nvml is not None and current and (final or now - self._nvml_at >= NVML_EVERY_S):
-            self._nvml_at = now
+        if self.nvml is not None and current and now - cell.nvml_at >= NVML_EVERY_S:
+            cell.nvml_at = now
             try:
                 for pid, used in self.nvml.process_memory(current).items():
-                    if pid in self._seen:
-                        self._seen[pid].fold_nvml(used)
+                    if pid in cell.seen:
+                        cell.seen[pid].fold_nvml(used)
             except Exception:  # noqa: BLE001
                 pass
+        return tree
+
+    def _roots(self, tree: Dict[int, int]) -> Dict[int, Optional[int]]:
+        """Each process below the kernel with the process it was launched as part of: the kernel's
+        child it descends from, or the child of multiprocessing's fork server (which starts processes
+        for the kernel); None for the helpers themselves."""
+        kernel = os.getpid()
+        helpers = self._helpers
+        direct = {pid for pid, parent in tree.items() if parent == kernel}
+        for pid in list(helpers):
+            if pid not in direct:
+                helpers.pop(pid, None)  # gone: forget it (pids are reused)
+        roots: Dict[int, Optional[int]] = {}
+        for pid, parent in tree.items():
+            if parent == kernel:
+                helper = helpers.get(pid)
+                if helper is None:
+                    info = _children.child_info(pid)
+                    helper = helpers[pid] = info is not None and _children.is_launcher_helper(info)
+                roots[pid] = None if helper else pid
+            elif helpers.get(parent):
+                roots[pid] = pid
+            else:
+                roots[pid] = roots.get(parent)
+        return roots
+
+    def _known(self, tree: Dict[int, int]) -> Set[int]:
+        """What runs now, as seen by the next cell: every root and helper (none of it is that cell's)."""
+        roots = self._roots(tree)
+        return {pid for pid, root in roots.items() if root == pid} | {pid for pid, h in self._helpers.items() if h}
+
+    def _eligible(self, cell: _Cell) -> Set[int]:
+        """The pids whose own records are read: the kernel's children this cell forked or started."""
+        kernel = os.getpid()
+        return cell.forked | {pid for pid, s in cell.seen.items() if s.info.ppid == kernel}
+
+    def _kernel_variables(self) -> tuple:
+        """The kernel's ``RANK`` and ``WORLD_SIZE``: those it was started with and those it has now."""
+        if self._started_with is None:
+            self._started_with = _children.environment_of()
+        return self._started_with, _children.rank_variables(os.environ)
 
 
-def _read_folder(folder: str) -> Dict[int, dict]:
-    out: Dict[int, dict] = {}
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return out
-    for name in names:
-        if not name.endswith(".json"):
+def _ranks(seen: Dict[int, _Seen], files: Dict[int, dict], failure: Optional[RankFailure],
+           kernel: tuple) -> Optional[tuple]:
+    """The cell's ranks: the processes a launcher, torch.distributed or their environment says are
+    ranks (see the module's docstring), from what they recorded inside and what was read outside."""
+    how: Dict[int, str] = {pid: "inside" for pid in files}
+    for pid, s in seen.items():
+        if pid in how:
             continue
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as fh:
-                data = json.load(fh)
-            pid = int(data["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        entry = out.setdefault(pid, {})
-        entry["end" if name.endswith(".end.json") else "start"] = data
-    return out
-
-
-def _ranks(seen: Dict[int, _Seen], files: Dict[int, dict], failure: Optional[RankFailure]) -> Optional[tuple]:
-    """The cell's ranks from what was seen outside and what the forks recorded inside."""
-    def candidate(pid: int, s: _Seen) -> bool:
-        return pid in files or s.info.rank is not None or _children.is_spawned_worker(s.info)
-
-    chosen = {pid: s for pid, s in seen.items() if candidate(pid, s)}
-    # A rank's own children (its DataLoader workers inherit RANK) are not ranks.
-    chosen = {pid: s for pid, s in chosen.items() if s.info.ppid not in chosen}
-    pids = set(chosen) | set(files)
-    if not pids:
+        if s.labelled:
+            if s.index is not None:
+                how[pid] = "launcher"
+        elif _set_by_launcher(s.info.variables, kernel):
+            how[pid] = "env"
+    # A rank's own children (its DataLoader workers inherit its RANK) are not ranks.
+    how = {pid: h for pid, h in how.items() if pid not in seen or seen[pid].info.ppid not in how}
+    if not how:
         return None
     out: List[RankRecord] = []
-    unnumbered = sorted((p for p in pids if p not in files and chosen[p].info.rank is None),
-                        key=lambda p: (chosen[p].order, p))
-    for pid in pids:
-        s, rec = chosen.get(pid), files.get(pid, {})
+    for pid, source in how.items():
+        s, rec = seen.get(pid), files.get(pid, {})
         start, end = rec.get("start"), rec.get("end")
         if end is not None:
-            host = HostRecord(end.get("rss_before"), end.get("rss_after"),
-                              _max(end.get("rss_peak"), s.max_hwm if s else None))
-            devices = tuple(DeviceRecord(index=d["index"], name=d.get("name"), allocated_before=0,
-                                         allocated_after=d.get("allocated_after"), allocated_peak=d.get("allocated_peak"),
-                                         reserved_before=0, reserved_after=d.get("reserved_after"),
-                                         reserved_peak=d.get("reserved_peak"), used_after=d.get("used_after"),
-                                         total=d.get("total")) for d in end.get("devices") or ())
-            rank = RankRecord(end.get("rank"), pid, host, devices, end.get("local_rank"), end.get("world_size"),
-                              "inside", end.get("rank_from"), "exited", devices_note=end.get("devices_note"),
+            host = HostRecord(end["rss_before"], end["rss_after"], _max(end["rss_peak"], s.max_hwm if s else None))
+            devices = tuple(DeviceRecord(index=d["index"], name=d["name"], allocated_before=0,
+                                         allocated_after=d["allocated_after"], allocated_peak=d["allocated_peak"],
+                                         reserved_before=0, reserved_after=d["reserved_after"],
+                                         reserved_peak=d["reserved_peak"], used_after=d["used_after"],
+                                         total=d["total"]) for d in end["devices"])
+            rank = RankRecord(end["rank"], pid, host, devices, end["local_rank"], end["world_size"],
+                              "inside", end["rank_from"], "exited", devices_note=end["devices_note"],
                               readings=s.readings if s else 0)
         else:
-            before = start.get("rss_before") if start else (s.first_rss if s else None)
+            before = start["rss_before"] if start else (s.first_rss if s else None)
             host = HostRecord(before, s.last_rss if s else None, _max(s.max_hwm, s.max_rss) if s else None)
             devices = None
             if s is not None and s.nvml_last:
                 devices = tuple(DeviceRecord(index=i, used_before=s.nvml_first.get(i), used_after=v)
                                 for i, v in sorted(s.nvml_last.items()))
+            local = world = None
             if start is not None:
-                number, rank_from = start.get("index"), "launcher"
-            elif s.info.rank is not None:
-                number, rank_from = s.info.rank, "env"
+                number, rank_from = start["index"], "launcher"
+            elif source == "launcher":
+                number, rank_from = s.index, "launcher"
             else:
-                number, rank_from = unnumbered.index(pid), "start order"
-            rank = RankRecord(number, pid, host, devices, s.info.local_rank if s else None,
-                              s.info.world_size if s else None, "inside" if start is not None else "outside",
+                number, rank_from = s.info.rank, "env"
+                local, world = s.info.local_rank, s.info.world_size
+            rank = RankRecord(number, pid, host, devices, local, world, "inside" if start is not None else "outside",
                               rank_from, "running" if s is not None and s.alive else "gone",
                               readings=s.readings if s else 0)
         if failure is not None and failure.pid == pid:
-            from dataclasses import replace
-
             rank = replace(rank, exit_code=failure.exit_code, signal=failure.signal)
         out.append(rank)
     out.sort(key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.pid))
