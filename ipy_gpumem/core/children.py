@@ -19,7 +19,7 @@ import sys
 from typing import Dict, List, Mapping, NamedTuple, Optional
 
 __all__ = ["ChildInfo", "ChildMemory", "RankVariables", "MainThreadChildren", "MAX_WORLD_SIZE", "rank_variables",
-           "environment_of", "descendants", "descendant_tree", "thread_children", "child_info", "child_memory",
+           "environment_of", "parse_pids", "descendants", "descendant_tree", "thread_children", "child_info", "child_memory",
            "is_launcher_helper"]
 
 _PROC = "/proc"
@@ -204,6 +204,12 @@ class MainThreadChildren:
         self._fd = None
 
     def read(self) -> Optional[List[int]]:
+        """The pids (None where unreadable)."""
+        raw = self.read_bytes()
+        return None if raw is None else parse_pids(raw)
+
+    def read_bytes(self) -> Optional[bytes]:
+        """The file as read (compared with an earlier reading without parsing it); None where unreadable."""
         pid = os.getpid()
         if self._pid != pid:
             self.close()
@@ -216,8 +222,8 @@ class MainThreadChildren:
         if self._fd is None:
             return None
         try:
-            return [int(p) for p in os.pread(self._fd, 65536, 0).split()]
-        except (OSError, ValueError):
+            return os.pread(self._fd, 65536, 0)
+        except OSError:
             return None
 
     def close(self) -> None:
@@ -227,6 +233,14 @@ class MainThreadChildren:
             except OSError:
                 pass
         self._fd = None
+
+
+def parse_pids(raw: bytes) -> Optional[List[int]]:
+    """The pids of a /proc ``children`` file's bytes (None when they are not pids)."""
+    try:
+        return [int(p) for p in raw.split()]
+    except ValueError:
+        return None
 
 
 def _int(value) -> Optional[int]:

@@ -74,27 +74,27 @@ MAX_SEEN = 4096
 
 
 class _Cell:
-    """One running cell as the hooks see it: whether it launched, its folder, the pids it forked."""
+    """One running cell as the hooks see it: whether it launched, its folder, the pids it forked.
 
-    __slots__ = ("watch", "launched", "folder", "folder_tried", "forked", "pre", "pickled", "indices", "seen",
-                 "nvml_at")
+    A cell that launches nothing only ever has ``watch`` (the rest is made at its first launch)."""
+
+    launched = False
+    folder: Optional[RankFolder] = None
+    folder_tried = False
+    nvml_at = 0.0
 
     def __init__(self, watch: "RankWatch"):
         self.watch = watch
-        self.launched = False
-        self.folder: Optional[RankFolder] = None
-        self.folder_tried = False
-        self.forked: Set[int] = set()
-        self.pre: Dict[int, List[int]] = {}  # the forking thread's children just before its fork
-        self.pickled: List[tuple] = []  # (weak Process, rank index or None) for each one spawned
-        self.indices: Dict[int, Optional[int]] = {}  # and by pid, once it has one
-        self.seen: Dict[int, _Seen] = {}
-        self.nvml_at = 0.0
 
     def launch(self) -> None:
         """The cell starts a process (a hook says so): learn what ran before it, the first time."""
         if not self.launched:
-            self.launched = True
+            self.forked: Set[int] = set()
+            self.pre: Dict[int, List[int]] = {}  # the forking thread's children just before its fork
+            self.pickled: List[tuple] = []  # (weak Process, rank index or None) for each one spawned
+            self.indices: Dict[int, Optional[int]] = {}  # and by pid, once it has one
+            self.seen: Dict[int, _Seen] = {}
+            self.launched = True  # last: a reading thread that sees it finds the rest
             self.watch.learn_before()
 
     def resolve(self) -> None:
@@ -122,6 +122,7 @@ class _Shared:
     fork_hooks: bool = False
     mp_registered: bool = False
     pickler_registered: bool = False
+    hooked: bool = False  # all three
 
 
 _S = _Shared()
@@ -161,8 +162,8 @@ def _after_fork_in_parent() -> None:
     """In the kernel, right after a fork: the new child is a process this cell launched."""
     try:
         cell = _kernel_cell()
-        if cell is None:
-            return
+        if cell is None or not cell.launched:
+            return  # the cell ended during another thread's fork
         before = cell.pre.pop(threading.get_ident(), None)
         kids = _children.thread_children()
         if kids is not None and before is not None:
@@ -179,9 +180,9 @@ def _pickling_process(proc):
     try:
         cell = _kernel_cell()
         if cell is not None:
+            cell.launch()
             fields = vars(proc)
             cell.pickled.append((weakref.ref(proc), _wrap_index(fields.get("_target"), fields.get("_args"))))
-            cell.launch()
             cell.watch.wake()
     except Exception:  # noqa: BLE001 - never cost the user's launch anything
         pass
@@ -189,7 +190,8 @@ def _pickling_process(proc):
 
 
 def _ensure_hooks() -> None:
-    """Registered once per process (none of them can be unregistered: each does nothing between cells)."""
+    """Registered once per process (none of them can be unregistered: each does nothing between cells);
+    multiprocessing's two once it is imported."""
     if not _S.fork_hooks and hasattr(os, "register_at_fork"):
         os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent)
         _S.fork_hooks = True
@@ -207,6 +209,7 @@ def _ensure_hooks() -> None:
                 if isinstance(cls, type):
                     reduction.ForkingPickler.register(cls, _pickling_process)
             _S.pickler_registered = True
+    _S.hooked = _S.fork_hooks and _S.mp_registered and _S.pickler_registered
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,6 +396,7 @@ class RankWatch:
         #: The kernel's children and whether each is one of multiprocessing's helpers (read once each).
         self._helpers: Dict[int, bool] = {}
         self._started_with: Optional[_children.RankVariables] = None
+        self._quiet: Optional[bytes] = None  # the main thread's children file as the last quiet cell ended
         self._lock = threading.Lock()
         self._start_lock = threading.Lock()  # two threads forking at once start one reader
         self._wake = threading.Event()
@@ -408,15 +412,15 @@ class RankWatch:
     # -- the cell's bounds ---------------------------------------------------------------------------
 
     def cell_started(self) -> None:
-        _ensure_hooks()
+        if not _S.hooked:
+            _ensure_hooks()
         if self._cell is not None:
             self._drop(self._cell)  # a cell that never finished (an internal error): its folder goes
         cell = self._cell = _Cell(self)
         _S.internals = self.internals
         _S.cell = cell
         if not _S.fork_hooks:
-            cell.launched = True  # no at-fork hook on this platform: read every cell, as a launch
-            self.learn_before()
+            cell.launch()  # no at-fork hook on this platform: read every cell, as a launch
             self.wake()
 
     def cell_finished(self, failure: Optional[RankFailure] = None) -> Optional[tuple]:
@@ -427,19 +431,26 @@ class RankWatch:
         if cell is None:
             return None
         try:
+            if not cell.launched:
+                # One read of the main thread's children answers "did anything start below us" for
+                # a cell that launched nothing (a walk of every thread is for cells that did); no
+                # lock: the reading thread touches nothing of a cell that launched nothing.
+                raw = self._main.read_bytes()
+                self.listings += 1
+                if raw is not None and raw == self._quiet:
+                    return None  # the very children the last quiet cell's end found
+                direct = _children.parse_pids(raw) if raw is not None else None
+                if direct is not None and self._before is None:
+                    self._before = set(direct)  # the first cell: what runs now ran before it
+                if direct is not None and self._before.issuperset(direct):
+                    self._quiet = raw
+                    return None
+                cell.launch()  # something new runs below the kernel (a subprocess): read it as a launch
             with self._lock:
-                if not cell.launched:
-                    # One read of the main thread's children answers "did anything start below us"
-                    # for a cell that launched nothing (a walk of every thread is for cells that did).
-                    direct = self._main.read()
-                    self.listings += 1
-                    if direct is not None and self._before is None:
-                        self._before = set(direct)  # the first cell: what runs now ran before it
-                    if direct is not None and self._before.issuperset(direct):
-                        return None
                 tree = self._poll(cell)
                 if tree is not None:
                     self._before = self._known(tree)  # what still runs is no later cell's
+                    self._quiet = None
             files = cell.folder.read(self._eligible(cell)) if cell.folder is not None else {}
             return _ranks(cell.seen, files, failure, self._kernel_variables())
         except Exception:  # noqa: BLE001 - ranks are a nicety: the cell's own record stands
@@ -484,8 +495,9 @@ class RankWatch:
     # -- reading from outside ------------------------------------------------------------------------
 
     def _drop(self, cell: _Cell) -> None:
-        folder, cell.folder = cell.folder, None
+        folder = cell.folder
         if folder is not None:
+            cell.folder = None
             folder.remove()
 
     def _loop(self) -> None:
