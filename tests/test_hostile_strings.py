@@ -439,7 +439,7 @@ def test_a_snapshot_with_hostile_file_frame_and_annotation_names(tmp_path, ip, g
 
 
 # ---------------------------------------------------------------------------------------------
-# Fields a CPU session cannot fill for real: device names, rank notes
+# Device names and rank notes (fields a CPU session cannot fill for real), the estimate's lines
 # ---------------------------------------------------------------------------------------------
 
 
@@ -483,6 +483,21 @@ def test_device_names_rank_notes_and_errors_in_every_view():
     svg_reads(timeline_svg(timeline.snapshot(), 720, 220))
     status = status_view([DeviceMemory(device=cuda(0), allocated=GiB, reserved=2 * GiB)], GiB, names={0: LINK})
     assert_shows(html_reads(status.html), f"cuda:0 ({LINK})")
+
+
+def test_the_estimate_figure_names_hostile_lines_as_text():
+    torch = pytest.importorskip("torch")
+    from ipy_gpumem.chart.figures.estimate import estimate_figure
+    from ipy_gpumem.preflight.cell import estimate_cell
+
+    model = torch.nn.Linear(64, 64)
+    x = torch.randn(8, 64)
+    lines = [f"out = model(x)  # {LINK}", f"loss = out.sum()  # {TAG}", f"loss.backward()  # {TEMPLATE}"]
+    cell = estimate_cell("\n".join(lines) + "\n", {"model": model, "x": x, "torch": torch}, gpu="T4")
+    figure = estimate_figure(cell)
+    shown = figure_reads(figure)
+    for n, line in enumerate(lines, 1):
+        assert_shows(shown, f"line {n} ×1: {_shown_first(line)}")
 
 
 # ---------------------------------------------------------------------------------------------
