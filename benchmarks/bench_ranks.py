@@ -1,9 +1,9 @@
 """What finding the ranks costs a cell that launches nothing (issues 20 and 28).
 
-In one IPython shell: the same trivial cell without the extension, then with it in ABBA blocks of
-250 cells with its rank watch (A) and with the watch replaced by one that does nothing (B): the
-difference of the medians is what rank discovery adds to a cell, and the ratio of the two is the
-whole cell's; then unloaded again. Then a watch's own two calls timed alone, and the one read they
+In one IPython shell: the same trivial cell without the extension, then with it, alternating cell
+by cell (A B B A ...) between its rank watch (A) and a watch that does nothing (B): the median of
+the paired differences is what rank discovery adds to a cell, and with B's median the whole cell's
+ratio; then unloaded again. Then a watch's own two calls timed alone, and the one read they
 make (the main thread's children, one ``pread``) timed alone; and how often each cell listed this
 process's children and woke the reading thread. The machine's load is printed with the figures.
 
@@ -68,25 +68,23 @@ def main() -> None:
     _per_cell(ip, 200)
     watch = watcher.ranks
     threads_before = sum(t.name == "ipy_gpumem-ranks" for t in threading.enumerate())
-    # ABBA blocks with and without the rank watch, so the machine's drift hits both alike.
+    # With and without the rank watch in alternate cells (A B B A ...): neighbouring cells share the
+    # machine's state, so the median of the paired differences survives a loaded machine.
+    none = _NoRanks()
     loaded, without = [], []
-    listed = woken = with_cells = 0
-    block = 250
-    for i in range(max(1, args.cells // block)):
+    listings, wakes = watch.listings, watch.wakeups
+    for i in range(args.cells):
         for use in ((True, False) if i % 2 == 0 else (False, True)):
-            if use:
-                before, wakes = watch.listings, watch.wakeups
-                loaded.append(_per_cell(ip, block))
-                listed += watch.listings - before
-                woken += watch.wakeups - wakes
-                with_cells += block
-            else:
-                watcher.ranks = _NoRanks()
-                without.append(_per_cell(ip, block))
-                watcher.ranks = watch
+            watcher.ranks = watch if use else none
+            t0 = time.perf_counter()
+            ip.run_cell("x = 1", store_history=True)
+            (loaded if use else without).append(time.perf_counter() - t0)
+    watcher.ranks = watch
+    listed, woken, with_cells = watch.listings - listings, watch.wakeups - wakes, len(loaded)
     threads_after = sum(t.name == "ipy_gpumem-ranks" for t in threading.enumerate())
     loaded_med, without_med = statistics.median(loaded), statistics.median(without)
-    ratios = sorted(a / b for a, b in zip(loaded, without))
+    paired = statistics.median(a - b for a, b in zip(loaded, without))
+    quartiles = statistics.quantiles([a - b for a, b in zip(loaded, without)], n=4)
     ip.run_line_magic("unload_ext", "ipy_gpumem")
     bare_after = _per_cell(ip, args.cells)
     watch = type(watch)()
@@ -107,8 +105,9 @@ def main() -> None:
     print(f"  extension unloaded:                 {bare * us:7.1f} us  (unloaded again at the end: {bare_after * us:.1f} us)")
     print(f"  loaded:                             {loaded_med * us:7.1f} us")
     print(f"  loaded, rank watch doing nothing:   {without_med * us:7.1f} us")
-    print(f"  rank discovery per cell:            {(loaded_med - without_med) * us:7.1f} us  "
-          f"(whole cell {loaded_med / without_med:.3f}x; per block pair {ratios[0]:.3f}x to {ratios[-1]:.3f}x)")
+    print(f"  rank discovery per cell:            {paired * us:7.1f} us  (median of paired differences, "
+          f"quartiles {quartiles[0] * us:.1f} to {quartiles[2] * us:.1f} us; whole cell "
+          f"{(without_med + paired) / without_med:.3f}x)")
     print(f"  its two calls timed alone:          {pair_s * us:7.1f} us")
     print(f"  of which the one pread:             {pread_s * us:7.1f} us")
     print(f"  children listed per cell:           {listed / with_cells:7.2f}")
