@@ -352,8 +352,11 @@ WORKERS = textwrap.dedent('''
     from ipy_gpumem.extension import current_magics
 
     watch = current_magics().watcher.ranks
-    ip.run_cell("import os, torch, torch.multiprocessing as mp, multiprocessing, time, subprocess, slow_data")
+    assert "multiprocessing" not in sys.modules
     cells = {
+        # the cell that first imports multiprocessing (through torch) and forks: still recorded inside
+        "first fork": "import os, torch, torch.multiprocessing as mp, multiprocessing, time, subprocess, slow_data; "
+                      "mp.start_processes(slow_data.rank, nprocs=2, start_method='fork')",
         "fork loader": "for _ in torch.utils.data.DataLoader(slow_data.SlowSet(), batch_size=2, num_workers=2): pass",
         "spawn loader": "for _ in torch.utils.data.DataLoader(slow_data.SlowSet(), batch_size=2, num_workers=2, "
                         "multiprocessing_context='spawn'): pass",
@@ -410,6 +413,7 @@ def test_workers_are_not_ranks_in_a_kernel_started_with_RANK(tmp_path):
     for name in ("fork loader", "spawn loader", "spawn pool"):
         assert out[name]["readings"] >= 2, (name, out[name])  # read while they ran, not only at the end
     assert out["fork ranks"]["ranks"] == [[0, "inside", "launcher"], [1, "inside", "launcher"]], out
+    assert out["first fork"]["ranks"] == out["fork ranks"]["ranks"], out
     assert out["spawn ranks"]["ranks"] == [[0, "outside", "launcher"], [1, "outside", "launcher"]], out
 
 

@@ -147,6 +147,8 @@ def _before_fork() -> None:
         cell = _kernel_cell()
         if cell is None:
             return
+        if not _S.hooked:
+            _ensure_hooks()  # multiprocessing imported by this very cell: its fork still records itself
         cell.launch()
         if not cell.folder_tried:
             cell.folder_tried = True
@@ -447,7 +449,7 @@ class RankWatch:
                     return None
                 cell.launch()  # something new runs below the kernel (a subprocess): read it as a launch
             with self._lock:
-                tree = self._poll(cell)
+                tree = self._poll(cell, final=True)
                 if tree is not None:
                     self._before = self._known(tree)  # what still runs is no later cell's
                     self._quiet = None
@@ -519,8 +521,9 @@ class RankWatch:
             if self._closed:
                 return
 
-    def _poll(self, cell: _Cell) -> Optional[Dict[int, int]]:
-        """Read the cell's processes once; the tree of every process below the kernel (None: unknown)."""
+    def _poll(self, cell: _Cell, final: bool = False) -> Optional[Dict[int, int]]:
+        """Read the cell's processes once (at its end, NVML too); the tree of every process below the
+        kernel (None: unknown)."""
         tree = _children.descendant_tree()
         self.listings += 1
         if tree is None:
@@ -546,7 +549,7 @@ class RankWatch:
         for pid, seen in cell.seen.items():
             seen.alive = pid in current
         now = time.perf_counter()
-        if self.nvml is not None and current and now - cell.nvml_at >= NVML_EVERY_S:
+        if self.nvml is not None and current and (final or now - cell.nvml_at >= NVML_EVERY_S):
             cell.nvml_at = now
             try:
                 for pid, used in self.nvml.process_memory(current).items():
