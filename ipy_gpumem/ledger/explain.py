@@ -12,12 +12,17 @@ When a census stops on its budget (``complete`` False), the explanation says "at
 what the count left out; the next baseline then gets more time (up to :data:`BASELINE_MAX_S`) so a
 large structure that appeared once is proven tensor-free once and cheap afterwards.
 
+Most cells change nothing a census counts (``x = 1``, a plot, a print): a cell's end first asks
+the census's fingerprint (:class:`~ipy_gpumem.tensors.watch.CensusWatch`: the names' objects, the
+holders' contents, a few sentinels, and the memory counters) whether anything it depended on
+moved, and a quiet cell keeps the baseline it has without walking anything.
+
 The baseline of a cell is the state when it starts, which is the state when the previous one
-ended: nothing of the user's runs in between. So the refresh is deferred: a cell's end only marks
-the baseline stale and, where an event loop runs between cells (a Jupyter kernel), schedules the
-census for the idle time after the cell's reply is sent; whatever has not run by the next cell's
-start runs then, before any of its code (``ensure``). A cell's own latency never pays for the next
-one's baseline in a kernel; in a terminal the next cell pays it when it starts.
+ended: nothing of the user's runs in between. So the refresh is deferred: a cell that did change
+something only marks the baseline stale and, where an event loop runs between cells (a Jupyter
+kernel), schedules the census for the idle time after the cell's reply is sent; whatever has not
+run by the next cell's start runs then, before any of its code (``ensure``). A cell's own latency
+never pays for the next one's baseline in a kernel; in a terminal the next cell pays it when it starts.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import sys
 from typing import Any, Callable, Optional, Tuple
 
 from ..core.records import DeviceRecord
+from ..core.why import owner_module
 
 __all__ = ["CellAnatomy", "BASELINE_BUDGET_S", "BASELINE_MAX_S"]
 
@@ -53,6 +59,10 @@ class CellAnatomy:
         self._stale = False
         self._budget = BASELINE_BUDGET_S
         self._gave_up = False  # the largest budget was not enough: back to the small one, for good
+        self._watch = None  # the census's fingerprint (tensors.watch.CensusWatch), made with the first census
+        self._counters = None  # the memory counters when the baseline was marked stale
+        #: Why the last cell's end took (or did not take) a new count: None for a quiet cell.
+        self.recount_reason: Optional[str] = None
 
     @property
     def baseline(self):
@@ -81,17 +91,24 @@ class CellAnatomy:
         except Exception:  # noqa: BLE001 - no namespace to read: no roles, never an error in a cell
             return EMPTY
 
-    def refresh(self) -> None:
+    def refresh(self, sample=None, *, recount: bool = False) -> None:
         """The end of a recorded cell: the baseline of the next cell's explanation is the names as
-        they are now; counted in the idle time after this cell, or when the next one starts.
+        they are now; counted in the idle time after this cell, or when the next one starts, unless
+        the cell changed nothing the baseline depends on (then it stays as it is).
 
-        Without torch nothing holds a tensor: the empty census is exact and costs nothing.
+        ``sample`` is the cell's closing reading (``core.probes.Sample``): its counters are part of
+        the fingerprint. ``recount``: count again whatever the fingerprint says (our own magics ran:
+        ``%gpumem free`` frees the user's tensors through IPython's caches). Without torch nothing holds a tensor: the empty census is exact and costs nothing.
         """
         if "torch" not in sys.modules:
             from ..tensors.census import EMPTY
 
             self.baseline = EMPTY
             return
+        counters = _counters(sample)
+        if not recount and not self._stale and self._baseline is not None and self._quiet(counters):
+            return
+        self._counters = counters
         self._stale = True
         if self.schedule is not None:
             try:
@@ -107,18 +124,67 @@ class CellAnatomy:
         snap = self.census(self._budget)
         self._baseline = snap
         self._after(snap.complete)
+        self._settle(snap, self._counters)
 
-    def adopt(self, snapshot) -> None:
-        """Use ``snapshot`` (a census taken at the end of a cell) as the baseline."""
+    def adopt(self, snapshot, sample=None) -> None:
+        """Use ``snapshot`` (a census taken at the end of a cell, whose closing reading is ``sample``)
+        as the baseline."""
         if snapshot is not None:
             self.baseline = snapshot
             self._after(snapshot.complete)
+            self._settle(snapshot, _counters(sample))
 
     def forget(self) -> None:
         """Something ran that was not recorded (``%gpumem on``, an internal error): the next cell
         starts from a fresh census."""
         self._stale = False
         self._baseline = None
+        if self._watch is not None:
+            self._watch.forget()
+
+    # -- the fingerprint ---------------------------------------------------------------------------
+
+    def _quiet(self, counters) -> bool:
+        """The cell changed nothing the baseline depends on (never raises: unsure means count again)."""
+        watch = self._watch
+        if watch is None or not watch.settled or self.names is None:
+            self.recount_reason = "no fingerprint"
+            return False
+        try:
+            read = getattr(self.names, "namespace", None)
+            namespace = read() if read is not None else self.names()[0]
+            changed = watch.changed(namespace, counters, _out_cache(namespace), _errors())
+        except Exception:  # noqa: BLE001 - count again
+            watch.forget()
+            self.recount_reason = "the fingerprint failed"
+            return False
+        self.recount_reason = watch.reason
+        return not changed
+
+    def _settle(self, snapshot, counters) -> None:
+        """Fingerprint what ``snapshot`` depended on; an incomplete count that still has budget to
+        grow is not fingerprinted (the next cell counts again, with more time)."""
+        try:
+            if self.names is None or "torch" not in sys.modules or snapshot is None:
+                return
+            if self._watch is None:
+                from ..tensors.torch_api import api
+                from ..tensors.kinds import type_cache
+                from ..tensors.watch import CensusWatch
+
+                torch_api = api()
+                if torch_api is None:
+                    return
+                self._watch = CensusWatch(type_cache(torch_api))
+            if not snapshot.complete and not self._gave_up:
+                self._watch.forget()
+                return
+            namespace, _refs = self.names()
+            owners = {owner_module(owner) for (_dev, _role, owner) in snapshot.parts}
+            self._watch.settle(namespace, owners, counters, _out_cache(namespace), _errors())
+        except Exception:  # noqa: BLE001 - no fingerprint: every cell counts, as before
+            if self._watch is not None:
+                self._watch.forget()
 
     def _after(self, complete: bool) -> None:
         if complete:
@@ -175,3 +241,20 @@ class CellAnatomy:
             return after
         except Exception:  # noqa: BLE001
             return None
+
+
+def _counters(sample):
+    from ..tensors.watch import Counters  # noqa: PLC0415 - the tensors room loads on first use
+
+    return Counters.of(sample)
+
+
+def _out_cache(namespace) -> Any:
+    out = namespace.get("Out") if isinstance(namespace, dict) else None
+    return out if isinstance(out, dict) else None
+
+
+def _errors() -> tuple:
+    """What holds the last error (the census walks its frames)."""
+    attrs = sys.__dict__  # a missing attribute read through getattr costs an exception each time
+    return (attrs.get("last_value"), attrs.get("last_traceback"), attrs.get("last_exc"))

@@ -29,6 +29,10 @@ class CellNames:
         self._seen = (0, None)  # (how many hidden names, the last one) when last read
         self._keys: list = []
 
+    def namespace(self) -> dict:
+        """The shell's namespace alone (what a quiet cell's check needs; no question asked of IPython)."""
+        return self.shell.user_ns
+
     def __call__(self):
         from ..attribution.holders import ipython_refs
 

@@ -267,7 +267,7 @@ class CellWatcher:
             if outermost:
                 self._last_end = None  # something ran unmeasured: the next cell reads afresh
                 if self.enabled:
-                    self.anatomy.refresh()  # our own magics (%gpumem free) may have freed the user's tensors
+                    self.anatomy.refresh(recount=True)  # our own magics (%gpumem free) may have freed the user's tensors
             return None
         error, message = cell_error(result, frame.marker)
         if outermost:
@@ -298,9 +298,9 @@ class CellWatcher:
             self.ledger.append(measurement)
             # The next cell is explained against this cell's end, whatever this cell showed.
             if after is not None:
-                self.anatomy.adopt(after)
+                self.anatomy.adopt(after, measurement.end)
             else:
-                self.anatomy.refresh()
+                self.anatomy.refresh(measurement.end)
         oom = capture = None
         if error is not None and settings.oom_panel and (outermost or header is not None):
             failure = measurement.rank_failure

@@ -9,6 +9,7 @@
     graphs.py      the autograd half of the walk
     walk.py        the walk: namespace -> (storage, role, holder path), counted once, on a budget
     census.py      the role view of a walk: bytes by (device, role, owner)
+    watch.py       whether a cell changed what the last census depended on, answered without a walk
     hooks.py       the global hooks that mark training phases (forward, backward, optimizer step)
     tracker.py     live storages of a run as it executes (the estimate's accounting), by dispatch
 
