@@ -120,14 +120,19 @@ get_ipython().events.register("post_run_cell", lambda result: _ends.append(time.
         time.sleep(0.3)  # the set-up cell's own count, in the idle time
         _run_and_wait(kc, "y = x + 1")
         time.sleep(0.3)  # a pause: its count is taken now, not in the next cell
-        _run_and_wait(kc, "z = 1")
-        _run_and_wait(kc, "w = 2")  # no pause: the next cell's start takes the count of `z = 1`
+        _run_and_wait(kc, "q = 1")  # a quiet cell (it changed nothing a count depends on): no count at all
+        time.sleep(0.3)
+        # No pause: the second request already waits when the first cell ends, so its start takes the
+        # count of `z = x + 2` (sent together, whatever the machine's load does to the round trip).
+        kc.execute("z = x + 2")
+        kc.execute("w = x + 3")
         report = _run_and_wait(kc, "print(repr((_counts, _ends)))")
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
     counts, ends = eval(report)
-    # after the set-up cell, `y = x + 1` (idle), `z = 1` (at `w = 2`'s start), `w = 2` (at the report's start)
+    # after the set-up cell, `y = x + 1` (idle), `z = x + 2` (at `w`'s start), `w = x + 3` (at the report's
+    # start); `q = 1` counted nothing
     assert [at_start for _, at_start in counts] == [False, False, True, True], counts
     from ipy_gpumem.extension import IDLE_DELAY_S
 
