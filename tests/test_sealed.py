@@ -100,6 +100,56 @@ def test_append_to_a_handle_opened_before_the_run_never_reaches_the_file(tmp_pat
     assert outcome.refused == (f"write to {path} (opened before the run)",)
 
 
+def test_a_file_open_for_reading_and_writing_is_a_memory_copy_in_the_child(tmp_path):
+    """An "a+" log (or a database a connection holds) opened before the run: the child reads what is
+    there, its writes succeed and are listed, and the file is as it was."""
+    path = tmp_path / "log.txt"
+    path.write_text("hello\n")
+    handle = open(path, "a+")
+
+    def step():
+        handle.write("child\n" * 2000)
+        handle.flush()
+        handle.seek(0)
+        return handle.read(12)
+
+    try:
+        outcome = _sealed(step)
+    finally:
+        handle.close()
+    assert outcome.ok and outcome.value == "hello\nchild\n"
+    assert outcome.refused == (f"write to {path} (opened before the run)",)
+    assert path.read_text() == "hello\n"
+
+
+def test_sqlite_opened_in_the_child_is_an_in_memory_copy(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "runs.db"
+    con = sqlite3.connect(path)
+    con.execute("create table t(a)")
+    con.execute("insert into t values (1)")
+    con.commit()
+    con.close()
+    before = path.read_bytes()
+
+    def step():
+        db = sqlite3.connect(path)
+        db.execute("insert into t values (2)")
+        db.commit()
+        rows = db.execute("select a from t order by a").fetchall()
+        db.close()
+        fresh = sqlite3.connect(tmp_path / "new.db")
+        fresh.execute("create table u(b)")
+        return rows
+
+    outcome = _sealed(step)
+    assert outcome.ok and outcome.value == [(1,), (2,)]
+    assert outcome.refused == (f"writes to the sqlite database {str(path)!r} (kept in memory, not written)",
+                               f"sqlite3.connect({str(tmp_path / 'new.db')!r}): a new database, kept in memory")
+    assert path.read_bytes() == before and not (tmp_path / "new.db").exists()
+
+
 def test_logging_to_a_file_handler_from_an_earlier_cell(tmp_path):
     import logging
 
@@ -221,7 +271,14 @@ def test_the_os_guard_alone_refuses_what_c_code_does(tmp_path):
         assert value[name] == (-1, "EPERM"), (name, value[name])
     assert value["read"] == "keep me" and value["thread"] == [45] and value["self_signal"] == 0
     assert value["isatty"] == (-1, errno.ENOTTY)  # the filter let TCGETS through; /dev/null is no terminal
-    assert outcome.refused == ()  # nothing went through Python: the filter alone refused
+    # nothing went through Python: the filter refused, and the parent named each call it was handed
+    new, moved = str(tmp_path / "new"), str(tmp_path / "moved")
+    assert outcome.refused[:5] == (f"openat({new!r}, O_WRONLY|O_CREAT) (C code)",
+                                   f"openat({str(victim)!r}, O_TRUNC) (C code)", f"unlink({str(victim)!r}) (C code)",
+                                   f"mkdir({str(tmp_path / 'd')!r}) (C code)", f"chmod({str(victim)!r}) (C code)")
+    assert (outcome.refused[5] + ")").startswith(f"rename({str(victim)!r}, {moved!r}"[:150])
+    assert outcome.refused[6:] == (f"kill({os.getpid()}, 0) (C code)", "a new process (fork) (C code)",
+                                   f"connect(('127.0.0.1', {port})) (C code)", "ioctl(0, 0x5412) (C code)")
     assert _tree(tmp_path) == before
 
 
@@ -458,17 +515,21 @@ def test_an_unpicklable_value_is_an_error_naming_its_type():
     assert "_thread.lock" in outcome.error.message
 
 
-def test_a_value_the_parent_cannot_unpickle_is_an_error():
+def test_a_value_that_is_not_plain_data_is_an_error_naming_its_type():
+    """Only plain data comes back (never a pickle): an object of any class is refused in the child."""
     def step():
         import types
 
         module = types.ModuleType("made_in_the_child")
         sys.modules[module.__name__] = module
         exec("class Thing:\n    pass\n", module.__dict__)
-        return module.Thing()
+        return {"ok": [1, 2], "thing": module.Thing()}
 
     outcome = _sealed(step)
-    assert outcome.value is None and "could not be read back" in outcome.error.message
+    assert outcome.value is None
+    assert "made_in_the_child.Thing is not plain data" in outcome.error.message
+    assert _sealed(lambda: (None, True, -2**70, 1.5, "é\ud800", b"\0", [()], {(1, "a"): frozenset({2})}, {3})).value \
+        == (None, True, -2**70, 1.5, "é\ud800", b"\0", [()], {(1, "a"): frozenset({2})}, {3})
 
 
 def test_an_exception_comes_back_with_its_frames_and_attributes():
@@ -545,6 +606,69 @@ def test_keyboard_interrupt_kills_and_reaps_the_child_then_propagates():
         signal.signal(signal.SIGALRM, old)
     assert time.monotonic() - started < 3
     assert _children() == before  # the child is gone, not even a zombie
+
+
+def test_a_child_waiting_forever_on_a_lock_held_at_the_fork_is_ended_early():
+    lock, release = threading.Lock(), threading.Event()
+
+    def hold():
+        with lock:
+            release.wait(60)
+
+    holder = threading.Thread(target=hold, name="the-holder")
+    holder.start()
+
+    def step():
+        with lock:  # held by the-holder, which the fork did not copy
+            return 1
+
+    began = time.monotonic()
+    try:
+        outcome = run_sealed(step, deadline_s=60)
+    finally:
+        release.set()
+        holder.join()
+    _reaped(outcome.pid)
+    assert outcome.stuck and not outcome.ok and not outcome.timed_out and outcome.value is None
+    assert time.monotonic() - began < 30  # seen in about two seconds, not at the deadline
+    assert outcome.stuck_frames[-1][2:] == ("step", "with lock:  # held by the-holder, which the fork did not copy")
+    assert "the-holder" in outcome.threads
+
+
+def test_a_child_that_waits_with_a_timeout_or_sleeps_is_not_stuck():
+    lock, release = threading.Lock(), threading.Event()
+
+    def hold():
+        with lock:
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        outcome = run_sealed(lambda: (lock.acquire(timeout=3), time.sleep(1)), deadline_s=60)
+    finally:
+        release.set()
+        holder.join()
+    assert outcome.ok and outcome.value == (False, None)
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), "5", None, True])
+def test_a_bad_deadline_is_a_one_line_value_error(value):
+    with pytest.raises(ValueError) as info:
+        run_sealed(lambda: 1, deadline_s=value)
+    assert "deadline_s" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_infinite_or_huge_deadline_is_no_deadline():
+    for value in (float("inf"), 1e7, 10**30):
+        outcome = _sealed_with(value)
+        assert outcome.ok and outcome.value == 1
+
+
+def _sealed_with(deadline):
+    outcome = run_sealed(lambda: 1, deadline_s=deadline)
+    _reaped(outcome.pid)
+    return outcome
 
 
 def test_no_fork_no_sealed_run(monkeypatch):
@@ -890,3 +1014,123 @@ def test_in_a_real_kernel_the_child_prints_nothing_and_the_kernel_answers(tmp_pa
     assert outputs(nb.cells[1]) == []
     out = plain(nb.cells[2])
     assert out == [f"True 3 (\"open('{tmp_path}/out.txt', 'w')\",) [] True\n"], out
+
+
+# --- the answer: plain data, checked before anything is allocated; the step cannot forge a pickle -------------
+
+
+class _RunsACommand:
+    """A pickle of this runs ``touch <path>`` wherever it is unpickled."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def _rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _answer_pipe():
+    """In the child: the descriptor of its answer pipe, found as hostile code would (the only pipe it has)."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("pipe:"):
+                return int(name)
+        except OSError:
+            continue
+    raise AssertionError("no pipe")
+
+
+def _c_write_then(payload, end):
+    """A step that writes ``payload`` on the answer pipe from C (no Python shim sees it), then ends."""
+    def step():
+        libc = ctypes.CDLL(None)
+        libc.write(_answer_pipe(), payload, len(payload))
+        if end == "exit":
+            libc._exit(0)
+        return "the real answer"
+
+    return step
+
+
+def _forged_frames(tmp_path):
+    from ipy_gpumem.sealed.protocol import HEAD, VALUE
+    from ipy_gpumem.sealed import plain
+    import pickle
+
+    evil = pickle.dumps(_RunsACommand(tmp_path / "ran"))
+    forged_value = plain.encode({"peak_allocated": 1})
+    return {
+        "a pickle that runs a command": (HEAD.pack(VALUE, len(evil)) + evil, "exit", "not plain data"),
+        "a header claiming 3 GiB": (HEAD.pack(VALUE, 3 << 30), "return", "3221225472 bytes"),
+        "garbage": (b"\xde\xad\xbe\xef" * 8, "return", "unknown kind"),
+        "a truncated frame": (HEAD.pack(VALUE, 1000) + b"x" * 10, "exit", "ends inside a frame"),
+        "a plain frame before the real answer": (HEAD.pack(VALUE, len(forged_value)) + forged_value, "return",
+                                                 "after its answer"),
+    }
+
+
+@pytest.mark.parametrize("case", ["a pickle that runs a command", "a header claiming 3 GiB", "garbage",
+                                  "a truncated frame", "a plain frame before the real answer"])
+def test_a_forged_frame_runs_nothing_allocates_nothing_and_is_refused_in_one_line(tmp_path, case):
+    payload, end, said = _forged_frames(tmp_path)[case]
+    _sealed(lambda: 1)
+    before = _rss()
+    outcome = run_sealed(_c_write_then(payload, end), deadline_s=DEADLINE)
+    _reaped(outcome.pid)
+    assert _rss() - before < 32 << 20  # a 3 GiB claim allocated nothing
+    assert not (tmp_path / "ran").exists()  # nothing was unpickled
+    assert not outcome.ok and outcome.value is None and outcome.error is None
+    assert said in outcome.broken and "\n" not in outcome.broken, outcome.broken
+
+
+def test_python_code_cannot_write_on_dup_or_close_the_answer_pipe():
+    def step():
+        fd = _answer_pipe()
+        tried = []
+        for attempt in (lambda: os.write(fd, b"V" + bytes(8)), lambda: os.dup(fd), lambda: os.dup2(0, fd),
+                        lambda: open(fd, "wb", closefd=False), lambda: os.fdopen(fd, "wb", closefd=False),
+                        lambda: os.set_blocking(fd, False)):
+            try:
+                attempt()
+                tried.append("done")
+            except PermissionError:
+                tried.append("refused")
+        os.close(fd)  # pretends: the answer still goes out
+        os.closerange(3, 1 << 16)
+        return tried
+
+    outcome = _sealed(step)
+    assert outcome.ok and outcome.value == ["refused"] * 6, outcome
+    assert sum("the sealed run's own pipe" in line for line in outcome.refused) == 8
+
+
+def test_plain_data_is_bounded_by_the_bytes_received():
+    from ipy_gpumem.sealed import plain
+
+    value = {"events": list(range(-5, 100_000)), "t": (1, 2.5, None), "b": b"\x00\xff", "s": {"x", 3}}
+    assert plain.decode(plain.encode(value)) == value
+    with pytest.raises(plain.PlainError, match="not plain data"):
+        plain.encode({"x": object()})
+    deep = []
+    for _ in range(200):
+        deep = [deep]
+    with pytest.raises(plain.PlainError, match="nested deeper"):
+        plain.encode(deep)
+    with pytest.raises(plain.PlainError, match="nested deeper"):
+        plain.decode(b"l\x01\x00\x00\x00" * 200 + b"N")
+    # lengths and counts that the bytes cannot hold are refused before anything is set aside
+    for forged in (b"s\xff\xff\xff\xff", b"l\xff\xff\xff\x7f", b"q\xff\xff\xff\x0f", b"b\x10\x00\x00\x00abc",
+                   b"d\x02\x00\x00\x00", b"X", b"i\x01", b""):
+        with pytest.raises(plain.PlainError):
+            plain.decode(forged)
+    # int keys whose hashes collide (2**61 - 1 is the modulus of int hashes) are capped, and quick to refuse
+    colliding = {k * (2**61 - 1): 0 for k in range(1, 4200)}
+    started = time.monotonic()
+    with pytest.raises(plain.PlainError, match="not strings"):
+        plain.decode(plain.encode(colliding))
+    assert time.monotonic() - started < 10

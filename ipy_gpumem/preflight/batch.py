@@ -81,30 +81,46 @@ def max_batch_size(step, *args, gpu="this GPU", batch_dim: int = 0, limit: int =
     import time
 
     from .gpus import fixed_costs, resolve_gpu
-    from .result import EstimateError
-    from .run import _globals_of, check_step, sealed
+    from .result import Estimate, EstimateError
+    from .run import _globals_of, check_step, check_timeout, sealed
 
     began = time.perf_counter()
+    timeout_s = check_timeout(timeout_s)
     check_step(step)
     card = resolve_gpu(gpu, fallback="T4")
     base, tensors = batch_tensors(args, kwargs, batch_dim)
     if not tensors:
         raise EstimateError(f"no tensor argument has a dimension {batch_dim} to resize; pass the batch as an argument")
     shapes = [(id(t), tuple(t.shape)) for t in tensors]
-    result = sealed(_search, step, args, kwargs, card, fixed_costs(card), base, shapes, batch_dim, limit,
-                    _globals_of(step), began + timeout_s, timeout_s=timeout_s, allow_fork=True)
+    value, notes = sealed(_search, step, args, kwargs, card, fixed_costs(card), base, shapes, batch_dim, limit,
+                          _globals_of(step), began + timeout_s, timeout_s=timeout_s, allow_fork=True)
+    try:  # plain data from the sealed zygote, checked as it is rebuilt
+        size, tried, plain_estimate = value
+        if type(size) is not int or type(tried) is not dict:
+            raise TypeError(f"a {type(size).__name__} for the size, a {type(tried).__name__} for what was tried")
+        result = MaxBatch(size)
+        result.tried = {int(n): (bool(fits), int(need)) for n, (fits, need) in tried.items()}
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise EstimateError(f"the batch search's sealed copy sent back a malformed answer ({exc}); nothing of it "
+                            "was used") from None
+    result.gpu, result.capacity = card.name, card.capacity
+    result.estimate = Estimate.from_plain(plain_estimate) if plain_estimate is not None else None
+    if result.estimate is not None:
+        result.estimate.notes.extend(notes)
     result.seconds = time.perf_counter() - began
     return result
 
 
-def _search(step, args, kwargs, card, costs, base, shapes, batch_dim, limit, namespace, deadline) -> MaxBatch:
-    """In the sealed zygote: warm the fake tensors once, then estimate each size in a fresh sealed copy."""
+def _search(step, args, kwargs, card, costs, base, shapes, batch_dim, limit, namespace, deadline) -> tuple:
+    """In the sealed zygote: warm the fake tensors once, then estimate each size in a fresh sealed copy;
+    (the largest size that fits, {size: (fits, bytes needed)}, that size's Estimate.to_plain() or None)."""
     import time
 
     from ..sealed import run_sealed, unreported
     from ..tensors.torch_api import api
     from .child import estimate_here
     from .result import EstimateError
+    from .run import answer_of
 
     with unreported(), api().fake_tensor_mode()():
         # FakeTensorMode's first use costs about a second: paid here, once, for every trial (what it
@@ -128,11 +144,13 @@ def _search(step, args, kwargs, card, costs, base, shapes, batch_dim, limit, nam
             if not outcome.ok:
                 if outcome.error is not None:
                     raise EstimateError(outcome.error.message, outcome.error.attrs.get("line"))
-                raise EstimateError(f"the estimate at batch {n} did not finish ({outcome.exit or 'out of time'})")
-            est = outcome.value[0]
+                why = outcome.exit or outcome.broken or ("it waited forever on a lock" if outcome.stuck else
+                                                         "out of time")
+                raise EstimateError(f"the estimate at batch {n} did not finish ({why})")
+            est, _marks, _names = answer_of(outcome.value, [])
             fit = est.fits(card)
             tried[n] = (bool(fit), est.total_needed)
-            estimates[n] = est if fit else None
+            estimates[n] = est.to_plain() if fit else None
         return tried[n]
 
     good: Optional[int] = None
@@ -174,8 +192,4 @@ def _search(step, args, kwargs, card, costs, base, shapes, batch_dim, limit, nam
             good = guess
         else:
             bad = guess
-    result = MaxBatch(good or 0)
-    result.gpu, result.capacity, result.tried = card.name, card.capacity, tried
-    result.estimate = estimates.get(good) if good else None
-    result.seconds = 0.0
-    return result
+    return good or 0, tried, estimates.get(good) if good else None

@@ -3,7 +3,9 @@
 ``%%gpumem --estimate`` starts from a cell's source and the user's namespace. :func:`cell_program`
 compiles the source once, in this process, with a marker before each of its statements (as
 ``--lines`` does, see ``ledger/lines.py``), and refuses what the estimate cannot model before
-anything runs: a syntax error, a magic or shell command, a top-level ``await``. :func:`estimate_cell`
+anything runs: a syntax error, a magic or shell command, a top-level ``await`` (a ``get_ipython()``
+line that only reads, such as ``get_ipython().user_ns``, runs; a magic or shell command reached
+some other way is refused when it is called, in the child: ``child.no_magics``). :func:`estimate_cell`
 then runs it in a sealed child (``preflight.run.sealed``): there the namespace, the child's own
 copy, has its tensors faked in place (``preflight.world``) and the cell's code runs twice with it as
 its globals (the second run is the steady state, as a cell run again is), with the marker
@@ -92,7 +94,8 @@ def cell_program(source: str, first_line: int = 1) -> CellProgram:
 
     Raises:
         EstimateError: the code does not parse, awaits at the top level, or runs IPython magics or
-            shell commands; the message names the line.
+            shell commands (``get_ipython().run_line_magic(...)`` and the like; reading
+            ``get_ipython().user_ns`` is allowed); the message names the line.
     """
     try:
         # Top-level await parses (as IPython allows it in a cell), so that it can be named below.
@@ -107,7 +110,7 @@ def cell_program(source: str, first_line: int = 1) -> CellProgram:
         return lines[node.lineno - 1].strip() if node.lineno <= len(lines) else ""
 
     for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id == "get_ipython":
+        if _runs_ipython(node):
             raise EstimateError(f"line {node.lineno} of the cell (`{text(node)}`) is an IPython magic or shell "
                                 "command, which the estimate does not run; estimate a cell of plain Python")
     for node in _top_level_awaits(tree):
@@ -120,6 +123,20 @@ def cell_program(source: str, first_line: int = 1) -> CellProgram:
     # Error messages and tracebacks quote the cell's lines (mtime None: linecache keeps the entry).
     linecache.cache[CELL_FILENAME] = (len(source), None, [line + "\n" for line in lines], CELL_FILENAME)
     return CellProgram(code, lines)
+
+
+#: The shell's methods that run magics, shell commands or other cells: ``get_ipython().<one of these>``
+#: is refused; what only reads (``get_ipython().user_ns``, ``.config``) is allowed.
+RUNNERS = frozenset(("run_line_magic", "run_cell_magic", "magic", "system", "system_piped", "system_raw",
+                     "getoutput", "run_cell", "run_cell_async", "run_code", "run_ast_nodes", "safe_execfile",
+                     "safe_execfile_ipy", "safe_run_module", "ex", "ev", "push", "del_var", "reset",
+                     "enable_gui", "enable_matplotlib", "enable_pylab", "extension_manager", "magics_manager"))
+
+
+def _runs_ipython(node) -> bool:
+    """``get_ipython().run_line_magic(...)`` (what IPython makes of ``%time``, ``!ls``, ``x = !ls``) and the like."""
+    return (isinstance(node, ast.Attribute) and node.attr in RUNNERS and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name) and node.value.func.id == "get_ipython")
 
 
 def _top_level_awaits(tree) -> list:
@@ -276,16 +293,17 @@ def estimate_cell(source: str, namespace: Dict[str, Any], gpu: Any = None, first
     """
     from .child import estimate_here
     from .gpus import fixed_costs
-    from .run import TIMEOUT_S, device_label, sealed
+    from .run import TIMEOUT_S, answer_of, check_timeout, device_label, sealed
 
     card, note = _card(gpu)
     program = cell_program(source, first_line)
     label = device_label(device)
     cuda = label.startswith("cuda")
     costs = fixed_costs(card) if cuda else {}
-    est, marks, names = sealed(estimate_here, run_cell, (namespace, program), {}, label=label, costs=costs,
-                               gpu=card.name if cuda else None, namespace=namespace, program=program,
-                               timeout_s=TIMEOUT_S if budget_s is None else budget_s)
+    value, notes = sealed(estimate_here, run_cell, (namespace, program), {}, label=label, costs=costs,
+                          gpu=card.name if cuda else None, namespace=namespace, program=program,
+                          timeout_s=TIMEOUT_S if budget_s is None else check_timeout(budget_s, "budget_s"))
+    est, marks, names = answer_of(value, notes)
     lines = line_estimates(est, marks)
     fit = est.fits(card) if card is not None and cuda else None
     return CellEstimate(est, lines, program.lines, fit, note, tuple(names))

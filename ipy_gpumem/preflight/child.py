@@ -2,22 +2,24 @@
 
 Everything here runs in a forked copy of the user's process (``ipy_gpumem.sealed``): it may
 change any object it finds, because those objects are the child's own copies. It never runs in
-the user's process. What it returns (an :class:`~.result.Estimate`, per-line marks) is plain data
-that travels back pickled; an error travels back as an :class:`~.result.EstimateError` whose
-message names the user's line.
+the user's process. What it returns (an :class:`~.result.Estimate`, per-line marks) travels back
+as plain data (numbers, strings, lists: ``Estimate.to_plain``), never a pickle;
+an error travels back as an :class:`~.result.EstimateError` whose message names the user's line.
 """
 from __future__ import annotations
 
 import contextlib
 import io
 import logging
+import sys
 import time
 from typing import Any, Dict, Optional, Tuple
 
 from ..tensors.torch_api import api as torch_api
 from ..tensors.tracker import StorageTracker
+from .loaders import notes as loader_notes, read_without_workers
 from .result import Estimate, EstimateError
-from .run import analyse, explain_error, run_steps, to_cpu, warnings_quiet
+from .run import analyse, explain_error, line_words, run_steps, to_cpu, warnings_quiet
 from .world import FakeWorld, SubstitutionError
 
 __all__ = ["estimate_here"]
@@ -25,9 +27,10 @@ __all__ = ["estimate_here"]
 
 def estimate_here(step: Any, args: tuple, kwargs: dict, *, label: str, costs: Dict[str, int], gpu: Optional[str],
                   namespace: Optional[dict] = None, batch: Optional[Dict[int, tuple]] = None,
-                  program: Any = None, notes: Tuple[str, ...] = ()) -> Tuple[Estimate, list, tuple]:
-    """Estimate ``step(*args, **kwargs)`` here (in the sealed child): ``(estimate, the markers' (event,
-    line, call) of a cell, the namespace's names that held tensors)``. Raises :class:`EstimateError`."""
+                  program: Any = None, notes: Tuple[str, ...] = ()) -> Tuple[dict, list, list]:
+    """Estimate ``step(*args, **kwargs)`` here (in the sealed child), as plain data: ``(the estimate's
+    to_plain(), the markers' (event, line, call) of a cell as one flat list of ints, the namespace's
+    names that held tensors)``; ``run.answer_of`` rebuilds them in the parent. Raises :class:`EstimateError`."""
     began = time.perf_counter()
     api = torch_api()
     if api is None:
@@ -45,6 +48,10 @@ def estimate_here(step: Any, args: tuple, kwargs: dict, *, label: str, costs: Di
         with FakeTensorMode():
             (torch.ones(2, 2) @ torch.ones(2, 2)).sum()
     cuda = label.startswith("cuda")
+    read_without_workers()  # a DataLoader's workers cannot start here: its batches are read in this thread
+    no_magics()
+    with unreported():
+        _journals_in_memory(namespace)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     world = FakeWorld(api, fake_mode, [("step", step), ("args", args), ("kwargs", kwargs)], namespace=namespace,
                       batch=batch)
@@ -66,7 +73,7 @@ def estimate_here(step: Any, args: tuple, kwargs: dict, *, label: str, costs: Di
             raise
         except Exception as exc:  # noqa: BLE001 - reported with the user's line, never a raw traceback
             raise explain_error(exc) from None
-    notes = list(notes)
+    notes = list(notes) + loader_notes()
     if printed.getvalue():
         notes.append(f"the step printed {len(printed.getvalue().splitlines())} line(s) on fake values; not shown")
     for _filename, line, source in tracker.run.value_reads:
@@ -76,10 +83,61 @@ def estimate_here(step: Any, args: tuple, kwargs: dict, *, label: str, costs: Di
         notes.append("this torch cannot take Python autocast kernels: a CUDA autocast region was estimated with the "
                      "CPU's autocast op lists")
     facts = analyse(tracker, label, costs)
-    marks = list(program.marks) if program is not None else []
+    marks = [n for mark in program.marks for n in mark] if program is not None else []
     est = Estimate(device=label, fixed_costs=costs, notes=notes, seconds=time.perf_counter() - began,
                    gpu=gpu, cublas_workspaces=cuda_run.workspaces.total if cuda_run is not None else 0, **facts)
-    return est, marks, tuple(world.names)
+    return est.to_plain(), marks, list(world.names)
+
+
+def _journals_in_memory(namespace: Optional[dict]) -> None:
+    """The sqlite connections the user's names hold keep their journal in memory here: a commit then
+    writes only the database file, which the seal made a memory copy of (a journal file could not be
+    created), and the run lists it as a write to that file."""
+    sqlite3 = sys.modules.get("sqlite3")
+    if sqlite3 is None or not namespace:
+        return
+    for value in list(dict.values(namespace)):
+        if isinstance(value, sqlite3.Connection):
+            try:
+                value.execute("PRAGMA journal_mode=MEMORY")
+            except Exception:  # noqa: BLE001 - closed, or in WAL mode: its writes fail, and the error says why
+                continue
+
+
+def no_magics() -> None:
+    """In the child: the shell's methods that run magics, shell commands or cells raise an
+    EstimateError naming the user's line (``cell.RUNNERS``; the cell's source is checked first, this
+    catches the ones reached some other way, such as ``ip = get_ipython(); ip.system(...)``)."""
+    shell_module = sys.modules.get("IPython.core.interactiveshell")
+    if shell_module is None:
+        return
+    from .cell import RUNNERS
+
+    shell = shell_module.InteractiveShell
+    for name in RUNNERS:
+        if callable(getattr(shell, name, None)):
+            setattr(shell, name, _refuse_magic(name))
+
+
+def _refuse_magic(name: str):
+    def refused(self, *args, **kwargs):
+        from ..tensors.kinds import is_user_file
+
+        frame = sys._getframe(1)
+        while frame is not None and not is_user_file(frame.f_code.co_filename):
+            frame = frame.f_back
+        where = None
+        if frame is not None:
+            import linecache
+
+            filename = frame.f_code.co_filename
+            where = (filename, frame.f_lineno, linecache.getline(filename, frame.f_lineno).strip())
+        at = line_words((where[0], where[1], "", where[2])) if where else "the step"
+        raise EstimateError(f"{at} runs an IPython magic or shell command (get_ipython().{name}), which the "
+                            "estimate does not run; estimate plain Python", where)
+
+    refused.__name__ = name
+    return refused
 
 
 def _cuda_emulation(api, tracker, gpu: Optional[str], optimizers):

@@ -1,6 +1,7 @@
 """The result of an estimate (:class:`Estimate`, plain data with ``to_dict()`` and ``fits()``) and the error raised when a step cannot be estimated."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -127,6 +128,30 @@ class Estimate:
             "seconds": self.seconds,
         }
 
+    def to_plain(self) -> dict:
+        """Everything, events included (packed: little-endian int64 pairs in one bytes), as plain data:
+        what the sealed child sends back (:mod:`ipy_gpumem.sealed.plain`); :meth:`from_plain` rebuilds it."""
+        import itertools
+        from array import array
+
+        out = self.to_dict()
+        del out["total_needed"]
+        packed = array("q", itertools.chain.from_iterable(self.events))
+        if sys.byteorder != "little":
+            packed.byteswap()
+        out["events"] = packed.tobytes()
+        return out
+
+    @classmethod
+    def from_plain(cls, data) -> "Estimate":
+        """The Estimate ``data`` (from :meth:`to_plain`, read from a sealed child) describes, its types
+        checked; :class:`EstimateError` in one line when it does not describe one."""
+        try:
+            return cls(**_checked(data))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EstimateError(f"the estimate's sealed copy sent back a malformed answer ({type(exc).__name__}: "
+                                f"{exc}); nothing of it was used") from None
+
     def __repr__(self) -> str:
         roles = ", ".join(f"{role} {format_bytes(v)}" for row in self.roles.values() for role, v in row.items() if v)
         on = f" on a {self.gpu}" if self.gpu else ""
@@ -136,3 +161,72 @@ class Estimate:
                 f"{assumed}; "
                 f"at the peak ({self.peak_phase}, call {self.peak_step}): {roles})")
         return text + "".join(f"\n  note: {n}" for n in self.notes)
+
+
+def _table(value) -> Dict[str, Dict[str, int]]:
+    """{device: {role: bytes}}, checked."""
+    return {_str(d): {_str(role): _int(n) for role, n in _dict(row).items()} for d, row in _dict(value).items()}
+
+
+def _checked(data) -> dict:
+    """The keyword arguments of an Estimate from its plain form, every field of the right type."""
+    from array import array
+
+    data = _dict(data)
+    raw = data["events"]
+    if type(raw) is not bytes or len(raw) % 16:
+        raise TypeError("events must be bytes of int64 pairs")
+    packed = array("q")
+    packed.frombytes(raw)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    flat = packed.tolist()
+    phases = []
+    for phase in _list(data["phases"]):
+        phase = _dict(phase)
+        phases.append({"phase": _str(phase["phase"]), "step": _int(phase["step"]), "peak": _int(phase["peak"]),
+                       "roles": _table(phase["roles"])})
+    modules = []
+    for module in _list(data["modules"]):
+        module = _dict(module)
+        modules.append({"module": _str(module["module"]), "type": _str(module["type"]),
+                        **{k: _int(module[k]) for k in ("activations", "calls", "peak")}})
+    gpu = data["gpu"]
+    return dict(device=_str(data["device"]), peak_allocated=_int(data["peak_allocated"]),
+                peak_reserved=_int(data["peak_reserved"]), start_allocated=_int(data["start_allocated"]),
+                roles=_table(data["roles"]), phases=phases, modules=modules,
+                fixed_costs={_str(k): _int(v) for k, v in _dict(data["fixed_costs"]).items()},
+                peak_step=_int(data["peak_step"]), peak_phase=_str(data["peak_phase"]),
+                notes=[_str(n) for n in _list(data["notes"])], seconds=_number(data["seconds"]),
+                events=list(zip(flat[0::2], flat[1::2])), gpu=None if gpu is None else _str(gpu),
+                cublas_workspaces=_int(data["cublas_workspaces"]))
+
+
+def _dict(value) -> dict:
+    if type(value) is not dict:
+        raise TypeError(f"expected a dict, got a {type(value).__name__}")
+    return value
+
+
+def _list(value) -> list:
+    if type(value) is not list:
+        raise TypeError(f"expected a list, got a {type(value).__name__}")
+    return value
+
+
+def _str(value) -> str:
+    if type(value) is not str:
+        raise TypeError(f"expected a string, got a {type(value).__name__}")
+    return value
+
+
+def _int(value) -> int:
+    if type(value) is not int:
+        raise TypeError(f"expected an int, got a {type(value).__name__}")
+    return value
+
+
+def _number(value) -> float:
+    if type(value) not in (int, float):
+        raise TypeError(f"expected a number, got a {type(value).__name__}")
+    return float(value)

@@ -12,13 +12,14 @@ cost on top, the CUDA context, is the named GPU's (:func:`resolve_costs`).
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..core.roles import ROLES, clean_table, sub_tables
 from .result import Estimate, EstimateError
 from ..tensors.tracker import StorageTracker, user_frame
 
-__all__ = ["estimate", "run_steps", "analyse", "device_label"]
+__all__ = ["estimate", "run_steps", "analyse", "device_label", "sealed", "answer_of", "check_timeout", "TIMEOUT_S",
+           "line_words"]
 
 
 def device_label(device) -> str:
@@ -89,13 +90,27 @@ def to_cpu(device):
 
 
 def _where(exc) -> Optional[tuple]:
-    return user_frame(tb=exc.__traceback__)
+    """The user's line an exception came through: the innermost frame in the user's own code (the
+    cell, their modules), else the innermost outside torch and ipy_gpumem (the standard library's)."""
+    import linecache
+
+    from ..tensors.kinds import is_user_file
+
+    tb, mine = exc.__traceback__, None
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if is_user_file(filename):
+            mine = (filename, tb.tb_lineno, linecache.getline(filename, tb.tb_lineno).strip())
+        tb = tb.tb_next
+    return mine or user_frame(tb=exc.__traceback__)
 
 
 def explain_error(exc) -> EstimateError:
+    import errno as errnos
+
     name = type(exc).__name__
     where = _where(exc)
-    at = f"line {where[1]} of {where[0]} (`{where[2]}`)" if where else "the step"
+    at = line_words((where[0], where[1], "", where[2])) if where else "the step"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else name
     if name in ("DataDependentOutputException", "DynamicOutputShapeException", "GuardOnDataDependentSymNode",
                 "UnsupportedOperatorException") or "data-dependent" in text.lower():
@@ -110,6 +125,10 @@ def explain_error(exc) -> EstimateError:
     else:
         message = f"the step failed on fake tensors at {at}: {name}: {text}"
     err = EstimateError(message, where)
+    number = getattr(exc, "errno", None)
+    # The parent knows what the seal refused: with it, a failure that is a refusal's doing says so (run.sealed).
+    err.failure = {"type": name, "text": text, "at": at,
+                   "errno": number if type(number) is int and number in errnos.errorcode else None}
     err.original = exc
     return err
 
@@ -235,9 +254,10 @@ def resolve_costs(label: str, gpu) -> tuple:
     return fixed_costs(card), card.name
 
 
-def sealed(fn, *args, timeout_s: float, **kwargs):
-    """``fn(*args, **kwargs)`` in a sealed child (``ipy_gpumem.sealed``): its value, or an EstimateError
-    saying what went wrong; the refusals and the seal's own note go into the value's ``notes``."""
+def sealed(fn, *args, timeout_s: float, **kwargs) -> Tuple[Any, List[str]]:
+    """``fn(*args, **kwargs)`` in a sealed child (``ipy_gpumem.sealed``): (its value, as plain data, and
+    the notes on what the seal refused or could not guard), or an EstimateError in one line saying
+    what went wrong. The caller rebuilds its objects from the value (nothing else crosses)."""
     from ..sealed import SealedUnavailable, run_sealed
 
     try:
@@ -250,25 +270,99 @@ def sealed(fn, *args, timeout_s: float, **kwargs):
     if outcome.guard == "python":
         notes.append("sealed by Python-level guards only" + (f" ({outcome.guard_note})" if outcome.guard_note else "")
                      + ": C code in the step (torch's C++ save, numpy's tofile) was not stopped")
+    elif outcome.guard_note:
+        notes.append(f"the seal: {outcome.guard_note}")
+    if outcome.broken is not None:
+        raise EstimateError(f"the estimate's sealed copy sent back an answer that was refused ({outcome.broken}); "
+                            "nothing of it was used or run here")
+    if outcome.stuck:
+        raise EstimateError(stuck_message(outcome))
     if outcome.timed_out:
         raise EstimateError(f"the estimate took longer than {timeout_s:g} s and was stopped (nothing of it ran in "
                             "this process); pass a larger timeout_s, or estimate a smaller step")
     if outcome.error is not None:
         err = outcome.error
         if err.type_name == "EstimateError":
-            raise EstimateError(err.message, err.attrs.get("line"))
+            line = err.attrs.get("line")
+            line = tuple(line) if isinstance(line, (list, tuple)) and len(line) == 3 else None
+            failure = err.attrs.get("failure")
+            if isinstance(failure, dict) and outcome.refused and refusal_caused(failure):
+                raise EstimateError(refusal_message(failure, outcome.refused), line)
+            raise EstimateError(err.message, line)
         raise EstimateError(f"the estimate failed: {err.type_name}: {err.message}")
     if not outcome.ok:
         raise EstimateError(f"the estimate's sealed copy of this process ended without an answer ({outcome.exit})")
-    value = outcome.value
-    target = value[0] if isinstance(value, tuple) else value
-    if notes and hasattr(target, "notes"):
-        target.notes.extend(notes)
-    return value
+    return outcome.value, notes
+
+
+def answer_of(value, notes: List[str]) -> Tuple[Estimate, List[tuple], Tuple[str, ...]]:
+    """(Estimate, the markers' (event, line, call), the names that held tensors) rebuilt from what
+    ``child.estimate_here`` sent back as plain data, checked; ``notes`` are added to the Estimate's."""
+    try:
+        est, flat, names = value
+        if not isinstance(flat, list) or len(flat) % 3 or any(type(n) is not int for n in flat):
+            raise TypeError("marks")
+        if not isinstance(names, list) or any(type(n) is not str for n in names):
+            raise TypeError("names")
+    except (TypeError, ValueError) as exc:
+        raise EstimateError(f"the estimate's sealed copy sent back a malformed answer ({exc}); nothing of it was "
+                            "used") from None
+    est = Estimate.from_plain(est)
+    est.notes.extend(notes)
+    return est, list(zip(flat[0::3], flat[1::3], flat[2::3])), tuple(names)
+
+
+def stuck_message(outcome) -> str:
+    """Why an estimate that waited forever was stopped, where, and what to do: one line."""
+    from ..tensors.kinds import is_user_file
+
+    frames = [f for f in outcome.stuck_frames if is_user_file(f[0])] or list(outcome.stuck_frames)
+    at = line_words(frames[-1]) if frames else "the step"
+    names = [n for n in outcome.threads if n]
+    held = (f" (one of: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''})" if names else "")
+    return (f"{at} waits for a lock that another thread of this process{held} held when the estimate's copy of it "
+            "was made; that thread does not exist in the copy, so the wait could never end, and the estimate was "
+            f"stopped after {outcome.seconds:.1f} s. Estimate again once that thread is idle (or stopped): a larger "
+            "timeout_s would not help")
+
+
+def line_words(frame) -> str:
+    """``line 3 of the cell (`loss.backward()`)`` for a (filename, lineno, function, source line) frame."""
+    filename, lineno, _name, source = frame
+    where = "the cell" if filename == "<cell>" else filename
+    return f"line {lineno} of {where} (`{source.strip()}`)" if source else f"line {lineno} of {where}"
+
+
+#: errno values with which a refused call (or a file the seal made read-only) fails
+_REFUSED_ERRNOS = (1, 9, 13, 30)  # EPERM, EBADF, EACCES, EROFS
+_REFUSED_TEXTS = ("operation not permitted", "readonly database", "unable to open database file", "disk i/o error",
+                  "sealed run")
+
+
+def refusal_caused(failure: dict) -> bool:
+    """Whether the step's failure (``EstimateError.failure``) is what a refused side effect looks like."""
+    text = str(failure.get("text", "")).lower()
+    return failure.get("errno") in _REFUSED_ERRNOS or failure.get("type") == "PermissionError" or \
+        any(t in text for t in _REFUSED_TEXTS)
+
+
+def refusal_message(failure: dict, refused) -> str:
+    tried = "; ".join(refused[-2:])
+    return (f"{failure.get('at', 'the step')} failed because the estimate's sealed copy refused what it tried "
+            f"({tried}): {failure.get('type')}: {failure.get('text')}. The estimate runs your code sealed off from "
+            "your files, network and processes: move that part out of what you estimate")
 
 
 #: Seconds an estimate may run (in its sealed copy) before it is stopped.
 TIMEOUT_S = 120.0
+
+
+def check_timeout(value, name: str = "timeout_s") -> float:
+    """``value`` as seconds above 0 (``inf``: no limit); ValueError in one line for anything else
+    (a string, nan, 0, a negative number)."""
+    from ..sealed import check_seconds
+
+    return check_seconds(value, name)
 
 
 def estimate(step, *args, device="cuda", gpu=None, timeout_s: float = TIMEOUT_S, _batch=None, **kwargs) -> Estimate:
@@ -287,7 +381,9 @@ def estimate(step, *args, device="cuda", gpu=None, timeout_s: float = TIMEOUT_S,
             "cpu": live tensor bytes.
         gpu: the card whose fixed costs apply: a name ("T4"), "this GPU" or None (this GPU when there
             is one, else a T4); the Estimate names it (``gpu``).
-        timeout_s: stop the sealed run after this many seconds (an EstimateError then says so).
+        timeout_s: stop the sealed run after this many seconds (an EstimateError then says so); a
+            number above 0, ``inf`` for no limit (Ctrl-C still stops it). A step that waits forever
+            on a lock another thread held at the fork is stopped as soon as that is certain.
 
     Raises:
         EstimateError: the step cannot run on fake tensors (the message names the line), was
@@ -295,13 +391,14 @@ def estimate(step, *args, device="cuda", gpu=None, timeout_s: float = TIMEOUT_S,
     """
     from .child import estimate_here
 
+    timeout_s = check_timeout(timeout_s)
     check_step(step)
     label = device_label(device)
     costs, gpu_name = resolve_costs(label, gpu)
     namespace = _globals_of(step)
-    estimate_result, _marks, _names = sealed(estimate_here, step, args, kwargs, label=label, costs=costs,
-                                             gpu=gpu_name, namespace=namespace, batch=_batch, timeout_s=timeout_s)
-    return estimate_result
+    value, notes = sealed(estimate_here, step, args, kwargs, label=label, costs=costs, gpu=gpu_name,
+                          namespace=namespace, batch=_batch, timeout_s=timeout_s)
+    return answer_of(value, notes)[0]
 
 
 def _globals_of(step) -> Optional[dict]:

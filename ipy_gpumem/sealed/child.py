@@ -19,23 +19,31 @@ shared memory), so the child seals itself, in this order, before calling ``fn``:
    (a log opened in an earlier cell) becomes an anonymous memory file, so writes succeed and go
    nowhere, and the run reports ``"write to log.txt (opened before the run)"`` when the bytes reach
    the OS (a write still sitting in a Python buffer when the child ends is neither written nor
-   reported). Files and directories open for reading (or read-write) are reopened read-only at the
-   same offset, so reading in the child does not move the parent's offset. Everything else
+   reported). A file open for reading and writing (an ``a+`` log, a database a connection holds)
+   becomes a memory copy of it up to :data:`COPY_MAX`, reported the same way when written. Files
+   and directories open for reading (or read-write, larger) are reopened read-only at the same
+   offset, so reading in the child does not move the parent's offset. Everything else
    (sockets, including the kernel's ZMQ ones, pipes, eventfds) becomes ``/dev/null``. Shared memory
    mappings become private copies (:func:`.seccomp.privatise_shared_memory`). The child is also the
    kernel's first choice (``oom_score_adj`` 1000) if memory runs out;
 5. the Python shims and the audit hook (:mod:`.shims`);
 6. the OS guard (:mod:`.seccomp`), installed last because the steps above still need the calls it
-   refuses: what C code does behind Python's back is refused by the kernel with ``EPERM``.
+   refuses: what C code does behind Python's back is refused by the kernel with ``EPERM``, after
+   the parent, which holds the filter's listener, has named it (:mod:`.notify`; the child hands the
+   listener over and closes its own before ``fn`` runs).
 
 If a step fails, ``fn`` does not run: the child says why on the pipe and exits. Then ``fn`` runs,
-and its value (pickled) or its exception (as :class:`~.protocol.ChildError`) goes back on the pipe.
+and its value or its exception (as :class:`~.protocol.ChildError`) goes back on the pipe as plain
+data (:mod:`.plain`): never a pickle, which the parent would have to trust. Python code of ``fn``
+may not write on, duplicate or close the pipe (:mod:`.shims`). While ``fn`` runs, a SIGUSR2 from the
+parent (which found every thread waiting forever, :mod:`.stuck`) makes the child send where it
+waits, and exit.
 
 A child of a zygote (a nested run) takes the same steps over what its zygote already sealed, and
 inherits the zygote's guards: its Seal comes first so that the zygote's shims and audit hook report
 to it, not on the zygote's pipe; it reuses the zygote's ``/dev/null`` descriptor (no write-capable
-open passes the zygote's filter); the files the zygote redirected to memory files get fresh memory
-files of its own (what the trial writes is its own to report, and the next trial starts from the
+open passes the zygote's filter); the files the zygote redirected to memory files get fresh copies
+of those (what the trial writes is its own to report, and the next trial starts from the
 zygote's); it keeps the ``oom_score_adj`` it inherited, stays in the zygote's process group, and
 dies with the zygote's thread that forked it.
 """
@@ -44,7 +52,6 @@ from __future__ import annotations
 import builtins
 import io
 import os
-import pickle
 import signal
 import stat
 import sys
@@ -52,35 +59,43 @@ import traceback
 import warnings
 from typing import List, Optional, Tuple
 
-from . import seccomp, shims
-from .protocol import ERROR, GUARD, SUMMARY, UNSEALED, VALUE, ChildError, Pipe
+from . import plain, seccomp, shims
+from .protocol import ERROR, GUARD, LISTEN, MAX_VALUE, STUCK, SUMMARY, UNSEALED, VALUE, ChildError, Pipe
 
 _OURS = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_child(read_end: int, write_end: int, fn, args, kwargs, allow_fork: bool, parent: int,
+def run_child(ends: Tuple[int, int, int, int], fn, args, kwargs, allow_fork: bool, parent: int,
               thread: Optional[int], sigmask) -> None:
-    """The sealed child, from the fork to os._exit; it never returns normally."""
-    os.close(read_end)
-    pipe = Pipe(write_end)
+    """The sealed child, from the fork to os._exit; it never returns normally. ``ends`` are the pipe's
+    read and write ends and the ack pipe's (or -1, -1), where the parent answers the handover of the
+    seccomp listener (:mod:`.notify`)."""
+    read_end, write_end, ack_end, ack_write = ends
+    for fd in (read_end, ack_write):
+        if fd >= 0:
+            os.close(fd)
+    pipe = Pipe(write_end, shims.original(os, "os", "write"))
     try:
-        lines, seal = _seal(pipe, allow_fork, parent, thread, sigmask)
+        lines, seal = _seal(pipe, ack_end, allow_fork, parent, thread, sigmask)
     except Exception as exc:  # fn must not run half-sealed: say why, and stop
         pipe.send(UNSEALED, f"the child could not be sealed: {type(exc).__name__}: {exc}".encode("utf-8", "replace"))
         os._exit(71)
+    _on_stuck(pipe)
     kind, body = _call(fn, args, kwargs)
-    for path, memfd in seal.written.values():
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # fn is over: the answer goes out whole
+    for path, memfd, made in seal.written.values():
         try:
-            if os.fstat(memfd).st_size:
+            if _stamp(memfd) != made:
                 seal.refusals.add(f"write to {shims.show(path)} (opened before the run)")
         except OSError:
             continue  # fn closed it
-    pipe.send(SUMMARY, pickle.dumps((lines.count, seal.refusals.more)))
+    shims.sqlite_writes(seal)
+    pipe.send_plain(SUMMARY, [lines.count, seal.refusals.more])
     pipe.send(kind, body)
     os._exit(0)
 
 
-def _seal(pipe: Pipe, allow_fork: bool, parent: int, thread: Optional[int], sigmask):
+def _seal(pipe: Pipe, ack_end: int, allow_fork: bool, parent: int, thread: Optional[int], sigmask):
     """Steps 0 to 6 of the module docstring, in order; (line counter, this process's seal)."""
     outer = shims.current()
     devnull = outer.devnull if outer is not None else os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
@@ -95,15 +110,56 @@ def _seal(pipe: Pipe, allow_fork: bool, parent: int, thread: Optional[int], sigm
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "set_num_threads"):
         torch.set_num_threads(1)
-    _cut_inherited_fds(seal, outer)
+    _cut_inherited_fds(seal, outer, ack_end)
     notes = [seccomp.privatise_shared_memory()]
     if outer is None:
         _prefer_oom_kill()
     shims.install()
-    notes.insert(0, seccomp.install(seal.pid, allow_fork))
+    reason, listener = seccomp.install(seal.pid, allow_fork, notify=ack_end >= 0, nested=outer is not None)
+    notes.insert(0, reason)
+    if ack_end >= 0:
+        notes.append(_hand_over(pipe, ack_end, listener, seal.pid, allow_fork))
     guard = "python" if notes[0] else "seccomp"
-    pipe.send(GUARD, pickle.dumps((guard, "; ".join(n for n in notes if n) or None)))
+    pipe.send_plain(GUARD, [guard, "; ".join(n for n in notes if n) or None])
     return lines, seal
+
+
+def _hand_over(pipe: Pipe, ack_end: int, listener: Optional[int], pid: int, allow_fork: bool) -> Optional[str]:
+    """Give the parent the seccomp listener and close ours before fn runs (the step must never hold it);
+    if the parent could not take it, cover it with the plain filter. A note when C code's refusals go unlisted."""
+    if listener is None:
+        os.close(ack_end)
+        return None
+    pipe.send_plain(LISTEN, listener)
+    answer = b""
+    try:
+        answer = os.read(ack_end, 1)
+    finally:
+        os.close(listener)
+        os.close(ack_end)
+    if answer == b"1":
+        return None
+    seccomp.install(pid, allow_fork)  # EPERM takes precedence over the listener: nothing waits on it
+    return "the refusals of C code are not listed (the parent could not take the seccomp listener)"
+
+
+def _on_stuck(pipe: Pipe) -> None:
+    """When the parent finds every thread of the child waiting forever (:mod:`.stuck`), it sends SIGUSR2:
+    the main thread, woken in its wait, sends where it waited (its stack) and exits."""
+    def report(signum, frame):
+        stack = [f for f in traceback.extract_stack(frame) if os.path.dirname(os.path.abspath(f.filename)) != _OURS]
+        try:
+            pipe.send_plain(STUCK, [[f.filename, f.lineno or 0, f.name, f.line or ""] for f in stack[-64:]])
+        finally:
+            os._exit(72)
+
+    signal.signal(signal.SIGUSR2, report)
+
+
+def _stamp(fd: int) -> Tuple[int, int]:
+    """(size, mtime) of a memory file: a write changes it."""
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns
 
 
 # --- 1. signals ----------------------------------------------------------------------------------------
@@ -241,32 +297,41 @@ def _open_fds() -> List[int]:
     return list(range(3, 1024))  # no listing: the usual range, closed ones are skipped
 
 
-def _cut_inherited_fds(seal: shims.Seal, outer: Optional[shims.Seal]) -> None:
+#: A file open for reading and writing is copied into its memory file up to this size (larger: read-only).
+COPY_MAX = 64 << 20
+#: Bytes copied so, for all such files of one run.
+COPY_BUDGET = 256 << 20
+
+
+def _cut_inherited_fds(seal: shims.Seal, outer: Optional[shims.Seal], ack_end: int) -> None:
     """Leave the child no descriptor shared with its parent; files open for writing go to ``seal.written``."""
-    keep = {seal.refusals.pipe.fd, seal.devnull}
+    keep = {seal.refusals.pipe.fd, seal.devnull, ack_end}
+    budget = [COPY_BUDGET]
     for fd in _open_fds():
         if fd <= 2 or fd in keep:
             continue
-        memfd = _replace_fd(fd, seal.devnull, outer)
+        memfd = _replace_fd(fd, seal.devnull, outer, budget)
         if memfd is not None:
             seal.written[fd] = memfd
             keep.add(memfd[1])
 
 
-def _replace_fd(fd: int, devnull: int, outer: Optional[shims.Seal]) -> Optional[Tuple[str, int]]:
-    if outer is not None:  # the zygote's memory files: a fresh one for each file, its own ones unused
-        if fd in outer.written and _same_file(fd, outer.written[fd][1]):
-            return outer.written[fd][0], _memfd_over(fd)
-        if fd in {memfd for _path, memfd in outer.written.values()}:
-            _to_devnull(fd, devnull)
-            return None
+def _replace_fd(fd: int, devnull: int, outer: Optional[shims.Seal], budget: List[int]):
+    """What becomes of ``fd``: None, or (path, memory file, its stamp) for a file whose writes are pretended."""
     import fcntl
 
+    if outer is not None:  # the zygote's memory files: a fresh copy for each file, its own ones unused
+        if fd in outer.written and _same_file(fd, outer.written[fd][1]):
+            return (outer.written[fd][0],) + _memfd_over(fd, fcntl.fcntl(fd, fcntl.F_GETFL), copy=True)
+        if fd in {entry[1] for entry in outer.written.values()}:
+            _to_devnull(fd, devnull)
+            return None
     try:
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        mode = os.fstat(fd).st_mode
+        st = os.fstat(fd)
     except OSError:
         return None  # closed meanwhile (the listing's own descriptor)
+    mode = st.st_mode
     try:
         target = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
@@ -274,8 +339,13 @@ def _replace_fd(fd: int, devnull: int, outer: Optional[shims.Seal]) -> Optional[
     if flags & getattr(os, "O_PATH", 0):
         return None  # can neither read nor write
     access = flags & os.O_ACCMODE
-    if stat.S_ISREG(mode) and target.startswith("/") and access == os.O_WRONLY and hasattr(os, "memfd_create"):
-        return target, _memfd_over(fd)
+    if stat.S_ISREG(mode) and target.startswith("/") and hasattr(os, "memfd_create"):
+        if access == os.O_WRONLY:
+            return (target,) + _memfd_over(fd, flags, copy=False)
+        if access == os.O_RDWR and st.st_size <= min(COPY_MAX, budget[0]):
+            # read and written (an "a+" log, a database): a copy, so reads see the file and writes go nowhere
+            budget[0] -= st.st_size
+            return (target,) + _memfd_over(fd, flags, copy=True)
     readable = stat.S_ISREG(mode) or stat.S_ISDIR(mode) or (stat.S_ISCHR(mode) and access == os.O_RDONLY)
     if not (readable and target.startswith("/") and _reopen_read_only(fd, stat.S_ISDIR(mode))):
         _to_devnull(fd, devnull)
@@ -291,11 +361,27 @@ def _same_file(fd: int, other: int) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _memfd_over(fd: int) -> int:
-    """Put a new anonymous memory file in place of ``fd``; the memory file's own descriptor."""
+def _memfd_over(fd: int, flags: int, copy: bool) -> Tuple[int, Tuple[int, int]]:
+    """Put a new anonymous memory file in place of ``fd`` (with ``fd``'s bytes and offset when ``copy``);
+    (the memory file's own descriptor, its stamp)."""
+    import fcntl
+
     memfd = os.memfd_create("sealed-write", os.MFD_CLOEXEC)
+    if copy:
+        size, done = os.fstat(fd).st_size, 0
+        while done < size:
+            sent = os.sendfile(memfd, fd, done, size - done)  # the offset argument leaves fd's own alone
+            if sent <= 0:
+                break
+            done += sent
+        try:
+            os.lseek(memfd, os.lseek(fd, 0, os.SEEK_CUR), os.SEEK_SET)
+        except OSError:
+            pass
+    if flags & os.O_APPEND:
+        fcntl.fcntl(memfd, fcntl.F_SETFL, os.O_APPEND)  # an "a" or "a+" file still appends
     os.dup2(memfd, fd, inheritable=False)
-    return memfd
+    return memfd, _stamp(memfd)
 
 
 def _reopen_read_only(fd: int, directory: bool) -> bool:
@@ -332,17 +418,21 @@ def _prefer_oom_kill() -> None:
 
 
 def _call(fn, args, kwargs) -> Tuple[int, bytes]:
-    """Run fn; (frame kind, pickled value or ChildError)."""
+    """Run fn; (frame kind, its value or its ChildError as plain data)."""
     try:
         value = fn(*args, **kwargs)
     except BaseException as exc:  # SystemExit too: it is what fn did
-        return ERROR, pickle.dumps(_child_error(exc), pickle.HIGHEST_PROTOCOL)
+        return ERROR, plain.encode(_child_error(exc).to_plain())
     try:
-        return VALUE, pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        error = ChildError(type(exc).__name__, f"fn returned a {type(value).__module__}.{type(value).__qualname__}, "
-                                               f"which cannot be sent back: {exc}")
-        return ERROR, pickle.dumps(error, pickle.HIGHEST_PROTOCOL)
+        body = plain.encode(value)
+    except plain.PlainError as exc:
+        error = ChildError("PlainError", f"fn returned a value that cannot be sent back: {exc}")
+        return ERROR, plain.encode(error.to_plain())
+    if len(body) > MAX_VALUE:
+        error = ChildError("ValueError", f"fn returned {len(body)} bytes of data, more than the {MAX_VALUE} a sealed "
+                                         "run sends back")
+        return ERROR, plain.encode(error.to_plain())
+    return VALUE, body
 
 
 def _text(exc: BaseException) -> str:
@@ -358,10 +448,11 @@ def _child_error(exc: BaseException) -> ChildError:
     attrs = {}
     for name, value in getattr(exc, "__dict__", {}).items():
         try:
-            pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
-        except Exception:
+            plain.encode(value)
+        except Exception:  # noqa: BLE001 - not plain data: left behind
             continue
-        attrs[name] = value
+        if type(name) is str:
+            attrs[name] = value
     return ChildError(
         type_name=type(exc).__qualname__,
         message=_text(exc),

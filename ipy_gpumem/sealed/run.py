@@ -4,11 +4,13 @@ Why a fork: the child starts as an exact copy-on-write image of the user's proce
 modules, torch state); the fork copies page tables, not pages (5 ms with torch imported, 23 ms with
 1 GiB of tensors: benchmarks/bench_sealed.py), and nothing is copied until the child writes to it.
 What the child changes in its own memory (globals, ``os.environ``, RNG state, torch's default
-dtype) dies with it. The child seals itself before calling ``fn`` (:mod:`.child`). Its value (pickled) or its exception (as
-:class:`ChildError`) comes back on a pipe as length-prefixed frames (:mod:`.protocol`). Refusals
-are sent as they happen, so a run killed at its deadline still says what it tried. The parent
-reads the pipe while the child writes (a result of tens of MB never blocks the child), watches the
-child with a pidfd, SIGKILLs it at the deadline and always reaps it. If a sealing step fails,
+dtype) dies with it. The child seals itself before calling ``fn`` (:mod:`.child`). Its value or its
+exception (as :class:`ChildError`) comes back on a pipe as length-prefixed frames of plain data
+(:mod:`.protocol`, :mod:`.plain`), read by :mod:`.answer`, which trusts none of it. Refusals are
+sent as they happen, so a run killed at its deadline still says what it tried; the refusals of C
+code are named by the parent itself (:mod:`.notify`). The parent reads the pipe while the child
+writes (a result of tens of MB never blocks the child), watches the child with a pidfd, ends it
+early when it can never go on (:mod:`.stuck`), SIGKILLs it at the deadline and always reaps it. If a sealing step fails,
 ``fn`` does not run: the outcome's ``exit`` says why.
 
 A zygote (``allow_fork=True``) is a child that may itself call ``run_sealed``, so that a costly
@@ -28,23 +30,24 @@ more than one SIGKILL, in two places:
 """
 from __future__ import annotations
 
+import math
 import os
-import pickle
 import select
 import signal
 import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Callable, Optional
 
 from . import seccomp, shims
+from .answer import Answer, SealedOutcome
 from .child import run_child
-from .protocol import ERROR, GUARD, REFUSED, SUMMARY, UNSEALED, VALUE, ChildError, Frames
+from .protocol import ChildError
 from .shims import MAX_REFUSED
+from .stuck import StuckWatch
 
-__all__ = ["run_sealed", "SealedOutcome", "ChildError", "SealedUnavailable", "MAX_REFUSED"]
+__all__ = ["run_sealed", "check_seconds", "SealedOutcome", "ChildError", "SealedUnavailable", "MAX_REFUSED"]
 
 #: Seconds a zygote waits for a trial to die once the thread it was forked from has ended.
 _TRIAL_DEATH_S = 10.0
@@ -55,34 +58,14 @@ class SealedUnavailable(Exception):
     a zygote); the message says why in one line."""
 
 
-@dataclass(frozen=True)
-class SealedOutcome:
-    """How a sealed run ended: what ``fn`` returned or raised, and what the seal refused on the way."""
-
-    value: Any = None
-    error: Optional[ChildError] = None
-    timed_out: bool = False
-    #: how the child ended when it did not report ("killed by SIGSEGV", "exited with status 3")
-    exit: Optional[str] = None
-    #: each refused side effect, one short line, deduplicated; capped at MAX_REFUSED plus a count
-    refused: Tuple[str, ...] = ()
-    #: lines the child printed (stdout + stderr, Python level), discarded
-    printed: int = 0
-    #: which guard held: "seccomp" (OS-level filter + Python shims) or "python" (shims only)
-    guard: str = ""
-    #: one line when the OS-level guard could not be installed (or memory stayed shared), saying why
-    guard_note: Optional[str] = None
-    seconds: float = 0.0
-    #: the child's pid (already reaped)
-    pid: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and not self.timed_out and self.exit is None
-
-
 def run_sealed(fn: Callable, *args, deadline_s: float, allow_fork: bool = False, **kwargs) -> SealedOutcome:
     """Run ``fn(*args, **kwargs)`` in a sealed forked child; SIGKILL it after ``deadline_s`` seconds.
+
+    What ``fn`` returns must be plain data (numbers, strings, bytes, lists, tuples, dicts, sets; at
+    most 256 MiB encoded): it comes back as such, never pickled, and anything else is an error
+    naming its type. ``deadline_s`` is a positive number of seconds (``inf``: no deadline, Ctrl-C
+    still ends the run). A child that waits forever on a lock (one held at the fork by another
+    thread of this process) is ended as soon as that is certain, with ``stuck`` set.
 
     With ``allow_fork=True`` the child is a zygote: sealed the same, except that ``fn`` may call
     ``run_sealed`` (each such trial is a fresh copy of the zygote, sealed again, and may not fork);
@@ -90,8 +73,10 @@ def run_sealed(fn: Callable, *args, deadline_s: float, allow_fork: bool = False,
     process it forked.
 
     Never raises but :class:`SealedUnavailable` (no ``os.fork``; or called inside a sealed run that is
-    not a zygote) and ``KeyboardInterrupt`` (after the child is killed and reaped); never prints.
+    not a zygote), ``ValueError`` (``deadline_s`` is not a positive number) and ``KeyboardInterrupt``
+    (after the child is killed and reaped); never prints.
     """
+    deadline_s = check_seconds(deadline_s, "deadline_s")
     if not hasattr(os, "fork"):
         raise SealedUnavailable(f"a sealed run needs os.fork, which {sys.platform} does not have")
     outer = shims.current()
@@ -99,23 +84,45 @@ def run_sealed(fn: Callable, *args, deadline_s: float, allow_fork: bool = False,
         raise SealedUnavailable("a sealed run inside a sealed run needs allow_fork=True on the outer run")
     _preload()
     start = time.monotonic()
+    threads = tuple(t.name for t in threading.enumerate() if t is not threading.current_thread())
     read_end, write_end = os.pipe()
+    # the ack pipe: the parent says whether it took the child's seccomp listener (.notify); not in a zygote
+    ack_read, ack_write = os.pipe() if outer is None and seccomp.unsupported() is None else (-1, -1)
     child = _Child(group=allow_fork and outer is None, nested=outer is not None)
+    ends = (read_end, write_end, ack_read, ack_write)
+    answer: Optional[Answer] = None
     try:
-        child.start(lambda parent, thread, sigmask: run_child(read_end, write_end, fn, args, kwargs, allow_fork,
-                                                              parent, thread, sigmask))
-        os.close(write_end)
-        write_end = -1
-        frames, status, timed_out = _watch(child, read_end, start + deadline_s)
-        return _outcome(frames, status, timed_out, child.pid, time.monotonic() - start)
+        child.start(lambda parent, thread, sigmask: run_child(ends, fn, args, kwargs, allow_fork, parent, thread,
+                                                              sigmask))
+        for fd in (write_end, ack_read):
+            if fd >= 0:
+                os.close(fd)
+        write_end = ack_read = -1
+        answer = Answer(child.pid, None if outer is not None else _pidfd(child.pid), ack_write)
+        status, timed_out = _watch(child, read_end, start + deadline_s, answer)
+        return answer.outcome(status, timed_out, time.monotonic() - start, threads, _describe_exit)
     except Exception as exc:  # our own failure: never the caller's problem
         return SealedOutcome(exit=f"the sealed run failed in the parent: {type(exc).__name__}: {exc}",
                              seconds=time.monotonic() - start, pid=child.pid)
     finally:  # KeyboardInterrupt included: no child outlives the call, no zombie
         child.end()
-        for fd in (read_end, write_end):
+        if answer is not None:
+            answer.close()
+            if answer.pidfd is not None:
+                os.close(answer.pidfd)
+        for fd in (read_end, write_end, ack_read, ack_write):
             if fd >= 0:
                 os.close(fd)
+
+
+def check_seconds(value, name: str = "timeout_s") -> float:
+    """``value`` as a float number of seconds > 0 (``inf`` allowed: no limit); ValueError in one line otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds, not {type(value).__name__} {value!r:.40}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds <= 0:
+        raise ValueError(f"{name} must be a number of seconds above 0, not {value!r}")
+    return seconds
 
 
 def _preload() -> None:
@@ -214,6 +221,14 @@ class _Child:
         self._done()
         return status
 
+    def ask_where(self) -> None:
+        """Ask a stuck child to send where it waits (SIGUSR2; a trial cannot be signalled by its zygote)."""
+        if self.holder is None and self.pid:
+            try:
+                os.kill(self.pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                pass
+
     def end(self) -> None:
         """Kill the child if it still runs (a zygote with its group) and reap it: no process outlives the run."""
         if self.reaped:
@@ -264,86 +279,67 @@ def _kill_group(pid: int) -> None:
 # --- the parent: read the frames, watch the child, decode -------------------------------------------
 
 
-def _watch(child: _Child, fd: int, deadline: float):
-    """Read frames until the child ends or the deadline passes; (frames, wait status, timed out).
+#: Seconds a stuck child has, once asked (SIGUSR2), to say where it waits before it is killed.
+_STUCK_GRACE_S = 2.0
+
+
+def _watch(child: _Child, fd: int, deadline: float, answer: Answer):
+    """Read frames and serve the listener until the child ends, breaks the protocol, is found stuck or
+    outlives the deadline; (wait status or None, timed out).
 
     ``poll``, not ``select``: a kernel with many open files has descriptors past select's 1024.
     """
     os.set_blocking(fd, False)
-    frames = Frames()
-    pidfd = _pidfd(child.pid)
     poller = select.poll()
     poller.register(fd, select.POLLIN)
-    if pidfd is not None:
-        poller.register(pidfd, select.POLLIN)
+    if answer.pidfd is not None:
+        poller.register(answer.pidfd, select.POLLIN)
+    watch, listening = StuckWatch(child.pid), False
     reading, nap = True, 0.0005
-    try:
-        while True:
-            status = child.poll()
-            if status is not None:
-                frames.pull(fd)  # the child is gone: what it wrote is all in the pipe
-                return frames.frames, status, False
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                child.end()
-                frames.pull(fd)
-                return frames.frames, None, True
-            if not reading and pidfd is None:  # end of file and no pidfd: the exit follows at once
-                time.sleep(min(nap, remaining))
-                nap = min(nap * 2, 0.05)
-                continue
-            wait = remaining if pidfd is not None else min(remaining, 0.25)
-            events = dict(poller.poll(max(1, int(wait * 1000))))
-            if reading and fd in events and frames.pull(fd):
-                poller.unregister(fd)  # end of file: now only the exit itself is awaited
-                reading = False
-    finally:
-        if pidfd is not None:
-            os.close(pidfd)
+    while True:
+        status = child.poll()
+        if status is not None:
+            answer.pull(fd)  # the child is gone: what it wrote is all in the pipe
+            return status, False
+        now = time.monotonic()
+        if answer.broken is not None:
+            child.end()  # a forged or garbled answer: nothing more of it is read
+            return None, False
+        if now >= deadline:
+            child.end()
+            answer.pull(fd)
+            return None, not answer.stuck
+        if not answer.stuck and watch.look(now):
+            answer.stuck = True  # it can never go on: ask it where it waits, then end it
+            deadline = min(deadline, now + _STUCK_GRACE_S)
+            child.ask_where()
+        if answer.listener is not None and listening is False:
+            poller.register(answer.listener.fd, select.POLLIN)
+            listening = True
+        remaining = deadline - now
+        if not reading and answer.pidfd is None:  # end of file and no pidfd: the exit follows at once
+            time.sleep(min(nap, remaining))
+            nap = min(nap * 2, 0.05)
+            continue
+        wait = min(remaining, watch.next - now + 0.001, 1.0)
+        events = dict(poller.poll(max(1, int(wait * 1000))))
+        if reading and fd in events and answer.pull(fd):  # first: a frame sent before a refused call tells about it
+            poller.unregister(fd)  # end of file: now only the exit itself is awaited
+            reading = False
+        if listening and answer.listener.fd in events:
+            answer.serve()
+            if events[answer.listener.fd] & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                poller.unregister(answer.listener.fd)  # the child's threads are gone: no call can come (and
+                listening = None                       # a hung-up descriptor would wake the loop for nothing)
 
 
 def _pidfd(pid: int) -> Optional[int]:
-    """A descriptor that becomes readable when the child exits (Linux 5.3+), or None to poll (also
-    in a zygote, whose filter refuses pidfd_open)."""
+    """A descriptor that becomes readable when the child exits (Linux 5.3+), or None to poll (a
+    zygote, whose filter refuses pidfd_open, does not ask)."""
     try:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):
         return None
-
-
-def _outcome(frames, status, timed_out, pid, seconds) -> SealedOutcome:
-    refused: List[str] = []
-    guard, note, printed, more = "", None, 0, 0
-    result: Dict[str, Any] = {}
-    unsealed = None
-    for kind, body in frames:
-        if kind == GUARD:
-            guard, note = pickle.loads(body)
-        elif kind == REFUSED:
-            refused.append(body.decode("utf-8", "replace"))
-        elif kind == SUMMARY:
-            printed, more = pickle.loads(body)
-        elif kind in (VALUE, ERROR):
-            result = _decode_result(kind, body)
-        elif kind == UNSEALED:
-            unsealed = body.decode("utf-8", "replace")
-        body[:] = b""  # free each body as soon as it is read (a value may be tens of MB)
-    if more:
-        refused.append(f"... and {more} more")
-    exit = None
-    if not result and not timed_out:
-        exit = unsealed or _describe_exit(status)
-    return SealedOutcome(value=result.get("value"), error=result.get("error"), timed_out=timed_out and not result,
-                         exit=exit, refused=tuple(refused), printed=printed, guard=guard, guard_note=note,
-                         seconds=seconds, pid=pid)
-
-
-def _decode_result(kind, body) -> Dict[str, Any]:
-    try:
-        loaded = pickle.loads(body)
-    except Exception as exc:  # the class of the value is not importable here, or similar
-        return {"error": ChildError(type(exc).__name__, f"the value fn returned could not be read back: {exc}")}
-    return {"value": loaded} if kind == VALUE else {"error": loaded}
 
 
 def _describe_exit(status: Optional[int]) -> str:

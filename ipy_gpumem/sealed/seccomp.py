@@ -10,6 +10,8 @@ refused, so no path anywhere can be written, and reads stay free (imports, datas
 ``ENOSYS`` so that libc falls back to ``openat`` and ``clone``, which it can. Threads are allowed
 (``clone`` with ``CLONE_THREAD``); a new process is not. Signals may only go to the child itself.
 Landlock (path rules) would add nothing here: no write-capable ``open`` passes the filter at all.
+A top-level child installs the filter with a listener (``notify``): each call it would refuse with
+``EPERM`` waits instead for the parent, which names it and answers ``EPERM`` (:mod:`.notify`).
 
 A zygote's filter (``allow_fork``) differs in one thing and adds three refusals. A plain fork passes
 (``clone`` without ``CLONE_THREAD`` and without any flag that would share the zygote's memory, files,
@@ -43,9 +45,10 @@ import os
 import platform
 import struct
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["WRITE_FLAGS", "program", "unsupported", "prepare", "install", "die_with_parent", "privatise_shared_memory"]
+__all__ = ["WRITE_FLAGS", "program", "syscall_names", "unsupported", "libc", "prepare", "install", "die_with_parent",
+           "privatise_shared_memory"]
 
 #: Any of these in an open's flags makes it a write: refused.
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
@@ -63,6 +66,10 @@ _JSET = 0x45     # BPF_JMP | BPF_JSET | BPF_K
 _RET = 0x06      # BPF_RET | BPF_K
 _ALLOW = 0x7FFF0000
 _ERRNO = 0x00050000
+_USER_NOTIF = 0x7FC00000  # the parent decides (and lists the call): kernel 5.0+
+_NEW_LISTENER = 1 << 3    # SECCOMP_FILTER_FLAG_NEW_LISTENER
+#: The seccomp(2) system call, by architecture.
+_SECCOMP_NR = {"x86_64": 317, "aarch64": 277}
 
 _CLONE_THREAD = 0x00010000
 #: clone flags that make something other than a plain fork: shared memory (CLONE_VM), files, working
@@ -218,7 +225,7 @@ def _ioctl() -> List[Insn]:
     return body + [_deny(), _ret(_ALLOW)]
 
 
-def _rules(pid: int, allow_fork: bool = False) -> List[Tuple[str, List[Insn]]]:
+def _rules(pid: int, allow_fork: bool = False, nested: bool = False) -> List[Tuple[str, List[Insn]]]:
     """(syscall name, the block that decides it), in the order they are tested."""
     rules: List[Tuple[str, List[Insn]]] = [
         ("open", _no_flag(1, WRITE_FLAGS)),
@@ -245,14 +252,20 @@ def _rules(pid: int, allow_fork: bool = False) -> List[Tuple[str, List[Insn]]]:
         for name in ("sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr")
     ]
     if not allow_fork:
-        return rules + [(name, [_deny()]) for name in _DENY]
+        # A zygote's trial refuses what its zygote's filter refuses too (its own EPERM comes first, so
+        # the zygote's listener is not asked about it).
+        keep = [("prctl", _prctl())] + [(name, [_deny()]) for name in ("setsid", "setpgid")] if nested else []
+        return rules + keep + [(name, [_deny()]) for name in _DENY]
     rules.append(("prctl", _prctl()))
     return rules + [(name, [_deny()]) for name in _DENY + ["setsid", "setpgid"] if name != "fork"]
 
 
-def program(machine: str, pid: int, allow_fork: bool = False) -> List[Insn]:
+def program(machine: str, pid: int, allow_fork: bool = False, notify: bool = False,
+            nested: bool = False) -> List[Insn]:
     """The filter for ``machine`` ("x86_64" or "aarch64"), allowing signals to ``pid`` only, and a
-    plain fork when ``allow_fork`` (a zygote)."""
+    plain fork when ``allow_fork`` (a zygote); ``nested``: a zygote's trial. With ``notify``, every
+    call refused with ``EPERM`` goes to the filter's listener instead, whose holder (the parent)
+    lists it and answers ``EPERM``."""
     table = _TABLES[machine]
     insns: List[Insn] = [
         (_LD_ABS, 0, 0, _ARCH),
@@ -262,12 +275,22 @@ def program(machine: str, pid: int, allow_fork: bool = False) -> List[Insn]:
     ]
     if machine == "x86_64":
         insns += [(_JGE, 0, 1, _X32_BIT), _deny()]
-    for name, block in _rules(pid, allow_fork):
+    header = len(insns)  # its refusals stay EPERM: a call of another ABI has no name to list
+    for name, block in _rules(pid, allow_fork, nested):
         if name in table:  # each block ends in a return, so a chain of (test, block) needs no long jumps
             insns.append((_JEQ, 0, len(block), table[name]))
             insns.extend(block)
     insns.append(_ret(_ALLOW))
+    if notify:
+        eperm = _deny()
+        insns[header:] = [_ret(_USER_NOTIF) if insn == eperm else insn for insn in insns[header:]]
     return insns
+
+
+def syscall_names(machine: Optional[str] = None) -> Dict[int, str]:
+    """{number: name} of the system calls the filter decides, on ``machine`` (this one by default)."""
+    table = _TABLES.get(machine or platform.machine(), {})
+    return {number: name for name, number in table.items()}
 
 
 def unsupported() -> Optional[str]:
@@ -291,6 +314,7 @@ def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     size, ptr, c_int, c_ulong = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int, ctypes.c_ulong
     libc.prctl.argtypes = [c_int, c_ulong, c_ulong, c_ulong, c_ulong]
+    libc.syscall.restype = ctypes.c_long
     libc.mmap.restype = libc.mremap.restype = ptr
     libc.mmap.argtypes = [ptr, size, c_int, c_int, c_int, ctypes.c_long]
     libc.mremap.argtypes = [ptr, size, size, c_int, ptr]
@@ -299,30 +323,52 @@ def _libc():
     return ctypes, libc
 
 
+def libc():
+    """(ctypes, libc) with the prototypes this room uses, loaded once per process."""
+    return _libc()
+
+
 def prepare() -> None:
     """Load what a child needs, in the parent, once."""
     if unsupported() is None:
         _libc()
 
 
-def install(pid: int, allow_fork: bool = False) -> Optional[str]:
-    """Install the filter on this process for good; None when it holds, else why not (one line).
+def install(pid: int, allow_fork: bool = False, notify: bool = False,
+            nested: bool = False) -> Tuple[Optional[str], Optional[int]]:
+    """Install the filter on this process for good: (None when it holds, else why not in one line;
+    the listener's descriptor when ``notify`` and the kernel gave one, else None).
 
     ``PR_SET_NO_NEW_PRIVS`` comes first: the kernel requires it of an unprivileged process, and
-    it means no later ``execve`` could gain privileges (none may run anyway).
+    it means no later ``execve`` could gain privileges (none may run anyway). With ``notify`` the
+    refused calls wait for the listener's holder (:mod:`.notify`); the caller must hand the listener
+    over and close its own descriptor before any code of the user's runs, or cover it with
+    :func:`install` ``(notify=False)``, whose ``EPERM`` takes precedence. A kernel without listeners
+    (before 5.0) gets the plain filter.
     """
     reason = unsupported()
     if reason:
-        return reason
+        return reason, None
     ctypes, libc = _libc()
-    insns = program(platform.machine(), pid, allow_fork)
-    filters = ctypes.create_string_buffer(b"".join(struct.pack("<HBBI", *insn) for insn in insns))
-    prog = ctypes.create_string_buffer(struct.pack("@HP", len(insns), ctypes.addressof(filters)))
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-        return f"prctl(PR_SET_NO_NEW_PRIVS) failed: {os.strerror(ctypes.get_errno())}"
+        return f"prctl(PR_SET_NO_NEW_PRIVS) failed: {os.strerror(ctypes.get_errno())}", None
+    machine = platform.machine()
+    if notify:
+        prog, _keep = _prog(ctypes, program(machine, pid, allow_fork, notify=True, nested=nested))
+        listener = libc.syscall(ctypes.c_long(_SECCOMP_NR[machine]), ctypes.c_long(1),  # SECCOMP_SET_MODE_FILTER
+                                ctypes.c_long(_NEW_LISTENER), ctypes.c_void_p(ctypes.addressof(prog)))
+        if listener >= 0:
+            return None, listener
+    prog, _keep = _prog(ctypes, program(machine, pid, allow_fork, nested=nested))
     if libc.prctl(22, 2, ctypes.addressof(prog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
-        return f"the kernel refused the seccomp filter: {os.strerror(ctypes.get_errno())}"
-    return None
+        return f"the kernel refused the seccomp filter: {os.strerror(ctypes.get_errno())}", None
+    return None, None
+
+
+def _prog(ctypes, insns: List[Insn]):
+    """(struct sock_fprog, the instructions it points to: keep them alive while it is used)."""
+    filters = ctypes.create_string_buffer(b"".join(struct.pack("<HBBI", *insn) for insn in insns))
+    return ctypes.create_string_buffer(struct.pack("@HP", len(insns), ctypes.addressof(filters))), filters
 
 
 def die_with_parent(parent: int, thread: Optional[int] = None) -> None:

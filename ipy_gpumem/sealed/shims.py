@@ -10,6 +10,9 @@ catches what bypasses the shims (``posix.remove``, ``_io.FileIO``, a function im
 run) and refuses it the same way. Each side effect, pretended or refused, is recorded once as a
 short line and sent to the parent the moment it happens, so a run killed at its deadline still
 says what it tried; past :data:`MAX_REFUSED` distinct lines, one line counts the rest.
+``sqlite3.connect`` opens an in-memory copy of the database (its commits succeed and are listed),
+and the run's own pipe is out of Python code's reach: writing on it, duplicating or reopening it
+is refused, closing it pretends (so a step cannot garble or forge the answer from Python).
 
 Why one :class:`Seal` per process, read at each call: a child forked by a zygote (a sealed child
 run with ``allow_fork=True``) inherits the zygote's shims and its audit hook, which cannot be
@@ -36,9 +39,10 @@ import threading
 from typing import Any, Dict, Optional, Set, Tuple
 
 from . import seccomp
-from .protocol import REFUSED, Pipe
+from .protocol import QUIET, REFUSED, Pipe
 
-__all__ = ["MAX_REFUSED", "Refusals", "Seal", "current", "enter", "install", "own_fork", "show", "unreported"]
+__all__ = ["MAX_REFUSED", "Refusals", "Seal", "current", "enter", "install", "original", "own_fork", "show", "unreported",
+           "sqlite_writes"]
 
 #: Distinct refusals reported one by one; past this, one line counts the rest.
 MAX_REFUSED = 20
@@ -76,10 +80,15 @@ class Seal:
         self.devnull = devnull
         #: whether run_sealed may fork here (a zygote)
         self.allow_fork = allow_fork
-        #: fd -> (path, memfd): files that were open for writing when the run began, now memory files
-        self.written: Dict[int, Tuple[str, int]] = {}
+        #: fd -> (path, memfd, (size, mtime) when made): files that were open for writing when the run
+        #: began, now memory files (a copy of the file when it was also open for reading)
+        self.written: Dict[int, Tuple[str, int, Tuple[int, int]]] = {}
         #: > 0 while the caller's own machinery runs (:func:`unreported`): still sealed, not reported
         self.quiet = 0
+        #: the run's own descriptors (its pipe): Python code of the step may not write, dup or close them
+        self.guarded: Set[int] = {pipe.fd}
+        #: (path as shown, connection) of each sqlite database the step opened: its writes stay in memory
+        self.databases: list = []
 
 
 _SEAL: Optional[Seal] = None
@@ -105,8 +114,10 @@ def enter(seal: Seal) -> None:
 def install() -> None:
     """Put the shims in place and add the audit hook (once per process and its forks: it cannot be removed)."""
     global _HOOKED
+    _shim_descriptors()
     _shim_open()
     _shim_files()
+    _shim_sqlite()
     _shim_processes()
     _shim_network()
     _shim_torch()
@@ -147,15 +158,31 @@ def unreported():
         yield
         return
     seal.quiet += 1
+    _tell_quiet(seal)
     try:
         yield
     finally:
         seal.quiet -= 1
+        _tell_quiet(seal)
+
+
+def _tell_quiet(seal: Seal) -> None:
+    """The parent names C code's refusals (.notify): it is told when they are the caller's, not the step's."""
+    try:
+        seal.refusals.pipe.send_plain(QUIET, seal.quiet)
+    except OSError:
+        pass  # the parent is gone
 
 
 def _real(owner, key: str, name: str):
     """``owner.name`` as it was before any seal (recorded the first time it is asked for)."""
     return _ORIGINALS.setdefault((key, name), getattr(owner, name))
+
+
+def original(owner, key: str, name: str):
+    """``owner.name`` as it was before any seal, for the seal's own use (its pipe writes with the real
+    ``os.write``, which a zygote's shim refuses on a guarded descriptor). ``key`` names ``owner`` ("os")."""
+    return _real(owner, key, name)
 
 
 def show(path) -> str:
@@ -187,6 +214,8 @@ def _shim_open() -> None:
 
     def sealed_open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None, closefd=True,
                     opener=None):
+        if _guarded(file):
+            _refused(f"open({file}, {mode!r}) on the sealed run's own pipe", "using the sealed run's own pipe")
         if isinstance(file, int) or not _writes(mode):
             return real_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
         _record(f"open({show(file)!r}, {mode!r})")
@@ -253,6 +282,171 @@ def _pretend(label: str, shown: int, returns: Optional[int]):
 
     pretend.__name__ = label.rsplit(".", 1)[1]
     return pretend
+
+
+# --- the run's own descriptors ------------------------------------------------------------------------
+
+
+def _guarded(fd) -> bool:
+    seal = _SEAL
+    return seal is not None and type(fd) is int and fd in seal.guarded
+
+
+#: os functions that write on, duplicate or change a descriptor: (name, positions of descriptors)
+_FD_USES = (("write", (0,)), ("writev", (0,)), ("pwrite", (0,)), ("pwritev", (0,)), ("sendfile", (0,)),
+            ("splice", (1,)), ("copy_file_range", (1,)), ("dup", (0,)), ("dup2", (0, 1)), ("ftruncate", (0,)),
+            ("set_blocking", (0,)), ("set_inheritable", (0,)), ("lseek", (0,)), ("fdopen", (0,)))
+
+
+def _shim_descriptors() -> None:
+    """The run's pipe is not the step's: Python code that writes on it, duplicates, reopens or
+    changes it is refused, and closing it pretends. (C code can still reach it: the parent trusts
+    no byte it reads, :mod:`.protocol`.)"""
+    for name, positions in _FD_USES:
+        if hasattr(os, name):
+            setattr(os, name, _fd_guard(f"os.{name}", _real(os, "os", name), positions))
+    import fcntl
+
+    for name in ("fcntl", "ioctl", "flock", "lockf"):
+        setattr(fcntl, name, _fd_guard(f"fcntl.{name}", _real(fcntl, "fcntl", name), (0,)))
+    real_close, real_closerange = _real(os, "os", "close"), _real(os, "os", "closerange")
+
+    def close(fd):
+        if _guarded(fd):
+            _record(f"os.close({fd}) of the sealed run's own pipe")
+            return None
+        return real_close(fd)
+
+    def closerange(low, high):
+        start = low
+        for fd in sorted(f for f in (_SEAL.guarded if _SEAL is not None else ()) if low <= f < high):
+            _record(f"os.closerange({low}, {high}) over the sealed run's own pipe")
+            real_closerange(start, fd)
+            start = fd + 1
+        real_closerange(start, high)
+
+    os.close, os.closerange = close, closerange
+
+
+def _fd_guard(label: str, real, positions):
+    def guard(*args, **kwargs):
+        for index in positions:
+            if index < len(args) and _guarded(args[index]):
+                _refused(f"{label}({args[index]}) on the sealed run's own pipe", "using the sealed run's own pipe")
+        return real(*args, **kwargs)
+
+    guard.__name__ = label.rsplit(".", 1)[1]
+    return guard
+
+
+# --- sqlite -------------------------------------------------------------------------------------------
+
+#: A database file up to this size is copied into memory when the step opens it; a larger one is opened read-only.
+SQLITE_COPY_MAX = 64 << 20
+
+
+def _shim_sqlite() -> None:
+    """``sqlite3.connect`` opens an in-memory copy of the database: the step reads what is there, its
+    writes and commits succeed and stay in memory, and are listed (:func:`sqlite_writes`)."""
+    dbapi = sys.modules.get("sqlite3.dbapi2")
+    if dbapi is None:
+        return
+    real = _real(dbapi, "sqlite3.dbapi2", "connect")
+
+    def connect(database, *args, **kwargs):
+        path = _database_path(database, kwargs.get("uri", False))
+        if path is None:  # ":memory:", "", or a URI that opens nothing for writing
+            return real(database, *args, **kwargs)
+        shown = show(path)
+        kwargs.pop("uri", None)
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            size = None
+        if size is not None and size > SQLITE_COPY_MAX:
+            _record(f"sqlite3.connect({shown!r}) opened read-only (too large to copy into memory: its writes fail)")
+            return real(_uri(path, "mode=ro"), *args, uri=True, **kwargs)
+        kwargs["factory"] = _in_memory(kwargs.get("factory") or dbapi.Connection)
+        memory = real(":memory:", *args, **kwargs)
+        if size is None:
+            _record(f"sqlite3.connect({shown!r}): a new database, kept in memory")
+        else:
+            for query in ("mode=ro", "immutable=1"):  # a WAL database without its -shm file opens immutable
+                try:
+                    source = real(_uri(path, query), uri=True)
+                except dbapi.Error:
+                    continue
+                try:
+                    source.backup(memory)
+                    break
+                except dbapi.Error:
+                    continue
+                finally:
+                    source.close()
+        memory.sealed_name, memory.sealed_changes = shown, memory.total_changes
+        seal = _SEAL
+        if seal is not None:
+            seal.databases.append(memory)
+        return memory
+
+    dbapi.connect = connect
+    package = sys.modules.get("sqlite3")
+    if package is not None:
+        package.connect = connect
+
+
+def _database_path(database, uri: bool) -> Optional[str]:
+    try:
+        text = os.fsdecode(database)
+    except TypeError:
+        return None
+    if uri:
+        from urllib.parse import parse_qs, unquote, urlsplit
+
+        parts = urlsplit(text)
+        if parts.scheme != "file":
+            return None
+        query = parse_qs(parts.query)
+        if query.get("mode", [""])[0] in ("ro", "memory") or query.get("immutable", ["0"])[0] == "1":
+            return None
+        text = unquote(parts.path)
+    return None if text in ("", ":memory:") else text
+
+
+def _uri(path: str, query: str) -> str:
+    from urllib.parse import quote
+
+    return f"file:{quote(os.path.abspath(path))}?{query}"
+
+
+_FACTORIES: Dict[type, type] = {}
+
+
+def _in_memory(factory: type) -> type:
+    """``factory`` (sqlite3.Connection or the step's subclass of it), whose ``close`` first lists the changes."""
+    made = _FACTORIES.get(factory)
+    if made is None:
+        def close(self):
+            _database_written(self)
+            return factory.close(self)
+
+        made = _FACTORIES[factory] = type(factory.__name__, (factory,), {"close": close})
+    return made
+
+
+def _database_written(connection) -> None:
+    try:
+        changed = connection.total_changes > connection.sealed_changes
+    except Exception:  # noqa: BLE001 - already closed: listed then
+        return
+    if changed:
+        _record(f"writes to the sqlite database {connection.sealed_name!r} (kept in memory, not written)")
+
+
+def sqlite_writes(seal: "Seal") -> None:
+    """At the end of a run: record each database the step changed and left open (its changes stayed in memory)."""
+    for connection in seal.databases:
+        _database_written(connection)
 
 
 # --- processes and network ------------------------------------------------------------------------------
