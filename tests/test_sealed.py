@@ -1088,6 +1088,35 @@ def test_a_forged_frame_runs_nothing_allocates_nothing_and_is_refused_in_one_lin
     assert said in outcome.broken and "\n" not in outcome.broken, outcome.broken
 
 
+def test_a_forged_listener_frame_is_refused():
+    from ipy_gpumem.sealed import plain
+    from ipy_gpumem.sealed.protocol import HEAD, LISTEN
+
+    body = plain.encode(0)  # "take my descriptor 0": the parent took the real listener before fn ran
+    outcome = run_sealed(_c_write_then(HEAD.pack(LISTEN, len(body)) + body, "return"), deadline_s=DEADLINE)
+    _reaped(outcome.pid)
+    assert not outcome.ok and "not asked for" in outcome.broken
+
+
+def test_where_the_parent_cannot_take_the_listener_c_code_is_still_refused(monkeypatch):
+    """A fault this machine does not have (Yama's ptrace_scope 3 refuses pidfd_getfd), made by a fake."""
+    import ipy_gpumem.sealed.answer as answer
+
+    def refused(pidfd, remote):
+        raise OSError(errno.EPERM, "pidfd_getfd: Operation not permitted (a fake, for the test)")
+
+    monkeypatch.setattr(answer, "take_listener", refused)
+
+    def step():
+        libc = ctypes.CDLL(None, use_errno=True)
+        ctypes.set_errno(0)
+        return libc.mkdir(b"/nonexistent-sealed-test", 0o755), errno.errorcode.get(ctypes.get_errno())
+
+    outcome = _sealed(step)
+    assert outcome.value == (-1, "EPERM")  # the plain filter covers the listener nobody holds
+    assert outcome.refused == () and "the refusals of C code are not listed" in outcome.guard_note
+
+
 def test_python_code_cannot_write_on_dup_or_close_the_answer_pipe():
     def step():
         fd = _answer_pipe()

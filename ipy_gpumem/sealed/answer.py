@@ -74,6 +74,7 @@ class Answer:
         self._more = 0
         self._guard, self._note, self._printed, self._child_more = "", None, 0, 0
         self._answer: Optional[Tuple[int, Any]] = None
+        self._listened = False
         self._quiet = 0  # > 0 while the child runs the caller's own machinery: its C code's refusals are not listed
 
     # -- reading ----------------------------------------------------------------------------------
@@ -90,7 +91,7 @@ class Answer:
             self.broken = str(exc)
             return True
 
-    def _take(self, kind: int, body: bytearray) -> None:
+    def _take(self, kind: int, body) -> None:
         if self._answer is not None:
             raise ProtocolError("the child sent more after its answer (a forged frame)")
         if kind == REFUSED:
@@ -112,6 +113,8 @@ class Answer:
         elif kind == UNSEALED:
             self._answer = (kind, protocol.text(body))
         elif kind == STUCK:
+            if not self.stuck:
+                raise ProtocolError("the child said where it waits when it was not asked (a forged frame)")
             frames = protocol.decode(body)
             try:
                 checked = tuple((protocol.str_(f[0]), protocol.int_(f[1]), protocol.str_(f[2]), protocol.str_(f[3]))
@@ -119,7 +122,7 @@ class Answer:
             except (TypeError, IndexError) as exc:
                 raise ProtocolError(f"the child's stack is malformed ({exc})") from None
             self._answer = (kind, checked)
-        body[:] = b""  # free each body as soon as it is read (a value may be tens of MB)
+        protocol.release(body)  # free each body as soon as it is read (a value may be tens of MB)
 
     @staticmethod
     def _fields(body, count: int) -> list:
@@ -141,8 +144,9 @@ class Answer:
 
     # -- the seccomp listener -------------------------------------------------------------------
     def _listen(self, remote: int) -> None:
-        if self.listener is not None or self.ack_fd < 0:
+        if self._listened or self.ack_fd < 0:
             raise ProtocolError("the child sent a listener it was not asked for")
+        self._listened = True
         try:
             self.listener = Listener(take_listener(self.pidfd, remote), show)
             ack = b"1"

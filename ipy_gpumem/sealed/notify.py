@@ -46,6 +46,13 @@ def take_listener(pidfd: Optional[int], remote_fd: int) -> int:
     if fd < 0:
         number = ctypes.get_errno()
         raise OSError(number, f"pidfd_getfd: {os.strerror(number)}")
+    try:
+        kind = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        kind = ""
+    if kind != "anon_inode:seccomp notify":  # the number came from the child: it must name a listener
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"descriptor {remote_fd} of the child is no seccomp listener ({kind or '?'})")
     return fd
 
 
@@ -54,6 +61,8 @@ class Listener:
 
     def __init__(self, fd: int, show: Callable[[str], str] = lambda path: path):
         self.fd = fd
+        #: it failed in a way that will not pass (the caller stops polling it)
+        self.dead = False
         self._show = show
         self._names = seccomp.syscall_names()
         self._poll = select.poll()
@@ -73,7 +82,9 @@ class Listener:
             buf = bytearray(_NOTIF.size)  # the kernel wants it zeroed
             try:
                 fcntl.ioctl(self.fd, _RECV, buf, True)
-            except OSError:
+            except OSError as exc:
+                if exc.errno not in (errno.ENOENT, errno.EINTR):
+                    self.dead = True  # not a listener that works: the caller stops polling it
                 break  # the caller was killed, or the child is gone: nothing to answer
             call_id, pid, _flags, nr, _arch, _ip, *args = _NOTIF.unpack(buf)
             name = self._names.get(nr, f"system call {nr}")

@@ -16,6 +16,7 @@ are plain data (:mod:`.plain`), never pickles. Whatever breaks these rules is a
 """
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass, field
@@ -124,7 +125,7 @@ class Frames:
     """
 
     def __init__(self):
-        self._done: List[Tuple[int, bytearray]] = []
+        self._done: List[Tuple[int, Any]] = []  # (kind, body: a bytearray or an mmap), release() each
         self._head = bytearray()
         self._kind = 0
         self._size = -1  # the body's length while one is being read, else -1
@@ -159,7 +160,7 @@ class Frames:
             except BlockingIOError:
                 return False
 
-    def take(self) -> List[Tuple[int, bytearray]]:
+    def take(self) -> List[Tuple[int, Any]]:
         done, self._done = self._done, []
         return done
 
@@ -181,18 +182,34 @@ class Frames:
         self._finish_body()
 
     def _grow(self) -> None:
-        """Room for more of the body: doubled (from 64 KiB), never past its length. A body is only ever
-        as large as twice what arrived, and one large buffer is one mapping, returned whole when freed."""
-        body = bytearray(min(self._size, max(64 << 10, 2 * len(self._body))))
-        body[:self._filled] = self._body
+        """Room for more of the body: doubled (from 64 KiB), never past its length, so a body is only
+        ever as large as twice what arrived. From 1 MiB on it is an anonymous mapping of its own: freed,
+        it goes back to the system whole (growing malloc's heap would keep the kernel's RSS up)."""
+        size = min(self._size, max(64 << 10, 2 * len(self._body)))
+        body = mmap.mmap(-1, size) if size >= _MAPPED else bytearray(size)
+        body[:self._filled] = memoryview(self._body)[:self._filled]  # the view is gone by the next line
+        release(self._body)
         self._body = body
 
     def _finish_body(self) -> None:
-        if self._filled == self._size:
-            body = self._body if len(self._body) == self._size else self._body[:self._size]
-            self._done.append((self._kind, body))
+        if self._filled == self._size:  # the body's capacity is its size by now (see _grow)
+            self._done.append((self._kind, self._body))
             self._size, self._body, self._filled = -1, bytearray(), 0
 
+
+#: Bodies from this size on are read into anonymous mappings (:meth:`Frames._grow`).
+_MAPPED = 1 << 20
+
+
+def release(body) -> None:
+    """Give a frame's body back now (a mapping is unmapped; a bytearray emptied)."""
+    try:
+        if isinstance(body, mmap.mmap):
+            body.close()
+        else:
+            body[:] = b""
+    except BufferError:
+        pass  # still viewed (an error's traceback holds a decoder): freed with it
 
 def text(body) -> str:
     """A frame's body as one line of text (a refusal, why the child could not be sealed): at most MAX_NOTE bytes."""

@@ -328,7 +328,8 @@ def _watch(child: _Child, fd: int, deadline: float, answer: Answer):
             reading = False
         if listening and answer.listener.fd in events:
             answer.serve()
-            if events[answer.listener.fd] & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+            hung_up = events[answer.listener.fd] & (select.POLLHUP | select.POLLERR | select.POLLNVAL)
+            if hung_up or answer.listener.dead:
                 poller.unregister(answer.listener.fd)  # the child's threads are gone: no call can come (and
                 listening = None                       # a hung-up descriptor would wake the loop for nothing)
 
