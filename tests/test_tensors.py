@@ -16,7 +16,7 @@ nn = torch.nn
 
 from ipy_gpumem.attribution.who import who  # noqa: E402
 from ipy_gpumem.preflight.world import FakeWorld  # noqa: E402
-from ipy_gpumem.tensors import census  # noqa: E402
+from ipy_gpumem.tensors import census, kinds  # noqa: E402
 from ipy_gpumem.tensors.storage import Storages  # noqa: E402
 from ipy_gpumem.tensors.torch_api import DEPENDENCIES, api  # noqa: E402
 from ipy_gpumem.tensors.walk import Walk  # noqa: E402
@@ -264,7 +264,7 @@ def test_a_million_ints_are_proven_once_then_rechecked_a_slice_at_a_time():
     assert first >= 900_000 and walk.visits < 100_000  # the second walk re-checks a slice
     big[500_000] = torch.ones(3)  # a tensor slipped into the middle, same length
     found = False
-    for _ in range(20):  # the rotating re-check reaches it within a full turn
+    for _ in range(len(big) // kinds.RECHECK + 2):  # the rotating re-check reaches it within a full turn
         snap = census.take(ns, caches=False, user_modules=False)
         if snap.role_bytes("other_tensors", owner="big") == 12:
             found = True

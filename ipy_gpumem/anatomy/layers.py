@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
+from ..tensors.holding import module_parts
+
 __all__ = ["LayerTracker", "TOP_LAYERS", "MAX_LAYER_NODES"]
 
 #: How many layers :meth:`LayerTracker.finish` names.
@@ -32,15 +34,13 @@ class LayerTracker:
     def __init__(self, walk: Any, root: Any, inputs: list):
         self.walk = walk  # a tensors.walk.Walk: its saved-tensor reader and storage reader
         self.names: Dict[int, str] = {}
-        try:
-            self.names = {id(m): name for name, m in root.named_modules() if name}
-        except Exception:  # noqa: BLE001
-            pass
         self.root_name = type(root).__name__
         self.exclude = set()
         try:
-            for t in list(root.parameters()) + list(root.buffers()):
-                self.exclude.update(self._keys([t]))
+            # Read from the instance dicts: an overridden named_modules() or parameters() never runs.
+            named, params, buffers = module_parts(root)
+            self.names = {id(m): name for name, m in named if name}
+            self.exclude.update(self._keys(params + buffers))
         except Exception:  # noqa: BLE001
             pass
         self.visited: set = set()

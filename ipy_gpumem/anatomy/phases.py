@@ -44,6 +44,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..core.roles import add_tables
+from ..tensors.holding import instance_attrs, module_parts
 from ..tensors.hooks import PhaseHooks
 from ..tensors.torch_api import api as torch_api
 from ..tensors.walk import GraphHandle, Walk
@@ -334,11 +335,17 @@ class PhaseWatcher:
         every gradient, and reading ``.grad`` of each of a large model's parameters at each phase
         boundary would cost more than the rest of the watcher."""
         out = []
+        grad, version = self._tensor_reads()
         for ref in self._sample:
             p = ref()
-            g = None if p is None else p.grad
-            out.append(None if g is None else (id(g), g._version))
+            g = None if p is None else grad(p)
+            out.append(None if g is None else (id(g), version(g)))
         return out
+
+    def _tensor_reads(self):
+        """``TensorBase``'s C getters of ``.grad`` and ``._version``: a subclass's properties never run."""
+        base = self._api.tensor_base
+        return base.grad.__get__, base._version.__get__
 
     def _zeroed(self, before: list, after: list) -> bool:
         if before == after:
@@ -353,12 +360,17 @@ class PhaseWatcher:
         # Every gradient rewritten in place: zero_grad(set_to_none=False) zeroes them, clipping
         # scales them. Read the smallest one to tell which.
         smallest = None
+        grad, _version = self._tensor_reads()
+        base = self._api.tensor_base
         for i in present:
             p = self._sample[i]()
-            g = None if p is None else p.grad
-            if g is not None and (smallest is None or g.numel() < smallest.numel()):
+            g = None if p is None else grad(p)
+            if g is not None and (smallest is None or base.numel(g) < base.numel(smallest)):
                 smallest = g
-        return smallest is not None and not bool(smallest.any())
+        if smallest is None:
+            return False
+        with self._api.no_torch_function():
+            return not bool(base.any(smallest))
 
     # -- registries --------------------------------------------------------------------------------
     def _name(self, obj) -> str:
@@ -383,7 +395,8 @@ class PhaseWatcher:
             return False
         self._module_ids[id(module)] = weakref.ref(module)
         self._modules.append((self._name(module), weakref.ref(module)))
-        self._see_params(module.parameters())
+        # Read from the instance dicts: an overridden parameters() or __getattr__ never runs.
+        self._see_params(module_parts(module)[1])
         return True
 
     def _see_optimizer(self, opt) -> bool:
@@ -392,7 +405,10 @@ class PhaseWatcher:
             return False
         self._optim_ids[id(opt)] = weakref.ref(opt)
         self._optims.append((self._name(opt), weakref.ref(opt)))
-        self._see_params(p for group in opt.param_groups for p in group.get("params", ()))
+        attrs = instance_attrs(opt) or {}  # an optimizer's own dict: no property or __getattr__ of a subclass runs
+        groups = dict.get(attrs, "param_groups")
+        self._see_params(p for group in (list(groups) if type(groups) is list else ())
+                         if type(group) is dict for p in list(dict.get(group, "params", ()) or ()))
         return True
 
     def _keep_roots(self, name: str, tensors) -> bool:

@@ -30,7 +30,9 @@ HOLDER_KINDS = (
     "out_cache",         # IPython's output cache entry ``expr`` (``Out[3]``)
     "underscore",        # IPython's ``_``, ``__``, ``___`` or ``_N`` (``expr``)
     "traceback_local",   # local ``expr`` of function ``frame`` in IPython's last traceback
-    "module_global",     # a global of a module the user wrote that no name holds (``helpers.CACHE``)
+    "module_global",     # a global of a module the user wrote that no name holds (``helpers.CACHE``), or what
+                         # ``weakref.finalize`` keeps for a finalizer (``weakref.finalize._registry[0][2]``)
+    "thread_local",      # a local of the user's code another thread is running (``expr`` names the thread)
     "rest",              # ``count`` smaller holders summed into one row
 )
 

@@ -35,7 +35,7 @@ def who_section(report: Optional[WhoReport], max_holders: int = 8, expanded: boo
     title = f"Who holds it ({where}): {format_bytes(report.total)} in {report.tensor_count:,} tensor storages"
     if report.reason:
         title += f" ({report.reason})"
-    if not report.complete and report.stopped:
+    if not report.complete and not report.reason:
         title += " (incomplete)"
     holders = [h for h in report.holders if h.bytes][: max(0, max_holders)]
     top = ", ".join(f"{h.name} {format_bytes(h.bytes)}" for h in holders[:3])

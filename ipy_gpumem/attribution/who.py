@@ -35,7 +35,8 @@ from ..tensors.torch_api import api as torch_api
 from ..tensors.walk import MAX_DEPTH, MAX_VISITS, Walk
 from .holders import Holder, IPythonRefs
 
-__all__ = ["BUDGET_S", "CATEGORIES", "CATEGORY_LABELS", "MAX_VISITS", "WhoReport", "who", "holder", "category_of"]
+__all__ = ["BUDGET_S", "CATEGORIES", "CATEGORY_LABELS", "MAX_VISITS", "WhoReport", "who", "holder", "category_of",
+           "left_out"]
 
 #: The attributed categories, highest precedence first: the walk's roles (activations are the
 #: graphs the user's tensors keep: "retained graphs"), then everything only IPython keeps.
@@ -88,6 +89,9 @@ class WhoReport:
         stopped: Why a budget stopped the walk early, else None (then ``notes[0]`` names
             what was not examined).
         notes: Limits hit and objects skipped, in words.
+        left_out: What the walk reached but did not examine, in words, budget or not: containers
+            nested too deep, holders it cannot read safely (another thread's running locals before
+            Python 3.13), objects that failed. Empty when the walk is complete.
     """
 
     categories: Dict[str, Optional[int]]
@@ -100,11 +104,13 @@ class WhoReport:
     reason: Optional[str] = None
     stopped: Optional[str] = None
     notes: Tuple[str, ...] = ()
+    left_out: Tuple[str, ...] = ()
 
     @property
     def complete(self) -> bool:
-        """True when the walk examined everything it reaches (no budget ran out, nothing failed)."""
-        return self.stopped is None and self.reason is None
+        """True when the walk examined everything it reaches (no budget ran out, nothing was left
+        unread or failed: :attr:`left_out` is empty)."""
+        return self.stopped is None and self.reason is None and not self.left_out
 
     @property
     def total(self) -> int:
@@ -131,6 +137,7 @@ class WhoReport:
             "reason": self.reason,
             "complete": self.complete,
             "stopped": self.stopped,
+            "left_out": list(self.left_out),
             "notes": list(self.notes),
         }
 
@@ -266,7 +273,21 @@ def _report(walk: Walk, device: Optional[Device], allocator_total: Optional[int]
         elapsed_s=time.perf_counter() - start,
         stopped=walk.stopped,
         notes=tuple(_notes(walk, device, allocator_total, attributed, len(by_device))),
+        left_out=tuple(left_out(walk)),
     )
+
+
+def left_out(walk: Walk) -> List[str]:
+    """What a finished walk did not examine, in words (empty when it is complete)."""
+    out = list(walk.unexamined)
+    if walk.too_deep:
+        out.append(f"{walk.too_deep:,} container(s) nested deeper than {MAX_DEPTH} levels (e.g. "
+                   f"{walk.label(walk.too_deep_path)})")
+    if walk.error_count:
+        out.append(f"{walk.error_count} object(s) that could not be examined")
+    if not out and not walk.complete:
+        out.append(walk.stopped or "part of what the names reach")
+    return out
 
 
 def _notes(walk: Walk, device: Optional[Device], allocator_total: Optional[int], attributed: int,
@@ -276,6 +297,8 @@ def _notes(walk: Walk, device: Optional[Device], allocator_total: Optional[int],
     if walk.stopped:
         left = "; ".join(walk.unexamined) or "nothing"
         notes.append(f"incomplete: {walk.stopped}; not examined: {left}")
+    elif walk.unexamined:
+        notes.append(f"incomplete: not examined: {'; '.join(walk.unexamined)}")
     notes.extend(walk.notes)
     if walk.too_deep:
         notes.append(f"containers nested deeper than {MAX_DEPTH} levels were not examined "
@@ -301,7 +324,7 @@ def holder(walk: Walk, category: int, relation: int, ref: Any, dev: Device, nbyt
     if relation == GRAPH:
         return _graph_holder(walk, category, ref, dev, nbytes)
     root_kind, roots, frame, keys = walk.root_facts(ref)
-    _, text = walk.expr(ref)
+    text = walk.label(ref) if root_kind == "thread_local" else walk.expr(ref)[1]
     kind = root_kind if relation == VAR else RELATION_KINDS[relation]
     return Holder(kind, CATEGORIES[category], dev, nbytes, roots=roots, expr=text, frame=frame, keys=keys)
 
@@ -319,7 +342,9 @@ def _graph_holder(walk: Walk, category: int, owners: tuple, dev: Device, nbytes:
             continue
         pid = tier.roots[index].path
         _, text = walk.expr(pid)
-        _kind, names, frame, entry = walk.root_facts(pid)
+        root_kind, names, frame, entry = walk.root_facts(pid)
+        if root_kind == "thread_local":
+            text = walk.label(pid)
         if frame:
             text = f"last traceback: {frame}() local {text!r}" if len(owners) > 1 else text
             frames.append(frame)

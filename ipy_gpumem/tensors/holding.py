@@ -22,7 +22,7 @@ from .kinds import CLASS, DICT, FUNC, MODOBJ, MODULE as K_MODULE, OBJECT, PARAM,
 from .paths import ATTR
 from .storage import HOST, block_bytes
 
-__all__ = ["HoldingMixin", "MAX_ITEMS"]
+__all__ = ["HoldingMixin", "MAX_ITEMS", "module_parts", "instance_attrs"]
 
 MAX_ITEMS = 10_000  # submodules of one module, parameters of one optimizer, locals of one frame
 _FIRST = itemgetter(0)
@@ -32,6 +32,54 @@ _MODULE_SLOTS = frozenset(("_parameters", "_buffers", "_modules", "_non_persiste
                            "_is_full_backward_hook", "_state_dict_pre_hooks", "_load_state_dict_post_hooks",
                            "_load_state_dict_pre_hooks", "_state_dict_hooks"))
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def instance_attrs(obj: Any) -> Optional[dict]:
+    """``obj.__dict__`` through the C getter its class inherits (a property or ``__getattr__`` never runs), or None."""
+    for klass in type.__dict__["__mro__"].__get__(type(obj)):
+        desc = type.__dict__["__dict__"].__get__(klass).get("__dict__")
+        if desc is not None:
+            if type(desc) not in (types.GetSetDescriptorType, types.MemberDescriptorType):
+                return None
+            try:
+                attrs = desc.__get__(obj, type(obj))
+            except Exception:  # noqa: BLE001
+                return None
+            return attrs if type(attrs) is dict else None
+    return None
+
+
+def module_parts(module: Any, limit: int = MAX_ITEMS) -> Tuple[List[Tuple[str, Any]], List[Any], List[Any]]:
+    """``(named submodules, parameters, buffers)`` of an nn.Module and everything below it, as
+    ``named_modules()``, ``parameters()`` and ``buffers()`` give them, read from the instance dicts
+    (``_modules``, ``_parameters``, ``_buffers``): an overridden method or ``__getattr__`` never runs.
+    Each module and tensor once; at most ``limit`` modules."""
+    named: List[Tuple[str, Any]] = []
+    params: List[Any] = []
+    buffers: List[Any] = []
+    seen_modules, seen_tensors = set(), set()
+    stack = [("", module)]
+    while stack and len(named) < limit:
+        prefix, mod = stack.pop()
+        if id(mod) in seen_modules:
+            continue
+        seen_modules.add(id(mod))
+        named.append((prefix, mod))
+        attrs = instance_attrs(mod)
+        if attrs is None:
+            continue
+        for slot, out in (("_parameters", params), ("_buffers", buffers)):
+            found = dict.get(attrs, slot)
+            if type(found) is dict:
+                for t in list(dict.values(found)):
+                    if t is not None and id(t) not in seen_tensors:
+                        seen_tensors.add(id(t))
+                        out.append(t)
+        children = dict.get(attrs, "_modules")
+        if type(children) is dict:
+            items = [(name, child) for name, child in list(dict.items(children)) if child is not None]
+            stack.extend((f"{prefix}.{name}" if prefix else str(name), child) for name, child in reversed(items))
+    return named, params, buffers
 
 
 class HoldingMixin:

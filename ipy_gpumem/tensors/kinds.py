@@ -1,17 +1,26 @@
-"""How a walk treats each object, decided once per type: tensor, module, optimizer, container, the user's code, or nothing to look at; and the cheap proof that a container holds only scalars.
+"""How a walk treats each object, decided once per type: tensor, module, optimizer, container, a holder read its own way, the user's code, or nothing to look at; and the cheap proof that a container holds only scalars.
 
 Most of a namespace is scalars, strings, numpy arrays and containers of them. Those are recognised
 in C, a whole group of containers of one type at a time (``set(map(type, chain.from_iterable(...)))``),
-so a million small variables cost a few hundred milliseconds and none of them a Python step.
-A very large container (a list of a million ints) is proven scalar-only once, in full, and then
-re-checked a slice at a time on later walks while its length stays the same (:class:`_Inert`), so
-a count that runs at every line boundary stays within a few milliseconds; its verdict is dropped
-the moment a slice, or its length, says otherwise.
+so a million small variables cost a few hundred milliseconds and none of them a Python step. A dict's
+keys count as much as its values (a tensor can be a key). A very large container (a list of a
+million ints) is proven scalar-only once, in full, and then re-checked a small slice at a time on
+later walks while its length stays the same (:class:`_Inert`), so a count that runs at every cell
+costs a fraction of a millisecond for it; its verdict is dropped the moment a slice, or its length,
+says otherwise.
+
+Holders that are neither containers nor plain objects are read their own way (:data:`READ`, see
+:mod:`.readers`): an ``lru_cache``'s entries, a suspended generator's frame, a numpy object array,
+a pandas object column, a Future's result, a ``threading.local``, an asyncio queue, a
+``LoggerAdapter``'s extra, a ``MappingProxyType``, an exception's arguments, a property's
+functions, a ``weakref.finalize``'s arguments, and any other C object through ``gc.get_referents``
+(the type's own C traversal: no user code). A numeric numpy array holds nothing.
 
 The user's code is walked too, because it holds tensors: a function's closure cells and default
 arguments, a class's attributes, a module's globals. Only code the user wrote counts (defined in a
 notebook or in a file outside the Python installation and its site-packages); a library's
-functions and modules are its own business and are not walked.
+functions and modules are its own business and are not walked, and neither are the objects of the
+session's own machinery (:data:`SKIP_PACKAGES`: IPython, the kernel, the event loop, plotting).
 
 Type decisions are kept across walks (per torch), so a census at every line pays for them once.
 """
@@ -28,40 +37,52 @@ from itertools import chain, compress, islice, repeat
 from operator import is_
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-__all__ = ["SKIP", "TENSOR", "PARAM", "MODULE", "OPTIM", "DICT", "SEQ", "OBJECT", "FUNC", "CLASS", "MODOBJ",
-           "TypeCache", "type_cache", "KindsMixin", "is_user_file"]
+from . import readers
+
+__all__ = ["SKIP", "TENSOR", "PARAM", "MODULE", "OPTIM", "DICT", "SEQ", "READ", "OBJECT", "FUNC", "CLASS", "MODOBJ",
+           "TypeCache", "type_cache", "KindsMixin", "is_user_file", "SKIP_PACKAGES", "LARGE", "RECHECK"]
 
 # How an object is walked. SKIP is 0 so that "kind" reads as a truth value; kinds >= DICT are
-# opened a level at a time (their contents wait for the next level).
-SKIP, TENSOR, PARAM, MODULE, OPTIM, DICT, SEQ, OBJECT, FUNC, CLASS, MODOBJ = range(11)
+# opened a level at a time (their contents wait for the next level); DICT..OBJECT hold data
+# (proven scalar-only in C where they can be), kinds above OBJECT are the user's code.
+SKIP, TENSOR, PARAM, MODULE, OPTIM, DICT, SEQ, READ, OBJECT, FUNC, CLASS, MODOBJ = range(12)
 
 SCALAR_TYPES = (
     int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
     type(Ellipsis), type(NotImplemented), memoryview,
 )
-# Never opened: code objects, frames and friends (functions, classes and modules have kinds of their own).
+# Never opened: code objects, frames, descriptors of C types (functions, classes and modules have
+# kinds of their own; generators, exceptions and properties are read by :mod:`.readers`).
 _OPAQUE_TYPES = (
-    types.BuiltinFunctionType, types.CodeType, types.FrameType, types.TracebackType, types.GeneratorType,
-    types.CoroutineType, types.AsyncGeneratorType, BaseException, property, staticmethod, classmethod,
-    types.WrapperDescriptorType, types.MethodWrapperType, types.MethodDescriptorType,
+    types.CodeType, types.FrameType, types.TracebackType,
+    types.WrapperDescriptorType, types.MethodDescriptorType,
     types.ClassMethodDescriptorType, types.GetSetDescriptorType, types.MemberDescriptorType,
 )
 _SEQ_BASES = (list, tuple, set, frozenset, deque)
-# Packages whose objects are the session's machinery, not the user's data. Walking them would
-# find the user namespace again (e.g. ``exit._ip.user_ns``) under misleading names.
+#: Packages whose objects are the session's machinery, not the user's data: never opened. Walking
+#: them would find the user namespace again (e.g. ``exit._ip.user_ns``) under misleading names.
+#: The holders users keep data in that live in some of them (a numpy array, a pandas frame, a
+#: Future, a ``threading.local``, an asyncio queue, a ``LoggerAdapter``) are read by
+#: :mod:`.readers` before this list is looked at.
 SKIP_PACKAGES = frozenset((
     "IPython", "ipykernel", "traitlets", "jupyter_client", "jupyter_core", "zmq", "tornado",
     "ipywidgets", "plotly", "matplotlib", "asyncio", "logging", "threading", "concurrent",
     "multiprocessing", "socket", "ssl", "subprocess", "ipy_gpumem", "comm", "debugpy", "numpy", "pandas",
 ))
 _C_DESCRIPTORS = (types.GetSetDescriptorType, types.MemberDescriptorType)
+_HAVE_GC = 1 << 14  # Py_TPFLAGS_HAVE_GC: only such types can hold other objects
 _GROUP = 1024  # containers of one type tested together for "holds only scalars"
 _SLICE = 1 << 16  # items scanned in C between two looks at the clock
 #: A container whose proof touched more items than this is remembered and re-checked a slice per walk.
 LARGE = 1 << 16
+#: About this many items (below the container) are re-checked per walk: a fraction of a
+#: millisecond, so the two walks of a cell that moves memory stay cheap beside a list of a
+#: million ints (a replaced item is seen within ``length / RECHECK`` walks, as the docstring says).
+RECHECK = 1 << 12
 #: Builtin containers longer than this are proven one by one (so that the proof can be remembered).
 _ALONE = 1024
 _MEMO_SIZE = 256
+_ALL_LEVELS = 1 << 30  # a proof that found only scalars one level down holds at any depth
 _GONE = object()
 
 
@@ -148,10 +169,12 @@ class TypeCache:
         self.user_modules: Dict[str, bool] = {}
         self.user_classes: Dict[type, bool] = {}  # classes the user wrote (filled by classify)
         self.inert: Dict[int, _Inert] = {}  # id of a large container -> its verdict
-        numpy = sys.modules.get("numpy")
-        if numpy is not None:  # arrays hold numbers in their own buffer (object arrays are left out)
-            self.kinds[numpy.ndarray] = SKIP
-            self.skip_types.add(numpy.ndarray)
+        #: READ types: ``reader(walk, obj) -> [(step, key, value)]`` (see :mod:`.readers`).
+        self.readers: Dict[type, Any] = {}
+        #: READ types whose instances can be proven empty in C, a group at a time: ``test(group) -> bool``.
+        self.group_empty: Dict[type, Any] = {}
+        for tp in (list, tuple, dict, set, frozenset):  # the proofs' own slices are lists
+            self.classify(tp)
 
     def classify(self, tp: type) -> int:
         """Decide once per type how its instances are walked."""
@@ -186,7 +209,16 @@ class TypeCache:
             return CLASS
         if issubclass(tp, types.ModuleType):
             return MODOBJ
-        if issubclass(tp, _OPAQUE_TYPES) or issubclass(tp, SCALAR_TYPES):
+        if issubclass(tp, SCALAR_TYPES):
+            return SKIP
+        found = readers.reader_for(tp)  # holders read their own way (before the machinery's packages)
+        if found is not None:
+            reader, group_test = found
+            self.readers[tp] = reader
+            if group_test is not None:
+                self.group_empty[tp] = group_test
+            return READ
+        if issubclass(tp, _OPAQUE_TYPES):
             return SKIP
         module = type.__dict__["__module__"].__get__(tp)
         if not isinstance(module, str) or module.partition(".")[0] in SKIP_PACKAGES:
@@ -194,6 +226,11 @@ class TypeCache:
         desc = self._dict_descriptor(tp)
         slots = self._slot_descriptors(tp)
         if desc is None and not slots:
+            # A C object: it holds other objects only if its type takes part in garbage collection,
+            # and then its own C traversal (gc.get_referents) says which, without running anything.
+            if type.__dict__["__flags__"].__get__(tp) & _HAVE_GC:
+                self.readers[tp] = readers.read_referents
+                return READ
             return SKIP
         if desc is not None:
             self.dict_desc[tp] = desc
@@ -312,28 +349,36 @@ class KindsMixin:
         return out
 
     def values_of(self, obj: Any, kind: int) -> Any:
-        """An iterator over what container ``obj`` holds, through builtin C methods only; None if unreadable."""
+        """An iterator over what container ``obj`` holds (a dict's keys too), through builtin C methods
+        only; None if unreadable."""
         if kind == DICT:
-            return dict.values(obj)
+            return chain(dict.keys(obj), dict.values(obj))
         if kind == SEQ:
             return self.types.seq_iter[type(obj)](obj)
         if kind == OBJECT:
             attrs = self.attributes(obj)
             return None if attrs is None else dict.values(attrs)
-        return None  # code: opened one by one
+        return None  # code and other holders: opened one by one
 
     def scalars_only(self, obj: Any, kind: int) -> bool:
         """True when container ``obj`` holds only values of skipped types (one C pass, or a slice of a
-        large container already proven)."""
+        large container already proven); a holder read its own way only when its type has a C test."""
         if kind > OBJECT:
             return False  # the user's code: looked at one by one
-        if kind == OBJECT and self.types.user_classes.get(type(obj)):
+        cache = self.types
+        if kind == READ:
+            test = cache.group_empty.get(type(obj))
+            try:
+                return test is not None and test([obj])
+            except Exception:  # noqa: BLE001
+                return False
+        if kind == OBJECT and cache.user_classes.get(type(obj)):
             return False  # an instance of the user's class: its class attributes are looked at too
         try:
             if type(obj) in (list, tuple, dict) and len(obj) > _ALONE:
                 return self.inert(type(obj), [obj], 1)
             values = self.values_of(obj, kind)
-            return values is None or self.types.skip_types.issuperset(map(type, values))
+            return values is None or cache.skip_types.issuperset(map(type, values))
         except Exception:  # noqa: BLE001 - changed size during iteration (another thread)
             return False
 
@@ -344,39 +389,68 @@ class KindsMixin:
         All in C (``chain.from_iterable`` of the builtin C iterators, ``map(type, ...)``), so a
         million small records cost a few passes over memory instead of a Python step each. One
         list, tuple or dict whose proof touched more than :data:`LARGE` items is remembered and,
-        while its length stays the same, re-checked a slice of about :data:`LARGE` items per walk.
+        while its length stays the same, re-checked about :data:`RECHECK` items per walk. One
+        found to hold more than scalars is not looked at again in the same walk.
         """
         cache = self.types
         kind = cache.kinds[tp]
+        if kind == READ:
+            test = cache.group_empty.get(tp)
+            try:
+                return test is not None and test(group)
+            except Exception:  # noqa: BLE001
+                return False
         if kind > OBJECT or (kind == OBJECT and cache.user_classes.get(tp)):
             return False  # the user's code, and instances of the user's classes (class attributes): one by one
         single = group[0] if len(group) == 1 and tp in (list, tuple, dict) else None
+        refuted = getattr(self, "refuted", None)
         if single is not None:
+            if refuted is not None and id(single) in refuted:
+                return False
             known = cache.inert.get(id(single))
             if known is not None:
                 if known.tp is tp and known.length == len(single) and known.levels >= levels:
                     return self._recheck(single, known)
                 cache.inert.pop(id(single), None)
         before = self.visits
-        verdict = self._inert(tp, group, levels)
-        if verdict and single is not None and self.visits - before > LARGE:
-            memo = cache.inert
-            if len(memo) >= _MEMO_SIZE:
-                memo.pop(next(iter(memo)))
-            memo[id(single)] = _Inert(tp, len(single), levels, max(1, len(single) * LARGE // (self.visits - before)))
+        verdict, depth = self._inert(tp, group, levels)
+        if single is not None:
+            if verdict and self.visits - before > LARGE:
+                memo = cache.inert
+                if len(memo) >= _MEMO_SIZE:
+                    memo.pop(next(iter(memo)))
+                memo[id(single)] = _Inert(tp, len(single), _ALL_LEVELS if depth <= 1 else levels,
+                                          max(1, len(single) * RECHECK // (self.visits - before)))
+            elif not verdict and refuted is not None and len(single) > _ALONE and not self.stopped_early():
+                refuted.add(id(single))  # it holds more than scalars: the walk opens it, once
         return verdict
+
+    def stopped_early(self) -> bool:
+        """Whether a budget stopped the proofs (then "not proven" is no verdict)."""
+        return bool(getattr(self, "stopped", None))
 
     def _recheck(self, container: Any, known: "_Inert") -> bool:
         """One slice of a container proven scalar-only before: still so? (Drops the verdict if not.)"""
         start, stop = known.cursor, known.cursor + known.stride
-        part = list(islice(dict.values(container), start, stop)) if known.tp is dict else list(container[start:stop])
-        if self._inert(list, [part], known.levels):
+        if known.tp is dict:
+            # A dict has no random access (skipping to a slice touches every value before it): its
+            # oldest and its newest items, in turn.
+            ends = (dict.values(container), dict.keys(container))
+            if start:
+                ends = tuple(map(reversed, ends))
+            part = list(chain(islice(ends[0], known.stride), islice(ends[1], known.stride)))
+            stop = known.length if start else known.stride
+        else:
+            part = list(container[start:stop]) if known.tp is tuple else container[start:stop]
+        verdict, _ = self._inert(list, [part], known.levels)
+        if verdict:
             known.cursor = 0 if stop >= known.length else stop
             return True
         self.types.inert.pop(id(container), None)
         return False
 
-    def _inert(self, tp: type, group: List[Any], levels: int) -> bool:
+    def _inert(self, tp: type, group: List[Any], levels: int) -> Tuple[bool, int]:
+        """``(verdict, levels looked into)``: 1 when the containers' own items were all scalars."""
         cache = self.types
         found: set = set()
         try:
@@ -393,45 +467,51 @@ class KindsMixin:
                 found.add(type(following))
                 self.visits += _SLICE
                 if self.out_of_budget():
-                    return False  # not proven empty: the caller's walk reports it as not examined
+                    return False, levels  # not proven empty: the caller's walk reports it as not examined
+            kinds = cache.kinds
+            for other in found.difference(kinds):
+                cache.classify(other)
             others = found.difference(cache.skip_types)
             if not others:
-                return True
+                return True, 1
             if levels <= 1:
-                return False
-            values = list(self.children(tp, group))  # something else is there: look closer
+                return False, levels
+            for other in others:
+                kind = kinds[other]
+                if kind < DICT or kind > OBJECT or (kind == READ and other not in cache.group_empty):
+                    return False, levels  # a tensor, a module, the user's code: no need to look closer
+            values = list(self.children(tp, group))  # containers are there: look closer
         except Exception:  # noqa: BLE001 - an odd instance: let the item-by-item path look at each one
-            return False
+            return False, levels
         tps = list(map(type, values))
         for other in others:
-            kind = cache.kinds.get(other)
-            if kind is None:
-                kind = cache.classify(other)
-            if not kind:
-                continue
-            if kind < DICT or not self.inert(other, list(compress(values, map(is_, tps, repeat(other)))), levels - 1):
-                return False
-        return True
+            if not self.inert(other, list(compress(values, map(is_, tps, repeat(other)))), levels - 1):
+                return False, levels
+        return True, levels
 
     def children(self, tp: type, group: List[Any]) -> Iterator[Any]:
-        """What the containers in ``group`` (all of type ``tp``) hold, chained, through C iterators only."""
+        """What the containers in ``group`` (all of type ``tp``) hold, chained, through C iterators only
+        (a dict's keys, then its values)."""
         cache = self.types
         kind = cache.kinds[tp]
         if kind == DICT:
-            return chain.from_iterable(map(dict.values, group))
+            return chain(chain.from_iterable(map(dict.keys, group)), chain.from_iterable(map(dict.values, group)))
         if kind == SEQ:
             return chain.from_iterable(map(cache.seq_iter[tp], group))
         if cache.slot_desc.get(tp):
             return chain.from_iterable(dict.values(self.attributes(obj) or {}) for obj in group)
         return chain.from_iterable(map(dict.values, map(cache.dict_desc[tp].__get__, group)))
 
-    def suspects(self, values: List[Any], levels: int) -> List[int]:
+    def suspects(self, values: List[Any], levels: int, tps: Optional[List[type]] = None) -> List[int]:
         """Positions of ``values`` that may hold a tensor within ``levels`` levels, in order.
 
-        Scalars are dropped by type; containers are tested in groups of one type (``_GROUP`` at
-        a time) with :meth:`inert`, so only groups that hold something are walked item by item.
+        Scalars are dropped by type (``tps``: their types, when the caller has them); containers are
+        tested in groups of one type (``_GROUP`` at a time) with :meth:`inert`, so only groups that
+        hold something are walked item by item. When the budget runs out, what was not proven is
+        kept (the caller's walk then says it was not examined).
         """
-        tps = list(map(type, values))
+        if tps is None:
+            tps = list(map(type, values))
         cache = self.types
         kinds, classify = cache.kinds, cache.classify
         for tp in set(tps):  # every type gets a kind first, so that kinds.get never answers None below
@@ -443,7 +523,11 @@ class KindsMixin:
         kept: List[int] = []
         for tp in set(rest):
             mine = list(compress(positions, map(is_, rest, repeat(tp))))
-            if kinds[tp] < DICT or kinds[tp] > OBJECT:
+            kind = kinds[tp]
+            if kind < DICT or kind > OBJECT or (kind == READ and tp not in cache.group_empty):
+                kept.extend(mine)
+                continue
+            if self.out_of_budget():
                 kept.extend(mine)
                 continue
             if tp in (list, tuple, dict):
@@ -459,6 +543,9 @@ class KindsMixin:
                 continue  # the usual case, in one go: a million records of scalars
             for start in range(0, len(mine), _GROUP):
                 chunk = mine[start:start + _GROUP]
+                if self.out_of_budget():
+                    kept.extend(mine[start:])
+                    break
                 if not self.inert(tp, list(map(values.__getitem__, chunk)), levels):
                     kept.extend(chunk)
         kept.sort()

@@ -5,7 +5,8 @@ made from one numpy array count once. A tensor owns memory through one storage (
 strided nested tensors, quantized tensors), through several (a sparse tensor's indices and values,
 a per-channel quantized tensor's scales and zero points), or through the tensors it wraps (a
 traceable wrapper subclass: a jagged nested tensor's values and offsets, DTensor's local shard,
-float8's data and scale). Meta and fake tensors own none. A CUDA storage counts as the caching
+float8's data and scale, read from its attributes: its ``__tensor_flatten__`` never runs). Meta and
+fake tensors own none. A CUDA storage counts as the caching
 allocator's block: rounded up to 512 bytes, which is what ``torch.cuda.memory_allocated`` adds.
 
 Every read goes through ``TensorBase``'s and ``StorageBase``'s C descriptors (the adapter's), so a
@@ -205,9 +206,9 @@ class Storages:
             parts = ()
         if parts:
             return parts
-        if api.is_wrapper_subclass(t):
-            return tuple(api.inner_tensors(t))
-        return ()
+        # A wrapper subclass (NJT, DTensor, float8, a user's): the tensors it keeps as attributes,
+        # read without running its ``__tensor_flatten__`` (a user's subclass's method is user code).
+        return tuple(api.inner_tensors(t))
 
     def nbytes(self, t: Any) -> int:
         """The bytes of every storage behind ``t``."""

@@ -52,9 +52,9 @@ DEPENDENCIES: Tuple[Dependency, ...] = (
                "task ends (how torch.utils.module_tracker finds the end of backward)", "no end of backward: the "
                "phase closes at the next boundary"),
     Dependency("torch.utils._python_dispatch (TorchDispatchMode, _get_current_dispatch_mode_stack, "
-               "_disable_current_modes, is_traceable_wrapper_subclass)", "the estimate's storage tracker; inner "
-               "tensors of wrapper subclasses (NJT, DTensor, float8)", "no estimate; wrapper subclasses read through "
-               "their instance attributes"),
+               "_disable_current_modes)", "the estimate's storage tracker (wrapper subclasses are recognised by "
+               "their class's __tensor_flatten__ and read through their instance attributes: no method of theirs "
+               "runs)", "no estimate"),
     Dependency("torch.utils._pytree (tree_leaves, tree_flatten, tree_map)", "tensors inside a module's inputs and "
                "outputs (tuples, dicts, ModelOutput)", "plain tuples, lists and dicts only"),
     Dependency("torch._subclasses.fake_tensor.FakeTensorMode", "tensors with shapes and no memory for the estimate",
@@ -136,7 +136,6 @@ class Api:
         self.dispatch_mode = getattr(dispatch, "TorchDispatchMode", None)
         self._mode_stack = getattr(dispatch, "_get_current_dispatch_mode_stack", None)
         self.disable_current_modes = getattr(dispatch, "_disable_current_modes", None)
-        self._is_wrapper = getattr(dispatch, "is_traceable_wrapper_subclass", None)
         self._pytree = _submodule("torch.utils._pytree")
         self._has_cuda = _get(C, "_has_cuda")
         self._has_primary_context = _get(C, "_cuda_hasPrimaryContext")
@@ -212,28 +211,42 @@ class Api:
         return ("torch._subclasses.fake_tensor", "torch._subclasses.meta_utils", "torch.fx.experimental.symbolic_shapes")
 
     def is_wrapper_subclass(self, t: Any) -> bool:
-        """True for a traceable wrapper subclass (``__tensor_flatten__``): NJT, DTensor, float8."""
-        fn = self._is_wrapper
-        if fn is not None:
-            try:
-                return bool(fn(t))
-            except Exception:  # noqa: BLE001
-                return False
-        return hasattr(type(t), "__tensor_flatten__")
+        """True for a traceable wrapper subclass (NJT, DTensor, float8), decided by its class's own
+        dicts: nothing of the subclass (``__getattr__``, a property) runs."""
+        tp = type(t)
+        if tp is self.torch.Tensor or not issubclass(tp, self.torch.Tensor):
+            return False
+        found = set()
+        for klass in type.__dict__["__mro__"].__get__(tp):
+            found.update(n for n in ("__tensor_flatten__", "__tensor_unflatten__")
+                         if n in type.__dict__["__dict__"].__get__(klass))
+        return len(found) == 2
 
-    def inner_tensors(self, t: Any) -> Iterator[Any]:
-        """The tensors a wrapper subclass is made of (``__tensor_flatten__``'s attributes)."""
+    def inner_tensors(self, t: Any) -> list:
+        """The tensors a wrapper subclass keeps as attributes (its instance dict, read through the C
+        ``__dict__`` getter, and one level into its lists, tuples and dicts): what ``__tensor_flatten__``
+        would name, without running it (a user's subclass's method is user code)."""
+        tensor = self.torch.Tensor
+        desc = None
+        for klass in type.__dict__["__mro__"].__get__(type(t)):
+            desc = type.__dict__["__dict__"].__get__(klass).get("__dict__")
+            if desc is not None:
+                break
+        if type(desc).__name__ != "getset_descriptor":
+            return []
         try:
-            names, _ctx = t.__tensor_flatten__()
+            attrs = desc.__get__(t, type(t))
         except Exception:  # noqa: BLE001
-            return
-        for name in names:
-            try:
-                value = getattr(t, name)
-            except Exception:  # noqa: BLE001
-                continue
-            if value is not None:
-                yield value
+            return []
+        out = []
+        for value in list(dict.values(attrs)) if type(attrs) is dict else ():
+            if isinstance(value, tensor):
+                out.append(value)
+            elif type(value) in (list, tuple):
+                out.extend(v for v in value if isinstance(v, tensor))
+            elif type(value) is dict:
+                out.extend(v for v in dict.values(value) if isinstance(v, tensor))
+        return out
 
     def tree_leaves(self, value: Any) -> list:
         """The leaves of a pytree (tuples, lists, dicts, ModelOutput); the value itself without pytree."""
@@ -247,27 +260,29 @@ class Api:
 
     # -- what a tensor without a storage of its own is made of ------------------------------------
     def component_tensors(self, t: Any, layout: Any) -> tuple:
-        """The tensors holding a sparse or quantized tensor's memory (empty for a plain one)."""
-        torch = self.torch
+        """The tensors holding a sparse tensor's memory (empty for a plain one), through
+        ``TensorBase``'s C methods (a subclass's overrides never run)."""
+        torch, base = self.torch, self.tensor_base
         if layout == torch.sparse_coo:
             try:
-                return (t._indices(), t._values())
+                return (base._indices(t), base._values(t))
             except Exception:  # noqa: BLE001 - a torch without the private pair
-                return (t.indices(), t.values())
+                return (base.indices(t), base.values(t))
         if layout in (getattr(torch, "sparse_csr", None), getattr(torch, "sparse_bsr", None)):
-            return (t.crow_indices(), t.col_indices(), t.values())
+            return (base.crow_indices(t), base.col_indices(t), base.values(t))
         if layout in (getattr(torch, "sparse_csc", None), getattr(torch, "sparse_bsc", None)):
-            return (t.ccol_indices(), t.row_indices(), t.values())
+            return (base.ccol_indices(t), base.row_indices(t), base.values(t))
         return ()
 
     def quantizer_tensors(self, t: Any) -> tuple:
         """A per-channel quantized tensor's scales and zero points (stored beside its data), else ()."""
-        torch = self.torch
+        torch, base = self.torch, self.tensor_base
         try:
-            if not t.is_quantized or t.qscheme() not in (torch.per_channel_affine, torch.per_channel_symmetric,
-                                                        getattr(torch, "per_channel_affine_float_qparams", None)):
+            if not base.is_quantized.__get__(t) or base.qscheme(t) not in (
+                    torch.per_channel_affine, torch.per_channel_symmetric,
+                    getattr(torch, "per_channel_affine_float_qparams", None)):
                 return ()
-            return (t.q_per_channel_scales(), t.q_per_channel_zero_points())
+            return (base.q_per_channel_scales(t), base.q_per_channel_zero_points(t))
         except Exception:  # noqa: BLE001
             return ()
 

@@ -2,13 +2,16 @@
 
 The census, ``who()``, the re-run tracker, the phases and the estimate all count through it.
 It visits, breadth first, the user's names (and roots a caller adds), then IPython's own
-references (the output cache, ``_``/``_N``, the last error's frames), then the modules the user
-wrote, one level deeper at a time down to :data:`MAX_DEPTH`: containers, plain objects' attributes
-and slots (dataclasses included), nn.Modules (parameters, buffers, other attributes, hooks),
-optimizers (state, param groups), the user's functions (closure cells, default arguments, the
-globals of their module), classes (class attributes) and modules (globals), and the autograd
-graphs of the tensors found (:mod:`.graphs`). Scalars and containers of scalars are recognised in
-C without a Python step each (:mod:`.kinds`).
+references (the output cache, ``_``/``_N``, the last error's frames), then what other running
+threads' code of the user's and ``weakref.finalize``'s registry keep, then the modules the user
+wrote, one level deeper at a time down to :data:`MAX_DEPTH`: containers (a dict's keys too),
+plain objects' attributes and slots (dataclasses included), nn.Modules (parameters, buffers, other
+attributes, hooks), optimizers (state, param groups), the holders read their own way
+(:mod:`.readers`: caches, generators' frames, object arrays, data frames, futures, thread-locals,
+exceptions, properties), the user's functions (closure cells, default arguments, the globals of
+their module), classes (class attributes) and modules (globals), and the autograd graphs of the
+tensors found (:mod:`.graphs`). Scalars and containers of scalars are recognised in C without a
+Python step each (:mod:`.kinds`).
 
 Each storage is *claimed* by every holder that reaches it; the best claim wins (see
 :mod:`.claims`: the user's names before IPython's, then the one role order), so the order of the
@@ -16,7 +19,9 @@ walk never changes the result, only what a budget leaves out. The work is done i
 importance, so a budget that runs out costs the least useful part: the names themselves and
 IPython's references, then the graphs of the tensors found so far, then the contents of
 containers, then the graphs found in them. When a budget stops it, :attr:`Walk.stopped` says why
-and :attr:`Walk.unexamined` what was left.
+and :attr:`Walk.unexamined` what was left; what it reached but could not read (a container deeper
+than :data:`MAX_DEPTH`, a running thread's locals before Python 3.13, an object that failed) makes
+it incomplete too (:attr:`Walk.complete`), and :attr:`Walk.unexamined` names those kinds.
 
 Nothing here calls user code (every read goes through a builtin type's own C method or
 descriptor, and tensor subclasses' ``__torch_function__`` is off), allocates tensors, imports
@@ -24,10 +29,13 @@ torch, or keeps a reference after :meth:`Walk.run` returns.
 """
 from __future__ import annotations
 
+import _thread
 import functools
 import sys
+import threading
 import time
 import types
+import weakref
 from itertools import compress
 from operator import itemgetter, not_
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -36,9 +44,11 @@ from ..core.devices import Device
 from .claims import IPYTHON, USER
 from .graphs import GraphNode, GraphRoot, GraphWalk
 from .holding import MAX_ITEMS, HoldingMixin
-from .kinds import (CLASS, DICT, FUNC, MODOBJ, MODULE as K_MODULE, OBJECT, OPTIM as K_OPTIM, PARAM, KindsMixin,
+from .kinds import (CLASS, DICT, FUNC, MODOBJ, MODULE as K_MODULE, OBJECT, OPTIM as K_OPTIM, PARAM, READ, KindsMixin,
                     is_user_file, type_cache)
-from .paths import ATTR, CELL, CLASSOF, EXTRA, ITEM, LOCAL, MODROOT, NAME, OUT, UNDER, Local, PathsMixin, clip, key_text
+from .paths import (ATTR, CELL, CLASSOF, EXTRA, ITEM, KEY, LOCAL, MODROOT, NAME, OUT, THREAD, UNDER, VIA, Local,
+                    PathsMixin, clip, key_text)
+from .readers import class_attr, frame_reads_safely, info_parts, live_frames, read_frame_locals
 from .saved import SavedReader
 from .storage import Storages
 
@@ -61,6 +71,21 @@ _FIRST = itemgetter(0)
 _GONE = object()  # a name deleted while the walk ran
 _MODULE_DICT = types.ModuleType.__dict__["__dict__"]
 _TYPE_DICT = type.__dict__["__dict__"]
+
+
+def _thread_names() -> Dict[int, str]:
+    """Running threads' names by ident (``threading``'s own table, read without its lock)."""
+    try:
+        return {ident: getattr(t, "_name", "?") for ident, t in list(dict.items(threading._active))}
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def _library_function(fn: Any) -> bool:
+    """A Python function (or a method of one) defined in a library's file, not the user's."""
+    if type(fn) is types.MethodType:
+        fn = fn.__func__
+    return type(fn) is types.FunctionType and not is_user_file(fn.__code__.co_filename)
 
 
 class GraphHandle:
@@ -150,6 +175,9 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
         self.too_deep_path = -1
         self.errors: List[str] = []
         self.error_count = 0
+        self.unread: Dict[str, int] = {}  # kinds of holders reached but not read -> how many
+        self.refuted: set = set()  # ids of large containers found to hold more than scalars (this walk)
+        self._live: Optional[set] = None
 
     # ----------------------------------------------------------------- driver
     def run(self) -> None:
@@ -161,6 +189,8 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
                 self.top_extra(users)
                 if self.walk_caches:
                     self.top_caches(caches)
+                self.top_threads(users)
+                self.top_finalizers(users)
                 self.graphs()
                 for depth in range(MAX_DEPTH + 1):
                     if depth == 1 and self.walk_user_modules:
@@ -180,11 +210,26 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
             self.errors_kept = ()
             self.modules_to_walk = {}
             self.saved.closures_seen = set()
+            self.refuted = set()
+            self._live = None
+            for what, count in self.unread.items():
+                self.unexamined.append(what if count == 1 else f"{what} ({count:,})")
 
     @property
     def complete(self) -> bool:
-        """Nothing left out: no budget ran out and no container was deeper than :data:`MAX_DEPTH`."""
-        return self.stopped is None and not self.too_deep
+        """Nothing left out: no budget ran out, no container was deeper than :data:`MAX_DEPTH`, every
+        holder reached was read and none failed."""
+        return self.stopped is None and not self.too_deep and not self.unread and not self.error_count
+
+    def not_read(self, what: str) -> None:
+        """A kind of holder reached but not read (said in :attr:`unexamined`; the walk is incomplete)."""
+        self.unread[what] = self.unread.get(what, 0) + 1
+
+    def live_frames(self) -> set:
+        """Ids of the frames threads are running now (read once per walk)."""
+        if self._live is None:
+            self._live = live_frames()
+        return self._live
 
     def out_of_budget(self) -> bool:
         """True once the time or visit budget is spent (and from then on)."""
@@ -347,15 +392,76 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
 
     def frame_locals(self, tier: _Tier, frame: types.FrameType) -> None:
         """One frame's locals: tensors, modules, optimizers, and one level into containers."""
-        f_locals = frame.f_locals
-        if f_locals is frame.f_globals or f_locals is self.namespace:
-            return  # a cell's module-level frame: its "locals" are the user namespace itself
-        items = list(dict.items(f_locals)) if isinstance(f_locals, dict) else list(f_locals.items())
+        if not frame.f_code.co_flags & 0x1:  # not CO_OPTIMIZED: a cell's module-level frame, whose
+            return  # "locals" are the user namespace itself (or a class body's, gone with it)
+        if not frame_reads_safely(frame, self.live_frames()):
+            # Still running (IPython's own frames while an error is handled): its locals can change,
+            # and before Python 3.13 reading them would keep them alive.
+            if is_user_file(frame.f_code.co_filename):
+                self.not_read("the locals of running frames of the last error's traceback")
+            return
         function = frame.f_code.co_name
-        for name, value in items[:MAX_ITEMS]:
+        for name, value in read_frame_locals(frame)[:MAX_ITEMS]:
             kind = self.kind_of(value)
             if kind and type(name) is str and kind not in (FUNC, CLASS, MODOBJ):
                 self.root(tier, LOCAL, Local(function, name), value, kind, MAX_DEPTH - 1)
+
+    def top_threads(self, tier: _Tier) -> None:
+        """The locals of the user's code that other threads are running now (a loader or a training thread).
+
+        From Python 3.13 on a running frame's ``f_locals`` is a view; before it, reading them would
+        copy them into a dict the frame keeps (holding what the code deletes next), so they are not
+        read and the walk says so.
+        """
+        try:
+            frames = list(sys._current_frames().items())
+        except Exception:  # noqa: BLE001 - an interpreter without it
+            return
+        me = _thread.get_ident()
+        names = None
+        for ident, frame in frames:
+            if ident == me:
+                continue
+            steps = 0
+            while frame is not None and steps < 1000:
+                steps += 1
+                code = frame.f_code
+                if code.co_flags & 0x1 and is_user_file(code.co_filename):
+                    if not frame_reads_safely(frame, self.live_frames()):
+                        self.not_read("the locals of code of yours running in other threads (before Python 3.13 "
+                                      "reading a running frame's locals would keep them alive)")
+                    else:
+                        if names is None:
+                            names = _thread_names()
+                        thread = names.get(ident, str(ident))
+                        for name, value in read_frame_locals(frame)[:MAX_ITEMS]:
+                            kind = self.kind_of(value)
+                            if kind and type(name) is str and kind not in (FUNC, CLASS, MODOBJ):
+                                self.root(tier, THREAD, Local(code.co_name, name, thread), value, kind, 0)
+                frame = frame.f_back
+
+    def top_finalizers(self, tier: _Tier) -> None:
+        """What ``weakref.finalize`` keeps until its object dies: each registered function and its
+        arguments, whether or not a name holds the finalizer (``weakref.finalize._registry``)."""
+        registry = class_attr(weakref.finalize, "_registry")
+        if type(registry) is not dict or not registry:
+            return
+        ns_id = id(self.namespace)
+        for index, info in enumerate(list(dict.values(registry))[:MAX_ITEMS]):
+            parts = info_parts(info, f"._registry[{index}]")
+            if not parts or _library_function(parts[0][2]):
+                continue  # a library's own finalizer (torch registers one per operator library)
+            for _step, key, value in parts:
+                kind = self.kind_of(value)
+                if not kind or id(value) == ns_id or (DICT <= kind <= OBJECT and self.scalars_only(value, kind)):
+                    continue
+                self.order += 1
+                root = self.path(-1, MODROOT, "weakref.finalize", self.order)
+                pid = self.path(root, VIA, key, self.order)
+                try:
+                    self.visit(tier, value, kind, pid, 0, self.order)
+                except Exception as exc:  # noqa: BLE001
+                    self.error(pid, exc)
 
     # ------------------------------------------------------------- visiting
     def visit(self, tier: _Tier, obj: Any, kind: int, pid: int, depth: int, order: int) -> None:
@@ -408,6 +514,9 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
 
     def open(self, tier: _Tier, pid: int, obj: Any, kind: int, depth: int) -> None:
         """Visit what one container holds, one level down; skipped types never take a Python step."""
+        if kind == READ:
+            self.open_read(tier, pid, obj, depth)
+            return
         if kind == OBJECT:
             attrs = self.attributes(obj)
             if attrs is None:
@@ -422,50 +531,82 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
             step = ITEM
         cache = self.types
         skip_types = cache.skip_types
+        keys: Any = None
         if kind == DICT:
-            self.visits += dict.__len__(obj)
-            if skip_types.issuperset(map(type, dict.values(obj))):
+            size = dict.__len__(obj)
+            self.visits += size
+            if step == ITEM and not skip_types.issuperset(map(type, dict.keys(obj))):
+                # Keys that are not scalars (a tensor, a tuple of them, an object): ``list(d)[i]``.
+                keys = list(dict.keys(obj))
+                self.visit_pairs(tier, pid, KEY, [(i, k) for i, k in enumerate(keys) if type(k) not in skip_types],
+                                 depth, size)
+            if size <= _BULK:
+                if skip_types.issuperset(map(type, dict.values(obj))):
+                    return
+                self.visit_pairs(tier, pid, step, list(dict.items(obj)), depth, size)
                 return
-            items = list(dict.items(obj))
-            values: Any = None
+            values = list(dict.values(obj))
+            if keys is None:
+                keys = list(dict.keys(obj))
+            if len(keys) != len(values):
+                return  # changed while read (another thread)
         else:
             values = list(cache.seq_iter[type(obj)](obj))
-            self.visits += len(values)
-            if skip_types.issuperset(map(type, values)):
+            size = len(values)
+            self.visits += size
+            if size <= _BULK:
+                if not skip_types.issuperset(map(type, values)):
+                    self.visit_pairs(tier, pid, step, enumerate(values), depth, size)
                 return
-            items = None
-        size = len(items if values is None else values)
-        if size <= _BULK:
-            pairs: Any = enumerate(values) if items is None else items
+        # Children sorted by type in C, whole groups of scalar-only records dropped at once.
+        tps = list(map(type, values))
+        positions = self.suspects(values, MAX_DEPTH - depth, tps)
+        if len(positions) > _BULK and self.store.storage_device is not None:
+            # Plain tensors (a list of a million of them) are read in bulk through C descriptors.
+            plain = list(map(cache.plain_tensor_types.__contains__, map(tps.__getitem__, positions)))
+            bulk = list(compress(positions, plain))
+            if len(bulk) > _BULK:
+                for start in range(0, len(bulk), _TENSORS):
+                    part = bulk[start:start + _TENSORS]
+                    names = part if keys is None else list(map(keys.__getitem__, part))
+                    if self.out_of_budget():
+                        self.unexamined.append(f"{len(bulk) - start:,} tensors in {self.label(pid)} and "
+                                               "what follows them there")
+                        return
+                    if not self.held_tensors(tier, pid, step, names, list(map(values.__getitem__, part)),
+                                             depth + 1):
+                        return  # it said what it left
+                positions = list(compress(positions, map(not_, plain)))
+        if not positions:
+            return
+        if keys is None:
+            pairs: Any = zip(positions, map(values.__getitem__, positions))
         else:
-            # Children sorted by type in C, whole groups of scalar-only records dropped at once.
-            if values is None:
-                values = list(map(itemgetter(1), items))
-            positions = self.suspects(values, MAX_DEPTH - depth)
-            if len(positions) > _BULK and self.store.storage_device is not None:
-                # Plain tensors (a list of a million of them) are read in bulk through C descriptors.
-                plain = list(map(cache.plain_tensor_types.__contains__,
-                                 map(type, map(values.__getitem__, positions))))
-                bulk = list(compress(positions, plain))
-                if len(bulk) > _BULK:
-                    for start in range(0, len(bulk), _TENSORS):
-                        part = bulk[start:start + _TENSORS]
-                        keys = part if items is None else list(map(_FIRST, map(items.__getitem__, part)))
-                        if self.out_of_budget():
-                            self.unexamined.append(f"{len(bulk) - start:,} tensors in {self.label(pid)} and "
-                                                   "what follows them there")
-                            return
-                        if not self.held_tensors(tier, pid, step, keys, list(map(values.__getitem__, part)),
-                                                 depth + 1):
-                            return  # it said what it left
-                    positions = list(compress(positions, map(not_, plain)))
-            if not positions:
-                return
-            if items is None:
-                pairs = zip(positions, map(values.__getitem__, positions))
-            else:
-                pairs = map(items.__getitem__, positions)
+            pairs = zip(map(keys.__getitem__, positions), map(values.__getitem__, positions))
         self.visit_pairs(tier, pid, step, pairs, depth, size)
+
+    def open_read(self, tier: _Tier, pid: int, obj: Any, depth: int) -> None:
+        """A holder read its own way (:mod:`.readers`): visit what its reader says it keeps."""
+        reader = self.types.readers.get(type(obj))
+        if reader is None:
+            return
+        triples = reader(self, obj)
+        order = self.p_order[pid]
+        kinds, classify = self.types.kinds, self.types.classify
+        for count, (step, key, value) in enumerate(triples):
+            if count & 4095 == 4095 and self.out_of_budget():
+                self.unexamined.append(f"the rest of {self.label(pid)} ({len(triples) - count:,} items)")
+                return
+            kind = kinds.get(type(value))
+            if kind is None:
+                kind = classify(type(value))
+            if not kind or (DICT <= kind <= OBJECT and self.scalars_only(value, kind)):
+                continue
+            cpid = self.path(pid, step, key, order)
+            try:
+                self.visit(tier, value, kind, cpid, depth + 1, order)
+            except Exception as exc:  # noqa: BLE001
+                self.error(cpid, exc)
 
     def visit_pairs(self, tier: _Tier, pid: int, step: int, pairs: Any, depth: int, size: int) -> None:
         """Visit ``(key, value)`` children of path ``pid`` one level down."""
@@ -491,7 +632,8 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
                     if skip_types.issuperset(map(type, value)):
                         continue
                 elif tp is dict and len(value) <= _BULK:
-                    if skip_types.issuperset(map(type, dict.values(value))):
+                    if skip_types.issuperset(map(type, dict.values(value))) and \
+                            skip_types.issuperset(map(type, dict.keys(value))):
                         continue
                 elif kind <= OBJECT and scalars_only(value, kind):
                     continue
