@@ -20,11 +20,12 @@ What it does:
    package.
 3. IPython's missing test dependencies (its ``test`` extra: pytest-asyncio, testpath, ...) are
    installed into a cache folder that only these runs put on ``PYTHONPATH``; the venv is untouched.
-4. Runs the tests plain, then with ipy_gpumem loaded into the global shell (the
+4. Runs the tests plain and with ipy_gpumem loaded into the global shell (the
    ``TerminalInteractiveShell`` singleton) as soon as it exists, by the pytest plugin in
-   ``tools/ipython_suite/ipy_gpumem_suite_plugin.py``. Each run starts from a fresh copy of the
-   tests, in its own working directory and with its own empty ``IPYTHONDIR``, so the user's IPython
-   profile (and any extension it loads) plays no part.
+   ``tools/ipython_suite/ipy_gpumem_suite_plugin.py``; the two runs go side by side (``--jobs 1``:
+   one after the other). Each run starts from a fresh copy of the tests, in its own working
+   directory, with its own empty ``IPYTHONDIR``, basetemp and log, so the user's IPython profile
+   (and any extension it loads) plays no part and neither run sees the other.
 5. Compares outcomes. Tests that fail only with the extension are re-run (their whole test files,
    so that the order inside a file is kept) once more in both modes; those that fail only with the
    extension again are printed with their failure text, and the exit status is 1. Tests failing in
@@ -313,6 +314,20 @@ def prepare_rundir(src, layout, rundir):
 
 def run_pytest(mode, src, layout, work, deps_dir, targets, timeout, tag):
     """One pytest run in a fresh copy; returns (results dict, seconds, log path)."""
+    return finish_pytest(start_pytest(mode, src, layout, work, deps_dir, targets, timeout, tag))
+
+
+def run_pytest_pair(src, layout, work, deps_dir, targets, timeout, tag, jobs):
+    """The plain and the extension run, side by side when ``jobs`` > 1: each has its own copy of
+    the tests, working folder, IPYTHONDIR, basetemp and log, so neither sees the other."""
+    if jobs > 1:
+        started = [start_pytest(mode, src, layout, work, deps_dir, targets, timeout, tag) for mode in ("plain", "ext")]
+        return [finish_pytest(run) for run in started]
+    return [run_pytest(mode, src, layout, work, deps_dir, targets, timeout, tag) for mode in ("plain", "ext")]
+
+
+def start_pytest(mode, src, layout, work, deps_dir, targets, timeout, tag):
+    """Start one pytest run in a fresh copy; finish_pytest() waits for it."""
     rundir = work / ("run-%s-%s" % (tag, mode))
     prepare_rundir(src, layout, rundir)
     results = work / ("%s-%s.json" % (tag, mode))
@@ -346,13 +361,21 @@ def run_pytest(mode, src, layout, work, deps_dir, targets, timeout, tag):
     with open(logfile, "w") as out:
         proc = subprocess.Popen(cmd, cwd=rundir, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
-    seconds = time.monotonic() - t0
+    return {"mode": mode, "proc": proc, "t0": t0, "timeout": timeout, "results": results, "current": current,
+            "logfile": logfile}
+
+
+def finish_pytest(run):
+    """Wait for a run start_pytest() began (killing it past its timeout); returns (results dict,
+    seconds, log path)."""
+    proc, mode, results, current, logfile = run["proc"], run["mode"], run["results"], run["current"], run["logfile"]
+    try:
+        rc = proc.wait(timeout=max(0.0, run["t0"] + run["timeout"] - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = None
+    seconds = time.monotonic() - run["t0"]
     data = None
     if results.exists():
         data = json.loads(results.read_text())
@@ -432,6 +455,8 @@ def main(argv=None):
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, run copies, JSON outcomes)")
     ap.add_argument("--sdist", type=Path, help="use this IPython sdist instead of downloading the installed version's")
     ap.add_argument("--timeout", type=int, default=600, help="seconds allowed for each pytest run (default: %(default)s)")
+    ap.add_argument("--jobs", type=int, choices=(1, 2), default=2,
+                    help="2 runs the plain and the extension run side by side, 1 one after the other (default: %(default)s)")
     ap.add_argument("tests", nargs="*", help="test paths/node ids relative to the sdist (default: all core tests)")
     args = ap.parse_args(argv)
 
@@ -462,7 +487,7 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     status = 2
     try:
-        status = compare_runs(src, layout, work, deps_dir, targets, args.timeout, t_start)
+        status = compare_runs(src, layout, work, deps_dir, targets, args.timeout, t_start, args.jobs)
         return status
     finally:
         if args.keep or args.work_dir or status != 0:
@@ -471,11 +496,10 @@ def main(argv=None):
             shutil.rmtree(work, ignore_errors=True)
 
 
-def compare_runs(src, layout, work, deps_dir, targets, timeout, t_start):
-    log("\n-- run 1/2: plain")
-    plain, t_plain, _ = run_pytest("plain", src, layout, work, deps_dir, targets, timeout, "full")
-    log("\n-- run 2/2: with ipy_gpumem loaded into the global test shell")
-    ext, t_ext, _ = run_pytest("ext", src, layout, work, deps_dir, targets, timeout, "full")
+def compare_runs(src, layout, work, deps_dir, targets, timeout, t_start, jobs=1):
+    log("\n-- %s: plain, and with ipy_gpumem loaded into the global test shell"
+        % ("two runs side by side" if jobs > 1 else "two runs, one after the other"))
+    (plain, t_plain, _), (ext, t_ext, _) = run_pytest_pair(src, layout, work, deps_dir, targets, timeout, "full", jobs)
     ext_info = ext.get("extension") or {}
     if ext_info.get("loaded_into"):
         log("  ipy_gpumem loaded into %s at %s; still loaded at the end: %s; cells it recorded: %s"
@@ -510,8 +534,7 @@ def compare_runs(src, layout, work, deps_dir, targets, timeout, t_start):
         files = sorted({test_file(i) for i in only_ext})
         log("\n-- re-running the %d test file(s) holding them once more in both modes, to rule out flakiness: %s"
             % (len(files), " ".join(files)))
-        plain2, _, _ = run_pytest("plain", src, layout, work, deps_dir, files, timeout, "rerun")
-        ext2, _, _ = run_pytest("ext", src, layout, work, deps_dir, files, timeout, "rerun")
+        (plain2, _, _), (ext2, _, _) = run_pytest_pair(src, layout, work, deps_dir, files, timeout, "rerun", jobs)
         problems = ["plain re-run: " + p for p in check_run(plain2, "plain")] + ["extension re-run: " + p for p in check_run(ext2, "ext")]
         if problems:
             log("\nERROR: the re-run failed as a whole:")
