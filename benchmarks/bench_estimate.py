@@ -7,9 +7,11 @@ with AdamW, batch 8 x 1024 tokens, estimated with ``device="cuda"`` (in its seal
 process, as always); a real CPU step at batch 1 beside the estimate of the same step, as a ratio;
 then the largest batch that fits an A100-80 (the search starts at batch 8). Real GPU captures
 (tests/fixtures/sil_captures.json: allocator snapshots recorded on a GPU by a public project)
-against the estimate of the same step with ``device="cuda"``. Prints markdown tables.
+against the estimate of the same step with ``device="cuda"``. The usual training loop: a
+``DataLoader`` with two workers (read in the sealed copy as with none) beside the same loop without
+workers, side by side, times and peaks. Prints markdown tables.
 
-    python benchmarks/bench_estimate.py [--skip-zoo] [--skip-gpt2] [--skip-captures] [--gpu A100-80]
+    python benchmarks/bench_estimate.py [--skip-zoo] [--skip-gpt2] [--skip-captures] [--skip-loop] [--gpu A100-80]
 """
 from __future__ import annotations
 
@@ -126,17 +128,53 @@ def captures_table():
     print()
 
 
+def loop_table(repeat=3):
+    """%%gpumem --estimate's path (estimate_cell) over a DataLoader loop, with and without workers."""
+    import statistics
+
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ipy_gpumem.preflight.cell import estimate_cell
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    ns = {"torch": torch, "nn": nn, "model": model, "opt": torch.optim.AdamW(model.parameters()),
+          "ds": TensorDataset(torch.randn(2048, 256), torch.randint(0, 10, (2048,)))}
+    ns["with_workers"] = DataLoader(ns["ds"], batch_size=64, shuffle=True, num_workers=2, persistent_workers=True)
+    ns["without"] = DataLoader(ns["ds"], batch_size=64, shuffle=True)
+    body = ("for x, y in {}:\n    loss = nn.functional.cross_entropy(model(x), y)\n    loss.backward()\n"
+            "    opt.step()\n    opt.zero_grad()\n")
+    times = {"without": [], "with_workers": []}
+    peaks = {}
+    for _ in range(repeat):
+        for name in times:
+            t0 = time.perf_counter()
+            cell = estimate_cell(body.format(name), ns, gpu="T4")
+            times[name].append(time.perf_counter() - t0)
+            peaks[name] = cell.estimate.peak_allocated
+    a, b = (statistics.median(times[n]) for n in ("without", "with_workers"))
+    print("| a 32-batch training loop, %%gpumem --estimate | estimate time (median) | peak allocated |")
+    print("|---|---:|---:|")
+    print(f"| DataLoader, num_workers=0 | {a:.2f} s | {peaks['without']:,} |")
+    print(f"| DataLoader, num_workers=2, persistent | {b:.2f} s ({b / a:.2f}x) | {peaks['with_workers']:,} |\n")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-zoo", action="store_true")
     parser.add_argument("--skip-gpt2", action="store_true")
     parser.add_argument("--skip-captures", action="store_true")
+    parser.add_argument("--skip-loop", action="store_true")
     parser.add_argument("--gpu", default="A100-80")
     args = parser.parse_args()
     if not args.skip_zoo:
         zoo_table()
     if not args.skip_captures:
         captures_table()
+    if not args.skip_loop:
+        loop_table()
     if not args.skip_gpt2:
         gpt2_table(args.gpu)
 
