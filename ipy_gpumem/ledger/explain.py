@@ -196,9 +196,10 @@ class CellAnatomy:
 
     # -- the explanation ---------------------------------------------------------------------------
 
-    def explain(self, frame, measurement, outermost: bool):
+    def explain(self, frame, measurement, outermost: bool, budget_s: Optional[float] = None):
         """Fill the measurement's roles, ``why`` and phases; return the census at its end (None when
-        none was taken). Never raises: the anatomy is an explanation, not the record."""
+        none was taken), within ``budget_s`` (None: the census's own). Never raises: the anatomy is
+        an explanation, not the record."""
         try:
             from ..anatomy.account import gpu_extras, summed, with_extras
             from ..anatomy.reasons import why_of
@@ -210,7 +211,7 @@ class CellAnatomy:
                 # A whole-cell %%gpumem cell took its own census when it started; any other cell
                 # the user ran is compared with the census at the end of the previous one.
                 before = frame.snapshot if frame.snapshot is not None or not outermost else self.baseline
-                after = self.census()
+                after = self.census(budget_s)
             if frame.phases is not None:
                 measurement.phases = tuple(frame.phases.phases) or None
                 measurement.layers = tuple(frame.phases.layers) or None

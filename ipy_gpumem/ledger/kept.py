@@ -14,12 +14,14 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-__all__ = ["Snapshot", "take_snapshot", "MAX_STORAGES", "MAX_MODULES"]
+__all__ = ["Snapshot", "take_snapshot", "MAX_STORAGES", "MAX_MODULES", "MAX_EXPRS"]
 
 #: Storages whose identities a snapshot keeps; past this it keeps only byte counts (no suspects).
 MAX_STORAGES = 200_000
 #: Modules (submodules included) whose hooks are examined.
 MAX_MODULES = 10_000
+#: Expressions (and traceback frames) a group keeps, the heaviest first: a suspect names a few.
+MAX_EXPRS = 64
 
 _HOOK_DICTS = (("_forward_hooks", "forward hook"), ("_forward_pre_hooks", "forward pre-hook"),
                ("_backward_hooks", "backward hook"), ("_backward_pre_hooks", "backward pre-hook"))
@@ -111,7 +113,11 @@ def take_snapshot(namespace: dict, refs=None, budget_s: Optional[float] = None) 
         keep_keys = len(walk.claims) <= MAX_STORAGES
         snap.keys = set() if keep_keys else None
         groups = snap.groups
-        sizes: Dict[tuple, int] = {}  # (group key, expression) -> bytes: the largest reads first
+        # Per group, dicts (insertion-ordered, one lookup each): a list's ``in`` per holder made this
+        # quadratic in the holders (24 s at 50k tensors held by objects in one list).
+        exprs: Dict[tuple, Dict[str, int]] = {}  # group key -> {expression: bytes}
+        frames: Dict[tuple, Dict[str, None]] = {}
+        out_keys: Dict[tuple, Dict[Any, None]] = {}
         for (category, _order, relation, ref, _dev), (nbytes, storages, dev) in rows.items():
             row_holder = holder(walk, category, relation, ref, dev, nbytes)
             snap.total += nbytes
@@ -122,24 +128,30 @@ def take_snapshot(namespace: dict, refs=None, budget_s: Optional[float] = None) 
             group = groups.get(key)
             if group is None:
                 group = groups[key] = _Group()
+                exprs[key], frames[key], out_keys[key] = {}, {}, {}
             group.bytes += nbytes
             group.kinds.add("hook" if hook is not None else row_holder.kind)
             expr = hook if hook is not None else row_holder.expr
             if expr:
-                sizes[(key, expr)] = sizes.get((key, expr), 0) + nbytes
-                if expr not in group.exprs:
-                    group.exprs.append(expr)
-            if row_holder.frame and row_holder.frame not in group.frames:
-                group.frames.append(row_holder.frame)
+                seen = exprs[key]
+                seen[expr] = seen.get(expr, 0) + nbytes
+            if row_holder.frame:
+                frames[key][row_holder.frame] = None
             for k in row_holder.keys:
-                if k not in group.out_keys:
+                try:
+                    out_keys[key][k] = None
+                except TypeError:  # an unhashable key: kept as it is
                     group.out_keys.append(k)
             if keep_keys:
                 ids = [_identity(ptr, size) for ptr, size in storages]
                 group.keys.update(ids)
                 snap.keys.update(ids)
         for key, group in groups.items():
-            group.exprs.sort(key=lambda expr: -sizes.get((key, expr), 0))
+            # The largest first; a group keeps its MAX_EXPRS heaviest expressions (what the words name).
+            ordered = sorted(exprs[key].items(), key=lambda item: -item[1])
+            group.exprs = [expr for expr, _ in ordered[:MAX_EXPRS]]
+            group.frames = list(frames[key])[:MAX_EXPRS]
+            group.out_keys = list(out_keys[key]) + group.out_keys
         _scan_hooks(namespace, snap)
     except Exception:  # noqa: BLE001 - a snapshot is a nicety; the cell's record stands without it
         return None

@@ -18,8 +18,10 @@ How it works (:class:`RerunTracker`, called by the watcher once per finished out
   trigger, and the growth is exact tensor accounting instead: the bytes of the tensor storages
   that :func:`~ipy_gpumem.attribution.who.who`'s walk finds alive after this run minus after the
   previous run.
-* **Snapshots** (:mod:`.kept`: a walk within ``who()``'s budget) are taken only after a run that
-  kept memory (first run: kept at least the threshold; re-run: grew by it). A snapshot keeps, per
+* **Snapshots** (:mod:`.kept`: a walk within the cell end's budget, ``budget.CellBudget``) are
+  taken only after a run that kept memory (first run: kept at least the threshold; re-run: grew
+  by it). A snapshot the budget stopped names no suspect, and that cell's next run may walk four
+  times as long (up to ``who()``'s budget). A snapshot keeps, per
   holder group (a variable and what hangs off it, IPython's output cache, the last traceback, the
   closures of a module's hooks), the bytes and the identities (address, size) of its storages:
   plain ints, never a tensor.
@@ -57,7 +59,7 @@ MAX_SNAPSHOTS = 32
 class _Cell:
     """What is remembered of one cell between its runs (numbers only)."""
 
-    __slots__ = ("first", "runs", "last", "end", "snapshot", "warned")
+    __slots__ = ("first", "runs", "last", "end", "snapshot", "warned", "walk_s")
 
     def __init__(self, first, end):
         self.first = first
@@ -66,6 +68,7 @@ class _Cell:
         self.end = end
         self.snapshot: Optional[Snapshot] = None
         self.warned: set = set()
+        self.walk_s = 0.0  # what its snapshots' walk needs at least (grown after one the budget stopped)
 
 
 def _kept(start, end) -> Optional[int]:
@@ -100,6 +103,7 @@ class RerunTracker:
     def __init__(self, context: Optional[Callable[[], Tuple[dict, Any]]] = None):
         self.context = context
         self.budget_s: Optional[float] = None
+        self._walk_s: Optional[float] = None  # this cell's share of its end's budget
         self._cells: Dict[Any, _Cell] = {}
         self._snapshots: List[_Cell] = []  # cells holding a snapshot, oldest first
 
@@ -107,11 +111,13 @@ class RerunTracker:
         self._cells.clear()
         self._snapshots.clear()
 
-    def after_cell(self, measurement, threshold: int, ledger=None) -> bool:
+    def after_cell(self, measurement, threshold: int, ledger=None, budget_s: Optional[float] = None) -> bool:
         """Note a finished outermost cell; set ``measurement.rerun``; True when it has a new warning.
 
-        The common case (a cell that kept nothing) costs a hash, a dict lookup and a few stores.
+        The common case (a cell that kept nothing) costs a hash, a dict lookup and a few stores; a
+        snapshot's walk takes at most ``budget_s`` (None: :attr:`budget_s`, else ``who()``'s).
         """
+        self._walk_s = budget_s if budget_s is not None else self.budget_s
         key = measurement.cell_id or hash(measurement.source)
         cells = self._cells
         cell = cells.get(key)
@@ -151,6 +157,8 @@ class RerunTracker:
         now = self._snap(cell)
         if now is None or old is None:
             return False
+        if not (now.complete and old.complete):
+            return False  # a walk its budget stopped counts "at least": no growth, no suspect, to name
         if device_growth is None:
             growth = now.total - old.total  # exact: tensor bytes alive after each run
             measurement.rerun = Rerun(cell.first, cell.runs, previous_count, growth)
@@ -182,10 +190,19 @@ class RerunTracker:
             namespace, refs = self.context()
         except Exception:  # noqa: BLE001 - no namespace, no snapshot
             return None
-        snap = take_snapshot(namespace, refs, self.budget_s)
+        budget = self._walk_s
+        if budget is not None and cell.walk_s > budget:
+            budget = cell.walk_s  # this cell's earlier walk was stopped: this run may spend more
+        snap = take_snapshot(namespace, refs, budget)
         self._drop(cell)
         if snap is None:
             return None
+        if not snap.complete and budget is not None:
+            # The next run of this cell gets four times as long, up to who()'s budget: a leak that
+            # grows run after run is then named on a later run instead of never.
+            from ..attribution.who import BUDGET_S
+
+            cell.walk_s = min(4 * budget, BUDGET_S)
         cell.snapshot = snap
         self._snapshots.append(cell)
         if len(self._snapshots) > MAX_SNAPSHOTS:

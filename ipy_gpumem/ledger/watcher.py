@@ -34,6 +34,7 @@ from ..core.probes import Sample
 from ..core.units import MiB
 from .explain import CellAnatomy
 from .allocator_trace import CellTrace
+from .budget import CellBudget
 from .header import CellHeader, find_header
 from .oomwatch import OomWatch
 from .phasing import start_phases
@@ -119,6 +120,13 @@ def _exception(result):
     """The cell's exception object (only asked for a cell that failed)."""
     return (getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
             or getattr(sys, "last_value", None))
+
+
+def _duration(measurement) -> Optional[float]:
+    try:
+        return measurement.end.t - measurement.start.t
+    except Exception:  # noqa: BLE001 - no readings: the floor
+        return None
 
 
 def _ranks_moved(ranks, threshold: int) -> bool:
@@ -286,12 +294,16 @@ class CellWatcher:
                 parent.reported_inside = True
         show_line = (outermost and header is None and not frame.reported_inside and not settings.quiet
                      and (measurement.moved(settings.threshold) or _ranks_moved(measurement.ranks, settings.threshold)))
+        # One budget for everything this cell's end walks (the re-run snapshot, the census): a share of
+        # the cell's own time, so no namespace makes a cell slower than a fraction of itself.
+        budget = CellBudget(_duration(measurement))
         # -- re-runs: a dict lookup per cell; a walk only after a run that kept memory --
-        if outermost and self.reruns.after_cell(measurement, settings.threshold, self.ledger):
+        if outermost and self.reruns.after_cell(measurement, settings.threshold, self.ledger,
+                                                budget_s=max(budget.left() / 2, 0.025)):
             show_line = show_line or (header is None and not frame.reported_inside and not settings.quiet)
         after = None
         if header is not None or show_line:
-            after = self.anatomy.explain(frame, measurement, outermost)
+            after = self.anatomy.explain(frame, measurement, outermost, budget_s=budget.left(at_least=0.005))
         if outermost:
             # Into the ledger once its data is complete: its record is built on first use, and
             # frozen then (the re-run tracker reads the ledger's earlier cells).
