@@ -47,7 +47,8 @@ class SealedOutcome:
     stuck: bool = False
     #: where it waited, when it could say: (filename, lineno, function, source line), outermost first
     stuck_frames: Tuple[Tuple[str, int, str, str], ...] = ()
-    #: the other threads of this process when the child was forked (their names): who held the lock
+    #: the other threads of this process when the child was forked (their names, latest started
+    #: first): one of them held the lock
     threads: Tuple[str, ...] = ()
     #: why the child's answer was refused (a forged or garbled frame); nothing it sent was used
     broken: Optional[str] = None

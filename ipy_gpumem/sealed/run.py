@@ -84,7 +84,8 @@ def run_sealed(fn: Callable, *args, deadline_s: float, allow_fork: bool = False,
         raise SealedUnavailable("a sealed run inside a sealed run needs allow_fork=True on the outer run")
     _preload()
     start = time.monotonic()
-    threads = tuple(t.name for t in threading.enumerate() if t is not threading.current_thread())
+    # the other threads, latest started first (a kernel's own come first in enumerate()'s order)
+    threads = tuple(reversed([t.name for t in threading.enumerate() if t is not threading.current_thread()]))
     read_end, write_end = os.pipe()
     # the ack pipe: the parent says whether it took the child's seccomp listener (.notify); not in a zygote
     ack_read, ack_write = os.pipe() if outer is None and seccomp.unsupported() is None else (-1, -1)
