@@ -31,7 +31,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from .paths import ATTR, ITEM, VIA
 
-__all__ = ["reader_for", "read_referents", "read_frame_locals", "frame_reads_safely", "live_frames", "Triple"]
+__all__ = ["reader_for", "read_referents", "read_frame_locals", "frame_reads_safely", "live_frames", "Triple",
+           "class_attr", "getter_of", "info_parts"]
 
 Triple = Tuple[int, Any, Any]  # (step, key, value)
 Reader = Callable[[Any, Any], List[Triple]]
@@ -65,12 +66,34 @@ def class_attr(tp: type, name: str) -> Any:
     return None
 
 
-def _c_getter(tp: type, name: str) -> Optional[Callable[[Any], Any]]:
-    """The C getter (getset or member descriptor) called ``name`` along ``tp``'s MRO, or None."""
+_GETTERS: dict = {}
+
+
+def getter_of(tp: type, name: str) -> Optional[Callable[[Any], Any]]:
+    """The C getter (getset or member descriptor) called ``name`` along ``tp``'s MRO, or None (remembered)."""
+    key = (tp, name)
+    if key in _GETTERS:
+        return _GETTERS[key]
     desc = class_attr(tp, name)
-    if type(desc) in (types.GetSetDescriptorType, types.MemberDescriptorType):
-        return desc.__get__
-    return None
+    found = desc.__get__ if type(desc) in (types.GetSetDescriptorType, types.MemberDescriptorType) else None
+    if _library_type(tp):  # a user's class is never kept alive by a cache of ours
+        if len(_GETTERS) > 4096:
+            _GETTERS.clear()
+        _GETTERS[key] = found
+    return found
+
+
+def _library_type(tp: type) -> bool:
+    from .kinds import is_user_file  # noqa: PLC0415 - kinds imports this module
+
+    module = sys.modules.get(type.__dict__["__module__"].__get__(tp))
+    if module is None or module.__name__ == "__main__":
+        return False
+    filename = _MODULE_DICT(module).get("__file__")
+    return filename is None or not is_user_file(filename)
+
+
+_c_getter = getter_of
 
 
 def _instance_dict(walk: Any, obj: Any) -> dict:
@@ -86,12 +109,15 @@ def live_frames() -> set:
         frames = list(sys._current_frames().values())
     except Exception:  # noqa: BLE001 - an interpreter without it
         return ids
-    for frame in frames:
-        steps = 0
-        while frame is not None and steps < 10_000:
-            ids.add(id(frame))
-            frame = frame.f_back
-            steps += 1
+    try:
+        for frame in frames:
+            steps = 0
+            while frame is not None and steps < 10_000:
+                ids.add(id(frame))
+                frame = frame.f_back
+                steps += 1
+    finally:
+        frames = frame = None  # this very frame is among them: no cycle may outlive the call
     return ids
 
 

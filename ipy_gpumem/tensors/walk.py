@@ -48,7 +48,7 @@ from .kinds import (CLASS, DICT, FUNC, MODOBJ, MODULE as K_MODULE, OBJECT, OPTIM
                     is_user_file, type_cache)
 from .paths import (ATTR, CELL, CLASSOF, EXTRA, ITEM, KEY, LOCAL, MODROOT, NAME, OUT, THREAD, UNDER, VIA, Local,
                     PathsMixin, clip, key_text)
-from .readers import class_attr, frame_reads_safely, info_parts, live_frames, read_frame_locals
+from .readers import class_attr, frame_reads_safely, getter_of, info_parts, live_frames, read_frame_locals
 from .saved import SavedReader
 from .storage import Storages
 
@@ -190,13 +190,17 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
                 if self.walk_caches:
                     self.top_caches(caches)
                 self.top_threads(users)
-                self.top_finalizers(users)
                 self.graphs()
                 for depth in range(MAX_DEPTH + 1):
                     if depth == 1 and self.walk_user_modules:
                         self.top_modules(users)  # their globals: level 1, after the names' own contents
                     for tier in self.tiers:
                         self.open_level(tier, depth)
+                # What only weakref.finalize's registry keeps: after all the names reach, so that an
+                # argument a name's finalizer also reaches is that name's (``fin.peek()[2]``).
+                self.top_finalizers(users)
+                for depth in range(1, MAX_DEPTH + 1):
+                    self.open_level(users, depth)
                 self.graphs()
                 self.claim_graphs()
         finally:
@@ -418,27 +422,34 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
         except Exception:  # noqa: BLE001 - an interpreter without it
             return
         me = _thread.get_ident()
+        frames = [(ident, frame) for ident, frame in frames if ident != me]  # ours would make a cycle with this frame
         names = None
-        for ident, frame in frames:
-            if ident == me:
-                continue
-            steps = 0
-            while frame is not None and steps < 1000:
-                steps += 1
-                code = frame.f_code
-                if code.co_flags & 0x1 and is_user_file(code.co_filename):
-                    if not frame_reads_safely(frame, self.live_frames()):
-                        self.not_read("the locals of code of yours running in other threads (before Python 3.13 "
-                                      "reading a running frame's locals would keep them alive)")
-                    else:
+        try:
+            for ident, frame in frames:
+                steps = 0
+                while frame is not None and steps < 1000:
+                    steps += 1
+                    code = frame.f_code
+                    if code.co_flags & 0x1 and is_user_file(code.co_filename):
+                        self.thread_frame(tier, ident, frame, names)
                         if names is None:
                             names = _thread_names()
-                        thread = names.get(ident, str(ident))
-                        for name, value in read_frame_locals(frame)[:MAX_ITEMS]:
-                            kind = self.kind_of(value)
-                            if kind and type(name) is str and kind not in (FUNC, CLASS, MODOBJ):
-                                self.root(tier, THREAD, Local(code.co_name, name, thread), value, kind, 0)
-                frame = frame.f_back
+                    frame = frame.f_back
+        finally:
+            frames = frame = None
+
+    def thread_frame(self, tier: _Tier, ident: int, frame: Any, names: Optional[Dict[int, str]]) -> None:
+        """One running frame of the user's code in another thread: its locals, or a note that they were not read."""
+        if not frame_reads_safely(frame, self.live_frames()):
+            self.not_read("the locals of code of yours running in other threads (before Python 3.13 "
+                          "reading a running frame's locals would keep them alive)")
+            return
+        thread = (names if names is not None else _thread_names()).get(ident, str(ident))
+        code = frame.f_code
+        for name, value in read_frame_locals(frame)[:MAX_ITEMS]:
+            kind = self.kind_of(value)
+            if kind and type(name) is str and kind not in (FUNC, CLASS, MODOBJ):
+                self.root(tier, THREAD, Local(code.co_name, name, thread), value, kind, 0)
 
     def top_finalizers(self, tier: _Tier) -> None:
         """What ``weakref.finalize`` keeps until its object dies: each registered function and its
@@ -446,20 +457,28 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
         registry = class_attr(weakref.finalize, "_registry")
         if type(registry) is not dict or not registry:
             return
+        infos = list(dict.values(registry))[:MAX_ITEMS]
+        get_func = getter_of(type(infos[0]), "func") if infos else None
+        if get_func is None:
+            return
+        try:
+            funcs = list(map(get_func, infos))  # C passes: torch alone registers a hundred finalizers
+        except Exception:  # noqa: BLE001 - another layout of weakref.finalize._Info
+            return
+        library = {id(fn): _library_function(fn) for fn in funcs}
         ns_id = id(self.namespace)
-        for index, info in enumerate(list(dict.values(registry))[:MAX_ITEMS]):
-            parts = info_parts(info, f"._registry[{index}]")
-            if not parts or _library_function(parts[0][2]):
+        for index, (info, fn) in enumerate(zip(infos, funcs)):
+            if library[id(fn)]:
                 continue  # a library's own finalizer (torch registers one per operator library)
-            for _step, key, value in parts:
+            for _step, key, value in info_parts(info, f"._registry[{index}]"):
                 kind = self.kind_of(value)
                 if not kind or id(value) == ns_id or (DICT <= kind <= OBJECT and self.scalars_only(value, kind)):
                     continue
                 self.order += 1
                 root = self.path(-1, MODROOT, "weakref.finalize", self.order)
                 pid = self.path(root, VIA, key, self.order)
-                try:
-                    self.visit(tier, value, kind, pid, 0, self.order)
+                try:  # one step below the finalizer, as from a name that holds it (``fin.peek()[2]``)
+                    self.visit(tier, value, kind, pid, 1, self.order)
                 except Exception as exc:  # noqa: BLE001
                     self.error(pid, exc)
 
