@@ -160,3 +160,83 @@ def test_trace_columns_rebuild_any_event():
     assert sorted(trace.odd) == [2, 3, 4]
     assert [r[0] for r in trace.rows()] == [e.get("action") for e in events]
     assert [r[0] for r in trace.rows(reverse=True)] == [e.get("action") for e in reversed(events)]
+
+
+@pytest.mark.parametrize("protocol", [0, 1])
+def test_protocols_0_and_1_are_read_by_the_same_bounded_reader(protocol):
+    data = raw("sil_mem_snapshot.pickle.gz")
+    got = read_snapshot(pickle.dumps(data, protocol=protocol)).to_dict()
+    want = read_snapshot(data).to_dict()
+    got.pop("source"), want.pop("source")
+    assert got == want
+
+
+def test_json_snapshots_read_as_their_pickle(tmp_path):
+    import json
+
+    for name in ("Constructor-Sun_memory_snapshot.pickle.gz", "Muduard_memory_snapshot.pickle.gz"):
+        data = raw(name)
+        f = tmp_path / "s.json"
+        f.write_text(json.dumps(data))  # what json.dump(torch.cuda.memory._snapshot(), fh) writes (tuples as lists)
+        got, want = read_snapshot(str(f)).to_dict(), read_snapshot(data).to_dict()
+        got.pop("source"), want.pop("source")
+        assert got == want
+        gz = tmp_path / "s.json.gz"
+        gz.write_bytes(gzip.compress(f.read_bytes()))
+        assert read_snapshot(str(gz)).to_dict()["peak_allocated"] == want["peak_allocated"]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"segments": [}')
+    with pytest.raises(SnapshotError, match="not a readable JSON snapshot") as err:
+        read_snapshot(str(bad))
+    assert "\n" not in str(err.value)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(SnapshotError, match="nested too deep|not a memory snapshot"):
+        read_snapshot(str(deep))
+
+
+def plain_pickle(*ops):
+    return b"\x80\x04" + b"".join(ops) + b"."
+
+
+@pytest.mark.parametrize("content,match", [
+    (plain_pickle(b"N", b"r" + struct.pack("<I", 1 << 28), b"0", b"h\x00"), "memo entry 0 is missing"),  # a gap: never filled
+    (plain_pickle(b"N\x94", b"N", b"q\x00", b"0"), "memo entry 0 written twice"),
+    (plain_pickle(b"]\x94", b"h\x00", b"a"), "a change to a container after a reference to it"),  # a list in itself
+    (plain_pickle(b"]\x942", b"a"), "a change to a container after a reference to it"),  # DUP: the same
+    (plain_pickle(b"}\x94", b"]\x94", b"N", b"s"), "a dict key is a list"),  # hashing a container: never
+    (plain_pickle(b"\x8b" + struct.pack("<i", 4000) + b"\x01" * 4000), "an integer of 4000 bytes"),
+    (b"(lp0\ng0\na.", "a change to a container after a reference to it"),  # protocol 0: a cycle
+])
+def test_plain_data_only_within_bounds(tmp_path, content, match):
+    with pytest.raises(SnapshotError, match=match) as err:
+        load_snapshot(content)
+    assert "\n" not in str(err.value)
+
+
+def test_shared_stacks_are_counted_not_copied():
+    # A snapshot whose blocks share one long stack, as torch's do (each block a memo reference to it):
+    # read without a copy per block, and what the references stand for stays within the bound.
+    frames = [{"filename": f"f{i}.py", "line": i, "name": "g"} for i in range(2000)]
+    blocks = [{"address": i * 512, "size": 512, "requested_size": 512, "state": "active_allocated",
+               "frames": frames} for i in range(1000)]
+    data = {"segments": [{"device": 0, "address": 0, "total_size": 2 << 20, "segment_type": "small",
+                          "blocks": blocks}], "device_traces": [[]]}
+    with pytest.raises(SnapshotError, match="stand for more than"):  # 1000 x 2000 frames from ~80 KB
+        load_snapshot(pickle.dumps(data, protocol=4))
+    data["segments"][0]["blocks"] = blocks[:20]
+    parsed = load_snapshot(pickle.dumps(data, protocol=4))["segments"][0]["blocks"]
+    assert all(b["frames"] is parsed[0]["frames"] for b in parsed)  # shared, as in the file
+    report = read_snapshot(pickle.dumps(data, protocol=4))
+    assert report.to_dict()["sites"][0]["blocks"] == 20
+
+
+def test_trace_columns_widen_when_a_value_needs_it():
+    events = [{"action": "alloc", "addr": i, "size": 512, "stream": i % 300, "frames": [{"line": i}]}
+              for i in range(40_000)]
+    events.append({"action": "alloc", "addr": 1, "size": 5 << 30, "stream": 0, "frames": []})
+    trace = Trace.from_events(events)
+    assert (trace.size.typecode, trace.frame.typecode, trace.extra.typecode) == ("q", "i", "H")
+    assert trace[-1] == events[-1] and trace[39_999] == events[39_999] and len(trace.extras) == 300
+    small = Trace.from_events(events[:10])
+    assert (small.size.typecode, small.frame.typecode, small.extra.typecode) == ("I", "h", "B")

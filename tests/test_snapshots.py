@@ -4,6 +4,7 @@ Every capture's replay is checked against the capture's own end state: the block
 end whose sizes the replay had to infer (events carry requests, counters count blocks) must come
 out at exactly their recorded size, and allocated and reserved must land on the recorded totals.
 """
+import faulthandler
 import gzip
 import io
 import json
@@ -455,3 +456,101 @@ def test_snapshot_display_keeps_its_inline_chart():
     # the chart inside the report, as an image of the SVG (an untrusted notebook strips an inline <svg>)
     assert "data:image/svg+xml," in bundle["text/html"] and "<svg" not in bundle["text/html"]
     assert "application/vnd.plotly.v1+json" not in bundle
+
+
+# -- hostile files (issue 27): each fails, or reads, within 2 s and 256 MiB, in one line ---------------
+def _gzip_members(*parts):
+    """Concatenated gzip members (a valid .gz that unpacks to the parts joined): big bombs built in milliseconds."""
+    return b"".join(gzip.compress(p, 9) for p in parts)
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    import struct
+
+    folder = tmp_path_factory.mktemp("hostile")
+    blk = {"address": 0, "size": 512, "requested_size": 512, "state": "active_allocated", "frames": []}
+    seg = {"device": 0, "address": 0, "total_size": 2 << 20, "segment_type": "small", "blocks": [blk] * 4000}
+    files = {
+        # a segment and a block memo-referenced 4,000 times each: 16 million blocks in 16 KB
+        "memo_bomb.pickle": pickle.dumps({"segments": [seg] * 4000, "device_traces": [[]]}, protocol=4),
+        # MARK after MARK over a deep stack (each one copied the stack)
+        "mark_320k.pickle": b"\x80\x04" + b"N" * 100_000 + b"(1" * 110_000 + b".",
+        "mark_800k.pickle": b"\x80\x04" + b"N" * 250_000 + b"(1" * 275_000 + b".",
+        # LONG_BINPUT to memo index 2**28 in 9 bytes (the memo grew to it)
+        "long_binput.pickle": b"\x80\x04N" + b"r" + struct.pack("<I", 1 << 28) + b".",
+        # 64 KB of gzip that unpacks to 64 MiB of opcodes that do nothing
+        "loop.pickle.gz": _gzip_members(b"\x80\x04" + b"N0" * (1 << 20), *[b"N0" * (1 << 20)] * 31, b"N."),
+        # 1 MB of gzip that unpacks to a 1 GiB string
+        "string.pickle.gz": _gzip_members(b"\x80\x04\x8d" + struct.pack("<Q", 1 << 30) + b"a" * (1 << 20),
+                                          *[b"a" * (1 << 20)] * 1023, b"."),
+    }
+    for name, content in files.items():
+        (folder / name).write_bytes(content)
+    os.mkfifo(folder / "fifo.pickle")  # nobody writes to it: opening it for reading blocks
+    (folder / "snapshot.json").write_text(json.dumps(raw("magma27")))
+    return folder
+
+
+HOSTILE = {"memo_bomb.pickle": "memo references stand for more than", "mark_320k.pickle": "stack holds more than",
+           "mark_800k.pickle": "stack holds more than", "long_binput.pickle": "not a memory snapshot: NoneType",
+           "loop.pickle.gz": "unpacks to more than 64 times its size", "string.pickle.gz": "unpacks to more than 64 times",
+           "fifo.pickle": "is a FIFO, not a snapshot file"}
+
+_MEASURE = r"""
+import json, os, sys, time
+import ipy_gpumem
+from ipy_gpumem.snapshots import SnapshotError, view  # noqa: F401 - loaded before measuring
+def status(field):
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(field + ":"))
+out = {}
+for path in sys.argv[1:]:
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # the peak RSS starts again from the RSS now
+    before, t = status("VmRSS"), time.perf_counter()
+    try:
+        message = "read: " + repr(ipy_gpumem.snapshot(path).to_dict()["peak_allocated"])
+    except SnapshotError as exc:
+        message = str(exc)
+    out[os.path.basename(path)] = (time.perf_counter() - t, status("VmHWM") - before, message)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS is reset through /proc (Linux)")
+def test_hostile_files_fail_within_2_s_and_256_mib_through_the_public_function(hostile):
+    import subprocess
+    import sys
+
+    names = sorted(HOSTILE) + ["snapshot.json"]
+    out = subprocess.run([sys.executable, "-c", _MEASURE] + [str(hostile / n) for n in names], capture_output=True,
+                         text=True, timeout=300, cwd=os.path.dirname(HERE))
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured = json.loads(out.stdout)
+    for name in names:
+        seconds, grew, message = measured[name]
+        want = HOSTILE.get(name, "read: " + repr(read_snapshot(path("magma27")).to_dict()["peak_allocated"]))
+        assert want in message and "\n" not in message, (name, message)
+        assert seconds < 2.0, (name, seconds)
+        assert grew < 256 * MiB, (name, grew)
+
+
+def test_hostile_files_in_a_real_shell(ip, gpumem, hostile):
+    from IPython.utils.capture import capture_output
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a FIFO that blocked would hang the suite: fail it instead
+    try:
+        for name, words in HOSTILE.items():
+            f = str(hostile / name)
+            with pytest.raises(SnapshotError, match=words):
+                ipy_gpumem.snapshot(f)
+            with capture_output() as out:
+                ip.run_cell(f"%gpumem snapshot {f}")
+            shown = out.stderr + out.stdout
+            assert words in shown and "Traceback" not in shown, (name, shown)
+            assert len([line for line in shown.splitlines() if line.strip()]) == 1, shown
+        view = gpumem.run_mode(f"snapshot {hostile / 'snapshot.json'}")
+        assert view.data["peak_allocated"] == read_snapshot(path("magma27")).to_dict()["peak_allocated"]
+    finally:
+        faulthandler.cancel_dump_traceback_later()

@@ -22,18 +22,23 @@ from __future__ import annotations
 
 import bisect
 from array import array
-from itertools import islice
+from itertools import compress, islice
 from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 from ..preflight.allocator import LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, round_size as _round_512
 from .schema import ALLOCATED, PENDING, Segment
 from .trace import NO_TIME, Trace
 
-__all__ = ["Allocation", "Allocations", "Fragmentation", "OomState", "Check", "DeviceReplay", "replay_device", "rounder",
-           "FRAGMENTATION_SAMPLES"]
+__all__ = ["Allocation", "Allocations", "Steps", "Fragmentation", "OomState", "Check", "DeviceReplay", "replay_device",
+           "rounder", "top_of", "FRAGMENTATION_SAMPLES", "NEVER"]
 
 #: Fragmentation is measured at this many evenly spaced events (and at an OOM and at the end).
 FRAGMENTATION_SAMPLES = 96
+
+
+#: ``Allocations.freed``/``gone`` of a block not freed in the window (above any event index, so that
+#: "freed after event i" is one comparison).
+NEVER = (1 << 31) - 1
 
 
 class Allocation:
@@ -60,34 +65,17 @@ class Allocations(Sequence):
     """Every block of a replay, oldest first, as columns: ``allocations[k]`` builds one :class:`Allocation`.
 
     The blocks in place when recording began are kept as objects (there are as many as blocks in
-    the snapshot's segments); each block allocated by an event costs a row of 21 bytes, its address,
-    request and frames read from the event that made it.
+    the snapshot's segments); each block allocated by an event costs a row of 21 bytes (``born``,
+    ``size``, ``freed`` and ``gone`` as event indices, :data:`NEVER` when not in the window,
+    ``held``: still allocated at the end), its address, request and frames read from the event
+    that made it. Rows are in the order of ``born``.
     """
 
-    def __init__(self, trace: Trace, before: Sequence[Allocation] = ()):
+    def __init__(self, trace: Trace, before: Sequence[Allocation], born: array, size: array, freed: array,
+                 gone: array, held: array):
         self.trace = trace
         self.before: List[Allocation] = list(before)
-        self.born = array("i")
-        self.size = array("q")
-        self.freed = array("i")  # -1: never freed in the window
-        self.gone = array("i")
-        self.held = array("b")  # still allocated at the end
-
-    def add(self, block: Allocation) -> None:
-        block.row = len(self.born)
-        self.born.append(block.born)
-        self.size.append(block.size)
-        self.freed.append(-1)
-        self.gone.append(-1)
-        self.held.append(1)
-
-    def update(self, block: Allocation) -> None:
-        """Write back what the replay changed on a block (its free, its end, whether it is allocated)."""
-        row = block.row
-        if row is not None:
-            self.freed[row] = -1 if block.freed is None else block.freed
-            self.gone[row] = -1 if block.gone is None else block.gone
-            self.held[row] = block.allocated
+        self.born, self.size, self.freed, self.gone, self.held = born, size, freed, gone, held
 
     def __len__(self) -> int:
         return len(self.before) + len(self.born)
@@ -101,10 +89,11 @@ class Allocations(Sequence):
             return self.before[k]
         row = k - len(self.before)
         born = self.born[row]  # raises IndexError past the end
-        action, addr, req, _t = self.trace.row(born)
-        block = Allocation(addr, self.size[row], int(req), born, self.trace.frames_at(born), bool(self.held[row]))
-        block.freed = None if self.freed[row] < 0 else self.freed[row]
-        block.gone = None if self.gone[row] < 0 else self.gone[row]
+        _action, addr, req, _t = self.trace.row(born)
+        block = Allocation(_as_int(addr), self.size[row], _as_int(req), born, self.trace.frames_at(born),
+                           bool(self.held[row]))
+        block.freed = None if self.freed[row] == NEVER else self.freed[row]
+        block.gone = None if self.gone[row] == NEVER else self.gone[row]
         block.row = row
         return block
 
@@ -115,11 +104,71 @@ class Allocations(Sequence):
 
     def live_at(self, index: int) -> List[Allocation]:
         out = [a for a in self.before if a.live_at(index)]
+        born = bisect.bisect_right(self.born, index)  # rows born up to ``index``
         offset = len(self.before)
-        for row, (born, freed) in enumerate(zip(self.born, self.freed)):
-            if born <= index and (freed < 0 or freed > index):
-                out.append(self[offset + row])
+        out.extend(self[offset + row] for row in compress(range(born), map(index.__lt__, self.freed[:born])))
         return out
+
+
+class Steps(Sequence):
+    """A series that changes at few events (reserved bytes: segment events), kept as its changes.
+
+    ``steps[i]`` is the value after event ``i``; ``max_index(lo, hi)`` is the highest value over
+    ``[lo, hi)`` and the first event where it is reached, without making the series."""
+
+    def __init__(self, start: int, at: array, values: array, n: int):
+        self.start, self.at, self.values, self.n = start, at, values, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def value(self, i: int) -> int:
+        k = bisect.bisect_right(self.at, i) - 1
+        return self.values[k] if k >= 0 else self.start
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(self.n)
+            if step != 1:
+                return array("q", (self.value(k) for k in range(lo, hi, step)))
+            out = array("q")
+            k = bisect.bisect_right(self.at, lo)  # the first change after ``lo``
+            at = lo
+            current = self.value(lo) if lo < hi else 0
+            while at < hi:
+                end = self.at[k] if k < len(self.at) and self.at[k] < hi else hi
+                out.extend(array("q", [current]) * (end - at))
+                if end < hi:
+                    current = self.values[k]
+                    k += 1
+                at = end
+            return out
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError("series index out of range")
+        return self.value(i)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self[0:self.n])
+
+    def max_index(self, lo: int = 0, hi: Optional[int] = None) -> Tuple[int, int]:
+        hi = self.n if hi is None else min(hi, self.n)
+        top, where = self.value(lo), lo
+        for k in range(bisect.bisect_right(self.at, lo), bisect.bisect_left(self.at, hi)):
+            if self.values[k] > top:
+                top, where = self.values[k], self.at[k]
+        return top, where
+
+
+def top_of(series: Sequence[int], lo: int = 0, hi: Optional[int] = None) -> Tuple[int, int]:
+    """``(highest value, first index reaching it)`` of ``series[lo:hi]`` (non-empty), without copying a :class:`Steps`."""
+    hi = len(series) if hi is None else hi
+    if isinstance(series, Steps):
+        return series.max_index(lo, hi)
+    values = series[lo:hi]
+    top = max(values)
+    return top, lo + values.index(top)
 
 
 class Times(Sequence):
@@ -190,7 +239,7 @@ class DeviceReplay(NamedTuple):
     device: int
     times: Sequence[float]  # seconds from the first event (event numbers when the capture has no times)
     allocated: array  # torch's allocated_bytes after each event
-    reserved: array  # torch's reserved_bytes after each event
+    reserved: Sequence[int]  # torch's reserved_bytes after each event (a :class:`Steps`: it moves at segment events)
     timed: bool
     start_us: Optional[int]
     initial_allocated: int
@@ -210,12 +259,12 @@ class DeviceReplay(NamedTuple):
         """``(bytes, event index)`` of the highest point of ``series`` (the first such event); (start, -1) without events."""
         values = self.allocated if series == "allocated" else self.reserved
         start = self.initial_allocated if series == "allocated" else self.initial_reserved
-        if not values:
+        if not len(values):
             return start, -1
-        top = max(values)
+        top, at = top_of(values)
         if top <= start:
             return start, -1
-        return top, values.index(top)
+        return top, at
 
     def live_at(self, index: int) -> List[Allocation]:
         """The blocks allocated just after event ``index`` (-1: before the first event)."""
@@ -263,6 +312,8 @@ class _Layout:
         self.starts: List[int] = []  # segment starts, sorted
         self.info: Dict[int, Tuple[int, bool]] = {}  # start -> (end, small)
         self.blocks: Dict[int, List[int]] = {}  # segment start -> sorted starts of blocks in place
+        self.largest: Dict[int, int] = {}  # segment start -> its largest free range, when last measured
+        self.dirty: set = set()  # segments changed since (a fragmentation sample measures only those)
 
     def add(self, addr: int, size: int, small: bool) -> None:
         if addr in self.info:
@@ -270,6 +321,7 @@ class _Layout:
         bisect.insort(self.starts, addr)
         self.info[addr] = (addr + size, small)
         self.blocks[addr] = []
+        self.dirty.add(addr)
 
     def remove(self, addr: int) -> None:
         if self.info.pop(addr, None) is None:
@@ -277,6 +329,8 @@ class _Layout:
         i = bisect.bisect_left(self.starts, addr)
         del self.starts[i]
         self.blocks.pop(addr, None)
+        self.largest.pop(addr, None)
+        self.dirty.discard(addr)
 
     def find(self, addr: int) -> Optional[int]:
         i = bisect.bisect_right(self.starts, addr) - 1
@@ -285,21 +339,6 @@ class _Layout:
             if addr < self.info[start][0]:
                 return start
         return None
-
-    def largest_free(self, sizes: Mapping[int, Any]) -> Optional[int]:
-        if not self.starts:
-            return None
-        best = 0
-        for start in self.starts:
-            end = self.info[start][0]
-            at = start
-            for b in self.blocks[start]:
-                if b - at > best:
-                    best = b - at
-                at = max(at, b + sizes[b].size)
-            if end - at > best:
-                best = end - at
-        return best
 
 
 def _block_size(layout: _Layout, seg: Optional[int], addr: int, rounded: int, max_split: Optional[int]) -> int:
@@ -329,6 +368,36 @@ def _max_split(settings: Mapping[str, Any]) -> Optional[int]:
     return value if 0 < value < (1 << 62) else None
 
 
+def _as_int(value: Any) -> int:
+    """An event's number as the replay counts it (a file's odd event may hold anything: 0 then)."""
+    if type(value) is int:
+        return value
+    if type(value) is float and value == value and abs(value) < 2 ** 63:
+        return int(value)
+    return 0
+
+
+def _columns(trace: Trace):
+    """The trace's action codes, addresses and sizes as arrays (patched copies where events were kept whole)."""
+    names = list(trace.actions)
+    acts, addrs, sizes = trace.act, trace.addr, trace.size
+    if trace.odd:
+        acts, addrs, sizes = array("B", acts), array("q", addrs), array("q", sizes)
+        for i in trace.odd:
+            action, addr, size, _t = trace.row(i)
+            try:
+                code = names.index(action)
+            except ValueError:
+                code = len(names) if len(names) < 255 else 255
+                if code < 255:
+                    names.append(action)
+            acts[i] = code
+            addr, size = _as_int(addr), _as_int(size)
+            addrs[i] = addr if -(1 << 63) <= addr < (1 << 63) else 0
+            sizes[i] = size if -(1 << 63) <= size < (1 << 63) else 0
+    return names, acts, addrs, sizes
+
+
 def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, Sequence[Mapping[str, Any]]],
                   settings: Mapping[str, Any]) -> DeviceReplay:
     """Replay ``trace`` (one device's events, oldest first) against ``segments`` (that device's state at the end)."""
@@ -339,9 +408,14 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
     expandable = any(s.expandable for s in segments) or bool(settings.get("expandable_segments"))
     if not expandable:
         expandable = any(row[0] in ("segment_map", "segment_unmap") for row in islice(trace.rows(), 2000))
+    names, acts, addrs, sizes = _columns(trace)
+    code = {name: k for k, name in enumerate(names) if isinstance(name, str)}
+    A, FR, FC = code.get("alloc", -1), code.get("free_requested", -1), code.get("free_completed", -1)
+    SA, SF, SM, SU, OOM = (code.get(k, -1) for k in ("segment_alloc", "segment_free", "segment_map",
+                                                      "segment_unmap", "oom"))
 
     # The end: blocks in place and plain segments.
-    final: Dict[int, Tuple[int, int, bool, tuple]] = {}
+    final: Dict[int, Tuple[int, int, bool, Any]] = {}
     plain_end: Dict[int, Tuple[int, bool]] = {}
     reserved_end = 0
     for seg in segments:
@@ -352,16 +426,17 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
             if b.state in (ALLOCATED, PENDING) and b.size > 0:
                 final[b.addr] = (b.size, b.requested, b.state == ALLOCATED, b.frames)
 
-    start, plain, reserved, anomalies = _walk_back(trace, final, plain_end, reserved_end)
+    start, plain, reserved, anomalies = _walk_back(acts, addrs, sizes, (A, FR, FC, SA, SF, SM, SU), final,
+                                                   plain_end, reserved_end)
 
     layout = _Layout()
     for addr, (size, small) in plain.items():
         layout.add(addr, size, small)
-    live: Dict[int, Allocation] = {}
     for addr in sorted(start):
         seg = layout.find(addr)
         if seg is not None:
             layout.blocks[seg].append(addr)
+    live: Dict[int, int] = {}  # address -> its row (>= 0), or ~k for before[k]
     before: List[Allocation] = []
     allocated = 0
     active = 0
@@ -369,146 +444,236 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
         size, req, alloc, frames, known = start[addr]
         if not known:
             size = _block_size(layout, layout.find(addr), addr, round_size(req), max_split) if req > 0 else 0
-        block = Allocation(addr, size, req, -1, frames, alloc)
-        live[addr] = block
-        before.append(block)
+        live[addr] = ~len(before)
+        before.append(Allocation(addr, size, req, -1, frames, alloc))
         active += size
         if alloc:
             allocated += size
     initial_allocated, initial_reserved, initial_blocks = allocated, reserved, len(live)
-    allocations = Allocations(trace, before)
 
-    # Walk forward, event by event.
-    n = len(trace)
-    alloc_series, reserved_series = array("q"), array("q")
-    every = max(1, n // FRAGMENTATION_SAMPLES)
+    # Walk forward, event by event; each allocation is a row of arrays, not an object.
+    n = len(acts)
+    rows = acts.count(A) if A >= 0 else 0
+    born, bsize = array("i", [0]) * rows, array("q", [0]) * rows
+    freed, gone, held = array("i", [NEVER]) * rows, array("i", [NEVER]) * rows, array("b", [1]) * rows
+    series = array("q", [0]) * n
+    res_at, res_values = array("i"), array("q")
     frag: List[Fragmentation] = []
     ooms: List[OomState] = []
-    first_us = next((t for _a, _d, _s, t in trace.rows() if t != NO_TIME), None)
+    info, blocks, dirty, seg_of = layout.info, layout.blocks, layout.dirty, {}
+    rounded: Dict[int, int] = {}
+    missing = object()
+    row = 0
+    every = max(1, n // FRAGMENTATION_SAMPLES)
+    samples = list(range(0, n, every))
+    if n and samples[-1] != n - 1:
+        samples.append(n - 1)
+    lo = 0
+    for sample in samples:  # events up to each sample, then the sample (no test per event)
+        hi = sample + 1
+        for i, c, addr, size in zip(range(lo, hi), acts[lo:hi], addrs[lo:hi], sizes[lo:hi]):
+            if c == A:
+                seg = seg_of.get(addr, missing)
+                if seg is missing:
+                    seg = seg_of[addr] = layout.find(addr)
+                if size <= 0:
+                    block = 0
+                else:
+                    block = rounded.get(size)
+                    if block is None:
+                        block = rounded[size] = round_size(size)
+                    if seg is not None:
+                        end, small = info[seg]
+                        if not small:
+                            starts = blocks[seg]
+                            j = bisect.bisect_right(starts, addr)
+                            rest = (starts[j] if j < len(starts) else end) - addr - block
+                            if rest > 0:
+                                if max_split is not None and block >= max_split:
+                                    block += rest if rest < LARGE_BUFFER else 0  # oversize blocks are never split
+                                elif rest <= SMALL_SIZE:
+                                    block += rest
+                old = live.get(addr)
+                if old is not None:  # a block we thought still in place: its free fell outside the window
+                    anomalies += 1
+                    gone_size, was = _gone(old, i, before, bsize, gone, held)
+                    _unplace(layout, seg_of, addr)
+                    if was:
+                        allocated -= gone_size
+                    active -= gone_size
+                born[row] = i
+                bsize[row] = block
+                live[addr] = row
+                row += 1
+                if seg is not None:
+                    bisect.insort(blocks[seg], addr)
+                    dirty.add(seg)
+                allocated += block
+                active += block
+            elif c == FR:
+                k = live.get(addr)
+                if k is None:
+                    anomalies += 1
+                elif k >= 0:
+                    if held[k]:
+                        held[k] = 0
+                        freed[k] = i
+                        allocated -= bsize[k]
+                else:
+                    b = before[~k]
+                    if b.allocated:
+                        b.allocated = False
+                        b.freed = i
+                        allocated -= b.size
+            elif c == FC:
+                k = live.pop(addr, None)
+                if k is None:
+                    anomalies += 1
+                else:
+                    if k >= 0:
+                        if held[k]:
+                            held[k] = 0
+                            freed[k] = i
+                            allocated -= bsize[k]
+                        gone[k] = i
+                        active -= bsize[k]
+                    else:
+                        b = before[~k]
+                        if b.allocated:
+                            b.allocated = False
+                            b.freed = i
+                            allocated -= b.size
+                        b.gone = i
+                        active -= b.size
+                    seg = seg_of.get(addr, missing)
+                    if seg is missing:
+                        seg = seg_of[addr] = layout.find(addr)
+                    if seg is not None:
+                        starts = blocks[seg]
+                        j = bisect.bisect_left(starts, addr)
+                        if j < len(starts) and starts[j] == addr:
+                            del starts[j]
+                        dirty.add(seg)
+            elif c == SA or c == SF or c == SM or c == SU:
+                if c == SA:
+                    reserved += size
+                    if not expandable:
+                        layout.add(addr, size, size == SMALL_BUFFER)
+                        seg_of.clear()
+                elif c == SF:
+                    reserved -= size
+                    layout.remove(addr)
+                    seg_of.clear()
+                else:
+                    reserved += size if c == SM else -size
+                res_at.append(i)
+                res_values.append(reserved)
+            elif c == OOM:
+                e = trace[i]
+                here = Fragmentation(i, reserved - active, _largest_free(layout, live, before, bsize))
+                free = e.get("device_free", e.get("addr"))
+                stack = e.get("frames")
+                ooms.append(OomState(i, _as_int(e.get("size", 0)), None if free is None else _as_int(free), allocated,
+                                     reserved, tuple(stack) if isinstance(stack, (list, tuple)) else (), here))
+            series[i] = allocated
+        frag.append(Fragmentation(sample, reserved - active, _largest_free(layout, live, before, bsize)))
+        lo = hi
+
+    check_blocks = exact = 0
+    for addr, (size, _req, _alloc, _frames) in final.items():
+        k = live.get(addr)
+        if k is not None and k >= 0:
+            check_blocks += 1
+            exact += bsize[k] == size
+    check = Check(check_blocks, exact, sum(s for s, _r, a, _f in final.values() if a), allocated, reserved_end,
+                  reserved, anomalies)
+    first_us = next((t for t in trace.time if t != NO_TIME), None)
     timed = first_us is not None
-    gaps = timed and (trace.odd or NO_TIME in trace.time)  # some events without a time: carry the last one
-    times = array("d") if gaps else None
-    last_t = 0.0
-    for i, (action, addr, size, t) in enumerate(trace.rows()):
-        if action == "alloc":
-            req = int(size)
-            seg = layout.find(addr)
-            size = _block_size(layout, seg, addr, round_size(req), max_split) if req > 0 else 0
-            old = live.get(addr)
-            if old is not None:  # a block we thought still in place: its free fell outside the window
-                anomalies += 1
-                _drop(layout, old, i)
-                if old.allocated:
-                    allocated -= old.size
-                active -= old.size
-                allocations.update(old)
-            block = Allocation(addr, size, req, i, None)
-            allocations.add(block)
-            live[addr] = block
-            if seg is not None:
-                bisect.insort(layout.blocks[seg], addr)
-            allocated += size
-            active += size
-        elif action == "free_requested":
-            block = live.get(addr)
-            if block is None:
-                anomalies += 1
-            elif block.allocated:
-                block.allocated = False
-                block.freed = i
-                allocated -= block.size
-                allocations.update(block)
-        elif action == "free_completed":
-            block = live.pop(addr, None)
-            if block is None:
-                anomalies += 1
-            else:
-                if block.allocated:
-                    block.allocated = False
-                    block.freed = i
-                    allocated -= block.size
-                active -= block.size
-                _drop(layout, block, i)
-                allocations.update(block)
-        elif action == "segment_alloc":
-            size = int(size)
-            reserved += size
-            if not expandable:
-                layout.add(addr, size, size == SMALL_BUFFER)
-        elif action == "segment_free":
-            reserved -= int(size)
-            layout.remove(addr)
-        elif action == "segment_map":
-            reserved += int(size)
-        elif action == "segment_unmap":
-            reserved -= int(size)
-        elif action == "oom":
-            e = trace[i]
-            here = Fragmentation(i, reserved - active, layout.largest_free(live))
-            free = e.get("device_free", e.get("addr"))
-            ooms.append(OomState(i, int(e.get("size", 0)), None if free is None else int(free), allocated, reserved,
-                                 tuple(e.get("frames") or ()), here))
-        if times is not None:
+    if timed and (trace.odd or NO_TIME in trace.time):  # some events without a time: carry the last one
+        times: Sequence[float] = array("d")
+        last_t = 0.0
+        for i, t in enumerate(trace.time):
+            if i in trace.odd:
+                t = trace.row(i)[3]
+                t = t if type(t) is int else NO_TIME
             last_t = (t - first_us) / 1e6 if t != NO_TIME else last_t
             times.append(last_t)
-        alloc_series.append(allocated)
-        reserved_series.append(reserved)
-        if i % every == 0 or i == n - 1:
-            frag.append(Fragmentation(i, reserved - active, layout.largest_free(live)))
-
-    blocks = exact = 0
-    for addr, (size, _req, _alloc, _frames) in final.items():
-        block = live.get(addr)
-        if block is not None and block.born >= 0:
-            blocks += 1
-            exact += block.size == size
-    check = Check(blocks, exact, sum(s for s, _r, a, _f in final.values() if a), allocated, reserved_end, reserved,
-                  anomalies)
-    if times is None:
+    else:
         times = Times(trace.time, first_us) if timed else Times(None, n=n)
-    return DeviceReplay(device, times, alloc_series, reserved_series, timed, first_us, initial_allocated,
-                        initial_reserved, initial_blocks, allocations, tuple(frag), tuple(ooms), check,
-                        expandable)
+    allocations = Allocations(trace, before, born, bsize, freed, gone, held)
+    return DeviceReplay(device, times, series, Steps(initial_reserved, res_at, res_values, n), timed, first_us,
+                        initial_allocated, initial_reserved, initial_blocks, allocations, tuple(frag), tuple(ooms),
+                        check, expandable)
 
 
-def _walk_back(trace: Trace, final, plain_end, reserved_end):
+def _gone(k: int, i: int, before: List[Allocation], bsize: array, gone: array, held: array) -> Tuple[int, bool]:
+    """Mark block ``k`` (a row, or ~index into ``before``) gone at event ``i``: its size and whether it was allocated."""
+    if k >= 0:
+        gone[k] = i
+        return bsize[k], bool(held[k])
+    b = before[~k]
+    b.gone = i
+    return b.size, b.allocated
+
+
+def _unplace(layout: "_Layout", seg_of: Dict[int, Optional[int]], addr: int) -> None:
+    seg = seg_of.get(addr, -1)
+    if seg == -1:
+        seg = seg_of[addr] = layout.find(addr)
+    if seg is not None:
+        starts = layout.blocks[seg]
+        j = bisect.bisect_left(starts, addr)
+        if j < len(starts) and starts[j] == addr:
+            del starts[j]
+        layout.dirty.add(seg)
+
+
+def _largest_free(layout: "_Layout", live: Dict[int, int], before: List[Allocation], bsize: array) -> Optional[int]:
+    """The largest free range of the plain segments (None without any); only segments changed since the last time are walked."""
+    if not layout.starts:
+        return None
+    for start in layout.dirty:
+        end = layout.info[start][0]
+        at = start
+        best = 0
+        for b in layout.blocks[start]:
+            if b - at > best:
+                best = b - at
+            k = live[b]
+            at = max(at, b + (bsize[k] if k >= 0 else before[~k].size))
+        layout.largest[start] = max(best, end - at)
+    layout.dirty.clear()
+    return max(layout.largest.values())
+
+
+def _walk_back(acts, addrs, sizes, codes, final, plain_end, reserved_end):
     """Walk the events back from the end: the blocks in place at the start (which allocated), the plain segments, reserved."""
+    A, FR, FC, SA, SF, SM, SU = codes
     anomalies = 0
     start: Dict[int, list] = {a: [size, req, alloc, frames, True] for a, (size, req, alloc, frames) in final.items()}
     plain = dict(plain_end)
     reserved = reserved_end
-    for action, addr, size, _t in trace.rows(reverse=True):
-        if action == "alloc":
+    for c, addr, size in zip(reversed(acts), reversed(addrs), reversed(sizes)):
+        if c == A:
             if start.pop(addr, None) is None:
                 anomalies += 1
-        elif action == "free_requested":
+        elif c == FR:
             block = start.get(addr)
             if block is None:
                 anomalies += 1
-                start[addr] = [None, int(size), True, None, False]
+                start[addr] = [None, size, True, None, False]
             else:
                 block[2] = True
-        elif action == "free_completed":
-            start[addr] = [None, int(size), False, None, False]
-        elif action == "segment_alloc":
-            reserved -= int(size)
+        elif c == FC:
+            start[addr] = [None, size, False, None, False]
+        elif c == SA:
+            reserved -= size
             plain.pop(addr, None)
-        elif action == "segment_free":
-            size = int(size)
+        elif c == SF:
             reserved += size
             plain[addr] = (size, size == SMALL_BUFFER)
-        elif action == "segment_map":
-            reserved -= int(size)
-        elif action == "segment_unmap":
-            reserved += int(size)
+        elif c == SM:
+            reserved -= size
+        elif c == SU:
+            reserved += size
     return start, plain, reserved, anomalies
-
-
-def _drop(layout: _Layout, block: Allocation, index: int) -> None:
-    block.gone = index
-    seg = layout.find(block.addr)
-    if seg is not None:
-        starts = layout.blocks[seg]
-        i = bisect.bisect_left(starts, block.addr)
-        if i < len(starts) and starts[i] == block.addr:
-            del starts[i]

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 from ..oom.analysis import RecordedOom
 from ..preflight.allocator import segment_size
 from .load import MAX_BYTES, SnapshotError, load_snapshot
-from .replay import DeviceReplay, Fragmentation, replay_device
+from .replay import DeviceReplay, Fragmentation, replay_device, top_of
 from .schema import Parsed, devices, parse
 from .sites import UNKNOWN, Site, site_of
 
@@ -88,13 +88,11 @@ class SnapshotReport:
             return r.peak(series)
         lo, hi = self.window(device, start, end)
         every = r.allocated if series == "allocated" else r.reserved
-        values = every[lo:hi]
-        if not values:  # no event inside: the state the last event before it left
+        if hi <= lo:  # no event inside: the state the last event before it left
             if lo == 0:
                 return (r.initial_allocated if series == "allocated" else r.initial_reserved), -1
             return every[lo - 1], lo - 1
-        top = max(values)
-        return top, lo + values.index(top)
+        return top_of(every, lo, hi)
 
     def site(self, allocation) -> Site:
         if not allocation.frames and allocation.born < 0:
@@ -104,8 +102,15 @@ class SnapshotReport:
     def sites_at(self, index: int, device: Optional[int] = None) -> List[SiteBytes]:
         """What was allocated just after event ``index``, by site, largest first."""
         totals: Dict[Site, List[int]] = {}
+        sites: Dict[int, Site] = {}  # by stack: blocks share their stacks (a file's may be long), each is read once
         for a in self.replay(device).live_at(index):
-            row = totals.setdefault(self.site(a), [0, 0])
+            if not a.frames and a.born < 0:
+                site = BEFORE
+            else:
+                site = sites.get(id(a.frames))
+                if site is None:
+                    site = sites[id(a.frames)] = site_of(a.frames, self.cells)
+            row = totals.setdefault(site, [0, 0])
             row[0] += a.size
             row[1] += 1
         return sorted((SiteBytes(s, b, n) for s, (b, n) in totals.items()), key=lambda r: (-r.bytes, r.site.label))
@@ -285,4 +290,6 @@ def read_snapshot(source, *, cells: Optional[Mapping[str, int]] = None, max_byte
         name = "torch.cuda.memory._snapshot()"
     else:
         name = "snapshot bytes"
-    return SnapshotReport(parse(data), name, cells, views)
+    parsed = parse(data)
+    del data  # a file's segment dicts go before the replay (the parsed segments keep what it needs)
+    return SnapshotReport(parsed, name, cells, views)

@@ -33,7 +33,7 @@ class Block(NamedTuple):
     size: int
     requested: int
     state: str
-    frames: Tuple[Mapping[str, Any], ...] = ()
+    frames: Sequence[Mapping[str, Any]] = ()  # shared with the file's other references to it
 
 
 class Segment(NamedTuple):
@@ -57,12 +57,14 @@ class Parsed(NamedTuple):
     generation: str
 
 
-def _frames(block: Mapping[str, Any]) -> tuple:
+def _frames(block: Mapping[str, Any]) -> Sequence[Any]:
+    """A block's stack, the object itself (blocks share stacks: never copied)."""
     frames = block.get("frames")
     if frames is None:
-        history = block.get("history") or ()
-        frames = history[-1].get("frames") if history and isinstance(history[-1], Mapping) else None
-    return tuple(frames or ())
+        history = block.get("history")
+        last = history[-1] if isinstance(history, list) and history else None
+        frames = last.get("frames") if isinstance(last, Mapping) else None
+    return frames if isinstance(frames, (list, tuple)) else ()
 
 
 def _segment(raw: Any, index: int) -> Segment:

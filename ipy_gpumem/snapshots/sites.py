@@ -45,15 +45,21 @@ def cell_label(filename: str, cells: Optional[Mapping[str, int]] = None) -> Opti
     return None
 
 
+def _text(frame: Mapping[str, Any], key: str) -> str:
+    value = frame.get(key)
+    return value if type(value) is str else ""  # a file's frames are data: anything else reads as nothing
+
+
 def _python(frame: Mapping[str, Any]) -> bool:
-    name = str(frame.get("filename", ""))
+    name = _text(frame, "filename")
     return name.endswith(".py") or name.startswith("<ipython-input-")
 
 
 def _site(frame: Mapping[str, Any], user: bool, cells) -> Site:
-    filename = str(frame.get("filename", ""))
-    line = int(frame.get("line", 0) or 0)
-    function = str(frame.get("name", ""))
+    filename = _text(frame, "filename")
+    line = frame.get("line")
+    line = line if type(line) is int else 0
+    function = _text(frame, "name")
     cell = cell_label(filename, cells)
     if cell is not None:
         label = f"{cell}, line {line}"
@@ -77,10 +83,10 @@ def site_of(frames: Optional[Sequence[Mapping[str, Any]]], cells: Optional[Mappi
             continue
         if first_python is None:
             first_python = frame
-        if not _LIBRARY.search(str(frame.get("filename", ""))):
+        if not _LIBRARY.search(_text(frame, "filename")):
             return _site(frame, True, cells)
     if first_python is not None:
         return _site(first_python, False, cells)
-    name = next((str(f.get("name")) for f in frames if isinstance(f, Mapping) and f.get("name")
-                 and not _ALLOCATOR.match(str(f.get("name")))), "")
+    name = next((_text(f, "name") for f in frames if isinstance(f, Mapping) and _text(f, "name")
+                 and not _ALLOCATOR.match(_text(f, "name"))), "")
     return Site("", 0, name, f"(C++ only) {name[:60]}" if name else UNKNOWN.label, False)

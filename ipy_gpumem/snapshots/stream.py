@@ -1,27 +1,45 @@
-"""A streaming pickle reader for snapshots: plain data only, with each device's events stored as columns instead of dicts.
+"""A streaming pickle reader for snapshots: plain data only, bounded by the file, with each device's events stored as columns instead of dicts.
 
-``pickle.load`` of a snapshot builds a dict per event: about 7x the file's size in memory. This
-reader runs the pickle machine itself (protocols 2 to 5) over a buffer refilled from the file, so
-the file is never held whole. It keeps the memo (strings, frame dicts: shared, bounded by what is
-distinct) and the non-event part as plain objects, but each event in ``device_traces`` goes into
-a :class:`~.trace.Trace` (a few bytes of columns) and its memo slot holds a shared placeholder.
+``pickle.load`` of a snapshot builds a dict per event: about 7x the file's size in memory, and it
+trusts the file (a 9-byte file can ask for a 2 GiB memo; memo references can make a 16 KB file
+stand for millions of objects). This reader runs the pickle machine itself (protocols 0 to 5)
+over a buffer refilled from the file, so the file is never held whole, and bounds everything by
+the bytes read so far:
 
-Speed comes from the common event shape (``}`` MEMOIZE MARK, key/value pairs of memo references,
-ints, short strings and a frames list of memo references, SETITEMS) read with two regex calls;
-anything else runs through the general opcode loop, slower and just as exact. Any class
-reference, reduce or persistent id raises :class:`SnapshotError` the moment it is seen:
-nothing is imported and nothing runs.
+- memo references are shared, never copied, and what they stand for once expanded is counted
+  (:data:`EXPAND_PER_BYTE` items per byte); a container is frozen once referenced again, so
+  nothing is cyclic, and no container is ever hashed (dict keys and set items are scalars);
+- the memo holds what was stored, no more (an index past it, or written twice, is refused);
+- MARK is an index, never a copy of the stack, and the stack holds what a pickler writes (:data:`MAX_STACK`);
+- what the general opcode loop builds is costed (:data:`COST_PER_BYTE`), and the whole read has a
+  time budget (:data:`SECONDS_PER_BYTE`);
+- any class reference, reduce or persistent id is refused the moment it is seen: nothing is
+  imported and nothing runs.
+
+Events (``device_traces``) go a faster way: the common event shape is matched by one regex per
+shape over 64 KiB at a time (``findall``, in C), and its columns are converted in bulk (the
+numbers by the C unpickler over a pickle made only of the number tokens the regex checked). The
+memo keeps 4 bytes per slot an event makes (the event itself, torch's fresh "N/A" strings, its
+frames list), not the objects. Anything else goes through the general opcode loop, slower and
+just as exact.
 """
 from __future__ import annotations
 
+import codecs
+import pickle
 import re
 import struct
+import time
+from array import array
+from itertools import chain, compress, repeat
+from operator import itemgetter, not_
 from typing import Any, Dict, List, Optional
 
 from .trace import NO_TIME, Trace
 
 
-__all__ = ["read_stream", "Fallback", "CHUNK", "SnapshotError"]
+__all__ = ["read_stream", "Fallback", "CHUNK", "MARGIN", "SnapshotError", "COST_PER_BYTE", "EXPAND_PER_BYTE",
+           "SECONDS_PER_BYTE"]
 
 
 class SnapshotError(ValueError):
@@ -30,75 +48,216 @@ class SnapshotError(ValueError):
 
 #: Bytes read from the file at a time.
 CHUNK = 1 << 20
-#: The fast path needs an event whole in the buffer: keep at least this much ahead (an event is
-#: ~100-400 bytes; one that is longer only goes the general way).
+#: Bytes kept ahead of the machine; events are matched this many bytes at a time.
 MARGIN = 1 << 16
+#: What the general opcode loop builds, in bytes of Python objects per byte of pickle read (plus
+#: :data:`COST_FLOOR`). Torch's snapshots cost 3-10x (dicts of a few keys, short strings).
+COST_PER_BYTE, COST_FLOOR = 32, 32 << 20
+#: Items that memo references stand for once expanded, per byte read (plus :data:`EXPAND_FLOOR`).
+#: Torch shares stack frames and their lists: 0.1-1.5 per byte in real captures.
+EXPAND_PER_BYTE, EXPAND_FLOOR = 32, 1 << 20
+#: The time budget, in seconds of this process's CPU: ten, plus this per byte of pickle. Real files
+#: read at 1-50 MB/s (the slowest: segments without events); the budget is a last resort against a
+#: file slow in a way the other bounds do not see, never met by one they bound.
+SECONDS_PER_BYTE, SECONDS_FLOOR = 20e-6, 10.0
+#: Items the pickle stack may hold (marks included): a pickler writes at most 2,000 between two
+#: marks (items of a dict are set 1,000 at a time), and nests a few deep.
+MAX_STACK = 1 << 16
+#: The longest integer argument read (torch's fit 8 bytes; Python cannot print an int over ~1,800).
+MAX_INT_BYTES = 255
+#: The longest text line of protocol 0 (numbers, memo indices, strings).
+MAX_LINE = 1 << 16
 
-_EVENT = object()  # the memo slot of an event dict: it is in the trace's columns, not here
 _FLOAT = struct.Struct(">d")
+_SCALARS = (str, int, float, bool, type(None), bytes)
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+_CONTAINER_TYPES = frozenset(_CONTAINERS)
+_SKIP = 0x7FFFFFFF  # a column's "no memo slot here" in the bulk event path
+_EVENT = -1  # the memo kind of an event (it lives in the trace's columns)
+_NO_RUN = -2 - _SKIP  # the "frames index" of an event whose frames are a reference: its memo kind is _SKIP
+_MINUS_2 = (-2).__sub__  # a frames index's memo kind
 
 
 class Fallback(Exception):
-    """The file shares an event dict between places (torch never does): read it the plain way."""
+    """The file refers to an event dict from another place (torch never does): read it again keeping events whole."""
 
 
 class _Traces(list):
     """The ``device_traces`` list: its items are built as :class:`Trace`."""
 
 
-# Tokens of the fast path (protocol 4/5 output; protocol 2/3 use BINPUT and go the general way).
-_REF = rb"h[\s\S]|j[\s\S]{4}"
-_INT = rb"K[\s\S]|M[\s\S]{2}|J[\s\S]{4}|\x8a(?:" + b"|".join(
-    bytes([n]) + (rb"[\s\S]{%d}" % n if n else b"") for n in range(9)) + rb")"
-_STR = rb"\x8c(?:" + b"|".join(
-    re.escape(bytes([n])) + (rb"[\s\S]{%d}" % n if n else b"") for n in range(64)) + rb")\x94"
-_FRAMES = rb"\]\x94(?:\((?:" + _REF + rb")+e|(?:" + _REF + rb")a)*"
-_VALUE = b"|".join((_REF, _INT, _STR, _FRAMES, rb"N|\x88|\x89|G[\s\S]{8}"))
-_KEY = _REF + b"|" + _STR
-_SPAN = re.compile(rb"\}\x94\((?:(?:" + _KEY + rb")(?:" + _VALUE + rb"))+u")
-_PAIR = re.compile(rb"(" + _KEY + rb")(" + _VALUE + rb")")
+def read_stream(read, name: str, limit: int, *, size: Optional[int] = None, keep_events: bool = False) -> Any:
+    """The object a protocol 0-5 pickle read through ``read(n)`` holds, its event lists as :class:`Trace`.
 
-
-def read_stream(read, name: str, limit: int) -> Any:
-    """The object a protocol 2-5 pickle read through ``read(n)`` holds, its event lists as :class:`Trace`.
+    ``size`` is the pickle's length when known (a plain file): an argument longer than what is
+    left is then refused at once. ``keep_events`` keeps each event's dict in the memo (for a file
+    that refers to one again: :class:`Fallback` asks for it).
 
     Raises:
-        SnapshotError: a class reference, a truncated or broken pickle, more than ``limit`` bytes.
-        Fallback: the file needs the plain unpickler (an event shared by reference).
+        SnapshotError: a class reference, a truncated or broken pickle, more than ``limit`` bytes,
+            or a file that would cost more than its bounds (time, memory, expansion).
+        Fallback: the file refers to an event from another place.
     """
-    return _Machine(read, name, limit).run()
+    return _Machine(read, name, limit, size, keep_events).run()
+
+
+# -- the tokens of the common event shape (checked by regex, then converted in bulk) ---------------
+_REF = rb"h.|j...."
+_INT = rb"K.|M..|J....|\x8a(?:" + b"|".join(bytes([n]) + b"." * n for n in (5, 6, 7, 8, 4, 3, 2, 1, 0)) + rb")"
+_STR = rb"\x8c(?:" + b"|".join(re.escape(bytes([n])) + b"." * n for n in range(64)) + rb")\x94"
+_RUN = rb"\]\x94(?:\((?:h.|j....)+e)*(?:(?:h.|j....)a)?"
+_SCALAR = b"|".join((_REF, _INT, _STR, rb"N|\x88|\x89|G.{8}"))
+_KEY = _REF + b"|" + _STR
+# One event of the common shape, its key tokens captured (to find or make its template).
+_SPAN = re.compile(rb"\}\x94\((?:(?:" + _KEY + rb")(?:" + _SCALAR + b"|" + _RUN + rb"))+u", re.S)
+_PAIR = re.compile(rb"(" + _KEY + rb")(" + _SCALAR + b"|" + _RUN + rb")", re.S)
+_INT_KEYS = {"addr": "addr", "size": "size", "time_us": "time"}
+
+
+class _Template:
+    """One event shape (its keys, in order, as memo references): a regex that matches a run of such events.
+
+    Torch writes every event of a device with the same keys, so one template reads nearly all of
+    a trace. Its regex matches, at each place, an event (values captured), a batch boundary or
+    frame header (no-ops here), or else the rest of the window (where the run stops).
+    """
+
+    def __init__(self, ktoks: tuple, keys: tuple):
+        self.keys = keys
+        parts = []
+        self.ints: Dict[str, int] = {}  # column name -> group
+        self.action = self.frames_run = self.frames_ref = -1
+        self.others: List[tuple] = []  # (key, group) of keys kept in the extras table
+        self.scalars: List[int] = []  # groups that may hold a fresh string (a memo slot)
+        g = 0
+        for ktok, key in zip(ktoks, keys):
+            if key in _INT_KEYS:
+                parts.append(re.escape(ktok) + b"(" + _INT + b")")
+                self.ints[_INT_KEYS[key]] = g
+                g += 1
+            elif key == "frames":
+                parts.append(re.escape(ktok) + b"(?:(" + _RUN + b")|(" + _REF + b"))")
+                self.frames_run, self.frames_ref = g, g + 1
+                g += 2
+            else:
+                parts.append(re.escape(ktok) + b"(" + _SCALAR + b")")
+                if key == "action":
+                    self.action = g
+                else:
+                    self.others.append((key, g))
+                self.scalars.append(g)
+                g += 1
+        self.groups = g
+        self.fixed = 4 + sum(map(len, ktoks))  # an event's bytes besides its values
+        event = rb"\}\x94\(" + b"".join(parts) + rb"u"
+        self.regex = re.compile(rb"(?:" + event + rb"|(e\(|\x95.{8})|(.+))", re.S)
+        self.extras: Dict[Any, Dict[tuple, int]] = {}  # trace -> (other tokens) -> extra id
 
 
 class _Machine:
-    """The pickle machine: a stack, marks, the memo, and a buffer refilled from the file."""
+    """The pickle machine: a stack with marks as indices, a memo of what was stored, a buffer refilled from the file."""
 
-    def __init__(self, read, name: str, limit: int):
-        self.read, self.name, self.limit = read, name, limit
+    def __init__(self, read, name: str, limit: int, size: Optional[int], keep_events: bool):
+        self.read, self.name, self.limit, self.size, self.keep_events = read, name, limit, size, keep_events
         self.buf = b""
         self.base = 0  # file offset of buf[0]
         self.eof = False
-        self.memo: List[Any] = []
+        # The memo: a kind per slot (>= 0: an index into ``objs``; -1: an event, in its trace;
+        # <= -2: a stack in ``frames``), and slots stored past the end (protocols 0-3 number them).
+        self.kinds = array("i")
+        self.objs: List[Any] = []
+        self.sparse: Dict[int, Any] = {}
         self.strings: Dict[str, str] = {}  # equal strings share one object (torch writes "N/A" afresh per event)
+        self.string_slot: Dict[str, int] = {}  # an interned string's index in ``objs``
         self.frames: List[Any] = []  # every device's stacks, each once
-        self.frames_of_run: Dict[bytes, int] = {}
+        self.frames_of_run: Dict[bytes, int] = {b"": _NO_RUN}
         self.frames_of_obj: Dict[int, int] = {}
-        self.frames_of_ref: Dict[bytes, int] = {}  # a reference's bytes -> frames index (shared lists)
+        self.frames_of_ref: Dict[bytes, int] = {}  # a reference's bytes -> frames index (a few recent ones)
         self.pending: Optional[int] = None  # memo slot of an event going the general way
-        # Memo slots never change once written, so a reference's bytes always mean the same object.
-        self.refs: Dict[bytes, Any] = {}
-        self.strtok: Dict[bytes, str] = {}  # a short string's bytes -> the one str (torch repeats "N/A")
-        self.templates: Dict[tuple, "_Template"] = {}
-        self.recent: Optional["_Template"] = None
+        self.templates: Dict[tuple, _Template] = {}
+        self.recent: Optional[_Template] = None
+        self.token_values: Dict[bytes, Any] = {}  # a scalar token's value (memo slots never change)
+        self.token_slots: Dict[bytes, int] = {}  # the memo kind a value token makes (_SKIP: none)
+        self.action_codes: Dict[Any, Dict[bytes, int]] = {}  # trace -> action token -> code
+        self.batch: Optional[array] = None  # the memo kinds of the run of events being read
+        # Bounds.
+        self.sealed: set = set()  # ids of containers met a second time: never changed again
+        self.weights: Dict[int, int] = {}  # id -> items a container stands for, expanded
+        self.expanded = 0
+        self.expand_limit = EXPAND_FLOOR
+        self.cost = 0
+        self.cost_limit = COST_FLOOR
+        self.started = time.process_time()
+        self.ticks = 4096
+
+    # -- bounds -----------------------------------------------------------------------------------
+    def consumed(self) -> int:
+        return self.base + len(self.buf)
+
+    def spend(self, n: int) -> None:
+        """Count ``n`` bytes of objects the general loop builds; refuse past the file's share."""
+        self.cost += n
+        if self.cost > self.cost_limit:
+            self.cost_limit = COST_FLOOR + COST_PER_BYTE * self.consumed()
+            if self.cost > self.cost_limit:
+                raise SnapshotError(f"{self.name} is not a memory snapshot: it builds more than {COST_PER_BYTE} bytes "
+                                    f"of objects per byte (a crafted file?)")
+
+    def clock(self) -> None:
+        spent = time.process_time() - self.started
+        if spent > SECONDS_FLOOR + SECONDS_PER_BYTE * self.consumed():
+            raise SnapshotError(f"{self.name} takes too long to read ({spent:.1f} s of CPU for {self.consumed()} "
+                                f"bytes, over the budget of {SECONDS_FLOOR:.0f} s + {SECONDS_PER_BYTE * 1e6:.0f} s "
+                                f"per MB: a crafted file?)")
+
+    def weigh(self, obj: Any) -> int:
+        """How many items ``obj`` stands for, expanded as a tree (containers counted once, by identity)."""
+        weights = self.weights
+        w = weights.get(id(obj))
+        if w is not None:
+            return w
+        todo = [(obj, False)]
+        while todo:
+            o, done = todo.pop()
+            if id(o) in weights:
+                continue
+            items = o.values() if type(o) is dict else o
+            if done:
+                total = 1 + (len(o) if type(o) is dict else 0)
+                for x in items:
+                    total += weights.get(id(x), 1) if type(x) in _CONTAINERS else 1
+                weights[id(o)] = total
+                self.spend(100)
+                continue
+            todo.append((o, True))
+            todo.extend((x, False) for x in items if type(x) in _CONTAINERS and id(x) not in weights)
+        return weights[id(obj)]
+
+    def shared(self, obj: Any, pos: int) -> Any:
+        """``obj`` met again (a memo reference or DUP): frozen from now on, and what it stands for counted."""
+        if type(obj) in _CONTAINER_TYPES:
+            w = self.weights.get(id(obj))
+            if w is None:
+                if type(obj) is not tuple and type(obj) is not frozenset:
+                    self.sealed.add(id(obj))
+                w = self.weigh(obj)
+            self.expanded += w
+            if self.expanded > self.expand_limit:
+                self.expand_limit = EXPAND_FLOOR + EXPAND_PER_BYTE * self.consumed()
+                if self.expanded > self.expand_limit:
+                    raise SnapshotError(f"{self.name} is not a memory snapshot: its memo references stand for more "
+                                        f"than {EXPAND_PER_BYTE} items per byte (a crafted file?)")
+        return obj
 
     # -- the buffer -----------------------------------------------------------------------------
     def more(self, pos: int, need: int) -> int:
-        """Refill so that ``need`` bytes from ``pos`` are in ``self.buf`` where the file has them; the new ``pos``."""
+        """Refill so that ``need`` bytes from ``pos`` are in ``self.buf`` where the file has them; the new ``pos`` (0)."""
         buf = self.buf[pos:]
         self.base += pos
         parts = [buf]
         have = len(buf)
         while have < need and not self.eof:
-            data = self.read(max(CHUNK, need - have))
+            data = self.read(CHUNK)
             if not data:
                 self.eof = True
                 break
@@ -108,6 +267,7 @@ class _Machine:
                 raise SnapshotError(f"{self.name} is over the limit of {self.limit} bytes of pickle "
                                     f"(pass max_bytes= to read it)")
         self.buf = b"".join(parts) if len(parts) > 1 else buf
+        self.clock()
         return 0
 
     def truncated(self, pos: int) -> SnapshotError:
@@ -122,24 +282,51 @@ class _Machine:
         return self.strings.setdefault(s, s)
 
     def get(self, index: int, pos: int) -> Any:
-        try:
-            obj = self.memo[index]
-        except IndexError:
-            raise self.bad(pos, f"memo entry {index} is missing") from None
-        if obj is _EVENT:
-            raise Fallback()
-        return obj
+        if index < len(self.kinds):
+            k = self.kinds[index]
+            if k >= 0:
+                obj = self.objs[k]
+            elif k == _EVENT:
+                raise Fallback()
+            else:
+                obj = self.frames[-2 - k]
+        else:
+            try:
+                obj = self.sparse[index]
+            except KeyError:
+                raise self.bad(pos, f"memo entry {index} is missing") from None
+        return self.shared(obj, pos) if type(obj) in _CONTAINER_TYPES else obj
+
+    def put(self, index: int, obj: Any, pos: int) -> None:
+        if type(obj) is str:
+            obj = self.intern(obj)
+        kinds = self.kinds
+        if index == len(kinds) and index not in self.sparse:
+            kinds.append(len(self.objs))
+            self.objs.append(obj)
+            self.spend(12)
+        elif index < len(kinds) or index in self.sparse or index < 0:
+            raise self.bad(pos, f"memo entry {index} written twice")
+        else:  # past what was stored (protocols 0-3 number the memo themselves): no gap is filled
+            self.sparse[index] = obj
+            self.spend(100)
+
+    def memoize(self, obj: Any, pos: int) -> None:
+        self.put(len(self.kinds) + len(self.sparse), obj, pos)
 
     # -- the machine ----------------------------------------------------------------------------
     def run(self) -> Any:
         pos = self.more(0, MARGIN)
         buf = self.buf
-        if len(buf) < 2 or buf[0] != 0x80 or not 2 <= buf[1] <= 5:
-            raise self.bad(0, "not a protocol 2-5 pickle")
-        pos = 2
-        stack: List[Any] = []
-        marks: List[List[Any]] = []
-        memo = self.memo
+        if not buf:
+            raise self.bad(0, "an empty file")
+        if buf[0] == 0x80:
+            if len(buf) < 2 or not 2 <= buf[1] <= 5:
+                raise self.bad(0, "not a protocol 0-5 pickle")
+            pos = 2
+        self.stack: List[Any] = []
+        self.marks: List[int] = []
+        stack, marks = self.stack, self.marks
         while True:
             if len(buf) - pos < MARGIN and not self.eof:
                 pos = self.more(pos, MARGIN)
@@ -148,15 +335,23 @@ class _Machine:
                 op = buf[pos]
             except IndexError:
                 raise self.truncated(pos) from None
-            if op == 0x7D and marks and type(marks[-1][-1]) is Trace and len(stack) <= 1:  # an event
-                trace = marks[-1][-1]
-                if stack:
+            if op == 0x7D and marks and not self.keep_events and marks[-1] and type(stack[marks[-1] - 1]) is Trace \
+                    and len(stack) - marks[-1] <= 1:  # an event
+                trace = stack[marks[-1] - 1]
+                if len(stack) > marks[-1]:
                     self.add(trace, stack.pop())
-                end = self.event(trace, buf, pos)
-                if end > 0:
+                end = self.events(trace, buf, pos)
+                if end > pos:
                     pos = end
                     continue
-                self.pending = len(memo) if buf[pos + 1:pos + 2] == b"\x94" else None
+                self.pending = len(self.kinds) + len(self.sparse) if buf[pos + 1:pos + 2] == b"\x94" else None
+            self.ticks -= 1
+            if not self.ticks:
+                self.ticks = 4096
+                self.clock()
+                if len(stack) + len(marks) > MAX_STACK:
+                    raise SnapshotError(f"{self.name} is not a memory snapshot: its pickle stack holds more than "
+                                        f"{MAX_STACK} items (a crafted file?)")
             try:
                 pos = self.step(op, buf, pos, stack, marks)
             except (IndexError, struct.error):
@@ -173,8 +368,12 @@ class _Machine:
             raise SnapshotError(f"not a memory snapshot: an event of device_traces is a {type(item).__name__}")
         slot, self.pending = self.pending, None
         trace.add(item)
-        if slot is not None and slot < len(self.memo) and self.memo[slot] is item:
-            self.memo[slot] = _EVENT
+        if self.keep_events or slot is None or slot >= len(self.kinds):
+            return
+        k = self.kinds[slot]
+        if k >= 0 and self.objs[k] is item:
+            self.kinds[slot] = _EVENT
+            self.objs[k] = None
 
     def arg(self, pos: int, n: int) -> bytes:
         """``n`` bytes of argument from ``pos`` (refilling for a long one)."""
@@ -182,9 +381,14 @@ class _Machine:
             raise _Short(pos, n)
         return self.buf[pos:pos + n]
 
+    def target(self, pos: int, obj: Any) -> Any:
+        """The container an opcode adds to, refused once it was met a second time (no cycles, no change after sharing)."""
+        if id(obj) in self.sealed and type(obj) is not Trace:
+            raise self.bad(pos, "a change to a container after a reference to it")
+        return obj
+
     def step(self, op: int, buf: bytes, pos: int, stack: list, marks: list) -> int:
         """Run the opcode at ``pos``; the position after it, or -1 at STOP."""
-        memo = self.memo
         if op == 0x68:  # BINGET
             stack.append(self.get(buf[pos + 1], pos))
             return pos + 2
@@ -192,150 +396,112 @@ class _Machine:
             stack.append(self.get(int.from_bytes(self.arg(pos + 1, 4), "little"), pos))
             return pos + 5
         if op == 0x94:  # MEMOIZE
-            obj = stack[-1]
-            memo.append(self.intern(obj) if type(obj) is str else obj)
+            self.memoize(stack[-1], pos)
             return pos + 1
         if op == 0x8C:  # SHORT_BINUNICODE
             n = buf[pos + 1]
             stack.append(self.text(pos + 2, n))
             return pos + 2 + n
-        if op == 0x4B:  # BININT1
+        if op == 0x4B:  # BININT1 (a small int: Python's own, nothing made)
             stack.append(buf[pos + 1])
             return pos + 2
         if op == 0x4D:  # BININT2
             stack.append(int.from_bytes(self.arg(pos + 1, 2), "little"))
+            self.cost += 32
             return pos + 3
         if op == 0x4A:  # BININT
             stack.append(int.from_bytes(self.arg(pos + 1, 4), "little", signed=True))
+            self.cost += 32
             return pos + 5
         if op == 0x8A:  # LONG1
             n = buf[pos + 1]
             stack.append(int.from_bytes(self.arg(pos + 2, n), "little", signed=True))
+            self.cost += 32 + n
             return pos + 2 + n
         if op == 0x28:  # MARK
-            marks.append(stack[:])
-            stack.clear()
+            marks.append(len(stack))
+            self.spend(8)  # checks the bill of the cheap opcodes above too
             return pos + 1
         if op == 0x7D:  # EMPTY_DICT
             stack.append({})
+            self.spend(64)
             return pos + 1
         if op == 0x5D:  # EMPTY_LIST
             stack.append(self.new_list(stack, marks))
+            self.spend(56)
             return pos + 1
         if op == 0x75:  # SETITEMS
-            items = self.pop_mark(stack, marks)
-            target = stack[-1]
+            k = marks.pop()
+            if k == 0:
+                raise IndexError
+            target = self.target(pos, stack[k - 1])
+            if type(target) is not dict:
+                raise self.bad(pos, "SETITEMS on something not a dict")
+            items = stack[k:]
+            del stack[k:]
+            self.spend(40 * len(items))
             for i in range(0, len(items) - 1, 2):
-                target[items[i]] = items[i + 1]
+                target[self.key(items[i], pos)] = items[i + 1]
             return pos + 1
         if op == 0x73:  # SETITEM
             value = stack.pop()
             key = stack.pop()
-            stack[-1][key] = value
+            target = self.target(pos, stack[-1])
+            if type(target) is not dict:
+                raise self.bad(pos, "SETITEM on something not a dict")
+            target[self.key(key, pos)] = value
+            self.spend(80)
             return pos + 1
         if op == 0x65:  # APPENDS
-            items = self.pop_mark(stack, marks)
-            self.extend(stack[-1], items)
+            k = marks.pop()
+            items = stack[k:]
+            del stack[k:]
+            self.extend(self.target(pos, stack[-1]), items, pos)
             return pos + 1
         if op == 0x61:  # APPEND
             item = stack.pop()
-            self.extend(stack[-1], [item])
+            self.extend(self.target(pos, stack[-1]), [item], pos)
             return pos + 1
         if op == 0x95:  # FRAME: frames end on opcode boundaries, so the bytes read on as one stream
             self.arg(pos + 1, 8)
             return pos + 9
         if op == 0x71:  # BINPUT
-            self.put(buf[pos + 1], stack[-1])
+            self.put(buf[pos + 1], stack[-1], pos)
             return pos + 2
         if op == 0x72:  # LONG_BINPUT
-            self.put(int.from_bytes(self.arg(pos + 1, 4), "little"), stack[-1])
+            self.put(int.from_bytes(self.arg(pos + 1, 4), "little"), stack[-1], pos)
             return pos + 5
-        if op == 0x58:  # BINUNICODE
-            n = int.from_bytes(self.arg(pos + 1, 4), "little")
-            stack.append(self.text(pos + 5, n))
-            return pos + 5 + n
-        if op == 0x8D:  # BINUNICODE8
-            n = int.from_bytes(self.arg(pos + 1, 8), "little")
-            stack.append(self.text(pos + 9, n))
-            return pos + 9 + n
         if op == 0x4E:  # NONE
             stack.append(None)
             return pos + 1
         if op == 0x88 or op == 0x89:  # NEWTRUE, NEWFALSE
             stack.append(op == 0x88)
             return pos + 1
-        if op == 0x47:  # BINFLOAT
-            stack.append(_FLOAT.unpack(self.arg(pos + 1, 8))[0])
-            return pos + 9
-        if op == 0x8B:  # LONG4
-            n = int.from_bytes(self.arg(pos + 1, 4), "little", signed=True)
-            if n < 0:
-                raise self.bad(pos, "LONG4 with a negative length")
-            stack.append(int.from_bytes(self.long_arg(pos + 5, n), "little", signed=True))
-            return pos + 5 + n
-        if op in (0x43, 0x42, 0x8E, 0x96):  # SHORT_BINBYTES, BINBYTES, BINBYTES8, BYTEARRAY8
-            width = {0x43: 1, 0x42: 4, 0x8E: 8, 0x96: 8}[op]
-            n = int.from_bytes(self.arg(pos + 1, width), "little")
-            data = self.long_arg(pos + 1 + width, n)
-            stack.append(bytearray(data) if op == 0x96 else data)
-            return pos + 1 + width + n
-        if op == 0x29:  # EMPTY_TUPLE
-            stack.append(())
-            return pos + 1
-        if op in (0x85, 0x86, 0x87):  # TUPLE1..3
-            n = op - 0x84
-            if len(stack) < n:
+        if op == 0x86:  # TUPLE2 (torch's segment_pool_id)
+            if len(stack) - (marks[-1] if marks else 0) < 2:
                 raise IndexError
-            items = tuple(stack[-n:])
-            del stack[-n:]
+            items = (stack[-2], stack[-1])
+            del stack[-2:]
             stack.append(items)
+            self.spend(56)
             return pos + 1
-        if op == 0x74:  # TUPLE
-            stack.append(tuple(self.pop_mark(stack, marks)))
-            return pos + 1
-        if op == 0x6C:  # LIST
-            stack.append(list(self.pop_mark(stack, marks)))
-            return pos + 1
-        if op == 0x64:  # DICT
-            items = self.pop_mark(stack, marks)
-            stack.append({items[i]: items[i + 1] for i in range(0, len(items) - 1, 2)})
-            return pos + 1
-        if op == 0x8F:  # EMPTY_SET
-            stack.append(set())
-            return pos + 1
-        if op == 0x90:  # ADDITEMS
-            items = self.pop_mark(stack, marks)
-            stack[-1].update(items)
-            return pos + 1
-        if op == 0x91:  # FROZENSET
-            stack.append(frozenset(self.pop_mark(stack, marks)))
-            return pos + 1
-        if op == 0x30:  # POP
-            if stack:
-                stack.pop()
-            else:
-                self.pop_mark(stack, marks)
-            return pos + 1
-        if op == 0x31:  # POP_MARK
-            self.pop_mark(stack, marks)
-            return pos + 1
-        if op == 0x32:  # DUP
-            stack.append(stack[-1])
-            return pos + 1
-        if op == 0x98:  # READONLY_BUFFER: a no-op on in-band data
-            return pos + 1
-        if op == 0x80:  # PROTO (again)
-            return pos + 2
-        if op == 0x2E:  # STOP
-            if len(stack) != 1 or marks:
-                raise self.bad(pos, "STOP with an unfinished stack")
-            return -1
-        raise self.refused(op, buf, pos, stack)
+        handler = _RARE.get(op)
+        if handler is None:
+            raise self.refused(op, buf, pos, stack)
+        return handler(self, buf, pos, stack, marks)
+
+    def key(self, key: Any, pos: int) -> Any:
+        """A dict key: a scalar (hashing a container could take any time)."""
+        if type(key) not in _SCALARS:
+            raise SnapshotError(f"{self.name} is not a memory snapshot: a dict key is a {type(key).__name__} "
+                                f"(at byte {self.base + pos})")
+        return key
 
     def refused(self, op: int, buf: bytes, pos: int, stack: list) -> SnapshotError:
         """The one-line error for an opcode that would build an object, or one this reader does not know."""
         if op == 0x93 and len(stack) >= 2:  # STACK_GLOBAL
-            return SnapshotError(f"not a memory snapshot: it refers to {stack[-2]}.{stack[-1]} (only plain data is read)")
+            return SnapshotError(f"not a memory snapshot: it refers to {str(stack[-2])[:80]}.{str(stack[-1])[:80]} "
+                                 f"(only plain data is read)")
         if op in (0x63, 0x69):  # GLOBAL, INST: module and name on two lines
             line = buf[pos + 1:pos + 200].split(b"\n")
             what = ".".join(x.decode("utf-8", "replace") for x in line[:2])
@@ -350,301 +516,553 @@ class _Machine:
 
     # -- general helpers ------------------------------------------------------------------------
     def text(self, pos: int, n: int) -> str:
+        data = self.long_arg(pos, n)
+        self.spend(56 + n)
         try:
-            return str(self.long_arg(pos, n), "utf-8", "surrogatepass")
+            return str(data, "utf-8", "surrogatepass")
         except UnicodeDecodeError:
             raise self.bad(pos, "a string that is not UTF-8") from None
 
     def long_arg(self, pos: int, n: int) -> bytes:
         if pos + n > len(self.buf):
-            if n > self.limit:
-                raise self.bad(pos, f"an argument of {n} bytes")
-            shift = pos - self.more(pos, n)  # the buffer now starts at ``pos``
-            pos -= shift
+            if n > self.limit or (self.size is not None and self.base + pos + n > self.size):
+                raise self.truncated(pos) if n <= self.limit else self.bad(pos, f"an argument of {n} bytes")
+            self.spend(n)  # held while it is read: refused here when the file has not earned it
+            self.fill(pos, n)
             if pos + n > len(self.buf):
                 raise self.truncated(len(self.buf))
-            # Callers return positions relative to the old buffer: keep ``pos`` where it was by
-            # putting back as many bytes in front (the old buffer's prefix is not needed again).
-            self.buf = b"\0" * shift + self.buf
-            self.base -= shift
-            pos += shift
         return self.buf[pos:pos + n]
 
-    def put(self, index: int, obj: Any) -> None:
-        memo = self.memo
-        if type(obj) is str:
-            obj = self.intern(obj)
-        if index == len(memo):
-            memo.append(obj)
-        elif index < len(memo):
-            memo[index] = obj
-        else:  # protocol 2/3 number the memo themselves: fill any gap
-            memo.extend([None] * (index - len(memo)))
-            memo.append(obj)
+    def fill(self, pos: int, n: int) -> None:
+        """Read on until ``n`` bytes from ``pos`` are in the buffer, or the file ends; ``pos`` keeps its meaning."""
+        shift = pos - self.more(pos, n)  # the buffer now starts at ``pos``
+        # Callers return positions relative to the old buffer: keep ``pos`` where it was by
+        # putting back as many bytes in front (the old buffer's prefix is not needed again).
+        self.buf = b"\0" * shift + self.buf
+        self.base -= shift
 
-    def pop_mark(self, stack: list, marks: list) -> list:
-        items = stack[:]
-        stack[:] = marks.pop()
-        return items
+    def line(self, pos: int) -> tuple:
+        """Protocol 0's text argument at ``pos``: its bytes (without the newline) and the position after it."""
+        end = self.buf.find(b"\n", pos, pos + MAX_LINE)
+        if end < 0 and len(self.buf) - pos < MAX_LINE and not self.eof:
+            self.fill(pos, MAX_LINE)  # a line is at most MAX_LINE bytes
+            end = self.buf.find(b"\n", pos, pos + MAX_LINE)
+        if end < 0:
+            if self.eof and len(self.buf) - pos < MAX_LINE:
+                raise self.truncated(len(self.buf))
+            raise self.bad(pos, f"a text line longer than {MAX_LINE} bytes")
+        return self.buf[pos:end], end + 1
+
+    def number(self, text: bytes, pos: int, kind=int) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise self.bad(pos, f"{text[:40]!r} is not a number") from None
+
+    def extend(self, target: Any, items: list, pos: int) -> None:
+        if type(target) is Trace:
+            for item in items:
+                self.add(target, item)
+        elif type(target) is list or type(target) is _Traces:
+            self.spend(8 * len(items))
+            target.extend(items)
+        else:
+            raise self.bad(pos, "APPENDS on something not a list")
 
     def new_list(self, stack: list, marks: list):
         """A plain list, or the ``device_traces`` list and each device's trace inside it."""
-        top = marks[-1][-1] if marks and marks[-1] else None
+        top = stack[marks[-1] - 1] if marks and marks[-1] else None
         if type(top) is _Traces or (stack and type(stack[-1]) is _Traces):
             return Trace(self.frames)
-        if stack and stack[-1] == "device_traces" and type(stack[-1]) is str:
-            at_top = (len(marks) == 1 and len(marks[0]) == 1 and type(marks[0][0]) is dict and len(stack) % 2 == 1) \
+        if stack and type(stack[-1]) is str and stack[-1] == "device_traces":
+            at_top = (len(marks) == 1 and marks[0] == 1 and type(stack[0]) is dict and len(stack) % 2 == 0) \
                 or (not marks and len(stack) == 2 and type(stack[0]) is dict)
             if at_top:
                 return _Traces()
         return []
 
-    def extend(self, target: Any, items: list) -> None:
-        if type(target) is Trace:
-            for item in items:
-                self.add(target, item)
-        else:
-            target.extend(items)
-
-    # -- the fast path: one event in two regex calls --------------------------------------------
-    def event(self, trace: Trace, buf: bytes, pos: int) -> int:
-        """Read the event at ``pos`` into ``trace``'s columns; its end, or -1 to read it the general way."""
+    # -- the fast path: events in bulk ----------------------------------------------------------
+    def events(self, trace: Trace, buf: bytes, pos: int) -> int:
+        """Read the events from ``pos`` on into ``trace``'s columns, as many as match a template; the position after them."""
         tpl = self.recent
-        if tpl is not None:
-            m = tpl.regex.match(buf, pos)
-            if m is not None and tpl.handle(self, trace, m.groups(), len(self.memo)):
-                return m.end()
+        if tpl is None:
+            tpl = self.template(buf, pos)
+            if tpl is None:
+                return pos
+        while True:
+            end = min(len(buf), pos + MARGIN)
+            found = tpl.regex.findall(buf, pos, end)
+            stray, sep = tpl.groups + 1, tpl.groups
+            if found and found[-1][stray]:
+                end -= len(found.pop()[stray])
+            rows = found
+            if any(map(itemgetter(sep), found)):
+                rows = list(compress(found, map(not_, map(itemgetter(sep), found))))
+            if rows and not self.bulk(tpl, trace, rows):
+                return self.after(tpl, found, self.take(tpl, trace, rows), pos)
+            if end > pos:
+                pos = end
+                if len(buf) - pos < MARGIN and not self.eof:
+                    return pos  # the main loop refills, then comes back
+                continue
+            other = self.template(buf, pos)  # nothing taken here: an event of another shape?
+            if other is None or other is tpl:
+                return pos
+            tpl = other
+
+    def take(self, tpl: _Template, trace: Trace, rows: list) -> int:
+        """Put in the events before the first that does not fit (halving), so each misfit costs a few tries; how many went in."""
+        if len(rows) <= 1:
+            return len(rows) if rows and self.bulk(tpl, trace, rows) else 0
+        half = len(rows) // 2
+        if self.bulk(tpl, trace, rows[:half]):
+            return half + self.take(tpl, trace, rows[half:])
+        return self.take(tpl, trace, rows[:half])
+
+    @staticmethod
+    def after(tpl: _Template, found: list, taken: int, pos: int) -> int:
+        """The position of the first event of ``found`` (matched from ``pos``) that was not taken."""
+        sep = tpl.groups
+        for row in found:
+            if row[sep]:
+                pos += len(row[sep])
+                continue
+            if not taken:
+                break
+            taken -= 1
+            pos += tpl.fixed + sum(map(len, row[:sep]))
+        return pos
+
+    def template(self, buf: bytes, pos: int) -> Optional[_Template]:
+        """The template of the event at ``pos`` (made the first time its keys are met), or None."""
         m = _SPAN.match(buf, pos)
         if m is None:
-            return -1
-        end = m.end()
-        pairs = _PAIR.findall(buf, pos + 3, end - 1)
-        ktoks = tuple(k for k, _v in pairs)
+            return None
+        ktoks = tuple(k for k, _v in _PAIR.findall(buf, pos + 3, m.end() - 1))
         tpl = self.templates.get(ktoks)
-        if tpl is None and all(k[0] != 0x8C for k in ktoks) and len(self.templates) < 64:
-            keys = [self.token(k, [], len(self.memo)) for k in ktoks]
-            if all(type(k) is str for k in keys) and len(set(keys)) == len(keys):
-                tpl = self.templates[ktoks] = _Template(ktoks, tuple(keys))
-        if tpl is not None:
-            m = tpl.regex.match(buf, pos)
-            if m is not None and tpl.handle(self, trace, m.groups(), len(self.memo)):
-                self.recent = tpl
-                return m.end()
-        return self.generic_event(trace, pairs, end)
+        if tpl is None:
+            if any(k[0] == 0x8C for k in ktoks) or len(self.templates) >= 64:
+                return None  # keys not yet in the memo (the first events): the general way
+            try:
+                keys = tuple(self.value(k) for k in ktoks)
+            except (KeyError, _NotScalar):
+                return None
+            if not all(type(k) is str for k in keys) or len(set(keys)) != len(keys):
+                return None
+            tpl = self.templates[ktoks] = _Template(ktoks, keys)
+        self.recent = tpl
+        return tpl
 
-    def generic_event(self, trace: Trace, pairs: list, end: int) -> int:
-        """An event of the common shape whose keys are not all memo references yet (the first ones of a file)."""
-        memo = self.memo
-        base = len(memo)
-        new: List[Any] = [_EVENT]
-        keys: List[str] = []
-        others: list = []
-        action = None
-        addr = size = 0
-        t = NO_TIME
-        fid = -1
-        for ktok, vtok in pairs:
-            key = self.token(ktok, new, base)
-            if ktok[0] == 0x8C:
-                new.append(key)
-            if type(key) is not str:
-                return -1
-            keys.append(key)
-            if key == "frames":
-                fid = self.frames_token(vtok, new, base)
-                if fid < 0:
-                    return -1
-                continue
-            value = self.token(vtok, new, base)
-            if vtok[0] == 0x8C:
-                new.append(value)
-            if key == "action":
-                action = value
-            elif key == "addr":
-                addr = value
-            elif key == "size":
-                size = value
-            elif key == "time_us":
-                t = value
-            else:
-                others.append((key, value))
-        if not (type(addr) is int and type(size) is int and type(t) is int):
-            return -1
-        code = trace.action_code(action)
-        if code is None:
-            return -1
-        try:
-            extra = trace.extra_id(tuple(keys), tuple(others))
-        except TypeError:
-            return -1
-        memo.extend(new)
-        trace.append_row(code, addr, size, t, fid, extra)
-        return end
-
-    def token(self, tok: bytes, new: list, base: int) -> Any:
-        """The value of one fast-path token (a short string's memo entry is the caller's to add to ``new``)."""
+    def value(self, tok: bytes) -> Any:
+        """The scalar a checked token stands for (a memo reference resolved, a string interned)."""
+        v = self.token_values.get(tok, _MISSING)
+        if v is not _MISSING:
+            return v
         c = tok[0]
         if c == 0x68 or c == 0x6A:
             index = tok[1] if c == 0x68 else int.from_bytes(tok[1:], "little")
-            if index < base:
-                obj = self.memo[index]
-                if obj is not _EVENT:
-                    self.refs[tok] = obj
-            elif index - base < len(new):
-                obj = new[index - base]
-            else:
-                return _EVENT  # a reference past the memo: the general way says why
-            if obj is _EVENT:
-                raise Fallback()
-            return obj
-        if c == 0x8A:
-            return int.from_bytes(tok[2:], "little", signed=True)
-        if c == 0x4A:
-            return int.from_bytes(tok[1:], "little", signed=True)
-        if c == 0x4B:
-            return tok[1]
-        if c == 0x4D:
-            return tok[1] | tok[2] << 8
-        if c == 0x8C:
-            s = self.strtok.get(tok)
-            if s is None:
-                try:
-                    s = self.strtok[tok] = self.intern(str(tok[2:-1], "utf-8", "surrogatepass"))
-                except UnicodeDecodeError:
-                    return _EVENT  # not a str: the general way says why
-            return s
-        if c == 0x4E:
-            return None
-        if c == 0x88 or c == 0x89:
-            return c == 0x88
-        if c == 0x47:
-            return _FLOAT.unpack(tok[1:])[0]
-        return _EVENT  # a list where a plain value was expected: not the common shape
+            v = self.slot(index)
+            if type(v) not in _SCALARS:
+                raise _NotScalar()
+        elif c == 0x8C:
+            try:
+                v = self.intern(str(tok[2:-1], "utf-8", "surrogatepass"))
+            except UnicodeDecodeError:
+                raise _NotScalar() from None
+        elif c == 0x4E:
+            v = None
+        elif c == 0x88 or c == 0x89:
+            v = c == 0x88
+        elif c == 0x47:
+            v = _FLOAT.unpack(tok[1:])[0]
+        else:
+            v = pickle.loads(b"\x80\x04" + tok + b".")  # an int token the regex checked
+        if len(self.token_values) > 65536:
+            self.token_values.clear()
+        self.token_values[tok] = v
+        return v
 
-    def frames_token(self, tok: bytes, new: list, base: int) -> int:
-        """The frames index of an event's ``frames`` value: a list of memo references, or a reference to one."""
-        if tok[0] != 0x5D:
-            obj = self.token(tok, new, base)
-            if obj is _EVENT or not isinstance(obj, (list, tuple)):
-                return -1
-            fid = self.frames_of_obj.get(id(obj))
-            if fid is None or self.frames[fid] is not obj:
-                fid = self.frames_of_obj[id(obj)] = len(self.frames)
-                self.frames.append(obj)
-            if tok in self.refs:  # a settled memo slot: the same bytes mean the same frames from now on
-                self.frames_of_ref[tok] = fid
+    def slot(self, index: int) -> Any:
+        """The object in memo slot ``index`` (KeyError: none; Fallback: an event)."""
+        k = self.kind(index)
+        if k is not None:
+            if k >= 0:
+                return self.objs[k]
+            if k == _EVENT:
+                raise Fallback()
+            return self.frames[-2 - k]
+        return self.sparse[index]
+
+    def kind(self, index: int) -> Optional[int]:
+        """The memo kind of slot ``index``, from the memo or the run of events being read; None past both."""
+        n = len(self.kinds)
+        if index < n:
+            return self.kinds[index]
+        if self.batch is not None and index - n < len(self.batch):
+            return self.batch[index - n]
+        return None
+
+    def frames_id(self, tok: bytes) -> int:
+        """The frames index of an event's ``frames`` token: a run of memo references, or a reference to a list."""
+        if tok[0] == 0x5D:
+            fid = self.frames_of_run.get(tok)
+            if fid is None:
+                stack = []
+                i, n = 2, len(tok)
+                while i < n:
+                    c = tok[i]
+                    if c == 0x68:
+                        stack.append(self.slot(tok[i + 1]))
+                        i += 2
+                    elif c == 0x6A:
+                        stack.append(self.slot(int.from_bytes(tok[i + 1:i + 5], "little")))
+                        i += 5
+                    else:  # MARK, APPENDS, APPEND between batches
+                        i += 1
+                fid = self.frames_of_run[tok] = len(self.frames)
+                self.frames.append(tuple(stack))
             return fid
-        run = tok[2:]
-        fid = self.frames_of_run.get(run)
-        if fid is None:
-            stack = self.unpack_run(run, new, base)
-            fid = self.frames_of_run[run] = len(self.frames)
-            self.frames.append(stack)
-            self.frames_of_obj[id(stack)] = fid
-        new.append(self.frames[fid])
+        index = tok[1] if tok[0] == 0x68 else int.from_bytes(tok[1:], "little")
+        k = self.kind(index)
+        if k is not None and k <= -2:
+            return -2 - k
+        obj = self.slot(index)
+        if not isinstance(obj, (list, tuple)):
+            raise _NotScalar()
+        fid = self.frames_of_obj.get(id(obj))
+        if fid is None or self.frames[fid] is not obj:
+            fid = self.frames_of_obj[id(obj)] = len(self.frames)
+            self.frames.append(obj)
         return fid
 
-    def unpack_run(self, run: bytes, new: list, base: int) -> tuple:
-        out = []
-        i, n = 0, len(run)
-        while i < n:
-            c = run[i]
-            if c == 0x68:
-                out.append(self.token(run[i:i + 2], new, base))
-                i += 2
-            elif c == 0x6A:
-                out.append(self.token(run[i:i + 5], new, base))
-                i += 5
-            else:  # MARK, APPENDS, APPEND between batches
-                i += 1
-        return tuple(out)
+    def token_slot(self, tok: bytes) -> int:
+        """The memo kind a value token makes: a string's index in ``objs``, or _SKIP for a reference or number."""
+        k = self.token_slots.get(tok)
+        if k is None:
+            if tok[0] == 0x8C:
+                s = self.value(tok)
+                k = self.string_slot.get(s)
+                if k is None:
+                    k = self.string_slot[s] = len(self.objs)
+                    self.objs.append(s)
+            else:
+                k = _SKIP
+            if len(self.token_slots) > 65536:
+                self.token_slots.clear()
+            self.token_slots[tok] = k
+        return k
+
+    def bulk(self, tpl: _Template, trace: Trace, rows: list) -> bool:
+        """Put ``rows`` (a run of events of one template, as token tuples) into the trace; False (nothing
+        changed) when one of them does not fit the columns."""
+        n = len(rows)
+        cols = list(zip(*rows))
+        try:
+            ints = {}
+            for name, g in tpl.ints.items():
+                ints[name] = pickle.loads(b"\x80\x04(" + b"".join(cols[g]) + b"l.")
+            # The memo slots the events make, in the order the file holds them: the event, its fresh
+            # strings, its frames list (a run of references, so its stack is known before the slots).
+            making = []  # (group, the kind of slot each event makes there; _SKIP: none)
+            for g in tpl.scalars:
+                col = cols[g]
+                if col.count(col[0]) == n:  # the same token in every event (torch's "N/A", a stream)
+                    k = self.token_slot(col[0])
+                    if k != _SKIP:
+                        making.append((g, array("i", [k]) * n))
+                    continue
+                if b"\x8c" not in b"".join(col):  # references and numbers only (actions): no slots
+                    continue
+                kinds = list(map(self.token_slots.get, col))
+                if None in kinds:
+                    kinds = [self.token_slot(t) if k is None else k for t, k in zip(col, kinds)]
+                if kinds.count(_SKIP) != n:
+                    making.append((g, array("i", kinds)))
+            if tpl.frames_run >= 0:
+                runs = cols[tpl.frames_run]
+                run_ids = list(map(self.frames_of_run.get, runs))  # a reference's empty run: _NO_RUN
+                if None in run_ids:
+                    run_ids = [self.frames_id(t) if f is None else f for t, f in zip(runs, run_ids)]
+                making.append((tpl.frames_run, array("i", map(_MINUS_2, run_ids))))
+            making.sort(key=itemgetter(0))
+            width = 1 + len(making)
+            slots = array("i", [_EVENT]) * (n * width)
+            for j, (_g, kinds) in enumerate(making, 1):
+                slots[j::width] = kinds
+            if _SKIP in slots:
+                slots = array("i", filter(_SKIP.__ne__, slots))
+            self.batch = slots  # references to slots made earlier in this run of events resolve here
+            # Actions, as codes in the trace's table.
+            if tpl.action >= 0:
+                table = self.action_codes.setdefault(trace, {})
+                codes = list(map(table.get, cols[tpl.action]))
+                if None in codes:
+                    for i, tok in enumerate(cols[tpl.action]):
+                        if codes[i] is None:
+                            code = trace.action_code(self.value(tok))
+                            if code is None:
+                                return False
+                            codes[i] = table[tok] = code
+            else:
+                code = trace.action_code(None)
+                if code is None:
+                    return False
+                codes = [code] * n
+            # Frames, as indices into the stacks table (a reference resolved through the memo).
+            if tpl.frames_run >= 0:
+                fids = run_ids
+                if _NO_RUN in run_ids:
+                    refs = self.frames_of_ref
+                    fids = [f if f != _NO_RUN else refs.get(t) or self.frame_ref(t) for t, f in
+                            zip(cols[tpl.frames_ref], run_ids)]
+            else:
+                fids = None
+            # The other keys, as an index into the trace's table of extras.
+            per_trace = tpl.extras.setdefault(trace, {})
+            others = [cols[g] for _k, g in tpl.others]
+            if all(col.count(col[0]) == n for col in others):
+                toks = tuple(col[0] for col in others)
+                xid = per_trace.get(toks)
+                if xid is None:
+                    xid = per_trace[toks] = trace.extra_id(
+                        tpl.keys, tuple((k, self.value(t)) for (k, _g), t in zip(tpl.others, toks)))
+                xids = array("I", [xid]) * n
+            else:
+                xt = list(zip(*others))
+                xids = list(map(per_trace.get, xt))
+                if None in xids:
+                    for i, toks in enumerate(xt):
+                        if xids[i] is None:
+                            pairs = tuple((k, self.value(t)) for (k, _g), t in zip(tpl.others, toks))
+                            xids[i] = per_trace[toks] = trace.extra_id(tpl.keys, pairs)
+                if len(per_trace) > 65536:
+                    per_trace.clear()
+        except (_NotScalar, KeyError, TypeError, OverflowError, pickle.UnpicklingError, ValueError):
+            return False
+        finally:
+            self.batch = None
+        trace.extend_columns(codes, ints.get("addr"), ints.get("size"), ints.get("time"), fids, xids, n)
+        self.kinds.extend(slots)
+        return True
+
+    def frame_ref(self, tok: bytes) -> int:
+        """:meth:`frames_id` of a reference, remembered (a stack is referred to by its free events again)."""
+        fid = self.frames_id(tok)
+        if len(self.frames_of_ref) > 65536:
+            self.frames_of_ref.clear()
+        self.frames_of_ref[tok] = fid
+        return fid
 
 
 class _Short(IndexError):
     """An argument runs past the buffer (handled as truncation or refilled by ``long_arg``)."""
 
 
-class _Template:
-    """The regex and the straight-line reader of one event shape: its keys, in order, as memo references.
+class _NotScalar(Exception):
+    """A token stands for something an event's columns cannot hold: the event goes the general way."""
 
-    Torch writes every event of a kind with the same keys, so after the first few events each one
-    is a single ``match`` and a few lines of generated Python, with no loop over its keys.
-    """
 
-    def __init__(self, ktoks: tuple, keys: tuple):
-        self.keys = keys
-        self.regex = re.compile(rb"\}\x94\(" + b"".join(re.escape(k) + rb"(" + _VALUE + rb")" for k in ktoks) + rb"u")
-        self.xids: Dict[tuple, int] = {}
-        space = {"_EVENT": _EVENT, "NO_TIME": NO_TIME, "_from": int.from_bytes, "KEYS": keys}
-        exec(compile(self.source(keys), "<snapshot event template>", "exec"), space)
-        self.handle = space["handle"]
+_MISSING = object()
 
-    @staticmethod
-    def source(keys: tuple) -> str:
-        out = ["def handle(self, trace, g, base, xids={}):",
-               "    new = [_EVENT]",
-               "    refs = self.refs",
-               "    addr = size = 0",
-               "    t = NO_TIME",
-               "    fid = -1",
-               "    action = None"]
-        others = []
-        for i, key in enumerate(keys):
-            v = f"v{i}"
-            out.append(f"    {v} = g[{i}]")
-            if key == "frames":
-                out += [f"    if {v}[0] == 0x5D:",
-                        f"        fid = self.frames_of_run.get({v}[2:])",
-                        "        if fid is not None:",
-                        "            new.append(self.frames[fid])",
-                        "    else:",
-                        f"        fid = self.frames_of_ref.get({v})",
-                        "    if fid is None:",
-                        f"        fid = self.frames_token({v}, new, base)",
-                        "        if fid < 0:",
-                        "            return False"]
-                continue
-            name = {"addr": "addr", "size": "size", "time_us": "t"}.get(key)
-            if name is not None:
-                out += [f"    c = {v}[0]",
-                        f"    if c == 0x8A:\n        {name} = _from({v}[2:], 'little', signed=True)",
-                        f"    elif c == 0x4A:\n        {name} = _from({v}[1:], 'little', signed=True)",
-                        f"    elif c == 0x4B:\n        {name} = {v}[1]",
-                        f"    elif c == 0x4D:\n        {name} = {v}[1] | {v}[2] << 8",
-                        "    else:\n        return False"]
-                continue
-            name = "action" if key == "action" else f"x{i}"
-            if key != "action":
-                others.append((key, name))
-            out += [f"    if {v}[0] == 0x8C:",
-                    f"        {name} = self.strtok.get({v}) or self.token({v}, new, base)",
-                    f"        new.append({name})",
-                    "    else:",
-                    f"        {name} = refs.get({v})",
-                    f"        if {name} is None:",
-                    f"            {name} = self.token({v}, new, base)",
-                    f"    if {name} is _EVENT:",
-                    "        return False"]
-        values = "(" + "".join(f"{n}, " for _k, n in others) + ")"
-        pairs = "(" + "".join(f"({k!r}, {n}), " for k, n in others) + ")"
-        out += ["    code = trace._action_code.get(action)",
-                "    if code is None:",
-                "        code = trace.action_code(action)",
-                "        if code is None:",
-                "            return False",
-                "    try:",
-                f"        xk = (trace, {values})",
-                "        xid = xids.get(xk)",
-                "        if xid is None:",
-                f"            xid = xids[xk] = trace.extra_id(KEYS, {pairs})",
-                "    except TypeError:",
-                "        return False",
-                "    self.memo.extend(new)",
-                "    trace.act.append(code)",
-                "    trace.addr.append(addr)",
-                "    trace.size.append(size)",
-                "    trace.time.append(t)",
-                "    trace.frame.append(fid)",
-                "    trace.extra.append(xid)",
-                "    return True"]
-        return "\n".join(out) + "\n"
+
+# -- opcodes met rarely in torch's files (protocols 0-3, sets, bytes, floats, ...) ------------------
+def _pop_mark(m: _Machine, stack: list, marks: list) -> list:
+    k = marks.pop()
+    items = stack[k:]
+    del stack[k:]
+    return items
+
+
+def _longint(m, buf, pos, stack, marks, width):
+    n = int.from_bytes(m.arg(pos + 1, width), "little", signed=True)
+    if n < 0 or n > MAX_INT_BYTES:
+        raise m.bad(pos, f"an integer of {n} bytes (torch's have 8)")
+    stack.append(int.from_bytes(m.long_arg(pos + 1 + width, n), "little", signed=True))
+    m.spend(32 + n)
+    return pos + 1 + width + n
+
+
+def _bytes(m, buf, pos, stack, marks, width, kind):
+    n = int.from_bytes(m.arg(pos + 1, width), "little")
+    data = m.long_arg(pos + 1 + width, n)
+    m.spend(40 + n)
+    stack.append(kind(data))
+    return pos + 1 + width + n
+
+
+def _unicode(m, buf, pos, stack, marks, width):
+    n = int.from_bytes(m.arg(pos + 1, width), "little")
+    stack.append(m.text(pos + 1 + width, n))
+    return pos + 1 + width + n
+
+
+def _tuple(m, buf, pos, stack, marks, n):
+    if len(stack) - (marks[-1] if marks else 0) < n:
+        raise IndexError
+    items = tuple(stack[len(stack) - n:]) if n else ()
+    del stack[len(stack) - n:]
+    stack.append(items)
+    m.spend(40 + 8 * n)
+    return pos + 1
+
+
+def _from_mark(m, buf, pos, stack, marks, kind):
+    items = _pop_mark(m, stack, marks)
+    if kind is dict:
+        m.spend(64 + 40 * len(items))
+        stack.append({m.key(items[i], pos): items[i + 1] for i in range(0, len(items) - 1, 2)})
+    elif kind is frozenset:
+        m.spend(216 + 40 * len(items))
+        stack.append(frozenset(m.key(x, pos) for x in items))
+    else:
+        m.spend(64 + 8 * len(items))
+        stack.append(kind(items))
+    return pos + 1
+
+
+def _additems(m, buf, pos, stack, marks):
+    items = _pop_mark(m, stack, marks)
+    target = m.target(pos, stack[-1])
+    if type(target) is not set:
+        raise m.bad(pos, "ADDITEMS on something not a set")
+    m.spend(40 * len(items))
+    target.update(m.key(x, pos) for x in items)
+    return pos + 1
+
+
+def _pop(m, buf, pos, stack, marks):
+    if marks and len(stack) == marks[-1]:
+        _pop_mark(m, stack, marks)
+    else:
+        stack.pop()
+    return pos + 1
+
+
+def _dup(m, buf, pos, stack, marks):
+    stack.append(m.shared(stack[-1], pos))
+    return pos + 1
+
+
+def _stop(m, buf, pos, stack, marks):
+    if len(stack) != 1 or marks:
+        raise m.bad(pos, "STOP with an unfinished stack")
+    return -1
+
+
+def _text_int(m, buf, pos, stack, marks):  # INT: protocol 0 (I01/I00 are True/False)
+    text, end = m.line(pos + 1)
+    if len(text) > 40:
+        raise m.bad(pos, "an integer of more than 40 digits")
+    stack.append(True if text == b"01" else False if text == b"00" else m.number(text, pos))
+    return end
+
+
+def _text_long(m, buf, pos, stack, marks):  # LONG: protocol 0
+    text, end = m.line(pos + 1)
+    if len(text) > 40:
+        raise m.bad(pos, "an integer of more than 40 digits")
+    stack.append(m.number(text[:-1] if text.endswith(b"L") else text, pos))
+    return end
+
+
+def _text_float(m, buf, pos, stack, marks):  # FLOAT: protocol 0
+    text, end = m.line(pos + 1)
+    stack.append(m.number(text, pos, float))
+    return end
+
+
+def _text_string(m, buf, pos, stack, marks):  # STRING: a quoted Python 2 str
+    text, end = m.line(pos + 1)
+    if len(text) < 2 or text[:1] != text[-1:] or text[:1] not in (b"'", b'"'):
+        raise m.bad(pos, "a STRING that is not quoted")
+    try:
+        value = codecs.escape_decode(text[1:-1])[0].decode("ascii")
+    except (ValueError, UnicodeDecodeError):
+        raise m.bad(pos, "a STRING that is not ASCII") from None
+    m.spend(56 + len(value))
+    stack.append(value)
+    return end
+
+
+def _text_unicode(m, buf, pos, stack, marks):  # UNICODE: raw-unicode-escape text
+    text, end = m.line(pos + 1)
+    try:
+        value = str(text, "raw-unicode-escape")
+    except UnicodeDecodeError:
+        raise m.bad(pos, "a UNICODE string that does not decode") from None
+    m.spend(56 + len(text))
+    stack.append(value)
+    return end
+
+
+def _binstring(m, buf, pos, stack, marks, width):  # BINSTRING, SHORT_BINSTRING: Python 2 str, read as ASCII
+    n = int.from_bytes(m.arg(pos + 1, width), "little", signed=width == 4)
+    if n < 0:
+        raise m.bad(pos, "a string of negative length")
+    data = m.long_arg(pos + 1 + width, n)
+    try:
+        value = data.decode("ascii")
+    except UnicodeDecodeError:
+        raise m.bad(pos, "a Python 2 string that is not ASCII") from None
+    m.spend(56 + n)
+    stack.append(value)
+    return pos + 1 + width + n
+
+
+def _text_get(m, buf, pos, stack, marks):
+    text, end = m.line(pos + 1)
+    if len(text) > 20:
+        raise m.bad(pos, "a memo index of more than 20 digits")
+    stack.append(m.get(m.number(text, pos), pos))
+    return end
+
+
+def _text_put(m, buf, pos, stack, marks):
+    text, end = m.line(pos + 1)
+    if len(text) > 20:
+        raise m.bad(pos, "a memo index of more than 20 digits")
+    m.put(m.number(text, pos), stack[-1], pos)
+    return end
+
+
+def _binfloat(m, buf, pos, stack, marks):
+    stack.append(_FLOAT.unpack(m.arg(pos + 1, 8))[0])
+    m.spend(24)
+    return pos + 9
+
+
+_RARE = {
+    0x58: lambda m, b, p, s, k: _unicode(m, b, p, s, k, 4),  # BINUNICODE
+    0x8D: lambda m, b, p, s, k: _unicode(m, b, p, s, k, 8),  # BINUNICODE8
+    0x47: _binfloat,  # BINFLOAT
+    0x8B: lambda m, b, p, s, k: _longint(m, b, p, s, k, 4),  # LONG4
+    0x43: lambda m, b, p, s, k: _bytes(m, b, p, s, k, 1, bytes),  # SHORT_BINBYTES
+    0x42: lambda m, b, p, s, k: _bytes(m, b, p, s, k, 4, bytes),  # BINBYTES
+    0x8E: lambda m, b, p, s, k: _bytes(m, b, p, s, k, 8, bytes),  # BINBYTES8
+    0x96: lambda m, b, p, s, k: _bytes(m, b, p, s, k, 8, bytearray),  # BYTEARRAY8
+    0x29: lambda m, b, p, s, k: _tuple(m, b, p, s, k, 0),  # EMPTY_TUPLE
+    0x85: lambda m, b, p, s, k: _tuple(m, b, p, s, k, 1),  # TUPLE1
+    0x87: lambda m, b, p, s, k: _tuple(m, b, p, s, k, 3),  # TUPLE3
+    0x74: lambda m, b, p, s, k: _from_mark(m, b, p, s, k, tuple),  # TUPLE
+    0x6C: lambda m, b, p, s, k: _from_mark(m, b, p, s, k, list),  # LIST
+    0x64: lambda m, b, p, s, k: _from_mark(m, b, p, s, k, dict),  # DICT
+    0x91: lambda m, b, p, s, k: _from_mark(m, b, p, s, k, frozenset),  # FROZENSET
+    0x8F: lambda m, b, p, s, k: (s.append(set()), m.spend(216), p + 1)[2],  # EMPTY_SET
+    0x90: _additems,  # ADDITEMS
+    0x30: _pop,  # POP
+    0x31: lambda m, b, p, s, k: (_pop_mark(m, s, k), p + 1)[1],  # POP_MARK
+    0x32: _dup,  # DUP
+    0x98: lambda m, b, p, s, k: p + 1,  # READONLY_BUFFER: a no-op on in-band data
+    0x80: lambda m, b, p, s, k: p + 2,  # PROTO (again)
+    0x2E: _stop,  # STOP
+    # Protocols 0 and 1.
+    0x49: _text_int,  # INT
+    0x4C: _text_long,  # LONG
+    0x46: _text_float,  # FLOAT
+    0x53: _text_string,  # STRING
+    0x56: _text_unicode,  # UNICODE
+    0x54: lambda m, b, p, s, k: _binstring(m, b, p, s, k, 4),  # BINSTRING
+    0x55: lambda m, b, p, s, k: _binstring(m, b, p, s, k, 1),  # SHORT_BINSTRING
+    0x67: _text_get,  # GET
+    0x70: _text_put,  # PUT
+}

@@ -12,16 +12,18 @@ NO_TIME = -(1 << 63)
 #: The keys kept in their own columns; every other key goes into the event's interned ``extras``.
 COLUMNS = ("action", "addr", "size", "time_us", "frames")
 _LOW, _HIGH = -(1 << 63) + 1, (1 << 63) - 1
+_WIDER = {"I": "q", "h": "iq", "i": "q", "B": "HIq", "H": "Iq", "q": ""}  # what a column widens to, in order
 
 
 class Trace(Sequence):
     """A device's events, oldest first: ``trace[i]`` builds event ``i``'s dict on demand.
 
-    Per event it keeps an action code (1 byte), ``addr``, ``size`` and ``time_us`` (8 bytes each),
-    an index into the shared frames table (4 bytes: equal stacks are stored once) and an index into
-    a table of the event's other keys and values (4 bytes: ``stream``, ``compile_context``, ...,
-    which repeat). An event that does not fit (a value of another type, a huge int) is kept whole
-    in ``odd``; nothing is dropped.
+    Per event it keeps an action code (1 byte), ``addr`` and ``time_us`` (8 bytes each), ``size``
+    (4 bytes, 8 once one needs it), an index into the shared frames table (2 bytes, 4 past 32,767
+    stacks: equal stacks are stored once) and an index into a table of the event's other keys and
+    values (1 byte, wider past 255: ``stream``, ``compile_context``, ..., which repeat): 24 bytes.
+    A column widens the first time a value does not fit. An event that does not fit at all (a
+    value of another type, a huge int) is kept whole in ``odd``; nothing is dropped.
     """
 
     def __init__(self, frames: Optional[List[Any]] = None):
@@ -29,10 +31,10 @@ class Trace(Sequence):
         self._action_code: Dict[Any, int] = {}
         self.act = array("B")
         self.addr = array("q")
-        self.size = array("q")
+        self.size = array("I")  # widens to "q"
         self.time = array("q")
-        self.frame = array("i")  # index into ``frames``; -1: no ``frames`` key
-        self.extra = array("I")  # index into ``extras``
+        self.frame = array("h")  # index into ``frames``; -1: no ``frames`` key (widens to "i")
+        self.extra = array("B")  # index into ``extras`` (widens to "H", then "I")
         self.frames: List[Any] = [] if frames is None else frames  # shared between a file's devices
         self.extras: List[Tuple[Tuple[str, ...], Tuple[Tuple[str, Any], ...]]] = []
         self._extra_id: Dict[Any, int] = {}
@@ -74,10 +76,45 @@ class Trace(Sequence):
     def append_row(self, act: int, addr: int, size: int, time: int, frame: int, extra: int) -> None:
         self.act.append(act)
         self.addr.append(addr)
-        self.size.append(size)
+        for name, value in (("size", size), ("frame", frame), ("extra", extra)):
+            try:
+                getattr(self, name).append(value)
+            except OverflowError:
+                self._widen(name, [value])
         self.time.append(time)
-        self.frame.append(frame)
-        self.extra.append(extra)
+
+    def _widen(self, name: str, values: List[int]) -> None:
+        """Append ``values`` to column ``name``, in a wider type where one of them does not fit its own."""
+        column = getattr(self, name)
+        for typecode in _WIDER[column.typecode]:
+            wider = array(typecode, column)
+            try:
+                wider.fromlist(values)
+            except OverflowError:
+                continue
+            setattr(self, name, wider)
+            return
+        raise OverflowError(f"an event's {name} does not fit 64 bits")
+
+    def extend_columns(self, codes: Sequence[int], addr: Optional[Sequence[int]], size: Optional[Sequence[int]],
+                       time: Optional[Sequence[int]], frame: Optional[Sequence[int]], extra: Sequence[int],
+                       n: int) -> None:
+        """Append ``n`` events given as columns (None: the key is absent, as 0, :data:`NO_TIME` or no frames).
+
+        The values must fit (action codes from :meth:`action_code`, 64-bit ints): the streaming
+        reader checks them before, so the columns never end up of different lengths."""
+        self.act.frombytes(bytes(codes))
+        for name, values, absent in (("addr", addr, 0), ("size", size, 0), ("time", time, NO_TIME),
+                                     ("frame", frame, -1), ("extra", extra, 0)):
+            column = getattr(self, name)
+            if values is None:
+                values = [absent] * n
+            elif type(values) is not list:
+                values = values.tolist()
+            try:
+                column.fromlist(values)  # all or nothing, and several times faster than extend()
+            except OverflowError:
+                self._widen(name, values)
 
     def add(self, e: Mapping[str, Any]) -> None:
         """Append one event given as a dict (columns where it fits, whole in ``odd`` where not)."""
@@ -204,7 +241,7 @@ class Trace(Sequence):
         for e in self.odd.values():
             if isinstance(e, Mapping):
                 for k in keys:
-                    if k in e:
+                    if k in e and type(e[k]) in (str, int, float, bool, type(None)):  # a file's odd value may be a list
                         out[k][e[k]] += 1
         return out
 

@@ -40,16 +40,15 @@ def timeline_of(report, device: Optional[int] = None, start: Optional[float] = N
     """The chart's data: allocated and reserved after each event in ``[start, end]``, at most :data:`MAX_POINTS` each."""
     r = report.replay(device)
     lo, hi = report.window(r.device, start, end)
-    times, alloc, res = r.times[lo:hi], r.allocated[lo:hi], r.reserved[lo:hi]
-    step = max(1, -(-len(times) // MAX_POINTS))
+    step = max(1, -(-(hi - lo) // MAX_POINTS))
     t: List[float] = []
     keys = (SeriesKey(cuda(r.device), "allocated"), SeriesKey(cuda(r.device), "reserved"))
     high = {k: [] for k in keys}
     low = {k: [] for k in keys}
-    for i in range(0, len(times), step):
-        t.append(times[i])
-        for key, values in zip(keys, (alloc, res)):
-            chunk = values[i:i + step]
+    for i in range(lo, hi, step):  # a bucket at a time: a long capture's series are never copied whole
+        t.append(r.times[i])
+        for key, values in zip(keys, (r.allocated, r.reserved)):
+            chunk = values[i:min(hi, i + step)]
             high[key].append(max(chunk))
             low[key].append(min(chunk))
     spans = []
@@ -64,8 +63,8 @@ def timeline_of(report, device: Optional[int] = None, start: Optional[float] = N
             break
     return TimelineSnapshot(t=tuple(t), series={k: tuple(v) for k, v in high.items()},
                             lows={k: tuple(v) for k, v in low.items()}, spans=tuple(spans),
-                            end=times[-1] if times else 0.0, merged=len(t) if step > 1 else 0, stride=step,
-                            added=len(times))
+                            end=r.times[hi - 1] if hi > lo else 0.0, merged=len(t) if step > 1 else 0, stride=step,
+                            added=hi - lo)
 
 
 def _title(report, device: int, start, end, solid: bool = True) -> str:
