@@ -103,8 +103,10 @@ def _real_tensors():
     """A context in which torch makes real tensors: the dispatch modes (the fakes, the tracker) are off."""
     import contextlib
 
-    try:
-        from torch.utils._python_dispatch import _disable_current_modes
-    except ImportError:  # another torch: the bookkeeping runs on fakes (values read as 0, with a note)
+    from ..tensors.torch_api import api
+
+    adapter = api()
+    disable = getattr(adapter, "disable_current_modes", None) if adapter is not None else None
+    if disable is None:  # another torch: the bookkeeping runs on fakes (values read as 0, with a note)
         return contextlib.nullcontext()
-    return _disable_current_modes()
+    return disable()
