@@ -16,7 +16,6 @@ import sys
 from typing import NamedTuple, Optional, Sequence
 
 from ..core.devices import Device, parse_device
-from ..core.records import write_csv
 from . import header
 
 __all__ = ["Command", "CommandError", "MODES", "parse_command", "export", "estimate_unavailable", "NO_TORCH",
@@ -159,6 +158,8 @@ def export(path: str, records) -> str:
             with open(path, "w", encoding="utf-8") as fh:
                 json.dump([r.to_dict() for r in records], fh, indent=1)
         else:
+            from ..core.records import write_csv  # noqa: PLC0415 - the records load when first shown
+
             write_csv(path, records)
     except OSError as exc:
         raise CommandError(f"%gpumem export: cannot write {path!r}: {exc.strerror or exc}") from None

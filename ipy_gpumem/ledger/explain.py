@@ -29,8 +29,6 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Optional, Tuple
 
-from ..core.records import DeviceRecord
-from ..core.why import owner_module
 
 __all__ = ["CellAnatomy", "BASELINE_BUDGET_S", "BASELINE_MAX_S"]
 
@@ -60,7 +58,7 @@ class CellAnatomy:
         self._budget = BASELINE_BUDGET_S
         self._gave_up = False  # the largest budget was not enough: back to the small one, for good
         self._watch = None  # the census's fingerprint (tensors.watch.CensusWatch), made with the first census
-        self._counters = None  # the memory counters when the baseline was marked stale
+        self._counters = None  # the reading (a Sample) when the baseline was marked stale
         #: Why the last cell's end took (or did not take) a new count: None for a quiet cell.
         self.recount_reason: Optional[str] = None
 
@@ -105,10 +103,9 @@ class CellAnatomy:
 
             self.baseline = EMPTY
             return
-        counters = _counters(sample)
-        if not recount and not self._stale and self._baseline is not None and self._quiet(counters):
+        if not recount and not self._stale and self._baseline is not None and self._quiet(sample):
             return
-        self._counters = counters
+        self._counters = sample  # fingerprinted with the census it marks stale (read then)
         self._stale = True
         if self.schedule is not None:
             try:
@@ -125,6 +122,7 @@ class CellAnatomy:
         self._baseline = snap
         self._after(snap.complete)
         self._settle(snap, self._counters)
+        self._counters = None
 
     def adopt(self, snapshot, sample=None) -> None:
         """Use ``snapshot`` (a census taken at the end of a cell, whose closing reading is ``sample``)
@@ -132,7 +130,7 @@ class CellAnatomy:
         if snapshot is not None:
             self.baseline = snapshot
             self._after(snapshot.complete)
-            self._settle(snapshot, _counters(sample))
+            self._settle(snapshot, sample)
 
     def forget(self) -> None:
         """Something ran that was not recorded (``%gpumem on``, an internal error): the next cell
@@ -144,8 +142,9 @@ class CellAnatomy:
 
     # -- the fingerprint ---------------------------------------------------------------------------
 
-    def _quiet(self, counters) -> bool:
-        """The cell changed nothing the baseline depends on (never raises: unsure means count again)."""
+    def _quiet(self, sample) -> bool:
+        """The cell (whose closing reading is ``sample``) changed nothing the baseline depends on
+        (never raises: unsure means count again)."""
         watch = self._watch
         if watch is None or not watch.settled or self.names is None:
             self.recount_reason = "no fingerprint"
@@ -153,7 +152,7 @@ class CellAnatomy:
         try:
             read = getattr(self.names, "namespace", None)
             namespace = read() if read is not None else self.names()[0]
-            changed = watch.changed(namespace, counters, _out_cache(namespace), _errors())
+            changed = watch.changed(namespace, _counters(sample), _out_cache(namespace), _errors())
         except Exception:  # noqa: BLE001 - count again
             watch.forget()
             self.recount_reason = "the fingerprint failed"
@@ -161,9 +160,10 @@ class CellAnatomy:
         self.recount_reason = watch.reason
         return not changed
 
-    def _settle(self, snapshot, counters) -> None:
-        """Fingerprint what ``snapshot`` depended on; an incomplete count that still has budget to
-        grow is not fingerprinted (the next cell counts again, with more time)."""
+    def _settle(self, snapshot, sample) -> None:
+        """Fingerprint what ``snapshot`` (taken when the reading was ``sample``) depended on; an
+        incomplete count that still has budget to grow is not fingerprinted (the next cell counts
+        again, with more time)."""
         try:
             if self.names is None or "torch" not in sys.modules or snapshot is None:
                 return
@@ -179,9 +179,11 @@ class CellAnatomy:
             if not snapshot.complete and not self._gave_up:
                 self._watch.forget()
                 return
+            from ..core.why import owner_module
+
             namespace, _refs = self.names()
             owners = {owner_module(owner) for (_dev, _role, owner) in snapshot.parts}
-            self._watch.settle(namespace, owners, counters, _out_cache(namespace), _errors())
+            self._watch.settle(namespace, owners, _counters(sample), _out_cache(namespace), _errors())
         except Exception:  # noqa: BLE001 - no fingerprint: every cell counts, as before
             if self._watch is not None:
                 self._watch.forget()
@@ -203,6 +205,7 @@ class CellAnatomy:
         try:
             from ..anatomy.account import gpu_extras, summed, with_extras
             from ..anatomy.reasons import why_of
+            from ..core.records import DeviceRecord
 
             tracer = frame.tracer
             if tracer is not None and tracer.census is not None and tracer.first_snapshot is not None:

@@ -58,7 +58,6 @@ from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Set
 
 from ..core import children as _children
-from ..core.records import DeviceRecord, HostRecord, RankFailure, RankRecord
 from .rankfolder import RankFolder
 
 __all__ = ["RankWatch", "launcher_failure", "POLL_S", "NVML_EVERY_S"]
@@ -604,6 +603,8 @@ def _ranks(seen: Dict[int, _Seen], files: Dict[int, dict], failure: Optional[Ran
            kernel: tuple) -> Optional[tuple]:
     """The cell's ranks: the processes a launcher, torch.distributed or their environment says are
     ranks (see the module's docstring), from what they recorded inside and what was read outside."""
+    from ..core.records import DeviceRecord, HostRecord, RankFailure, RankRecord  # noqa: PLC0415, F401 - on first launch
+
     how: Dict[int, str] = {pid: "inside" for pid in files}
     for pid, s in seen.items():
         if pid in how:
@@ -685,6 +686,8 @@ def _tail(text: Optional[str]) -> Optional[str]:
 def launcher_failure(exc: Any) -> Optional[RankFailure]:
     """The failing rank named by a launcher's exception (or one it caused, as accelerate wraps
     them); None when ``exc`` is not a launcher's. Reads attributes only: imports nothing."""
+    from ..core.records import DeviceRecord, HostRecord, RankFailure, RankRecord  # noqa: PLC0415, F401 - on first launch
+
     seen = 0
     while exc is not None and seen < 6:
         seen += 1

@@ -14,7 +14,6 @@ from collections import deque
 from typing import Optional, Sequence
 
 from ..core.probes import MemoryProbe, Sample
-from ..core.records import CellRecord, DeviceRecord, HostRecord, largest_change
 
 __all__ = ["Measurement", "Ledger", "MAX_SOURCE_CHARS", "MAX_MESSAGE_CHARS"]
 
@@ -176,6 +175,8 @@ class Measurement:
             peak = self._device_peak(dev, b)
             changes.append((_sub(dev.allocated, a0), _sub(dev.reserved, r0), _sub(peak, a0)))
         rss0 = start.host.rss
+        from ..core.records import largest_change  # noqa: PLC0415 - records load with the first GPU cell, not at load
+
         return largest_change(changes, _sub(end.host.rss, rss0), _sub(self._host_peak(), rss0)) >= threshold
 
     def _host_peak(self):
@@ -201,6 +202,8 @@ class Measurement:
         return rec
 
     def _build(self) -> CellRecord:
+        from ..core.records import CellRecord, DeviceRecord, HostRecord  # noqa: PLC0415 - built on first use
+
         start, end = self.start, self.end
         if self.include_host:
             host = HostRecord(start.host.rss, end.host.rss, self._host_peak())

@@ -45,7 +45,6 @@ import sys
 import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..core.why import Rerun, Suspect
 from .kept import MAX_STORAGES, Snapshot, take_snapshot
 
 __all__ = ["RerunTracker", "Snapshot", "take_snapshot", "MAX_CELLS", "MAX_STORAGES"]
@@ -131,6 +130,8 @@ class RerunTracker:
                 if kept is not None and kept >= threshold:
                     self._snap(cell)
             return False
+        from ..core.why import Rerun  # noqa: PLC0415 - loaded with the first re-run, not at load
+
         previous_end, previous_count = cell.end, cell.last
         cell.runs += 1
         cell.end = end
@@ -309,6 +310,8 @@ class _Classifier:
         return None
 
     def suspect(self, gkey: tuple, group, gain: int, now: Snapshot, new: bool = True) -> Suspect:
+        from ..core.why import Suspect  # noqa: PLC0415
+
         kind = gkey[0]
         if kind == "out":
             keys = [k for k in group.out_keys if isinstance(k, int)]
