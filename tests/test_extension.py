@@ -208,6 +208,7 @@ def test_hooks_never_collect_garbage_or_empty_caches(ip, gpumem, monkeypatch):
 
 def test_history_frame_and_export(ip, gpumem, tmp_path):
     pd = pytest.importorskip("pandas")
+    run(ip, "%gpumem clear")  # the suite's shell is shared: a test that launched ranks left rows of them
     run(ip, "a = bytearray(16 * 2**20)")
     frame = ipy_gpumem.history_frame()
     assert isinstance(frame, pd.DataFrame) and len(frame) == len(ipy_gpumem.history())

@@ -603,7 +603,7 @@ def _ranks(seen: Dict[int, _Seen], files: Dict[int, dict], failure: Optional[Ran
            kernel: tuple) -> Optional[tuple]:
     """The cell's ranks: the processes a launcher, torch.distributed or their environment says are
     ranks (see the module's docstring), from what they recorded inside and what was read outside."""
-    from ..core.records import DeviceRecord, HostRecord, RankFailure, RankRecord  # noqa: PLC0415, F401 - on first launch
+    from ..core.records import DeviceRecord, HostRecord, RankRecord  # noqa: PLC0415 - loaded with the first launch
 
     how: Dict[int, str] = {pid: "inside" for pid in files}
     for pid, s in seen.items():
@@ -685,8 +685,8 @@ def _tail(text: Optional[str]) -> Optional[str]:
 
 def launcher_failure(exc: Any) -> Optional[RankFailure]:
     """The failing rank named by a launcher's exception (or one it caused, as accelerate wraps
-    them); None when ``exc`` is not a launcher's. Reads attributes only: imports nothing."""
-    from ..core.records import DeviceRecord, HostRecord, RankFailure, RankRecord  # noqa: PLC0415, F401 - on first launch
+    them); None when ``exc`` is not a launcher's. Reads attributes only: imports nothing of torch."""
+    from ..core.records import RankFailure  # noqa: PLC0415 - loaded with the first failing cell
 
     seen = 0
     while exc is not None and seen < 6:
