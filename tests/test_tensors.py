@@ -313,3 +313,44 @@ def test_no_module_outside_the_room_names_a_private_torch_attribute():
                 if bad:
                     offenders.append(f"{os.path.relpath(path, root)}:{node.lineno}: {bad}")
     assert not offenders, offenders
+
+
+def test_a_proof_a_budget_stops_is_taken_up_by_the_next_walk():
+    """A structure larger than one budget (300,000 small records) is proven over a few counts, never
+    from scratch each time: every count is marked incomplete until the proof is done, then they are complete."""
+    rows = [{"id": i, "tags": ["a", "b"]} for i in range(300_000)]
+    ns = {"rows": rows, "x": torch.zeros(10)}
+    states = []
+    for _ in range(400):
+        snap = census.take(ns, budget_s=0.02, caches=False, user_modules=False)
+        states.append(snap.complete)
+        assert snap.role_bytes("other_tensors", owner="x") == 40  # the names come first, whatever the budget
+        if snap.complete:
+            break
+    assert states[0] is False and states[-1] is True, states[:5]
+    assert census.take(ns, budget_s=0.02, caches=False, user_modules=False).complete  # remembered
+
+
+def test_many_instances_of_a_class_that_holds_nothing_are_proven_together():
+    """A million instances of a notebook's class: proven by their own attributes in C, not one by one (a class
+    with a method that closes over a tensor is still walked, and found)."""
+    code = textwrap.dedent("""
+        class Record:
+            def __init__(self, key):
+                self.key = key
+            def double(self):
+                return 2 * self.key
+    """)
+    module = types.ModuleType("__main__")
+    exec(compile(code, "<cell>", "exec"), module.__dict__)
+    Record = module.Record
+    Record.__module__ = "__main__"
+    records = {i: Record(i) for i in range(300_000)}
+    walk = Walk(api(), {"records": records}, caches=False, user_modules=False, budget_s=30.0)
+    walk.run()
+    assert walk.complete and walk.visits < 2_000_000 and len(walk.p_parent) < 100  # no path per record
+
+    hidden = torch.ones(5)
+    Record.extra = staticmethod(lambda: hidden)  # now the class holds a tensor: found through an instance
+    snap = census.take({"records": records}, budget_s=30.0, caches=False, user_modules=False)
+    assert snap.role_bytes("other_tensors", owner="records") == 20

@@ -65,6 +65,9 @@ CATEGORY_LABELS = {
 #: Seconds ``who()`` may spend before it stops looking and says what it left out. A namespace of
 #: 1.5 million small objects takes well under this on a slow 2-core machine (benchmarks/RESULTS.md).
 BUDGET_S = 0.75
+# Seconds per claim the last large report took (the walk stops early enough to leave the report its
+# time within the same budget; a loaded machine's pace is learnt from the previous call).
+_REPORT_COST = [1e-6]
 
 
 @dataclass(frozen=True)
@@ -203,8 +206,14 @@ def who(namespace: Any, device: Any = None, allocator_total: Optional[int] = Non
     try:
         walk = Walk(api, namespace, wanted=wanted, ipython_names=refs.names if refs is not None else (),
                     budget_s=budget_s, max_visits=max_visits, start=start, errors=tuple(errors))
+        walk.report_s_per_claim = _REPORT_COST[0]
         walk.run()
-        return _report(walk, wanted, total, start)
+        begun = time.perf_counter()
+        report = _report(walk, wanted, total, start)
+        if len(walk.claims) >= 1000:  # what the next walk leaves its report: this machine's pace, now
+            per_claim = (time.perf_counter() - begun) / len(walk.claims)
+            _REPORT_COST[0] = min(2e-5, max(1e-6, per_claim))
+        return report
     except Exception as exc:  # the walk guards each object; this is the last line of defence
         return _empty_report(f"who() failed: {type(exc).__name__}: {exc}", wanted, total, start)
     finally:
@@ -236,7 +245,7 @@ def _report(walk: Walk, device: Optional[Device], allocator_total: Optional[int]
     # the (value, key) pairs puts the largest first and breaks ties by precedence, then walk order.
     rows: Dict[tuple, int] = {}
     for (dev_id, _ptr), (level, role, _priority, _depth, _weight, order, relation, ref, nbytes, dev) in walk.claims.items():
-        category = category_of(level, role)
+        category = _CACHES if level == IPYTHON else role  # category_of, inline: once per storage
         totals[category] += nbytes
         per_dev = by_device.get(dev)
         if per_dev is None:

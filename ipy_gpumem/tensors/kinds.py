@@ -73,6 +73,7 @@ _C_DESCRIPTORS = (types.GetSetDescriptorType, types.MemberDescriptorType)
 _HAVE_GC = 1 << 14  # Py_TPFLAGS_HAVE_GC: only such types can hold other objects
 _GROUP = 1024  # containers of one type tested together for "holds only scalars"
 _SLICE = 1 << 16  # items scanned in C between two looks at the clock
+_HEAD = 256  # items looked at first, to choose between reading types only and listing the items
 #: A container whose proof touched more items than this is remembered and re-checked a slice per walk.
 LARGE = 1 << 16
 #: About this many items (below the container) are re-checked per walk: a fraction of a
@@ -81,6 +82,8 @@ LARGE = 1 << 16
 RECHECK = 1 << 12
 #: Builtin containers longer than this are proven one by one (so that the proof can be remembered).
 _ALONE = 1024
+#: Larger builtin containers are proven this many items at a time, resumably (see ``_inert_in_parts``).
+_CHUNK = 1 << 12
 _MEMO_SIZE = 256
 _ALL_LEVELS = 1 << 30  # a proof that found only scalars one level down holds at any depth
 _GONE = object()
@@ -169,6 +172,9 @@ class TypeCache:
         self.user_modules: Dict[str, bool] = {}
         self.user_classes: Dict[type, bool] = {}  # classes the user wrote (filled by classify)
         self.inert: Dict[int, _Inert] = {}  # id of a large container -> its verdict
+        # id of a large container -> (type, length, levels, items proven, deepest level, visits) of a
+        # proof a budget stopped, taken up by the next walk.
+        self.partial: Dict[int, tuple] = {}
         #: READ types: ``reader(walk, obj) -> [(step, key, value)]`` (see :mod:`.readers`).
         self.readers: Dict[type, Any] = {}
         #: READ types whose instances can be proven empty in C, a group at a time: ``test(group) -> bool``.
@@ -372,7 +378,7 @@ class KindsMixin:
                 return test is not None and test([obj])
             except Exception:  # noqa: BLE001
                 return False
-        if kind == OBJECT and cache.user_classes.get(type(obj)):
+        if kind == OBJECT and cache.user_classes.get(type(obj)) and not self.class_holds_nothing(type(obj)):
             return False  # an instance of the user's class: its class attributes are looked at too
         try:
             if type(obj) in (list, tuple, dict) and len(obj) > _ALONE:
@@ -400,8 +406,8 @@ class KindsMixin:
                 return test is not None and test(group)
             except Exception:  # noqa: BLE001
                 return False
-        if kind > OBJECT or (kind == OBJECT and cache.user_classes.get(tp)):
-            return False  # the user's code, and instances of the user's classes (class attributes): one by one
+        if kind > OBJECT or (kind == OBJECT and cache.user_classes.get(tp) and not self.class_holds_nothing(tp)):
+            return False  # the user's code, and instances of the user's classes whose class holds something: one by one
         single = group[0] if len(group) == 1 and tp in (list, tuple, dict) else None
         refuted = getattr(self, "refuted", None)
         if single is not None:
@@ -413,17 +419,96 @@ class KindsMixin:
                     return self._recheck(single, known)
                 cache.inert.pop(id(single), None)
         before = self.visits
-        verdict, depth = self._inert(tp, group, levels)
+        if single is not None and len(single) > _CHUNK:
+            verdict, depth = self._inert_in_parts(single, levels)
+            touched = self.proof_visits if verdict else 0
+        else:
+            verdict, depth = self._inert(tp, group, levels)
+            touched = self.visits - before
         if single is not None:
-            if verdict and self.visits - before > LARGE:
+            if verdict and touched > LARGE:
                 memo = cache.inert
                 if len(memo) >= _MEMO_SIZE:
                     memo.pop(next(iter(memo)))
                 memo[id(single)] = _Inert(tp, len(single), _ALL_LEVELS if depth <= 1 else levels,
-                                          max(1, len(single) * RECHECK // (self.visits - before)))
+                                          max(1, len(single) * RECHECK // touched))
             elif not verdict and refuted is not None and len(single) > _ALONE and not self.stopped_early():
                 refuted.add(id(single))  # it holds more than scalars: the walk opens it, once
         return verdict
+
+    def class_holds_nothing(self, cls: type, depth: int = 0) -> bool:
+        """Whether a class of the user's holds nothing the walk would find through it (its attributes
+        scalars, or functions with no closure, defaults or module of the user's other than the
+        notebook's): then a million of its instances are proven together, in C, by their own
+        attributes. Decided once per walk (``class_memo``), since class attributes can change."""
+        memo = getattr(self, "class_memo", None)
+        if memo is not None and id(cls) in memo:
+            return memo[id(cls)]
+        verdict = self._class_holds_nothing(cls, depth)
+        if memo is not None:
+            memo[id(cls)] = verdict
+        return verdict
+
+    def _class_holds_nothing(self, cls: type, depth: int) -> bool:
+        try:
+            attrs = type.__dict__["__dict__"].__get__(cls)
+            values = [v for k, v in list(attrs.items()) if not (type(k) is str and k[:2] == "__" and k[-2:] == "__")]
+        except Exception:  # noqa: BLE001
+            return False
+        skip = self.types.skip_types
+        for value in values:
+            if type(value) in skip:
+                continue
+            if type(value) in (staticmethod, classmethod):
+                value = value.__func__
+            if type(value) is not types.FunctionType:
+                return False  # a property, a nested class, a cache, data: the walk looks at it
+            if value.__closure__ or value.__defaults__ or value.__kwdefaults__:
+                return False
+            module = sys.modules.get(value.__module__) if type(value.__module__) is str else None
+            if module is not None and module.__name__ != "__main__" and self.types.is_user_module(module):
+                return False  # its module's globals are walked through it
+        return True
+
+    def _inert_in_parts(self, container: Any, levels: int) -> Tuple[bool, int]:
+        """A large list, tuple or dict proven :data:`_CHUNK` items at a time, with a look at the clock
+        between parts; a proof a budget stopped is taken up where it stopped by the next walk
+        (:attr:`TypeCache.partial`), so a structure larger than one budget is proven over a few counts."""
+        cache = self.types
+        tp, length = type(container), len(container)
+        partial = cache.partial.get(id(container))
+        start, deepest, visits = 0, 1, 0
+        if partial is not None and partial[0] is tp and partial[1] == length and partial[2] >= levels:
+            # Taken up where it stopped, at its own depth (a deeper proof answers a shallower question:
+            # nothing to find either way).
+            levels, start, deepest, visits = partial[2], partial[3], partial[4], partial[5]
+        cache.partial.pop(id(container), None)
+        if tp is dict:
+            items = list(dict.values(container))
+            items.extend(dict.keys(container))
+            if len(items) != 2 * length:
+                return False, levels  # changed while read
+        else:
+            items = container
+        total = len(items)
+        for begin in range(start, total, _CHUNK):
+            if self.out_of_budget():
+                if len(cache.partial) >= _MEMO_SIZE:
+                    cache.partial.pop(next(iter(cache.partial)))
+                cache.partial[id(container)] = (tp, length, levels, begin, deepest, visits)
+                return False, levels  # not proven yet: the walk says what it left; the next goes on
+            before = self.visits
+            part = items[begin:begin + _CHUNK]
+            verdict, depth = self._inert(list, [part if type(part) is list else list(part)], levels)
+            self.visits += len(part) - min(len(part), self.visits - before)  # every item counts once at least
+            if not verdict:
+                if self.stopped_early():  # the budget ran out inside this part: it is proven again next time
+                    cache.partial[id(container)] = (tp, length, levels, begin, deepest, visits)
+                return False, levels
+            visits += self.visits - before
+            deepest = max(deepest, depth)
+        self.proof_visits = visits  # the whole proof's, over every walk that took part in it
+        return True, deepest
 
     def stopped_early(self) -> bool:
         """Whether a budget stopped the proofs (then "not proven" is no verdict)."""
@@ -452,26 +537,40 @@ class KindsMixin:
     def _inert(self, tp: type, group: List[Any], levels: int) -> Tuple[bool, int]:
         """``(verdict, levels looked into)``: 1 when the containers' own items were all scalars."""
         cache = self.types
-        found: set = set()
+        skip = cache.skip_types
+        values: Optional[List[Any]] = None
         try:
             children = self.children(tp, group)
             self.visits += len(group)
-            # Types only, without holding the children (listing them, and dropping the list, would
-            # touch every object twice more). A slice at a time, with a look at the clock between
-            # slices: a list of fifty million ints must not stall the kernel either.
+            # The first items tell which pass fits: scalars there, types only for the rest (listing
+            # them, and dropping the list, would touch every object twice more); records there,
+            # the items are listed as their types are read (they are looked into next).
+            head = list(islice(children, _HEAD))
+            found = set(map(type, head))
+            if not found.issubset(skip) and levels > 1:
+                values = head
+            # A slice at a time, with a look at the clock between slices: a list of fifty million
+            # ints must not stall the kernel either.
             while True:
-                found.update(map(type, islice(children, _SLICE)))
+                if values is None:
+                    found.update(map(type, islice(children, _SLICE)))
+                else:
+                    part = list(islice(children, _SLICE))
+                    values.extend(part)
+                    found.update(map(type, part))
                 following = next(children, _GONE)
                 if following is _GONE:
                     break
                 found.add(type(following))
+                if values is not None:
+                    values.append(following)
                 self.visits += _SLICE
                 if self.out_of_budget():
                     return False, levels  # not proven empty: the caller's walk reports it as not examined
             kinds = cache.kinds
             for other in found.difference(kinds):
                 cache.classify(other)
-            others = found.difference(cache.skip_types)
+            others = found.difference(skip)
             if not others:
                 return True, 1
             if levels <= 1:
@@ -480,7 +579,8 @@ class KindsMixin:
                 kind = kinds[other]
                 if kind < DICT or kind > OBJECT or (kind == READ and other not in cache.group_empty):
                     return False, levels  # a tensor, a module, the user's code: no need to look closer
-            values = list(self.children(tp, group))  # containers are there: look closer
+            if values is None:
+                values = list(self.children(tp, group))  # containers are there after all: look closer
         except Exception:  # noqa: BLE001 - an odd instance: let the item-by-item path look at each one
             return False, levels
         tps = list(map(type, values))
@@ -491,11 +591,11 @@ class KindsMixin:
 
     def children(self, tp: type, group: List[Any]) -> Iterator[Any]:
         """What the containers in ``group`` (all of type ``tp``) hold, chained, through C iterators only
-        (a dict's keys, then its values)."""
+        (dicts' values, then their keys)."""
         cache = self.types
         kind = cache.kinds[tp]
         if kind == DICT:
-            return chain(chain.from_iterable(map(dict.keys, group)), chain.from_iterable(map(dict.values, group)))
+            return chain(chain.from_iterable(map(dict.values, group)), chain.from_iterable(map(dict.keys, group)))
         if kind == SEQ:
             return chain.from_iterable(map(cache.seq_iter[tp], group))
         if cache.slot_desc.get(tp):

@@ -36,7 +36,7 @@ import threading
 import time
 import types
 import weakref
-from itertools import compress
+from itertools import compress, islice
 from operator import itemgetter, not_
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -71,6 +71,52 @@ _FIRST = itemgetter(0)
 _GONE = object()  # a name deleted while the walk ran
 _MODULE_DICT = types.ModuleType.__dict__["__dict__"]
 _TYPE_DICT = type.__dict__["__dict__"]
+
+
+_READ_SLICE = 4096  # values read, and their types, in one go
+
+
+def _values_and_types(view: Any) -> Tuple[List[Any], List[type]]:
+    """``(list(view), their types)``, read a slice at a time so each object is fetched from memory once."""
+    values: List[Any] = []
+    tps: List[type] = []
+    iterator = iter(view)
+    while True:
+        part = list(islice(iterator, _READ_SLICE))
+        if not part:
+            return values, tps
+        tps.extend(map(type, part))
+        values.extend(part)
+
+
+def _names_at(ns: dict, positions: List[int], length: int) -> Optional[List[Any]]:
+    """The keys of ``ns`` (``length`` of them when its values were read), as a list indexable by
+    ``positions``: read in full only when the positions are spread out; a few near the end (the
+    names bound last) are read from the end. None when the namespace's length changed."""
+    if dict.__len__(ns) != length:
+        return None
+    if not positions:
+        return []
+    first = positions[0]
+    if first >= length - (length >> 3):  # all in the last eighth: read the keys from the end
+        tail = list(islice(reversed(dict.keys(ns)), length - first))
+        tail.reverse()
+        return _Offset(tail, first)
+    return list(dict.keys(ns))
+
+
+class _Offset(list):
+    """The last keys of a namespace, indexed by their position in the whole namespace."""
+
+    def __init__(self, tail: List[Any], start: int):
+        super().__init__(tail)
+        self.start = start
+
+    def __getitem__(self, position: Any) -> Any:
+        return list.__getitem__(self, position - self.start)
+
+    def __len__(self) -> int:
+        return self.start + list.__len__(self)
 
 
 def _thread_names() -> Dict[int, str]:
@@ -149,6 +195,8 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
         self.budget_s = budget_s
         self.deadline = (time.perf_counter() if start is None else start) + budget_s
         self.max_visits = max_visits
+        #: What turning one claim into the caller's rows costs (``who()`` measures its own and says).
+        self.report_s_per_claim = _REPORT_S_PER_CLAIM
         self.types = type_cache(api)
         self.store = Storages(api, wanted)
         self.wanted = wanted
@@ -177,6 +225,7 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
         self.error_count = 0
         self.unread: Dict[str, int] = {}  # kinds of holders reached but not read -> how many
         self.refuted: set = set()  # ids of large containers found to hold more than scalars (this walk)
+        self.class_memo: Dict[int, bool] = {}  # id of a class of the user's -> it holds nothing (this walk)
         self._live: Optional[set] = None
 
     # ----------------------------------------------------------------- driver
@@ -215,6 +264,7 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
             self.modules_to_walk = {}
             self.saved.closures_seen = set()
             self.refuted = set()
+            self.class_memo = {}
             self._live = None
             for what, count in self.unread.items():
                 self.unexamined.append(what if count == 1 else f"{what} ({count:,})")
@@ -241,7 +291,7 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
             return True
         if self.visits >= self.max_visits:
             self.stopped = f"stopped after examining {self.max_visits:,} items (the visit budget)"
-        elif time.perf_counter() + len(self.claims) * _REPORT_S_PER_CLAIM >= self.deadline:
+        elif time.perf_counter() + len(self.claims) * self.report_s_per_claim >= self.deadline:
             self.stopped = f"stopped after {self.budget_s:g} s (the time budget)"
         return self.stopped is not None
 
@@ -272,16 +322,30 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
     def top_variables(self, tier: _Tier) -> None:
         """The namespace's names: every one is the user's variable except those IPython bound."""
         ns = self.namespace
-        # Two C calls instead of a million (name, value) tuples; each suspect is checked against
-        # the namespace below, so a name another thread rebinds in between is never mislabelled.
-        names, values = list(dict.keys(ns)), list(dict.values(ns))
+        # The values and their types a slice at a time (the type is read while the object is still
+        # in the cache: one trip to memory per name, not two); the names only where a value may
+        # hold something. Each suspect is checked against the namespace below, so a name another
+        # thread rebinds in between is never mislabelled.
+        values, tps = _values_and_types(dict.values(ns))
         self.visits += len(values)
         # Values at depth 0 hold tensors at most MAX_DEPTH levels below them.
-        positions = self.suspects(values, MAX_DEPTH + 1) if len(names) == len(values) else range(len(values))
+        positions = self.suspects(values, MAX_DEPTH + 1, tps)
+        names = _names_at(ns, positions, len(values))
+        if names is None:  # the namespace changed while read (another thread): every name, as it is now
+            names = list(dict.keys(ns))
+            positions = range(len(names))
         owned = self.ipython_names
         kinds, classify, root = self.types.kinds, self.types.classify, self.root
+        if len(positions) > 1024 and type(positions) is list:
+            # Many suspects (a budget stopped their proofs): the names that hold a tensor, a module or
+            # an optimizer themselves first, whatever the budget (one claim each), then the others.
+            direct = list(map(DICT.__gt__, map(kinds.__getitem__, map(tps.__getitem__, positions))))
+            positions = list(compress(positions, direct)) + list(compress(positions, map(not_, direct)))
+            first_ones = direct.count(True) + 1024
+        else:
+            first_ones = 1024
         for count, position in enumerate(positions):
-            if count and not count & 1023 and self.out_of_budget():  # the first names always count
+            if count >= first_ones and not count & 1023 and self.out_of_budget():  # the first names always count
                 first = names[position] if position < len(names) else "?"
                 self.unexamined.append(f"{len(positions) - count:,} of the namespace's names (from "
                                        f"{first if type(first) is str else key_text(first)} on)")
@@ -465,7 +529,7 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
             funcs = list(map(get_func, infos))  # C passes: torch alone registers a hundred finalizers
         except Exception:  # noqa: BLE001 - another layout of weakref.finalize._Info
             return
-        library = {id(fn): _library_function(fn) for fn in funcs}
+        library = {key: _library_function(fn) for key, fn in {id(fn): fn for fn in funcs}.items()}
         ns_id = id(self.namespace)
         for index, (info, fn) in enumerate(zip(infos, funcs)):
             if library[id(fn)]:
