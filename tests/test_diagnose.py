@@ -164,11 +164,11 @@ def assert_well_formed(findings, code=""):
 
 
 def test_every_rule_is_registered_once_and_documented():
-    assert len(set(RULES)) == len(RULES) == 16
+    assert len(set(RULES)) == len(RULES) == 18
     for rule in RULES + (device.shortfall,):
         assert rule.__doc__, rule.__name__
         assert rule.__name__ in FINDING_KEYS
-    for module in (rules, device, training, session, runtimes):
+    for module in (rules, device, training, session, runtimes, rules.operation):
         assert module.__doc__ and len(module.__doc__.splitlines()[0]) < 140
 
 

@@ -39,7 +39,10 @@ def test_real_cpu_oom_shows_the_error_then_the_panel(ip, gpumem):
     shown = panels(cap)
     assert len(shown) == 1
     text, html = shown[0].data["text/plain"], shown[0].data["text/html"]
-    assert text.startswith("Out of memory on the host (cpu): tried to allocate 4096.00 PiB")
+    # The answer first (issue 29): what asked, read from the failing line, and why it cannot fit; then the
+    # error's own numbers.
+    assert text.startswith("Out of memory on the host (cpu): `torch.empty(2**60)` needs 4096.00 PiB; that is more")
+    assert text.splitlines()[1].startswith("The error: tried to allocate 4096.00 PiB")
     assert "Diagnosis" in text and "No amount of freeing helps" in text and "No amount of freeing helps" in html
     assert ipy_gpumem.last().error == "RuntimeError"
 

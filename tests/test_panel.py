@@ -166,11 +166,14 @@ def test_cpu_panel_from_a_real_failure():
                           host=HostRecord(rss_before=500 * MiB, rss_after=756 * MiB))]
     a = analyse(oom, None, namespace=None, records=earlier, tb=caught.value.__traceback__, env={}, modules=())
     view = oom_panel(a)
-    first = view.text.splitlines()[0]
-    assert first.startswith("Out of memory on the host (cpu): tried to allocate 4096.00 PiB")
+    first, said = view.text.splitlines()[:2]
+    # The answer first (issue 29): what asked, read from the failing line, and why it cannot fit; the
+    # error's own numbers below it.
+    assert first.startswith("Out of memory on the host (cpu): `torch.empty(2**60)` needs 4096.00 PiB; ")
+    assert said.startswith("The error: tried to allocate 4096.00 PiB")
     assert "this process (RSS)" in view.text and "Δhost RSS" in view.text and "+256.00 MiB" in view.text
     if a.memory.total is not None:
-        assert "available" in first and "RAM)" in first
+        assert "more than the machine's" in first and "available" in said and "RAM)" in said
         assert sum(float(w) for w in _SEG_WIDTH.findall(view.html)) == pytest.approx(100.0, abs=0.01)
 
 
@@ -199,8 +202,11 @@ def absurd_panel():
 
 def test_absurd_request_is_stated_once():
     a, view = absurd_panel()
+    answer, said, body = view.text.split("\n", 2)
+    assert answer == "Out of memory on cuda:0: a 2.30 TiB allocation; that is more than all 15.78 GiB of cuda:0"
+    assert said.startswith("The error: tried to allocate 2.30 TiB")
+    assert "2.30 TiB" not in body and view.html.count("2.30 TiB") == 2  # the answer and the error's numbers only
     for rendering in (view.text, view.html):
-        assert rendering.count("2.30 TiB") == 1  # the headline, and nowhere else
         assert "2352.00 GiB" not in rendering  # what c10 prints, and no one reads at a glance
     assert "^" not in view.text and 'class="gm-request"' not in view.html  # no marker that cannot be to scale
     assert "out of memory. Tried" not in view.text  # the raw message is in the traceback above

@@ -368,7 +368,9 @@ def test_a_traced_cell_that_runs_out_of_memory_gets_one_panel_from_the_recording
     assert len(panels) == 1  # one panel ...
     assert sum("Diagnosis" in o.data.get("text/plain", "") for o in cap.outputs) == 1  # ... not two
     text = panels[0].data["text/plain"]
-    assert text.startswith("Out of memory on cuda:1: tried to allocate 4.95 GiB with 91.25 MiB free")
+    # The answer first (issue 29): the recorded stack's phase and the cell's line; the error's numbers below.
+    assert text.startswith("Out of memory on cuda:1: a 4.95 GiB allocation in the forward pass (")
+    assert "\nThe error: tried to allocate 4.95 GiB with 91.25 MiB free" in text
     assert "Recorded at the failure (the cell's allocator trace): 132.93 MiB free inside reserved segments" in text
     assert f"the failing allocation: In [{count}], line 3" in text
     assert "the cell's allocator trace at the failure" in text  # the layers' source

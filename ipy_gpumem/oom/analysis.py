@@ -17,11 +17,13 @@ from typing import Any, Callable, Iterable, List, Mapping, NamedTuple, Optional,
 from ..core.devices import cuda
 from ..core.memory import DeviceMemory, Process
 from ..core.units import MiB
-from .rules import Finding, explain
-from .rules.facts import cell_deltas
+from .limits import host_limits
+from .operands import operands_of
+from .rules import Finding, findings_of
+from .rules.facts import Facts, cell_deltas
 
-__all__ = ["OomAnalysis", "RecordedOom", "analyse", "memory_at_failure", "find_this_process", "traceback_frames",
-           "recorded_failure", "with_recorded"]
+__all__ = ["OomAnalysis", "RecordedOom", "analyse", "analyse_recording", "memory_at_failure", "find_this_process",
+           "traceback_frames", "recorded_failure", "with_recorded"]
 
 #: Frames of the failing traceback handed to the diagnosis (innermost last).
 MAX_FRAMES = 40
@@ -41,6 +43,9 @@ class RecordedOom(NamedTuple):
             expandable (free pages are unmapped, not split).
         site: where the failing allocation was made (``"In [5], line 3"``), or None without a stack.
         source: where these numbers come from, in words (``"the cell's allocator trace"``).
+        frames: the failing allocation's recorded stack as torch keeps it (dicts with ``filename``,
+            ``name``, ``line``, innermost first; C++ frames included), () when not recorded: the
+            operation and the phase are read from it.
     """
 
     device: int
@@ -52,6 +57,7 @@ class RecordedOom(NamedTuple):
     largest_free_block: Optional[int]
     site: Optional[str]
     source: str
+    frames: tuple = ()
 
     @property
     def reserved_unallocated(self) -> int:
@@ -131,6 +137,17 @@ class OomAnalysis:
     #: The launched process that failed (``core.records.RankFailure``), when the error came back
     #: through its launcher: the memory and the message are that process's, not this kernel's.
     rank: Any = None
+    #: The operation whose allocation failed (``oom.operation.Operation``), when its frames name one.
+    operation: Any = None
+    #: The process limit that refused a host request (``oom.limits.HostLimit``), when one did.
+    limit: Any = None
+    #: Where the allocation failed: ``"forward"``, ``"backward"``, ``"step"`` (the optimizer's own update) or None.
+    phase: Optional[str] = None
+    #: The frame that says so (``(filename, function, line)``), or None.
+    phase_frame: Optional[Tuple[str, str, str]] = None
+    #: The failing request in bytes as the analysis knows it: the message's, a recording's, or read from the
+    #: failing line's literals (a ``MemoryError``); None when unknown.
+    requested: Optional[int] = None
 
     @property
     def impossible(self) -> bool:
@@ -188,12 +205,28 @@ def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = 
     who_report = _who(namespace, memory, refs, who_fn, errors)
     earlier = tuple(r for r in records if not _same_cell(r, record))
     batch = _batch(oom, memory, record, records, who_report, namespace, errors)
-    findings = explain(oom, memory, who_report, earlier, failing=record, frames=traceback_frames(tb),
-                       env=os.environ if env is None else env, modules=modules, maybe_own=maybe_own,
-                       on_error=lambda rule, exc: errors.append(f"the {rule} rule: {type(exc).__name__}: {exc}"),
-                       batch=batch, recorded=found)
+    # A launched process's limits are its own: only this kernel's are read.
+    limits = host_limits() if rank is None and (memory.is_host or oom.kind == "cpu") else ()
+    facts = Facts.build(oom, memory, who_report, earlier, failing=record, frames=traceback_frames(tb),
+                        env=os.environ if env is None else env, modules=modules, maybe_own=maybe_own,
+                        batch=batch, recorded=found, operands=operands_of(tb), limits=limits)
+    findings = findings_of(facts, lambda rule, exc: errors.append(f"the {rule} rule: {type(exc).__name__}: {exc}"))
     return OomAnalysis(oom, memory, who_report, tuple(findings), record, tuple(cell_deltas(earlier, memory)),
-                       maybe_own, tuple(errors), batch, found, rank)
+                       maybe_own, tuple(errors), batch, found, rank, facts.operation, facts.limit, facts.phase,
+                       facts.phase_frame, facts.requested)
+
+
+def analyse_recording(oom, memory: DeviceMemory, recorded: RecordedOom, *,
+                      env: Optional[Mapping[str, str]] = None) -> OomAnalysis:
+    """The analysis of an out-of-memory a recording kept (a snapshot's ``oom`` event), without a session:
+    the allocator's state and the failing allocation's recorded stack (its C++ frames name the operation
+    and the phase); no names, traceback or reading now."""
+    errors: List[str] = []
+    facts = Facts.build(oom, memory, None, (), env={} if env is None else env, modules=(), recorded=recorded)
+    findings = findings_of(facts, lambda rule, exc: errors.append(f"the {rule} rule: {type(exc).__name__}: {exc}"))
+    return OomAnalysis(oom, memory, findings=tuple(findings), errors=tuple(errors), recorded=recorded,
+                       operation=facts.operation, phase=facts.phase, phase_frame=facts.phase_frame,
+                       requested=facts.requested)
 
 
 def _batch(oom, memory: DeviceMemory, record, records, who_report, namespace, errors: List[str]):

@@ -3,8 +3,8 @@
 :func:`oom_panel` turns an ``OomAnalysis`` into one list of parts (``display.parts``) that renders
 to aligned text for terminal IPython and to self-contained HTML (inline styles, no script, no
 external resource) for notebooks, so the two cannot disagree. The panel sits right under the
-user's traceback, so it never repeats the error message: its headline states the request once,
-in torch's spelling. Colours are mid-tones with the text colour inherited, so the panel reads in
+user's traceback, so it never repeats the error message: its first line is the answer (what needed
+the memory and why it did not fit), and the request is restated once below it, in torch's spelling. Colours are mid-tones with the text colour inherited, so the panel reads in
 light and dark themes alike; ``parts`` escapes everything that came from the user or the message.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from ..core.units import format_bytes, format_delta
 from ..display.parts import Block, Code, Details, Heading, Line, Numbered, Para, Raw, Span, Table, render
 from ..display.view import View, esc
 from ..attribution.view import who_section
+from .answer import answer, restated, where_words
 
 __all__ = ["oom_panel", "headline", "memory_layers", "Segment", "BAR_WIDTH"]
 
@@ -41,7 +42,8 @@ _PANEL_STYLE = f"border-left:3px solid {_STYLE['allocated'][1]};padding:4px 10px
 def oom_panel(analysis, *, max_holders: int = 8, max_cells: int = 5) -> View:
     """The panel for an ``OomAnalysis`` (see :func:`ipy_gpumem.oom.analysis.analyse`).
 
-    Sections, in order: the headline (the request against free), the device's memory in layers
+    Sections, in order: the answer (what needed the memory and why it did not fit, ``oom.answer``) with
+    the error's own numbers below it, the device's memory in layers
     with the request drawn against the free part, what a recording of the failure adds (the
     fragmentation and the failing line), who holds it, what earlier cells left behind,
     and the numbered diagnosis. ``View.data`` is the analysis itself.
@@ -49,7 +51,7 @@ def oom_panel(analysis, *, max_holders: int = 8, max_cells: int = 5) -> View:
     parts = [
         _headline(analysis),
         _layers(analysis),
-        _recorded(getattr(analysis, "recorded", None)),
+        _recorded(getattr(analysis, "recorded", None), getattr(analysis, "operation", None)),
         _who(analysis.who, max_holders),
         _earlier(analysis, max_cells),
         _diagnosis(analysis),
@@ -64,22 +66,16 @@ def oom_panel(analysis, *, max_holders: int = 8, max_cells: int = 5) -> View:
 
 def headline(memory: DeviceMemory, requested: Optional[int], free: Optional[int], sure: bool = True,
              process: Optional[str] = None) -> str:
-    """``Out of memory on cuda:0: tried to allocate 2.32 GiB with 182.75 MiB free (15.78 GiB total)``.
+    """The error's own numbers in one line: ``Out of memory on cuda:0: tried to allocate 2.32 GiB with 182.75 MiB
+    free (15.78 GiB total)``; the panel's first line when nothing more is known (see ``oom.answer``).
 
     ``sure=False`` (a message that is out-of-memory only in most reports, such as cuDNN finding no
     algorithm) starts it with "Probably out of memory". ``process`` names a launched process that
     failed (``rank 1 (pid 4242)``): ``Out of memory in rank 1 (pid 4242) on ...``.
     """
-    kind = memory.device.type if memory.device is not None else ""
-    where = "the host (cpu)" if memory.is_host else ("an unknown device" if memory.device is None else memory.label)
-    free_word, total_word = {"cpu": ("available", "RAM"), "mps": ("free below the limit", "max allowed")}.get(
-        kind, ("free", "total"))
-    what = f"tried to allocate {format_bytes(requested)}" if requested is not None \
-        else "an allocation of unknown size failed"
-    have = f" with {format_bytes(free)} {free_word}" if free is not None else f" with unknown {free_word} memory"
-    total = f" ({format_bytes(memory.total)} {total_word})" if memory.total is not None else f" ({total_word} unknown)"
     within = f" in {process}" if process else ""
-    return f"{'Out' if sure else 'Probably out'} of memory{within} on {where}: {what}{have}{total}"
+    return f"{'Out' if sure else 'Probably out'} of memory{within} on {where_words(memory)}: " \
+        + restated(memory, requested, free)
 
 
 def _free(analysis) -> Optional[int]:
@@ -103,16 +99,21 @@ def _headline(analysis):
     if rank is not None:
         process = (f"rank {rank.rank}" if rank.rank is not None else "a launched process") + (
             f" (pid {rank.pid})" if rank.pid is not None else "")
-    text = headline(analysis.memory, getattr(analysis.oom, "requested", None), _free(analysis), _sure(analysis.oom),
-                    process)
-    line = Line(Span(text, "font-size:13px;font-weight:700"))
+    free = _free(analysis)
+    text = answer(analysis, free, _sure(analysis.oom), process)
+    lines = [Line(Span(text, "font-size:13px;font-weight:700"))]
+    said = headline(analysis.memory, getattr(analysis.oom, "requested", None), free, _sure(analysis.oom), process)
+    if said != text:  # the answer first; the error's own numbers below it
+        lines.append(Para("The error: " + restated(analysis.memory, getattr(analysis.oom, "requested", None), free)
+                          + ".", "dim"))
+    line = Block(lines) if len(lines) > 1 else lines[0]
     if rank is None:
         return line
     # The launcher's traceback reached the cell; the message explained is the process's own.
     note = (f"{process[0].upper()}{process[1:]} failed with {rank.error or 'an out-of-memory error'}; {rank.launcher}'s "
             f"{rank.exception} brought its traceback back to this cell, and its message is explained below "
             "(the other ranks are in the cell's line).")
-    return Block([line, Para(note, "dim")])
+    return Block(lines + [Para(note, "dim")])
 
 
 # ==================================================================================================
@@ -270,9 +271,10 @@ def _html_request(requested: int, whole: int, note: str) -> str:
             f'<div style="text-align:right;color:{_REQUEST_COLOUR};font-weight:600">{esc(note)}</div>')
 
 
-def _recorded(recorded) -> Optional[Block]:
+def _recorded(recorded, operation=None) -> Optional[Block]:
     """What the allocator's recording adds to the layers: free space inside the reserved segments
-    against the largest free block, and the line whose allocation failed."""
+    against the largest free block, and the line whose allocation failed (an allocation with no Python
+    frame by what made it, never by a C++ signature)."""
     if recorded is None:
         return None
     free = format_bytes(recorded.free_in_reserved)
@@ -284,8 +286,13 @@ def _recorded(recorded) -> Optional[Block]:
                   f"{format_bytes(recorded.largest_free_block)} ({fits} for the {format_bytes(recorded.requested)} "
                   "request)")
     lines = [Line(Span(f"Recorded at the failure ({recorded.source}): ", "bold"), pieces)]
-    if recorded.site:
-        lines.append(Line("  the failing allocation: ", Span(recorded.site, "bold")))
+    site = recorded.site
+    if site and site.startswith("(C++ only)"):
+        site = operation.what if operation is not None else "made in C++, with no Python frame recorded"
+    elif site and operation is not None and operation.frame is None:
+        site = f"{site}, {operation.what[0].lower() + operation.what[1:]}"
+    if site:
+        lines.append(Line("  the failing allocation: ", Span(site, "bold")))
     return Block(lines)
 
 

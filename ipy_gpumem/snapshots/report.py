@@ -182,7 +182,7 @@ class SnapshotReport:
                 site = site_of(o.frames, self.cells)
                 out.append(RecordedOom(d, segment_size(o.requested), o.device_free, o.allocated, o.reserved,
                                        o.fragmentation.free, o.fragmentation.largest,
-                                       None if site is UNKNOWN else site.label, source))
+                                       None if site is UNKNOWN else site.label, source, tuple(o.frames or ())))
         return out
 
     def device_dict(self, device: int, max_sites: int = MAX_SITES) -> dict:

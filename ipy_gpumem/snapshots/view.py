@@ -12,10 +12,9 @@ from ..core.units import format_bytes as b
 from ..core.units import format_seconds
 from ..display.parts import Blank, Details, Heading, Line, Para, Raw, Span as Text, Table, render
 from ..display.view import esc
-from ..oom.analysis import OomAnalysis
+from ..oom.analysis import analyse_recording
 from ..oom.panel import oom_panel
 from ..oom.parse.report import OomReport
-from ..oom.rules import explain
 from .load import MAX_BYTES
 from .report import SnapshotReport, read_snapshot
 
@@ -242,14 +241,10 @@ def oom_view(report, device: Optional[int] = None):
     report_ = OomReport("cuda_allocator", message, exception_type="torch.OutOfMemoryError", backend="native",
                         device_type="cuda", gpu_index=d, requested=oom["tried_to_allocate"], free=oom["device_free"],
                         allocated_by_pytorch=oom["allocated"], reserved_unallocated=oom["reserved_unallocated"])
-    frames = report.replay(d).ooms[0].frames
-    tb = tuple((str(f.get("filename", "")), str(f.get("name", "")), "") for f in reversed(frames)
-               if isinstance(f, dict) and str(f.get("filename", "")).endswith(".py"))
     conf = report.settings.get("PYTORCH_CUDA_ALLOC_CONF")
     env = {"PYTORCH_CUDA_ALLOC_CONF": conf} if conf else {}
-    recorded = report.recorded_ooms(d)[0]
-    findings = explain(report_, memory, None, (), frames=tb, env=env, modules=(), recorded=recorded)
-    return oom_panel(OomAnalysis(report_, memory, findings=tuple(findings), recorded=recorded))
+    # The recorded stack (its C++ frames too) names the operation and the phase.
+    return oom_panel(analyse_recording(report_, memory, report.recorded_ooms(d)[0], env=env))
 
 
 def open_snapshot(source, *, cells: Optional[Mapping[str, int]] = None, max_bytes: int = MAX_BYTES) -> SnapshotReport:

@@ -23,11 +23,11 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from ...core.memory import DeviceMemory
 
-__all__ = ["Finding", "FINDING_KEYS", "CONFIDENCES", "MAX_FINDINGS", "RULES", "Facts", "explain", "rank"]
+__all__ = ["Finding", "FINDING_KEYS", "CONFIDENCES", "MAX_FINDINGS", "RULES", "Facts", "explain", "findings_of", "rank"]
 
 #: Every key ``explain()`` can return, roughly in the order they usually rank.
 FINDING_KEYS = (
-    "request_exceeds_device", "activations", "graphs_kept", "optimizer_state", "gradients",
+    "request_exceeds_device", "operation", "process_limit", "activations", "graphs_kept", "optimizer_state", "gradients",
     "fragmentation", "other_processes", "cuda_context_and_libraries", "checkpoint_on_gpu",
     "ipython_refs", "earlier_cells", "cpu_oom", "cublas_cudnn", "mps", "other_runtime", "shortfall",
     "batch_size",
@@ -65,11 +65,11 @@ class Finding:
 
 
 # Imported after Finding: the rule modules build Findings.
-from . import device, runtimes, session, training  # noqa: E402
+from . import device, operation, runtimes, session, training  # noqa: E402
 from .facts import Facts  # noqa: E402
 
 #: Every rule, in the order they run (the order only breaks ties in the ranking).
-RULES = device.RULES + training.RULES + session.RULES + runtimes.RULES
+RULES = device.RULES + operation.RULES + training.RULES + session.RULES + runtimes.RULES
 
 
 def explain(
@@ -88,6 +88,8 @@ def explain(
     on_error: Optional[Callable[[str, BaseException], None]] = None,
     batch: Any = None,
     recorded: Any = None,
+    operands: Sequence[Any] = (),
+    limits: Sequence[Any] = (),
 ) -> List[Finding]:
     """Ranked findings, most useful first: certain before likely before possible, then by bytes freed.
 
@@ -109,7 +111,9 @@ def explain(
         batch: what is known about the failing cell's batch (``oom.batch.BatchKnown``, read from
             an earlier estimate or run of the cell, never by running it), or None.
         recorded: the allocator's recorded state at the failure (``oom.analysis.RecordedOom``: its
-            largest free block tells fragmentation for certain), or None.
+            largest free block tells fragmentation for certain, its frames the operation), or None.
+        operands: the shapes the traceback's frames name (``oom.operands.operands_of``), parallel to ``frames``.
+        limits: the process's memory limits (``oom.limits.host_limits``): a host failure under one says so.
 
     Returns:
         At most :data:`MAX_FINDINGS` findings; never empty when ``oom`` is given. When the request
@@ -119,7 +123,13 @@ def explain(
     """
     facts = Facts.build(oom, memory, who, earlier, failing=failing, failing_source=failing_source, frames=frames,
                         env=env, requested=requested, modules=modules, maybe_own=maybe_own, batch=batch,
-                        recorded=recorded)
+                        recorded=recorded, operands=operands, limits=limits)
+    return findings_of(facts, on_error)
+
+
+def findings_of(facts: "Facts", on_error: Optional[Callable[[str, BaseException], None]] = None) -> List[Finding]:
+    """:func:`explain` on facts already built (``Facts.build``): every rule, ranked, at most :data:`MAX_FINDINGS`."""
+    oom = facts.oom
     found: List[Finding] = []
     for rule in RULES:
         try:

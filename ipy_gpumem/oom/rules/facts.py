@@ -10,24 +10,15 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequ
 
 from ...core.memory import DeviceMemory
 from ...core.text import clip
+from ..limits import binding_limit
+from ..operation import Operation, operation_of
+from ..stack import BACKWARD_CALL, OPTIM_FILE, Frame, phase_of, recorded_stack
 from .words import b, cap
 
 __all__ = ["Facts", "Frame", "MATTERS", "cell_deltas", "device_record", "call_args", "message_shape", "size_clues",
            "OPTIM_FILE", "BACKWARD_CALL", "BROADCAST", "FLOAT64", "BATCH"]
 
-#: ``(filename, function, source line)`` of one traceback frame.
-Frame = Tuple[str, str, str]
-
-# Where in the stack the allocation failed, read from file and function names: torch's own
-# layout (torch/optim, torch/autograd, torch/nn) and the libraries that wrap it.
-OPTIM_FILE = re.compile(r"torch[/\\]optim[/\\]|[/\\]optim[/\\]\w+\.py$|bitsandbytes[/\\]optim")
-_OPTIM_FUNC = re.compile(r"^_(?:single|multi)_tensor_\w+$|^_fused_\w+$")
-_AUTOGRAD_FILE = re.compile(r"torch[/\\]autograd[/\\]|torch[/\\]_tensor\.py$")
-_NN_FILE = re.compile(r"torch[/\\]nn[/\\]|transformers[/\\]models[/\\]|timm[/\\]")
-_FORWARD_LINE = re.compile(r"\bF\.(?:linear|conv\w*|scaled_dot_product_attention|softmax|gelu|relu|"
-                           r"layer_norm|batch_norm|embedding|interpolate)\s*\(|scaled_dot_product_attention")
-BACKWARD_CALL = re.compile(r"\.backward\b|autograd\.grad\s*\(")
-_STEP_CALL = re.compile(r"\b\w*(?:optim\w*|opt)\.step\s*\(")
+# Where in the stack the allocation failed: read innermost first (``oom.stack``).
 # What makes a request large, read from the user's code: (N,1) against (1,N), float64, a batch size.
 BROADCAST = re.compile(r"\[\s*:\s*,\s*None\s*\]|\[\s*None\s*,\s*:\s*\]|\[\s*None\s*\]"
                        r"|unsqueeze\(\s*-?[0-9]\s*\)|\bcdist\(|np\.newaxis")
@@ -70,6 +61,10 @@ class Facts:
         model_names: how the user reaches each ``nn.Module`` (``model``, ``trainer.model``).
         batch: what is known about the failing cell's batch (``oom.batch.BatchKnown``), or None.
         recorded: the allocator's recorded state at the failure (``oom.analysis.RecordedOom``), or None.
+        stack: the recorded failing allocation's frames with their C++ ones (a snapshot, ``--trace``),
+            innermost last; () without a recording.
+        operation: the operation whose allocation failed (``oom.operation.Operation``), or None.
+        limit: the process limit that refused host memory (``oom.limits.HostLimit``), or None.
     """
 
     oom: Any
@@ -91,14 +86,22 @@ class Facts:
     model_names: Tuple[str, ...] = ()
     batch: Any = None
     recorded: Any = None
+    stack: Tuple[Frame, ...] = ()
+    operation: Optional[Operation] = None
+    limit: Any = None
 
     @classmethod
     def build(cls, oom, memory: DeviceMemory, who=None, earlier: Sequence[Any] = (), *, failing=None,
               failing_source: Optional[str] = None, frames: Sequence[Sequence[str]] = (),
               env: Optional[Mapping[str, str]] = None, requested: Optional[int] = None,
               modules: Optional[Iterable[str]] = None, maybe_own: Iterable[int] = (), batch=None,
-              recorded=None) -> "Facts":
-        """Derive the facts; ``env`` and ``modules`` default to this process's."""
+              recorded=None, operands: Sequence[Any] = (), limits: Sequence[Any] = ()) -> "Facts":
+        """Derive the facts; ``env`` and ``modules`` default to this process's.
+
+        ``operands`` are the shapes the traceback's frames name (``oom.operands.operands_of``), parallel
+        to ``frames``; ``limits`` the process's memory limits (``oom.limits.host_limits``), of which the
+        one that refused a host request becomes :attr:`limit`.
+        """
         if failing_source is None:
             failing_source = getattr(failing, "source", "") or ""
         facts = cls(
@@ -111,12 +114,24 @@ class Facts:
             maybe_own=frozenset(maybe_own or ()),
             kind=oom.kind if oom is not None else ("cpu" if memory.is_host else ""),
             batch=batch, recorded=recorded,
+            stack=recorded_stack(getattr(recorded, "frames", None) or ()),
         )
         if who is not None:
             facts.cats = {k: int(v) for k, v in (who.categories or {}).items() if v is not None}
             facts.holders = tuple(h for h in (who.holders or ()) if h.bytes)
             facts.model_names = tuple(h.expr for h in facts.holders if h.kind == "module" and h.expr)
-        facts.phase, facts.phase_frame = _phase(facts.frames, facts.model_names)
+        facts.phase, facts.phase_frame = phase_of(facts.frames, facts.model_names)
+        if facts.phase is None and facts.stack:
+            facts.phase, facts.phase_frame = phase_of(facts.stack, facts.model_names)
+        if facts.requested is None and oom is not None and getattr(recorded, "requested", None):
+            facts.requested = recorded.requested
+        facts.operation = operation_of(facts.frames, operands, facts.stack, facts.requested,
+                                       cuda=facts.is_cuda and facts.kind in ("", "cuda_allocator", "hip"),
+                                       host=facts.is_host)
+        if facts.requested is None and facts.operation is not None and facts.operation.key == "literal":
+            facts.requested = facts.operation.needs  # a MemoryError's size, written in the failing line
+        if facts.is_host and limits:
+            facts.limit = binding_limit(limits, facts.requested, facts.free)
         return facts
 
     # ---- numbers
@@ -248,31 +263,6 @@ class Facts:
 def _frame(f: Sequence[str]) -> Frame:
     parts = [str(x) if x is not None else "" for x in tuple(f)[:3]]
     return tuple(parts + [""] * (3 - len(parts)))  # type: ignore[return-value]
-
-
-def _phase(frames: Sequence[Frame], model_names: Sequence[str]):
-    """Where the allocation failed: the optimizer step, backward, forward, or None (unknown)."""
-    for filename, func, line in reversed(frames):  # innermost first: the frame that allocated
-        if OPTIM_FILE.search(filename) or _OPTIM_FUNC.match(func):
-            return "step", (filename, func, line)
-    for filename, func, line in reversed(frames):
-        if _AUTOGRAD_FILE.search(filename) and ("backward" in func or "grad" in func):
-            return "backward", (filename, func, line)
-    for filename, func, line in reversed(frames):
-        if func == "forward" or _NN_FILE.search(filename) or _FORWARD_LINE.search(line) \
-                or func in ("_call_impl", "_wrapped_call_impl"):
-            return "forward", (filename, func, line)
-    # No library frame says it: read the user's own lines, outermost first.
-    calls = [re.compile(r"(?<![\w.])" + re.escape(n) + r"\s*\(") for n in model_names]
-    calls.append(re.compile(r"(?<![\w.])(?:model|net|network|module)\s*\("))
-    for filename, func, line in frames:
-        if BACKWARD_CALL.search(line):
-            return "backward", (filename, func, line)
-        if _STEP_CALL.search(line):
-            return "step", (filename, func, line)
-        if any(c.search(line) for c in calls):
-            return "forward", (filename, func, line)
-    return None, None
 
 
 def device_record(rec: Any, memory: DeviceMemory) -> Any:

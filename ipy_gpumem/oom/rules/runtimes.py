@@ -1,4 +1,4 @@
-"""Rules for failures outside CUDA's caching allocator: host RAM, cuBLAS and cuDNN, Apple's MPS, and other runtimes."""
+"""Rules for failures outside CUDA's caching allocator: host RAM and its process limits, cuBLAS and cuDNN, MPS, other runtimes."""
 from __future__ import annotations
 
 import re
@@ -9,12 +9,42 @@ from . import Finding
 from .facts import BROADCAST, FLOAT64, Facts, message_shape, size_clues
 from .words import WRONG_SIZE_FIX, b, pct
 
-__all__ = ["RULES", "cpu_oom", "cublas_cudnn", "mps", "other_runtime"]
+__all__ = ["RULES", "process_limit", "cpu_oom", "cublas_cudnn", "mps", "other_runtime"]
 
 #: Past this no tensor is meant: 1 PiB.
 _ABSURD_BYTES = 2 ** 50
 # A file read whole into memory, which a memory map would read on demand.
 _LOADS = re.compile(r"\b(?:np|numpy)\.load\s*\(|\btorch\.load\s*\(")
+
+
+def process_limit(x: Facts) -> Optional[Finding]:
+    """A host allocation refused by a process limit (RLIMIT_AS, RLIMIT_DATA, a cgroup's memory.max), not by RAM."""
+    lim = x.limit
+    if lim is None or not x.is_host:
+        return None
+    used = f"; this process already used {b(lim.used)} of it" if lim.used is not None else ""
+    asked = f", so the {b(x.requested)} request did not fit" if x.requested is not None else ""
+    detail = f"{lim.words[0].upper() + lim.words[1:]} is {b(lim.limit)}{used}{asked}."
+    free = x.free
+    if free is not None:
+        detail += f" The machine still had {b(free)} of RAM available: the limit refused it, not the RAM."
+    if lim.name == "RLIMIT_AS":
+        detail += (" The address-space limit counts every mapping, reserved or not (thread stacks, CUDA's and "
+                   "the allocator's reservations), so it is reached long before the memory is used.")
+    fix = {"RLIMIT_AS": "Raise the limit (ulimit -v in the shell that starts Jupyter, or resource.setrlimit up to its "
+                        "hard limit), or make the allocation smaller.",
+           "RLIMIT_DATA": "Raise the limit (ulimit -d in the shell that starts Jupyter, or resource.setrlimit up to its "
+                          "hard limit), or make the allocation smaller."}.get(
+        lim.name, "Give the container more memory (its memory limit), or make the allocation smaller.")
+    snippet = ("import resource\n"
+               f"soft, hard = resource.getrlimit(resource.{lim.name})\n"
+               f"resource.setrlimit(resource.{lim.name}, (hard, hard))   # up to the hard limit") \
+        if lim.name.startswith("RLIMIT") else "!cat /sys/fs/cgroup/memory.max /sys/fs/cgroup/memory.current"
+    certain = x.requested is not None and lim.headroom is not None and x.requested > lim.headroom and \
+        (free is None or x.requested <= free)
+    return Finding("process_limit", f"{lim.name} refused it: {b(lim.limit)} for this process", detail, fix, snippet,
+                   None, "certain" if certain else "likely")
+
 
 
 def cpu_oom(x: Facts) -> Optional[Finding]:
@@ -29,8 +59,11 @@ def cpu_oom(x: Facts) -> Optional[Finding]:
         req = shape[2]
     clues, dtype64 = size_clues(x)
     bcast, f64 = x.find(BROADCAST), x.find(FLOAT64)
+    limited = x.limit is not None  # a process limit refused it (process_limit says which): RAM did not run out
+    if limited and not (bcast or dtype64 or shape is not None or req >= _ABSURD_BYTES):
+        return None
     parts = list(clues)
-    if ram:
+    if ram and not limited:
         parts.insert(0, f"The request is {pct(req, ram)} of the machine's {b(ram)} of RAM"
                      + (f", {b(x.shortfall)} more than was available." if x.shortfall else "."))
     line = x.user_line()
@@ -193,4 +226,4 @@ def other_runtime(x: Facts) -> Optional[Finding]:
         frees=x.memory.reserved_unallocated or None, confidence="possible")
 
 
-RULES = (cpu_oom, cublas_cudnn, mps, other_runtime)
+RULES = (process_limit, cpu_oom, cublas_cudnn, mps, other_runtime)

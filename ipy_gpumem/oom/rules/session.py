@@ -146,9 +146,17 @@ def earlier_cells(x: Facts) -> Optional[Finding]:
     )
 
 
+_TRAINING = ("parameters", "gradients", "optimizer_state")
+
+
 def _release_names(records: Sequence, x: Facts) -> List[str]:
-    """The tensor-holding names those cells assigned (who() knows which hold tensors)."""
+    """The tensor-holding names those cells assigned (who() knows which hold tensors); in a failing optimizer
+    step not the model or the optimizer it updates (only their parameters, gradients and state are held)."""
     holding = {r for h in x.holders for r in h.roots}
+    if x.phase == "step":
+        needed = {r for h in x.holders if h.category in _TRAINING for r in h.roots}
+        other = {r for h in x.holders if h.category not in _TRAINING for r in h.roots}
+        holding -= needed - other
     names: List[str] = []
     for rec in records:
         for line in (rec.source or "").splitlines():

@@ -18,6 +18,7 @@ _OPTIM_BY_FILE = {
     "adadelta": "Adadelta", "adamax": "Adamax", "nadam": "NAdam", "radam": "RAdam", "lion": "Lion",
 }
 _TWO_BUFFERS = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adafactor", "LAMB", "Lamb")
+_ONE_BUFFER = ("RMSprop", "Adagrad")
 _LOSSISH = r"\w*loss\w*"  # not "out": ``out += residual`` inside a forward is no accumulation
 _ACCUM = re.compile(r"^([A-Za-z_][\w.\[\]'\"]*)\s*\+=\s*(.+)$")
 _APPEND = re.compile(r"^([A-Za-z_][\w.]*)\.(?:append|extend)\(\s*(.+)\)\s*$")
@@ -196,20 +197,36 @@ def optimizer_state(x: Facts) -> Optional[Finding]:
         return None  # neither the failing frame nor the numbers point at the optimizer
     two = opt in _TWO_BUFFERS
     name = opt or "The optimizer"
-    if state_bytes:
-        title = (f"{name} keeps two buffers the size of the weights: {b(state_bytes)}" if two
-                 else f"{name}'s state holds {b(state_bytes)}")
+    # What the step needs is the whole state, not what existed when it failed: Adam's first step makes its two
+    # buffers one parameter at a time, so a failure there finds part of them. Each trainable parameter (one
+    # with a gradient) gets its buffers.
+    buffers = 2 if two else (1 if opt in _ONE_BUFFER else None)
+    trainable = x.cat("gradients") or params
+    needed = max(state_bytes, buffers * trainable) if in_step and buffers and trainable else state_bytes
+    partial = in_step and needed > state_bytes
+    if needed:
+        title = (f"{name} keeps two buffers the size of the weights: {b(needed)}" if two
+                 else f"{name}'s state holds {b(needed)}")
+        if partial:
+            title = (f"{name}'s state needs two buffers the size of the weights: {b(needed)}" if two
+                     else f"{name}'s state needs {b(needed)}")
     else:
         title = f"Out of memory inside the optimizer step ({where(x.phase_frame)})"
     detail = ""
-    if state_bytes and params:
-        detail = (f"Optimizer state is {b(state_bytes)}, {state_bytes / params:.1f}x the {b(params)} of "
-                  "parameters" + (" (exp_avg and exp_avg_sq per weight)." if two else "."))
-        footprint = params + x.cat("gradients") + state_bytes
+    if needed and trainable:
+        detail = (f"Optimizer state is {b(needed)}, {needed / trainable:.1f}x the {b(trainable)} of "
+                  + ("parameters with gradients" if x.cat("gradients") else "parameters")
+                  + (" (exp_avg and exp_avg_sq per weight)." if two else "."))
+        if partial:
+            detail += (f" {b(state_bytes)} of it existed when the step failed: the first step makes it one parameter "
+                       "at a time.")
+        footprint = params + x.cat("gradients") + needed
         total = x.memory.total
         if total and footprint * 100 >= total:
             detail += (f" Weights + gradients + optimizer state take {b(footprint)}, "
-                       f"{pct(footprint, total)} of the {b(total)} device, before any activation.")
+                       f"{pct(footprint, total)} of the {b(total)} {x.device_label if x.is_host else 'device'}, "
+                       "before any activation.")
+    state_bytes = needed
     if in_step:
         detail += (f" The allocation failed in {where(x.phase_frame)}"
                    + (f" while allocating {b(x.requested)}" if x.requested else "") + _step_temporaries(x))
@@ -355,7 +372,9 @@ def batch_size(x: Facts) -> Optional[Finding]:
             f"Free what is held now that was not then ({b(grew)}; the tables above name it), or restart and run "
             "only the cells you need, then run this cell again.",
             "%gpumem who    # what holds the memory now", grew, "likely")
-    training = x.phase in ("forward", "backward", "step") or BACKWARD_CALL.search(x.failing_source or "")
+    if x.phase == "step":
+        return None  # the update's need does not shrink with the batch: its activations are already freed
+    training = x.phase in ("forward", "backward") or BACKWARD_CALL.search(x.failing_source or "")
     # A request larger than the whole device has its own finding, which says how far the batch must
     # shrink; the command is added only to what is known about this cell.
     impossible = bool(x.requested and x.memory.total and x.requested > x.memory.total)
