@@ -3,7 +3,11 @@
 Run from the repository root:
 
     python benchmarks/bench_who.py [--objects 100000 1500000] [--shapes ...] [--repeat 5]
-                                   [--batch 2] [--size 224] [--budget 0.75] [--no-panel]
+                                   [--batch 2] [--size 224] [--budget 0.75] [--no-panel] [--before DIR]
+
+``--before DIR`` times a second copy of the package beside this one, in the same process, call for
+call (A B B A ...): make it with ``mkdir DIR && git archive REV ipy_gpumem | tar -x -C DIR && mv
+DIR/ipy_gpumem DIR/ipy_gpumem_before`` (its imports are relative, so it loads under that name).
 
 Shapes, each holding about N objects (N = ``--objects``):
 
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
+import os
 import platform
 import shlex
 import statistics
@@ -179,6 +185,19 @@ def timed(fn, repeat: int):
     return statistics.median(times), max(times), result
 
 
+def side_by_side(fns: dict, repeat: int):
+    """``{name: (median s, worst s, last result)}`` of the functions called in turn (A B B A ...), after a warm-up."""
+    results = {name: fn() for name, fn in fns.items()}
+    times = {name: [] for name in fns}
+    names = list(fns)
+    for i in range(repeat):
+        for name in names if i % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            results[name] = fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(t), max(t), results[name]) for name, t in times.items()}
+
+
 def panel_runner(ns: dict):
     """A function that runs the whole OOM panel on ``ns``, as after a real out-of-memory error."""
     from ipy_gpumem.core.probes import MemoryProbe
@@ -212,7 +231,13 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="who()'s time budget in seconds")
     parser.add_argument("--no-panel", action="store_true", help="time who() only")
+    parser.add_argument("--before", default=None, help="a folder holding ipy_gpumem_before (see the docstring)")
     args = parser.parse_args()
+    who_before = None
+    if args.before:
+        sys.path.insert(0, args.before)
+        who_before = importlib.import_module("ipy_gpumem_before.attribution.who").who
+    print(f"load before: {os.getloadavg()[0]:.2f}", flush=True)
 
     rows = []
     for n in args.objects:
@@ -220,8 +245,19 @@ def main() -> None:
             start = time.perf_counter()
             ns = build(shape, n, args.batch, args.size)
             setup_s = time.perf_counter() - start
-            median, worst, report = timed(lambda: who(ns, budget_s=args.budget), args.repeat)
-            state = "complete" if report.complete else "stopped: " + report.notes[0]
+            fns = {"after": lambda: who(ns, budget_s=args.budget)}
+            if who_before is not None:
+                fns["before"] = lambda: who_before(ns, budget_s=args.budget)
+            measured = side_by_side(fns, args.repeat)
+            median, worst, report = measured["after"]
+            before = ""
+            if who_before is not None:
+                b_median, _b_worst, b_report = measured["before"]
+                before = (f" | {b_median * 1e3:.1f} ms ({'complete' if b_report.complete else 'no'}) | "
+                          f"{median / b_median:.2f}x")
+                print(f"{'':>16} {'':>10}          before: who() median {b_median * 1e3:7.1f} ms, complete "
+                      f"{b_report.complete}; after / before {median / b_median:.2f}", flush=True)
+            state = "complete" if report.complete else "incomplete: " + (report.notes[0] if report.notes else "")
             print(f"{shape:>16} {n:>10,} objects  who() median {median * 1e3:7.1f} ms  worst {worst * 1e3:7.1f} ms  "
                   f"{report.tensor_count:,} storages  {state}  (built in {setup_s:.1f} s)", flush=True)
             panel = "not run | "
@@ -235,7 +271,8 @@ def main() -> None:
                     panel = f"failed ({type(exc).__name__}) | "
                     print(f"{'':>16} {'':>10}          OOM panel failed: {type(exc).__name__}: {exc}", flush=True)
             rows.append(f"| {shape} | {n:,} | {median * 1e3:.1f} ms | {worst * 1e3:.1f} ms | "
-                        f"{'yes' if report.complete else 'no (budget)'} | {report.tensor_count:,} | {panel} |")
+                        f"{'yes' if report.complete else 'no (budget)' if report.stopped else 'no'} | "
+                        f"{report.tensor_count:,} | {panel} |{before}")
             del ns, report
             gc.collect()
 
@@ -244,8 +281,11 @@ def main() -> None:
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {torch.get_num_threads()} threads, "
           f"who() budget {args.budget:g} s, {args.repeat} runs after one warm-up")
     print()
-    print("| shape | objects | who() median | who() worst | complete | storages | OOM panel median | OOM panel worst |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"load after: {os.getloadavg()[0]:.2f}")
+    extra = " before: who() median (complete) | after / before |" if who_before is not None else ""
+    print("| shape | objects | who() median | who() worst | complete | storages | OOM panel median | OOM panel worst |"
+          + extra)
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|" if who_before is not None else ""))
     for row in rows:
         print(row)
 

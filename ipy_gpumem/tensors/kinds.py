@@ -82,8 +82,12 @@ LARGE = 1 << 16
 RECHECK = 1 << 12
 #: Builtin containers longer than this are proven one by one (so that the proof can be remembered).
 _ALONE = 1024
-#: Larger builtin containers are proven this many items at a time, resumably (see ``_inert_in_parts``).
+#: Larger builtin containers are proven a part at a time, resumably (see ``_inert_in_parts``): parts
+#: of about _PART items below them, at most _CHUNK of their own items, the first one _FIRST_PART.
+_PART = 1 << 16
 _CHUNK = 1 << 12
+_FIRST_PART = 256
+_SIZED = frozenset((list, tuple, dict, set, frozenset))
 _MEMO_SIZE = 256
 _ALL_LEVELS = 1 << 30  # a proof that found only scalars one level down holds at any depth
 _GONE = object()
@@ -172,8 +176,8 @@ class TypeCache:
         self.user_modules: Dict[str, bool] = {}
         self.user_classes: Dict[type, bool] = {}  # classes the user wrote (filled by classify)
         self.inert: Dict[int, _Inert] = {}  # id of a large container -> its verdict
-        # id of a large container -> (type, length, levels, items proven, deepest level, visits) of a
-        # proof a budget stopped, taken up by the next walk.
+        # id of a large container -> (type, length, levels, items proven, deepest level, visits, part
+        # size) of a proof a budget stopped, taken up by the next walk.
         self.partial: Dict[int, tuple] = {}
         #: READ types: ``reader(walk, obj) -> [(step, key, value)]`` (see :mod:`.readers`).
         self.readers: Dict[type, Any] = {}
@@ -419,7 +423,7 @@ class KindsMixin:
                     return self._recheck(single, known)
                 cache.inert.pop(id(single), None)
         before = self.visits
-        if single is not None and len(single) > _CHUNK:
+        if single is not None and len(single) > _ALONE:
             verdict, depth = self._inert_in_parts(single, levels)
             touched = self.proof_visits if verdict else 0
         else:
@@ -471,17 +475,18 @@ class KindsMixin:
         return True
 
     def _inert_in_parts(self, container: Any, levels: int) -> Tuple[bool, int]:
-        """A large list, tuple or dict proven :data:`_CHUNK` items at a time, with a look at the clock
-        between parts; a proof a budget stopped is taken up where it stopped by the next walk
+        """A large list, tuple or dict proven a part at a time (parts of about :data:`_PART` items
+        below them: 16 rows of a 4096 x 4096 grid, 4096 ints), with a look at the clock between
+        parts; a proof a budget stopped is taken up where it stopped by the next walk
         (:attr:`TypeCache.partial`), so a structure larger than one budget is proven over a few counts."""
         cache = self.types
         tp, length = type(container), len(container)
         partial = cache.partial.get(id(container))
-        start, deepest, visits = 0, 1, 0
+        start, deepest, visits, size = 0, 1, 0, _FIRST_PART
         if partial is not None and partial[0] is tp and partial[1] == length and partial[2] >= levels:
             # Taken up where it stopped, at its own depth (a deeper proof answers a shallower question:
             # nothing to find either way).
-            levels, start, deepest, visits = partial[2], partial[3], partial[4], partial[5]
+            levels, start, deepest, visits, size = partial[2:7]
         cache.partial.pop(id(container), None)
         if tp is dict:
             items = list(dict.values(container))
@@ -490,25 +495,35 @@ class KindsMixin:
                 return False, levels  # changed while read
         else:
             items = container
-        total = len(items)
-        for begin in range(start, total, _CHUNK):
+        total, begin = len(items), start
+        while begin < total:
             if self.out_of_budget():
-                if len(cache.partial) >= _MEMO_SIZE:
-                    cache.partial.pop(next(iter(cache.partial)))
-                cache.partial[id(container)] = (tp, length, levels, begin, deepest, visits)
+                self._keep_partial(container, (tp, length, levels, begin, deepest, visits, size))
                 return False, levels  # not proven yet: the walk says what it left; the next goes on
             before = self.visits
-            part = items[begin:begin + _CHUNK]
-            verdict, depth = self._inert(list, [part if type(part) is list else list(part)], levels)
-            self.visits += len(part) - min(len(part), self.visits - before)  # every item counts once at least
+            part = items[begin:begin + size]
+            part = part if type(part) is list else list(part)
+            weight = len(part)
+            if _SIZED.issuperset(map(type, part)):  # builtin containers: their lengths, in C
+                weight += sum(map(len, part))
+            verdict, depth = self._inert(list, [part], levels)
+            self.visits += weight - min(weight, self.visits - before)  # every item below counts once
             if not verdict:
-                if self.stopped_early():  # the budget ran out inside this part: it is proven again next time
-                    cache.partial[id(container)] = (tp, length, levels, begin, deepest, visits)
+                if self.stopped_early():  # the budget ran out inside this part: smaller parts next time
+                    self._keep_partial(container, (tp, length, levels, begin, deepest, visits, max(1, size // 4)))
                 return False, levels
             visits += self.visits - before
             deepest = max(deepest, depth)
+            begin += len(part)
+            size = max(1, min(_CHUNK, size * _PART // max(1, weight)))
         self.proof_visits = visits  # the whole proof's, over every walk that took part in it
         return True, deepest
+
+    def _keep_partial(self, container: Any, state: tuple) -> None:
+        partial = self.types.partial
+        if len(partial) >= _MEMO_SIZE:
+            partial.pop(next(iter(partial)))
+        partial[id(container)] = state
 
     def stopped_early(self) -> bool:
         """Whether a budget stopped the proofs (then "not proven" is no verdict)."""

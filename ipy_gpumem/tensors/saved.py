@@ -21,7 +21,8 @@ After ``backward()`` the saved tensors are released and reading them raises: tha
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, Iterator, Tuple
+import weakref
+from typing import Any, Iterator, Tuple
 
 __all__ = ["SavedReader", "MAX_ITEMS"]
 
@@ -29,6 +30,10 @@ __all__ = ["SavedReader", "MAX_ITEMS"]
 MAX_ITEMS = 10_000
 #: Objects examined in one unpack hook's closure.
 _MAX_CLOSURE = 64
+# Autograd node type -> (its _raw_saved_* names, AccumulateGrad?, a custom Function's?), for every
+# count (``dir()`` of a node type is the costly part); weak keys: a custom Function's node class
+# is never kept alive by it.
+_NODE_INFO: "weakref.WeakKeyDictionary[type, Tuple[Tuple[str, ...], bool, bool]]" = weakref.WeakKeyDictionary()
 
 
 class SavedReader:
@@ -44,7 +49,7 @@ class SavedReader:
         self.hooks_readable = api.saved_has_unpack_hook
         self.cfunction = api.backward_cfunction
         self.grad_of = api.tensor_base.grad.__get__
-        self.node_info: Dict[type, Tuple[Tuple[str, ...], bool, bool]] = {}
+        self.node_info = _NODE_INFO  # shared by every count: node types are few and live long
         self.closures_seen: set = set()  # ids of objects an unpack hook's closure led to (a frame once)
         self.placeholders = 0  # saved payloads that held no tensor (checkpoint placeholders)
 

@@ -529,11 +529,12 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
             funcs = list(map(get_func, infos))  # C passes: torch alone registers a hundred finalizers
         except Exception:  # noqa: BLE001 - another layout of weakref.finalize._Info
             return
-        library = {key: _library_function(fn) for key, fn in {id(fn): fn for fn in funcs}.items()}
+        ids = list(map(id, funcs))
+        library = {key: _library_function(fn) for key, fn in dict(zip(ids, funcs)).items()}  # a few functions
+        # A library's own finalizers (torch registers one per operator library) are passed over in C.
         ns_id = id(self.namespace)
-        for index, (info, fn) in enumerate(zip(infos, funcs)):
-            if library[id(fn)]:
-                continue  # a library's own finalizer (torch registers one per operator library)
+        for index in compress(range(len(infos)), map(not_, map(library.__getitem__, ids))):
+            info = infos[index]
             for _step, key, value in info_parts(info, f"._registry[{index}]"):
                 kind = self.kind_of(value)
                 if not kind or id(value) == ns_id or (DICT <= kind <= OBJECT and self.scalars_only(value, kind)):
