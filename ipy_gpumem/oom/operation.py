@@ -475,6 +475,8 @@ def _embedding(py, native, requested, cuda) -> Optional[Operation]:
         args, kwargs = _call(_text(pair), _EMBED_LINE)
         idx, _ = _tensor(pair[1], _arg(args, kwargs, 0, "input"))
         weight, _ = _tensor(pair[1], _arg(args, kwargs, 1, "weight"))
+        if idx is not None and weight is not None and idx.dtype.startswith("float"):
+            idx, weight = weight, idx  # torch.embedding(weight, indices): the indices are the integer tensor
         if weight is not None and len(weight.shape) == 2:
             rows, dim = weight.shape
             if backward:
@@ -563,10 +565,10 @@ def _literal(py, requested) -> Optional[Operation]:
         if found is None:
             continue
         nbytes, call = found
-        ok = None if requested is None else request_matches(requested, nbytes, False)
+        ok = True if requested is None else request_matches(requested, nbytes, False)  # the line is the request
         if ok is False:
             return None
-        return Operation("literal", f"`{call}`", nbytes, True if ok else None, frame,
+        return Operation("literal", f"`{call}`", nbytes, True, frame,
                          f"`{call}` in {_where(frame)} asks for {format_bytes(nbytes)}, written out in the line itself.")
     return None
 

@@ -118,7 +118,7 @@ def explain(
     Returns:
         At most :data:`MAX_FINDINGS` findings; never empty when ``oom`` is given. When the request
         alone is larger than the device, only what bears on the request's size is returned (the
-        request itself, and what is known about the batch):
+        request itself, the operation that made it, and what is known about the batch):
         nothing that frees memory can make it fit, so no such finding may look "likely".
     """
     facts = Facts.build(oom, memory, who, earlier, failing=failing, failing_source=failing_source, frames=frames,
@@ -142,8 +142,9 @@ def findings_of(facts: "Facts", on_error: Optional[Callable[[str, BaseException]
             found.append(finding)
     impossible = [f for f in found if f.key == "request_exceeds_device"]
     if impossible:
-        # What is known about the batch is about the request's size: it stays.
-        found = impossible + [f for f in found if f.key == "batch_size"]
+        # What is known about the batch, and the operation that asked (its own fix shrinks it), are about the
+        # request's size: they stay.
+        found = impossible + [f for f in found if f.key in ("batch_size", "operation")]
     if not found and oom is not None:
         found.append(device.shortfall(facts))
     found.sort(key=rank)
