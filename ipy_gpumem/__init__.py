@@ -131,9 +131,10 @@ def snapshot(source, *, max_bytes=None):
     """Read a PyTorch memory snapshot and replay it: a ``SnapshotReport``.
 
     ``source`` is a path to the pickle ``torch.cuda.memory._dump_snapshot()`` writes (any torch
-    version since 2.0, or ``torch.cuda.memory_snapshot()``'s list of segments), its bytes, or the
-    dict ``torch.cuda.memory._snapshot()`` returns. Only plain data is unpickled: a file with any
-    class reference is refused. The report's ``to_dict()`` has ``peak_allocated`` and
+    version since 2.0, or ``torch.cuda.memory_snapshot()``'s list of segments; gzipped or not; or a
+    JSON file of the same data), its bytes, or the dict ``torch.cuda.memory._snapshot()`` returns.
+    Only plain data is read: a file with any class reference is refused, and a crafted one (memo
+    references, a gzip bomb, a FIFO) in one line, at the cost of its size. The report's ``to_dict()`` has ``peak_allocated`` and
     ``peak_reserved`` as torch's counters had them (block sizes, replayed against the segments),
     ``start`` (the state when recording began), ``oom``, ``sites`` (what was allocated at the peak,
     by file and line; notebook cells as ``In [n]``), ``fragmentation`` and ``annotations``; ``str()``

@@ -166,7 +166,7 @@ def top_of(series: Sequence[int], lo: int = 0, hi: Optional[int] = None) -> Tupl
     hi = len(series) if hi is None else hi
     if isinstance(series, Steps):
         return series.max_index(lo, hi)
-    values = series[lo:hi]
+    values = series if lo == 0 and hi == len(series) else series[lo:hi]  # the whole series is not copied
     top = max(values)
     return top, lo + values.index(top)
 
@@ -450,11 +450,14 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
         if alloc:
             allocated += size
     initial_allocated, initial_reserved, initial_blocks = allocated, reserved, len(live)
+    final_size = {addr: size for addr, (size, _req, _alloc, _frames) in final.items()}  # what the check needs
+    allocated_real = sum(s for s, _r, a, _f in final.values() if a)
+    del start, plain, final  # a long capture's blocks: kept once, as rows and ``before``, from here on
 
     # Walk forward, event by event; each allocation is a row of arrays, not an object.
     n = len(acts)
     rows = acts.count(A) if A >= 0 else 0
-    born, bsize = array("i", [0]) * rows, array("q", [0]) * rows
+    born, bsize = array("i", [0]) * rows, array("q" if _big_blocks(final_size, sizes) else "I", [0]) * rows
     freed, gone, held = array("i", [NEVER]) * rows, array("i", [NEVER]) * rows, array("b", [1]) * rows
     series = array("q", [0]) * n
     res_at, res_values = array("i"), array("q")
@@ -475,12 +478,16 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
             if c == A:
                 seg = seg_of.get(addr, missing)
                 if seg is missing:
+                    if len(seg_of) > 65536:  # addresses seen: a long capture has millions
+                        seg_of.clear()
                     seg = seg_of[addr] = layout.find(addr)
                 if size <= 0:
                     block = 0
                 else:
                     block = rounded.get(size)
                     if block is None:
+                        if len(rounded) > 65536:
+                            rounded.clear()
                         block = rounded[size] = round_size(size)
                     if seg is not None:
                         end, small = info[seg]
@@ -547,7 +554,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                         active -= b.size
                     seg = seg_of.get(addr, missing)
                     if seg is missing:
-                        seg = seg_of[addr] = layout.find(addr)
+                        seg = layout.find(addr)  # a freed address: not remembered (allocations look it up first)
                     if seg is not None:
                         starts = blocks[seg]
                         j = bisect.bisect_left(starts, addr)
@@ -580,13 +587,12 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
         lo = hi
 
     check_blocks = exact = 0
-    for addr, (size, _req, _alloc, _frames) in final.items():
+    for addr, size in final_size.items():
         k = live.get(addr)
         if k is not None and k >= 0:
             check_blocks += 1
             exact += bsize[k] == size
-    check = Check(check_blocks, exact, sum(s for s, _r, a, _f in final.values() if a), allocated, reserved_end,
-                  reserved, anomalies)
+    check = Check(check_blocks, exact, allocated_real, allocated, reserved_end, reserved, anomalies)
     first_us = next((t for t in trace.time if t != NO_TIME), None)
     timed = first_us is not None
     if timed and (trace.odd or NO_TIME in trace.time):  # some events without a time: carry the last one
@@ -604,6 +610,12 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
     return DeviceReplay(device, times, series, Steps(initial_reserved, res_at, res_values, n), timed, first_us,
                         initial_allocated, initial_reserved, initial_blocks, allocations, tuple(frag), tuple(ooms),
                         check, expandable)
+
+
+def _big_blocks(final_size: Mapping[int, int], sizes: array) -> bool:
+    """Whether a block may reach 4 GiB (block sizes then take 8 bytes a row, else 4): a request or a final block of 2 GiB
+    or more (a block is at most its request rounded up to the next power of two, plus a rest under 20 MiB)."""
+    return max(sizes, default=0) >= 1 << 31 or max(final_size.values(), default=0) >= 1 << 31
 
 
 def _gone(k: int, i: int, before: List[Allocation], bsize: array, gone: array, held: array) -> Tuple[int, bool]:
