@@ -99,6 +99,36 @@ def test_a_recorded_fragmentation_is_said_in_the_first_line():
                           "(the largest 96.00 MiB)")
 
 
+def test_a_fragmentation_whose_largest_piece_fits_is_not_said_to_be_why():
+    entry = stack("Constructor-Sun_memory_snapshot.pickle")
+    rec = recorded(entry, requested=200 * MiB, largest=224 * MiB)  # one piece could hold it: not split
+    a = analyse_recording(message(200 * MiB), DeviceMemory(device=cuda(0), allocated=rec.allocated,
+                                                           reserved=rec.reserved), rec)
+    assert ("fragmentation", "certain") not in {(f.key, f.confidence) for f in a.findings}
+    assert "pieces too small" not in oom_panel(a).text.splitlines()[0]
+
+
+# ================================================================================ process limits
+
+
+def test_a_limit_binds_only_where_it_refused_the_request():
+    from ipy_gpumem.oom.limits import HostLimit, binding_limit
+
+    aslimit = HostLimit("RLIMIT_AS", "the address-space limit", 4 * GiB, 3 * GiB + 900 * MiB)  # 124 MiB left
+    data = HostLimit("RLIMIT_DATA", "the data-segment limit", 64 * GiB, 2 * GiB)
+    assert binding_limit((aslimit, data), 256 * MiB, 18 * GiB) is aslimit
+    assert binding_limit((aslimit, data), 64 * MiB, 18 * GiB) is None  # it fitted under both
+    assert binding_limit((aslimit, data), 40 * GiB, 18 * GiB) is None  # RAM could not hold it either
+    assert binding_limit((aslimit, data), None, 18 * GiB) is aslimit  # a bare MemoryError: less room than RAM
+    assert binding_limit((data,), None, 18 * GiB) is None
+
+
+def test_no_limit_is_named_for_a_request_no_ram_holds():
+    exc = failure(lambda: torch.empty(2 ** 60))
+    a, text = analysed(exc)
+    assert a.limit is None and "process_limit" not in {f.key for f in a.findings} and "RLIMIT" not in text
+
+
 # ================================================================================ real CPU failures
 
 

@@ -121,7 +121,10 @@ def host_limits() -> Tuple[HostLimit, ...]:
 
 def binding_limit(limits, requested: Optional[int], available: Optional[int]) -> Optional[HostLimit]:
     """The limit that refused the request: one whose headroom is smaller than the request (or, with the
-    request's size unknown, smaller than the RAM available), the tightest first; None when no limit binds."""
+    request's size unknown, smaller than the RAM available), the tightest first; None when no limit binds,
+    or when the request is larger than the RAM available anyway (the limit is then not why it failed)."""
+    if requested is not None and available is not None and requested > available:
+        return None
     binding = []
     for lim in limits:
         room = lim.headroom

@@ -1,8 +1,9 @@
 """The size a failing line writes out in literals (``frames = bytearray(48 * 2**40)``): its arithmetic evaluated, never the user's code.
 
 Only numbers and ``+ - * / // % **`` between them are evaluated (with the sizes of the operands
-bounded, so ``10**10**10`` is refused rather than computed); a name, a call or anything else
-makes the size unknown. The allocating calls read are the ones whose size follows from their
+bounded, so ``10**10**10`` is refused rather than computed), and names whose value in the failing
+frame is a plain ``int`` (``batch_size``, handed in by the caller, read without running anything);
+a call, an attribute or anything else makes the size unknown. The allocating calls read are the ones whose size follows from their
 arguments alone: ``bytearray(n)``, ``bytes(n)``, numpy's and torch's ``empty/zeros/ones/full/rand``
 with literal shapes and an optional literal dtype, and ``[x] * n``.
 """
@@ -12,7 +13,7 @@ import ast
 import math
 import operator
 import re
-from typing import Optional, Tuple
+from typing import Mapping, Optional, Tuple
 
 __all__ = ["literal_value", "literal_allocation", "ITEMSIZE"]
 
@@ -27,15 +28,21 @@ _ARRAY = re.compile(r"^(?:np|numpy|torch)\.(empty|zeros|ones|full|rand|randn|ran
 _BYTES = ("bytearray", "bytes")
 
 
-def literal_value(node: ast.AST):
-    """The number a literal arithmetic expression stands for, or None (a name, a call, too large)."""
+def literal_value(node: ast.AST, names: Optional[Mapping[str, int]] = None):
+    """The number a literal arithmetic expression stands for, or None (a call, an unknown name, too large).
+
+    ``names`` gives the plain ints a name may stand for (the failing frame's ``batch_size``).
+    """
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         return node.value
+    if isinstance(node, ast.Name) and names is not None:
+        value = names.get(node.id)
+        return value if type(value) is int else None
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        v = literal_value(node.operand)
+        v = literal_value(node.operand, names)
         return None if v is None else (-v if isinstance(node.op, ast.USub) else v)
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        left, right = literal_value(node.left), literal_value(node.right)
+        left, right = literal_value(node.left, names), literal_value(node.right, names)
         if left is None or right is None:
             return None
         if isinstance(node.op, ast.Pow):
@@ -54,12 +61,12 @@ def _bits(v) -> float:
     return math.log2(abs(v)) if v else 0.0
 
 
-def _shape(node: ast.AST) -> Optional[Tuple[int, ...]]:
+def _shape(node: ast.AST, names=None) -> Optional[Tuple[int, ...]]:
     """A literal shape: one number, or a tuple/list of them."""
     items = node.elts if isinstance(node, (ast.Tuple, ast.List)) else [node]
     dims = []
     for item in items:
-        v = literal_value(item)
+        v = literal_value(item, names)
         if v is None or v != int(v) or v < 0:
             return None
         dims.append(int(v))
@@ -75,8 +82,9 @@ def _dotted(node: ast.AST) -> str:
     return ""
 
 
-def literal_allocation(line: str) -> Optional[Tuple[int, str]]:
-    """``(bytes, the call that asks for them)`` when the line's allocating call has literal sizes; else None.
+def literal_allocation(line: str, names: Optional[Mapping[str, int]] = None) -> Optional[Tuple[int, str]]:
+    """``(bytes, the call that asks for them)`` when the line's allocating call has literal sizes (or names
+    ``names`` gives a plain int for); else None.
 
     >>> literal_allocation("frames = bytearray(48 * 2**40)")
     (52776558133248, 'bytearray(48 * 2**40)')
@@ -88,7 +96,7 @@ def literal_allocation(line: str) -> Optional[Tuple[int, str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and isinstance(node.left, ast.List) \
                 and len(node.left.elts) == 1:
-            n = literal_value(node.right)
+            n = literal_value(node.right, names)
             if isinstance(n, int) and n > 0:  # [x] * n: n references of 8 bytes
                 return 8 * n, ast.get_source_segment(line.strip(), node) or ""
         if not isinstance(node, ast.Call):
@@ -96,7 +104,7 @@ def literal_allocation(line: str) -> Optional[Tuple[int, str]]:
         name = _dotted(node.func)
         text = ast.get_source_segment(line.strip(), node) or name
         if name in _BYTES and len(node.args) == 1 and not node.keywords:
-            n = literal_value(node.args[0])
+            n = literal_value(node.args[0], names)
             if isinstance(n, int) and n >= 0:
                 return n, text
             continue
@@ -108,7 +116,7 @@ def literal_allocation(line: str) -> Optional[Tuple[int, str]]:
             shape_args = node.args  # torch.zeros(3, 4): sizes as separate arguments
         dims = []
         for arg in shape_args:
-            shape = _shape(arg)
+            shape = _shape(arg, names)
             if shape is None:
                 dims = None
                 break

@@ -561,7 +561,8 @@ def _cat(py, native, requested, cuda) -> Optional[Operation]:
 def _literal(py, requested) -> Optional[Operation]:
     for frame, ops in reversed(py):
         text = ops.statement or frame[2]
-        found = literal_allocation(text) if text else None
+        ints = {k: v for k, v in ops.values.items() if type(v) is int}  # batch_size = 4096 in the frame
+        found = literal_allocation(text, ints) if text else None
         if found is None:
             continue
         nbytes, call = found
