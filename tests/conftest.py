@@ -31,6 +31,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "browser" in item.keywords and os.environ.get("IPY_GPUMEM_BROWSER") != "1":
             item.add_marker(skip_browser)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # On pytest-xdist workers: the modules that start kernels, servers or forks first (in their
+        # own order), so that the longest units are not the last ones left to a single worker. Every
+        # worker sorts the same way, as xdist requires.
+        heavy = {item.module.__name__ for item in items if "slow" in item.keywords and item.module is not None}
+        items.sort(key=lambda item: 0 if item.module is not None and item.module.__name__ in heavy else 1)
+
+
+#: Test files whose tests each set up all they use (a kernel or a notebook of their own), spread test by
+#: test over the pytest-xdist workers; every other file runs whole on one worker, in its own order, as
+#: without xdist (module fixtures made once, tests that share artifacts/browser/ one after the other).
+SPREAD_TEST_BY_TEST = ("test_kernel_chart.py", "test_notebooks.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduling by file, except the files in SPREAD_TEST_BY_TEST (CI runs ``-n 2``)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            config.option.loadscopereorder = False  # keep the order the workers collected (above)
+            super().__init__(config, log)
+
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            return nodeid if os.path.basename(path) in SPREAD_TEST_BY_TEST else path
+
+    return FileScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
