@@ -15,6 +15,13 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
 GROW = "import time\nbufs = []\nfor i in range(10):\n    bufs.append(bytearray(16 * 2**20))\n    time.sleep(0.4)"
+# A user saves seconds after the last cell: by then the sampler has made the redraw a cell end owed
+# when the redraw budget (0.3% of a core) was spent. On a loaded machine a redraw costs more CPU and
+# the budget takes longer to refill than a fixed pause, so the pause starts once the budget allows a
+# redraw again (the sampler makes the owed one within its 1 s redraw interval).
+SAVE_LATER = ("import time\nfrom ipy_gpumem.extension import current_magics\n_until = time.monotonic() + 60\n"
+              "while not current_magics().live.budget.allows() and time.monotonic() < _until:\n    time.sleep(0.1)\n"
+              "time.sleep(2.5)")
 
 
 @pytest.fixture
@@ -106,7 +113,7 @@ def test_unload_stops_the_sampler(kernel):
 def test_saved_notebook_carries_a_static_snapshot():
     # A trailing pause, as a user saves seconds later: a cell end's redraw may be owed to the sampler.
     nb = execute(["%load_ext ipy_gpumem", "import torch", "%gpumem chart", GROW, "%%gpumem --lines\nz = bytearray(2**25)",
-                  "import time; time.sleep(2.5)"])
+                  SAVE_LATER])
     chart = nb.cells[2]
     bundles = [o["data"] for o in outputs(chart, "display_data") if "text/html" in o.get("data", {})]
     assert bundles, chart.outputs
@@ -177,7 +184,7 @@ def test_saved_notebooks_stay_small_and_show_every_chart():
     cells += ["%gpumem chart widget\nimport time; time.sleep(0.5)", "%gpumem chart\ntime.sleep(0.5)"] * 3
     # The last cell's redraw may be owed to the sampler's next tick (the redraw budget spent on the
     # growing cell): a user saves seconds later, so the notebook is saved seconds later here too.
-    cells += [GROW, "time.sleep(2.5)"]
+    cells += [GROW, SAVE_LATER]
     nb = execute_saving_widgets(cells)
     views = 6
     # As JupyterLab and Notebook 7 save by default: outputs, no widget state.
