@@ -254,3 +254,44 @@ def test_a_memory_errors_size_is_read_from_the_failing_line(ip, gpumem):
 def test_only_literal_arithmetic_is_evaluated(line, size):
     found = literal_allocation(line)
     assert (found[0] if found else None) == size
+
+
+# ================================================================================ the issue's Lightning ViT case
+
+
+def test_softmax_in_sdpas_math_path_inside_lightnings_closure_is_the_attention_not_adam():
+    """The issue's real capture (a Lightning ViT on a ~22 GiB card) is kept out of the repository; this
+    stack is CONSTRUCTED from its description: the allocator's C++ frames of the real Constructor-Sun OOM,
+    softmax inside scaled_dot_product_attention's math fallback, a ViT block's forward, then Lightning's
+    closure inside torch.optim.Adam.step (Python frames as a real Lightning 2.6 traceback has them). The old
+    rule read adam.py step() and said "inside the optimizer step [certain]" with 8-bit Adam."""
+    allocator = [f for f in stack("Constructor-Sun_memory_snapshot.pickle")["frames"][:8]]
+    site = "/opt/conda/lib/python3.11/site-packages/"
+    ops = ["at::_ops::_softmax::call(at::Tensor const&, long, bool)",
+           "at::native::softmax(at::Tensor const&, long, std::optional<c10::ScalarType>)",
+           "at::_ops::softmax_int::call(at::Tensor const&, long, std::optional<c10::ScalarType>)",
+           "at::native::_scaled_dot_product_attention_math(at::Tensor const&, at::Tensor const&, at::Tensor const&)",
+           "at::_ops::_scaled_dot_product_attention_math::call(at::Tensor const&, at::Tensor const&)",
+           "at::_ops::scaled_dot_product_attention::call(at::Tensor const&, at::Tensor const&, at::Tensor const&)"]
+    python = [(site + "timm/models/vision_transformer.py", "forward"),
+              (site + "torch/nn/modules/module.py", "_call_impl"),
+              ("/home/user/vit_module.py", "training_step"),
+              (site + "lightning/pytorch/strategies/strategy.py", "training_step"),
+              (site + "lightning/pytorch/loops/optimization/automatic.py", "closure"),
+              (site + "lightning/pytorch/plugins/precision/precision.py", "_wrap_closure"),
+              (site + "torch/optim/adam.py", "step"),
+              (site + "torch/optim/optimizer.py", "wrapper"),
+              (site + "lightning/pytorch/core/module.py", "optimizer_step"),
+              (site + "lightning/pytorch/trainer/trainer.py", "fit")]
+    frames = allocator + [{"name": n, "filename": "??", "line": 0} for n in ops] + \
+        [{"name": n, "filename": f, "line": 1} for f, n in python]
+    rec = RecordedOom(0, 2 * GiB, 1200 * MiB, 19 * GiB, 20 * GiB, 512 * MiB, None, None, "the snapshot", tuple(frames))
+    a = analyse_recording(message(2 * GiB), DeviceMemory(device=cuda(0), allocated=rec.allocated,
+                                                         reserved=rec.reserved), rec)
+    assert a.phase == "forward" and a.operation.key == "attention_scores"
+    text = oom_panel(a).text
+    assert text.startswith("Out of memory on cuda:0: attention scores in scaled_dot_product_attention's math "
+                           "fallback, in the forward pass, asked for 2.00 GiB; ")
+    keys = {f.key: f.confidence for f in a.findings}
+    assert keys.get("optimizer_state") is None and "Adam8bit" not in text and "foreach=False" not in text
+    assert keys["operation"] == "likely" and "half precision" in text  # no shapes in a snapshot: not certain

@@ -260,3 +260,15 @@ def test_any_memory_renders(device, total, allocated, reserved, used, process_us
         assert len(bar_line(view.text)) == BAR_WIDTH + 2
     assert all(s.size is None or s.size >= 0 for s in memory_layers(memory))
     assert format_bytes(None) not in view.text.splitlines()[0] or requested is None
+
+
+def test_a_rank_killed_by_sigkill_names_the_oom_killer():
+    from ipy_gpumem.core.records import RankFailure
+
+    oom = parse_oom("RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed.")
+    killed = RankFailure(1, 4242, "torch.multiprocessing", "ProcessExitedException", signal="SIGKILL")
+    exited = killed._replace(signal=None, exit_code=1)
+    memory = DeviceMemory.host(None)
+    text = " ".join(oom_panel(OomAnalysis(oom, memory, rank=killed)).text.split())
+    assert "Rank 1 (pid 4242) was killed by SIGKILL" in text and "the kernel's OOM killer is the likely cause" in text
+    assert "OOM killer" not in oom_panel(OomAnalysis(oom, memory, rank=exited)).text

@@ -514,7 +514,9 @@ def test_an_out_of_memory_in_a_rank_gets_the_panel_naming_the_rank(nb, cell):
     assert [e.ename for e in errors] == ["ProcessRaisedException"]  # the user's error, unchanged
     assert "DefaultCPUAllocator" in "\n".join(errors[0].traceback)
     text = _text(nb.cells[cell])
-    assert "Out of memory in rank 1 (pid " in text and "on the host (cpu): tried to allocate 4.00 PiB" in text
+    # The answer first (issue 29), the error's own numbers below it.
+    assert "Out of memory in rank 1 (pid " in text and "on the host (cpu): a 4.00 PiB allocation; " in text
+    assert "The error: tried to allocate 4.00 PiB" in text
     assert "No amount of freeing helps" in text  # the child's message, explained as the kernel's would be
     failure = _data(nb)[1][cell + 1]
     assert (failure["rank"], failure["error"], failure["launcher"]) == (1, "RuntimeError", "torch.multiprocessing")

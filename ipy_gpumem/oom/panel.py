@@ -113,6 +113,11 @@ def _headline(analysis):
     note = (f"{process[0].upper()}{process[1:]} failed with {rank.error or 'an out-of-memory error'}; {rank.launcher}'s "
             f"{rank.exception} brought its traceback back to this cell, and its message is explained below "
             "(the other ranks are in the cell's line).")
+    if getattr(rank, "signal", None) == "SIGKILL":
+        # Nothing in the process could say why: the kernel's OOM killer sends SIGKILL when RAM runs out.
+        note = (f"{process[0].upper()}{process[1:]} was killed by SIGKILL, which nothing in Python can catch: the "
+                "kernel's OOM killer is the likely cause (dmesg or journalctl -k shows \"Out of memory: Killed "
+                f"process\" with its pid); {rank.launcher}'s {rank.exception} reported it to this cell.")
     return Block(lines + [Para(note, "dim")])
 
 
