@@ -295,3 +295,25 @@ def test_softmax_in_sdpas_math_path_inside_lightnings_closure_is_the_attention_n
     keys = {f.key: f.confidence for f in a.findings}
     assert keys.get("optimizer_state") is None and "Adam8bit" not in text and "foreach=False" not in text
     assert keys["operation"] == "likely" and "half precision" in text  # no shapes in a snapshot: not certain
+
+
+def test_a_snapshots_oom_with_no_python_frame_is_named_by_what_made_it():
+    """The snapshot report's OOM lines for an allocation on autograd's device thread (C++ frames only): built from
+    the test fixture of the real Constructor-Sun snapshot, its OOM event given the C++ frames of JasperSolt's real
+    CudnnBatchNormBackward0 allocation (a CONSTRUCTED pairing of two real captures)."""
+    from test_snapshots import raw
+
+    from ipy_gpumem.snapshots.view import open_snapshot
+
+    native = [f for f in stack("JasperSolt_snapshot.pickle")["frames"] if not f["filename"].endswith(".py")]
+    snap = raw("Constructor-Sun_memory_snapshot")
+    for event in snap["device_traces"][1]:
+        if event["action"] == "oom":
+            event["frames"] = native
+    report = open_snapshot(snap)
+    text = report.view(chart=False).text
+    assert "the failing allocation: Autograd's backward of CudnnBatchNorm (CudnnBatchNormBackward0)" in text
+    assert "(C++ only)" not in text and "at::TensorBase" not in text
+    first = text.split("Out of memory on cuda:1: ", 1)[1].splitlines()[0]
+    assert first.startswith("autograd's backward of CudnnBatchNorm (CudnnBatchNormBackward0), in the backward pass, "
+                            "asked for 4.95 GiB")

@@ -25,9 +25,9 @@ from ..core.units import format_bytes
 from ..preflight.allocator import round_size, segment_size
 from .literal import literal_allocation
 from .operands import FrameOperands, TensorInfo
-from .stack import Frame, is_python
+from .stack import Frame, is_python, recorded_stack
 
-__all__ = ["Operation", "operation_of", "request_matches", "dims_text"]
+__all__ = ["Operation", "operation_of", "allocation_name", "request_matches", "dims_text"]
 
 # C++ frames that are the allocator and tensor creation, not the operation.
 _PLUMBING = re.compile(r"^(?:empty|empty_strided|empty_like|new_empty|new_empty_strided|resize_|_to_copy|"
@@ -152,6 +152,14 @@ def operation_of(frames: Sequence[Frame], operands: Sequence[FrameOperands] = ()
         if found is not None:
             return found
     return _named(py, tuple(stack))
+
+
+def allocation_name(frames) -> Optional[str]:
+    """What made a recorded allocation, from its stack as torch keeps it (dicts, innermost first): the
+    operation (``Autograd's backward of Softmax (SoftmaxBackward0)``, ```relu` (models.py forward())``),
+    None when its frames name none. Never a C++ signature."""
+    op = operation_of((), (), recorded_stack(frames), None)
+    return op.what if op is not None else None
 
 
 # ==================================================================================================

@@ -13,6 +13,7 @@ from ..core.units import format_seconds
 from ..display.parts import Blank, Details, Heading, Line, Para, Raw, Span as Text, Table, render
 from ..display.view import esc
 from ..oom.analysis import analyse_recording
+from ..oom.operation import allocation_name
 from ..oom.panel import oom_panel
 from ..oom.parse.report import OomReport
 from .load import MAX_BYTES
@@ -195,7 +196,10 @@ def snapshot_view(report, start: Optional[float] = None, end: Optional[float] = 
                           f"({b(oom['reserved_unallocated'])} reserved but unallocated"
                           + (f", largest free block {b(largest)}" if largest is not None else "") + ")"))
         if oom["site"]:
-            parts.append(Line(Text(f"  the failing allocation: {oom['site']['name']}", "dim")))
+            name = oom["site"]["name"]
+            if not oom["site"]["file"]:  # C++ only: what made it (autograd's node, the operator), not a signature
+                name = allocation_name(report.recorded_ooms(d)[0].frames) or "made in C++, no Python frame recorded"
+            parts.append(Line(Text(f"  the failing allocation: {name}", "dim")))
     if chart:
         parts.append(_chart(report, d, start, end))
     if data["sites"]:
