@@ -548,6 +548,20 @@ def test_graphs_accumulated_in_the_source():
     assert training.graphs_kept(seed.facts(failing_source=clean)) is None
 
 
+def test_a_kept_graph_fix_never_calls_item_on_what_may_have_many_elements():
+    """``.item()`` raises on a tensor of more than one element (issue 29): only a loss is a scalar, and not one
+    computed with reduction="none"; everything else is detached."""
+    seed = Seed()  # `output` (256 x 1024) holds its graph
+    outputs = "outs = []\nfor x in loader:\n    output = model(x)\n    outs.append(output)\n"
+    f = training.graphs_kept(seed.facts(failing_source=outputs))
+    assert "outs.append(output.detach())" in f.snippet and ".item()" not in f.snippet
+    seed = Seed(keep_graph=False)
+    per_sample = ("for x, y in loader:\n    loss = F.cross_entropy(model(x), y, reduction=\"none\")\n"
+                  "    losses.append(loss)\n")
+    f = training.graphs_kept(seed.facts(failing_source=per_sample))
+    assert "losses.append(loss.detach())" in f.snippet and ".item()" not in f.snippet
+
+
 def _seed_steps():
     # The seed's nvidia-smi readings (MiB) around each step, as if each step had been its own cell.
     steps = [(3, "model = model.to(device)", 2, 3769),

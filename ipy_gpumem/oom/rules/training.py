@@ -23,6 +23,7 @@ _LOSSISH = r"\w*loss\w*"  # not "out": ``out += residual`` inside a forward is n
 _ACCUM = re.compile(r"^([A-Za-z_][\w.\[\]'\"]*)\s*\+=\s*(.+)$")
 _APPEND = re.compile(r"^([A-Za-z_][\w.]*)\.(?:append|extend)\(\s*(.+)\)\s*$")
 _DETACHED = re.compile(r"\.item\(\)|\.detach\(\)|\.tolist\(\)|\bfloat\(|\bint\(|\.numpy\(\)")
+_PER_SAMPLE = re.compile(r"reduction\s*=\s*['\"]none['\"]")  # a loss with one value per sample
 _SET_TO_NONE_FALSE = re.compile(r"zero_grad\(\s*(?:set_to_none\s*=\s*)?False\s*\)")
 
 
@@ -135,13 +136,13 @@ def graphs_kept(x: Facts) -> Optional[Finding]:
         parts.append(f"{cap(label)} accumulates a tensor with its graph: `{clip(line, 60)}` keeps every "
                      "iteration's graph alive.")
     target = accum[1] if accum else None
-    fixed = _detached(target) if target else None
+    fixed = _detached(target, per_sample=x.find(_PER_SAMPLE) is not None) if target else None
     snippet = f"{fixed}    # a Python number: no graph\n" if fixed else ""
     if graphs and not names:
         # Only IPython keeps them (Out[N], the last traceback's locals): no variable of the user's to delete.
         keepers = "the last traceback" if any(h.frame for h in graphs) else "IPython's output cache"
         snippet += "%gpumem free    # drops the last traceback and the Out entries that hold tensors"
-        fix = f"Take numbers with .item() (or .detach()) when you keep them, and run %gpumem free to release {keepers}."
+        fix = f"Keep numbers (.item() of a scalar) or detached tensors, and run %gpumem free to release {keepers}."
     else:
         del_names = ", ".join(names) if names else "output, loss"  # accumulation only: the usual names
         keepers = ", ".join(names)
@@ -172,17 +173,22 @@ def _accumulation(x: Facts, name_rx: str) -> Optional[Tuple[str, str]]:
     return None
 
 
-def _detached(line: str) -> Optional[str]:
-    """The accumulating line rewritten to keep a number (``.item()``) or a detached tensor instead."""
+def _detached(line: str, per_sample: bool = False) -> Optional[str]:
+    """The accumulating line rewritten to keep a number (``.item()``) or a detached tensor instead.
+
+    ``.item()`` only for a loss (a scalar, unless the code asks for ``reduction="none"``: ``per_sample``);
+    anything else may have more than one element, where ``.item()`` raises, so it is detached.
+    """
     m = _ACCUM.match(line)
     if m:
         value = m.group(2).strip()
-        return f"{m.group(1)} += {value}.item()" if re.fullmatch(r"[\w.]+", value) \
-            else f"{m.group(1)} += ({value}).item()"
+        how = ".item()" if re.fullmatch(_LOSSISH, value) and not per_sample else ".detach()"
+        bare = re.fullmatch(r"[\w.]+|\(.*\)", value)  # a name, or already in parentheses
+        return f"{m.group(1)} += {value}{how}" if bare else f"{m.group(1)} += ({value}){how}"
     m = _APPEND.match(line)
     if m:
         item = m.group(2).strip()
-        how = ".item()" if re.search(_LOSSISH, item) else ".detach()"
+        how = ".item()" if re.fullmatch(_LOSSISH, item) and not per_sample else ".detach()"
         return f"{m.group(1)}.append({item}{how})"
     return None
 
