@@ -79,13 +79,13 @@ LARGE = 1 << 16
 #: About this many items (below the container) are re-checked per walk: a fraction of a
 #: millisecond, so the two walks of a cell that moves memory stay cheap beside a list of a
 #: million ints (a replaced item is seen within ``length / RECHECK`` walks, as the docstring says).
-RECHECK = 1 << 12
+RECHECK = 1 << 11
 #: Builtin containers longer than this are proven one by one (so that the proof can be remembered).
 _ALONE = 1024
 #: Larger builtin containers are proven a part at a time, resumably (see ``_inert_in_parts``): parts
 #: of about _PART items below them, at most _CHUNK of their own items, the first one _FIRST_PART.
 _PART = 1 << 16
-_CHUNK = 1 << 12
+_CHUNK = 1 << 16
 _FIRST_PART = 256
 _SIZED = frozenset((list, tuple, dict, set, frozenset))
 _MEMO_SIZE = 256
@@ -489,20 +489,26 @@ class KindsMixin:
             levels, start, deepest, visits, size = partial[2:7]
         cache.partial.pop(id(container), None)
         if tp is dict:
-            items = list(dict.values(container))
-            items.extend(dict.keys(container))
-            if len(items) != 2 * length:
-                return False, levels  # changed while read
+            # Values, then keys, read in order from where the proof stopped (a dict has no random
+            # access: skipping there reads what is before once, in C).
+            source = chain(dict.values(container), dict.keys(container))
+            deque(islice(source, start), maxlen=0)
+            total = 2 * length
         else:
-            items = container
-        total, begin = len(items), start
+            total = length
+        begin = start
         while begin < total:
             if self.out_of_budget():
                 self._keep_partial(container, (tp, length, levels, begin, deepest, visits, size))
                 return False, levels  # not proven yet: the walk says what it left; the next goes on
             before = self.visits
-            part = items[begin:begin + size]
-            part = part if type(part) is list else list(part)
+            if tp is dict:
+                part = list(islice(source, size))
+                if not part:
+                    return False, levels  # changed while read
+            else:
+                part = container[begin:begin + size]
+                part = part if type(part) is list else list(part)
             weight = len(part)
             if _SIZED.issuperset(map(type, part)):  # builtin containers: their lengths, in C
                 weight += sum(map(len, part))

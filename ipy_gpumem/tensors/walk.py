@@ -36,7 +36,8 @@ import threading
 import time
 import types
 import weakref
-from itertools import compress, islice
+from collections import deque
+from itertools import chain, compress, islice
 from operator import itemgetter, not_
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -58,6 +59,8 @@ MAX_DEPTH = 6  # containers/attributes below a name, e.g. ckpt['a']['b']['c']['d
 MAX_VISITS = 50_000_000  # items examined in all containers together (the deterministic budget)
 _BULK = 64  # containers larger than this have their children sorted by type in C first
 _TENSORS = 1 << 14  # tensors read in bulk between two looks at the clock
+_OPEN_SLICE = 1 << 16  # a large container's items read, sorted and counted in one go
+_SIZED_BASES = (list, tuple, set, frozenset, deque)  # their C __len__, whatever a subclass says
 # The budget covers the report too: turning claims into rows takes about this long per claim
 # (0.8 us measured on a loaded 2-core machine), so the walk stops early enough to leave it time.
 _REPORT_S_PER_CLAIM = 1e-6
@@ -629,45 +632,67 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
                     return
                 self.visit_pairs(tier, pid, step, list(dict.items(obj)), depth, size)
                 return
-            values = list(dict.values(obj))
             if keys is None:
-                keys = list(dict.keys(obj))
-            if len(keys) != len(values):
-                return  # changed while read (another thread)
+                keys = iter(dict.keys(obj))
+            else:
+                keys = iter(keys)
+            source: Any = iter(dict.values(obj))
         else:
-            values = list(cache.seq_iter[type(obj)](obj))
-            size = len(values)
-            self.visits += size
-            if size <= _BULK:
-                if not skip_types.issuperset(map(type, values)):
-                    self.visit_pairs(tier, pid, step, enumerate(values), depth, size)
+            source = cache.seq_iter[type(obj)](obj)
+            first = list(islice(source, _BULK + 1))
+            if len(first) <= _BULK:
+                self.visits += len(first)
+                if not skip_types.issuperset(map(type, first)):
+                    self.visit_pairs(tier, pid, step, enumerate(first), depth, len(first))
                 return
-        # Children sorted by type in C, whole groups of scalar-only records dropped at once.
+            size = next((base.__len__(obj) for base in _SIZED_BASES if issubclass(type(obj), base)), len(first))
+            source = chain(first, source)
+        # A large container a slice at a time (a list of a million tensors is counted as far as the
+        # budget goes, never spent on reading it first): children sorted by type in C, whole groups
+        # of scalar-only records dropped at once, plain tensors read in bulk through C descriptors.
+        begin = 0
+        while True:
+            values = list(islice(source, _OPEN_SLICE))
+            if not values:
+                return
+            names: Any = range(begin, begin + len(values)) if keys is None else list(islice(keys, len(values)))
+            if len(names) != len(values):
+                return  # changed while read (another thread)
+            if kind != DICT:
+                self.visits += len(values)
+            if begin and self.out_of_budget():
+                self.unexamined.append(f"the rest of {self.label(pid)} (from item {begin:,} on)")
+                return
+            if not self.open_slice(tier, pid, step, names, values, depth, size):
+                return  # it said what it left
+            begin += len(values)
+
+    def open_slice(self, tier: _Tier, pid: int, step: int, names: Any, values: List[Any], depth: int,
+                   size: int) -> bool:
+        """One slice of a large container (``names``: its keys or indices); False once the budget ran out."""
+        cache = self.types
         tps = list(map(type, values))
+        if cache.skip_types.issuperset(tps):
+            return True  # a slice of scalars: one C pass over the types
         positions = self.suspects(values, MAX_DEPTH - depth, tps)
         if len(positions) > _BULK and self.store.storage_device is not None:
-            # Plain tensors (a list of a million of them) are read in bulk through C descriptors.
             plain = list(map(cache.plain_tensor_types.__contains__, map(tps.__getitem__, positions)))
             bulk = list(compress(positions, plain))
             if len(bulk) > _BULK:
                 for start in range(0, len(bulk), _TENSORS):
                     part = bulk[start:start + _TENSORS]
-                    names = part if keys is None else list(map(keys.__getitem__, part))
-                    if self.out_of_budget():
-                        self.unexamined.append(f"{len(bulk) - start:,} tensors in {self.label(pid)} and "
-                                               "what follows them there")
-                        return
-                    if not self.held_tensors(tier, pid, step, names, list(map(values.__getitem__, part)),
-                                             depth + 1):
-                        return  # it said what it left
+                    if start and self.out_of_budget():
+                        self.unexamined.append(f"{len(bulk) - start:,} tensors in {self.label(pid)} from "
+                                               f"{key_text(names[part[0]])} on, and what follows them there")
+                        return False
+                    if not self.held_tensors(tier, pid, step, list(map(names.__getitem__, part)),
+                                             list(map(values.__getitem__, part)), depth + 1):
+                        return False  # it said what it left
                 positions = list(compress(positions, map(not_, plain)))
-        if not positions:
-            return
-        if keys is None:
-            pairs: Any = zip(positions, map(values.__getitem__, positions))
-        else:
-            pairs = zip(map(keys.__getitem__, positions), map(values.__getitem__, positions))
-        self.visit_pairs(tier, pid, step, pairs, depth, size)
+        if positions:
+            self.visit_pairs(tier, pid, step, zip(map(names.__getitem__, positions), map(values.__getitem__, positions)),
+                             depth, size)
+        return not self.stopped
 
     def open_read(self, tier: _Tier, pid: int, obj: Any, depth: int) -> None:
         """A holder read its own way (:mod:`.readers`): visit what its reader says it keeps."""
