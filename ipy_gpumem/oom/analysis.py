@@ -3,8 +3,10 @@
 The sources, best first: the allocator's own numbers captured at the failing allocation (CUDA's
 OOM observer), the error message, a reading taken now (probe, NVML's process list, host RAM),
 who holds the memory (the user's variables and IPython's caches), the records of earlier cells,
-and the failing traceback's frames. Pure assembly: no IPython import; the extension calls
-:func:`analyse` from its post-cell hook and shows ``oom.panel.oom_panel(analysis)``.
+the failing traceback's frames with the shapes of the tensors their lines name (``oom.operands``:
+the operation that failed and its phase, ``oom.operation`` and ``oom.stack``), and for a host
+failure the process's memory limits (``oom.limits``). Pure assembly: no IPython import; the
+extension calls :func:`analyse` from its post-cell hook and shows ``oom.panel.oom_panel(analysis)``.
 """
 from __future__ import annotations
 
