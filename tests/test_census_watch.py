@@ -102,7 +102,9 @@ def test_the_quiet_cells_are_the_ones_that_change_nothing(ip, gpumem):
     def quiet(source):
         # The process's RSS is the one reading that moves for reasons of its own (malloc's arenas, IPython's
         # history): a cell is quiet when nothing the fingerprint reads of the names moved.
-        return reason(source) in (None, "host RSS moved")
+        why = reason(source)
+        assert why in (None, "host RSS moved"), (source, why)
+        return True
 
     assert quiet("x = 1")
     assert quiet("x = 2.5")
@@ -129,6 +131,11 @@ def test_a_silent_mutation_two_levels_down_is_counted_once_memory_moves(ip, gpum
     run(ip, "deep['a'].append(torch.ones(2 ** 21))")  # 8 MiB
     assert anatomy.recount_reason is not None
     anatomy.ensure()
+    for _ in range(3):  # a count its small budget stopped (a loaded machine) is taken again with more time
+        if anatomy.baseline.complete:
+            break
+        run(ip, "pass")
+        anatomy.ensure()
     assert anatomy.baseline.role_bytes("other_tensors", "deep") >= 8 * 2**20
 
 
@@ -140,6 +147,19 @@ def _quiet_cell_seconds(ip, cells=200):
         ip.run_cell("x = 1", store_history=True)
         times.append(time.thread_time() - t0)
     return sorted(times)[len(times) // 4]  # the lower quartile: least disturbed by the machine's load
+
+
+def _return_freed_memory():
+    """Hand the heap's freed pages back to the OS: 650 MB of freed lists left resident would serve the
+    suite's later allocations without RSS moving, and later tests read RSS."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _added(ip, gpumem_loaded):
@@ -162,12 +182,17 @@ def test_a_quiet_cell_costs_the_same_with_ten_names_or_ten_thousand(ip, gpumem):
     state = [True]
     try:
         small = _added(ip, state)
-        ip.run_cell("g = globals()\nfor i in range(10_000):\n    g[f'v{i}'] = [i] if i % 3 == 0 else i\n"
-                    "ints = list(range(1_000_000))\ngrid = [list(range(4096)) for _ in range(4096)]",
-                    store_history=False)
+        many = {f"_many_{i}": [i] if i % 3 == 0 else i for i in range(10_000)}
+        many["_many_ints"] = list(range(1_000_000))
+        many["_many_grid"] = [list(range(4096)) for _ in range(4096)]
+        ip.user_ns.update(many)
         large = _added(ip, state)
     finally:
-        ip.run_cell("for i in range(10_000):\n    g.pop(f'v{i}', None)\ndel ints, grid, g", store_history=False)
+        for name in list(ip.user_ns):
+            if type(name) is str and name.startswith("_many_"):
+                del ip.user_ns[name]
+        many = None
+        _return_freed_memory()
         if not state[0]:
             ip.run_line_magic("load_ext", "ipy_gpumem")
     # A check that read every name would add milliseconds here (the count before the fingerprint added
@@ -189,6 +214,8 @@ def test_a_cell_that_keeps_memory_beside_a_dataset_of_records_is_bounded(ip, gpu
         spent = time.perf_counter() - t0
         run(ip, f"del keep{i}")
         assert spent < 2 * CEILING_S + 1.0, spent  # the cell, its census and its snapshot, on a loaded machine
+    run(ip, "del records")
+    _return_freed_memory()
 
 
 def test_the_snapshot_of_many_holders_is_linear_in_them():

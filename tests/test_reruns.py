@@ -80,7 +80,7 @@ def test_optimizer_from_another_cell_is_named_with_the_cell_to_rerun(ip, gpumem)
     built = _rec(gpumem).execution_count
     _, cap = run(ip, cell)
     rec = _rec(gpumem)
-    assert rec.rerun.names == ["rr_opt"]
+    assert rec.rerun.names == ["rr_opt"], (rec.rerun, rec.host)
     assert rec.rerun.growth >= 16 * MiB
     # The record keeps the suspect as data; the words are made when it is shown.
     (suspect,) = rec.rerun.suspects

@@ -16,7 +16,7 @@ from typing import Optional
 __all__ = ["CellBudget", "FLOOR_S", "CEILING_S", "SHARE"]
 
 #: The least a cell's end may spend (a quick cell that moved memory still gets its explanation).
-FLOOR_S = 0.05
+FLOOR_S = 0.1
 #: The most: a long training cell's end never waits seconds for a count.
 CEILING_S = 0.5
 #: The share of the cell's own wall time.

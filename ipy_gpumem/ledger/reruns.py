@@ -47,7 +47,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .kept import MAX_STORAGES, Snapshot, take_snapshot
 
-__all__ = ["RerunTracker", "Snapshot", "take_snapshot", "MAX_CELLS", "MAX_STORAGES"]
+__all__ = ["RerunTracker", "Snapshot", "take_snapshot", "MAX_CELLS", "MAX_STORAGES", "MIN_WALK_S"]
+
+#: The least a snapshot's walk gets, whatever the cell's end has left.
+MIN_WALK_S = 0.1
 
 #: Distinct cells remembered (the oldest are forgotten first).
 MAX_CELLS = 10_000
@@ -102,7 +105,7 @@ class RerunTracker:
     def __init__(self, context: Optional[Callable[[], Tuple[dict, Any]]] = None):
         self.context = context
         self.budget_s: Optional[float] = None
-        self._walk_s: Optional[float] = None  # this cell's share of its end's budget
+        self._budget = None  # this cell's end's CellBudget (the snapshot takes half of what it has left)
         self._cells: Dict[Any, _Cell] = {}
         self._snapshots: List[_Cell] = []  # cells holding a snapshot, oldest first
 
@@ -110,13 +113,14 @@ class RerunTracker:
         self._cells.clear()
         self._snapshots.clear()
 
-    def after_cell(self, measurement, threshold: int, ledger=None, budget_s: Optional[float] = None) -> bool:
+    def after_cell(self, measurement, threshold: int, ledger=None, budget=None) -> bool:
         """Note a finished outermost cell; set ``measurement.rerun``; True when it has a new warning.
 
         The common case (a cell that kept nothing) costs a hash, a dict lookup and a few stores; a
-        snapshot's walk takes at most ``budget_s`` (None: :attr:`budget_s`, else ``who()``'s).
+        snapshot's walk takes at most half of what ``budget`` (the cell end's ``CellBudget``) has
+        left (None: :attr:`budget_s`, else ``who()``'s).
         """
-        self._walk_s = budget_s if budget_s is not None else self.budget_s
+        self._budget = budget
         key = measurement.cell_id or hash(measurement.source)
         cells = self._cells
         cell = cells.get(key)
@@ -191,7 +195,7 @@ class RerunTracker:
             namespace, refs = self.context()
         except Exception:  # noqa: BLE001 - no namespace, no snapshot
             return None
-        budget = self._walk_s
+        budget = self.budget_s if self._budget is None else max(self._budget.left() / 2, MIN_WALK_S)
         if budget is not None and cell.walk_s > budget:
             budget = cell.walk_s  # this cell's earlier walk was stopped: this run may spend more
         snap = take_snapshot(namespace, refs, budget)

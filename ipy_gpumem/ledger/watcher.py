@@ -298,8 +298,7 @@ class CellWatcher:
         # the cell's own time, so no namespace makes a cell slower than a fraction of itself.
         budget = CellBudget(_duration(measurement))
         # -- re-runs: a dict lookup per cell; a walk only after a run that kept memory --
-        if outermost and self.reruns.after_cell(measurement, settings.threshold, self.ledger,
-                                                budget_s=max(budget.left() / 2, 0.025)):
+        if outermost and self.reruns.after_cell(measurement, settings.threshold, self.ledger, budget=budget):
             show_line = show_line or (header is None and not frame.reported_inside and not settings.quiet)
         after = None
         if header is not None or show_line:

@@ -395,8 +395,18 @@ class CensusWatch:
     def _new_names(self, ns: dict) -> Optional[str]:
         """Names added since the fingerprint, read from the end of the namespace and counted against its length."""
         length = dict.__len__(ns)
-        if length == self._present and _same_key(next(reversed(ns), _MISSING), self._anchor):
+        last = next(reversed(ns), _MISSING)
+        if length == self._present and _same_key(last, self._anchor):
             return None
+        if length == self._present + 1 and type(last) is str and last[:2] == "_i" and last[2:].isdigit():
+            # The usual case: IPython stored this cell's input as `_iN` (a string) after the anchor.
+            it = reversed(ns)
+            next(it)
+            if _same_key(next(it, _MISSING), self._anchor) and type(dict.get(ns, last)) is str:
+                self._tracked.add(last)
+                self._present = length
+                self._anchor = last
+                return None
         new = []
         for key in reversed(ns):
             if _same_key(key, self._anchor):
