@@ -92,34 +92,37 @@ def _values_and_types(view: Any) -> Tuple[List[Any], List[type]]:
         values.extend(part)
 
 
-def _names_at(ns: dict, positions: List[int], length: int) -> Optional[List[Any]]:
-    """The keys of ``ns`` (``length`` of them when its values were read), as a list indexable by
-    ``positions``: read in full only when the positions are spread out; a few near the end (the
-    names bound last) are read from the end. None when the namespace's length changed."""
+def _names_at(ns: dict, positions: List[int], length: int) -> Optional["_Names"]:
+    """The keys of ``ns`` at ``positions`` (``length`` keys when its values were read), read from
+    its start up to the last of them in the first half and from its end down to the first of them
+    in the second half: a few names bound first or last cost a few reads, not a million. None when
+    the namespace's length changed."""
     if dict.__len__(ns) != length:
         return None
-    if not positions:
-        return []
-    first = positions[0]
-    if first >= length - (length >> 3):  # all in the last eighth: read the keys from the end
-        tail = list(islice(reversed(dict.keys(ns)), length - first))
-        tail.reverse()
-        return _Offset(tail, first)
-    return list(dict.keys(ns))
+    half = length // 2
+    head_end = max((p for p in positions if p < half), default=-1) + 1
+    tail_start = min((p for p in positions if p >= half), default=length)
+    head = list(islice(dict.keys(ns), head_end))
+    tail = list(islice(reversed(dict.keys(ns)), length - tail_start))
+    tail.reverse()
+    return _Names(head, tail, tail_start, length)
 
 
-class _Offset(list):
-    """The last keys of a namespace, indexed by their position in the whole namespace."""
+class _Names:
+    """Some of a namespace's keys, by their position in it (see :func:`_names_at`)."""
 
-    def __init__(self, tail: List[Any], start: int):
-        super().__init__(tail)
-        self.start = start
+    __slots__ = ("head", "tail", "tail_start", "length")
 
-    def __getitem__(self, position: Any) -> Any:
-        return list.__getitem__(self, position - self.start)
+    def __init__(self, head: List[Any], tail: List[Any], tail_start: int, length: int):
+        self.head, self.tail, self.tail_start, self.length = head, tail, tail_start, length
+
+    def __getitem__(self, position: int) -> Any:
+        if position < len(self.head):
+            return self.head[position]
+        return self.tail[position - self.tail_start]
 
     def __len__(self) -> int:
-        return self.start + list.__len__(self)
+        return self.length
 
 
 def _thread_names() -> Dict[int, str]:
@@ -333,13 +336,9 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
         self.visits += len(values)
         # Values at depth 0 hold tensors at most MAX_DEPTH levels below them.
         positions = self.suspects(values, MAX_DEPTH + 1, tps)
-        names = _names_at(ns, positions, len(values))
-        if names is None:  # the namespace changed while read (another thread): every name, as it is now
-            names = list(dict.keys(ns))
-            positions = range(len(names))
         owned = self.ipython_names
         kinds, classify, root = self.types.kinds, self.types.classify, self.root
-        if len(positions) > 1024 and type(positions) is list:
+        if len(positions) > 1024:
             # Many suspects (a budget stopped their proofs): the names that hold a tensor, a module or
             # an optimizer themselves first, whatever the budget (one claim each), then the others.
             direct = list(map(DICT.__gt__, map(kinds.__getitem__, map(tps.__getitem__, positions))))
@@ -347,6 +346,15 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
             first_ones = direct.count(True) + 1024
         else:
             first_ones = 1024
+        reached = positions if not self.stopped else positions[:first_ones]  # what this budget can still do
+        names: Any = _names_at(ns, reached, len(values))
+        if names is None:  # the namespace changed while read (another thread): every name, as it is now
+            names = list(dict.keys(ns))
+            positions = range(len(names))
+        elif len(reached) < len(positions):
+            self.unexamined.append(f"{len(positions) - len(reached):,} of the namespace's names (those that "
+                                   "hold containers, past the first 1,024)")
+            positions = reached
         for count, position in enumerate(positions):
             if count >= first_ones and not count & 1023 and self.out_of_budget():  # the first names always count
                 first = names[position] if position < len(names) else "?"
