@@ -253,14 +253,14 @@ def main() -> None:
             before = ""
             if who_before is not None:
                 b_median, _b_worst, b_report = measured["before"]
-                before = (f" | {b_median * 1e3:.1f} ms ({'complete' if b_report.complete else 'no'}) | "
-                          f"{median / b_median:.2f}x")
+                before = (f" {b_median * 1e3:.1f} ms ({'complete' if b_report.complete else 'no'}) | "
+                          f"{median / b_median:.2f}x |")
                 print(f"{'':>16} {'':>10}          before: who() median {b_median * 1e3:7.1f} ms, complete "
                       f"{b_report.complete}; after / before {median / b_median:.2f}", flush=True)
             state = "complete" if report.complete else "incomplete: " + (report.notes[0] if report.notes else "")
             print(f"{shape:>16} {n:>10,} objects  who() median {median * 1e3:7.1f} ms  worst {worst * 1e3:7.1f} ms  "
                   f"{report.tensor_count:,} storages  {state}  (built in {setup_s:.1f} s)", flush=True)
-            panel = "not run | "
+            panel = "not run | -"
             if not args.no_panel:
                 try:
                     p_median, p_worst, _ = timed(panel_runner(ns), args.repeat)
