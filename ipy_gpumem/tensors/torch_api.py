@@ -88,6 +88,11 @@ DEPENDENCIES: Tuple[Dependency, ...] = (
                "torch._C._cuda_isHistoryEnabled", "%%gpumem --trace: the allocator's own event history for one "
                "cell, and whether the user's recording was already on (then it is left exactly as it was)",
                "--trace says it is unavailable in one line; the cell is measured without it"),
+    Dependency("torch._C._get_sdp_priority_order, torch._C._get_fa3_sdp_enabled",
+               "the order in which scaled_dot_product_attention tries its CUDA kernels (torch.nn.attention."
+               "sdpa_kernel(..., set_priority=True) changes it) and whether FlashAttention-3 is on, for the "
+               "estimate's choice of attention kernel on a named GPU", "torch's default order (flash, "
+               "memory-efficient, math, cuDNN) and FlashAttention-3 off"),
     Dependency("torch.library.Library._destroy", "takes the emulation's kernels off the dispatcher when it ends "
                "(the tests; a batch search estimates several times in one child)",
                "the kernels stay registered in the sealed child, which dies with them"),
@@ -148,6 +153,8 @@ class Api:
         self._autocast_cpu = _get(C, "DispatchKey.AutocastCPU")
         self._all_ops = _get(C, "_dispatch_get_all_op_names")
         self._has_kernel = _get(C, "_dispatch_has_kernel_for_dispatch_key")
+        self._sdp_order = _get(C, "_get_sdp_priority_order")
+        self._fa3_enabled = _get(C, "_get_fa3_sdp_enabled")
 
     # -- autograd --------------------------------------------------------------------------------
     def raw_saved_names(self, node_type: type) -> Tuple[str, ...]:
@@ -356,6 +363,22 @@ class Api:
             return False
         destroy()
         return True
+
+    # -- scaled_dot_product_attention's switches (the estimate's choice of kernel on a named GPU) ---
+    def sdp_priority_order(self) -> Tuple[int, ...]:
+        """The SDPBackend numbers in the order scaled_dot_product_attention tries them on CUDA (torch's
+        default, flash 1, memory-efficient 2, math 0, cuDNN 3, overrideable 4, when this torch cannot say)."""
+        try:
+            return tuple(int(n) for n in self._sdp_order())
+        except Exception:  # noqa: BLE001 - missing or failing: the default order
+            return (1, 2, 0, 3, 4)
+
+    def fa3_sdp_enabled(self) -> bool:
+        """Whether FlashAttention-3 is switched on for scaled_dot_product_attention (False when unknown)."""
+        try:
+            return bool(self._fa3_enabled())
+        except Exception:  # noqa: BLE001
+            return False
 
 
     # -- the allocator's history (%%gpumem --trace) ------------------------------------------------
