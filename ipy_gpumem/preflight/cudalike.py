@@ -285,7 +285,7 @@ class CublasWorkspaces:
         #: "forward" / "backward" -> the event key of that thread's workspace
         self.keys: Dict[str, int] = {}
 
-    def __call__(self, func) -> None:
+    def __call__(self, func, out=None) -> None:
         packet = getattr(func, "overloadpacket", None)
         if getattr(packet, "__name__", None) not in GEMMS:
             return
