@@ -124,7 +124,7 @@ def _make_mode_class():
                     if isinstance(t, Tensor):
                         tracker.saw(t)
             if tracker.after_op is not None:
-                tracker.after_op(func)
+                tracker.after_op(func, out)
             return out
 
     return _Mode
@@ -175,9 +175,10 @@ class StorageTracker:
         self._tensor_cls = None
         self._tensor_type = _tensor_type()
         self._workspace_sizes: Dict[str, int] = {}
-        #: called as ``after_op(func)`` once each operator has run (a CUDA estimate adds cuBLAS's
-        #: workspace at the first matrix multiply there)
-        self.after_op: Optional[Callable[[Any], None]] = None
+        #: called as ``after_op(func, out)`` once each operator has run and its outputs are counted (a
+        #: CUDA estimate adds cuBLAS's workspace at the first matrix multiply there, and the scratch a
+        #: kernel takes from the allocator for the time of the call: :meth:`allocate`, :meth:`release`)
+        self.after_op: Optional[Callable[[Any, Any], None]] = None
 
     # -- storages ----------------------------------------------------------------------------
     def key_of(self, tensor) -> Optional[int]:
@@ -255,6 +256,14 @@ class StorageTracker:
         if self._stack and self.live > self._stack[-1][3]:
             self._stack[-1][3] = self.live
         return key
+
+    def release(self, key: int) -> None:
+        """Count the free of what :meth:`allocate` counted (a kernel's scratch, given back before it returns)."""
+        size = self.run.sizes.get(key)
+        if size is None:
+            return
+        self.run.events.append((key, -1))
+        self.live -= size
 
     def _free(self, cdata, key):
         if self._keys.get(cdata) != key:
