@@ -9,7 +9,12 @@ from __future__ import annotations
 import re
 from typing import NamedTuple, Optional, Tuple
 
-__all__ = ["Device", "HOST", "ALL_CUDA", "cuda", "parse_device", "parse_device_list"]
+__all__ = ["Device", "HOST", "ALL_CUDA", "SINGLE_DEVICE_TYPES", "cuda", "device", "note_seen", "seen",
+           "parse_device", "parse_device_list"]
+
+#: Device types torch names without an index: one device per machine (``mps``, where a tensor's
+#: device reads ``mps:0``).
+SINGLE_DEVICE_TYPES = frozenset({"mps"})
 
 
 class Device(NamedTuple):
@@ -24,8 +29,11 @@ class Device(NamedTuple):
 
     @property
     def label(self) -> str:
-        """``"cuda:0"``, ``"cuda"``, ``"cpu"``: torch's own spelling."""
-        return self.type if self.index is None else f"{self.type}:{self.index}"
+        """``"cuda:0"``, ``"cuda"``, ``"cpu"``, ``"mps"``, ``"xpu:0"``: torch's own spelling (a
+        single-device type such as ``mps`` goes without its index, as torch prints it)."""
+        if self.index is None or self.type in SINGLE_DEVICE_TYPES:
+            return self.type
+        return f"{self.type}:{self.index}"
 
     @property
     def is_host(self) -> bool:
@@ -54,6 +62,44 @@ _CUDA = tuple(Device("cuda", i) for i in range(16))
 def cuda(index: int) -> Device:
     """``Device("cuda", index)`` (shared instances for the usual indices)."""
     return _CUDA[index] if 0 <= index < len(_CUDA) else Device("cuda", int(index))
+
+
+_SHARED: dict = {}
+
+
+def device(kind: str, index: Optional[int]) -> Device:
+    """The device of torch type ``kind`` and ``index`` (``device("xpu", 0)``): shared instances,
+    ``cuda(index)`` for CUDA (ROCm too), :data:`HOST` for ``"cpu"``."""
+    if kind == "cuda" and index is not None:
+        return cuda(index)
+    if kind == "cpu":
+        return HOST
+    key = (kind, index)
+    found = _SHARED.get(key)
+    if found is None:
+        found = _SHARED[key] = Device(kind, None if index is None else int(index))
+    return found
+
+
+#: Device types a tensor of this process was found on (the tensors room notes each type the first
+#: time it counts a storage there).
+_SEEN: set = set()
+
+
+def note_seen(kind: str) -> None:
+    """Remember that a tensor of this process lives on a device of torch type ``kind``.
+
+    The probes read a backend that has no "initialized" flag to ask (MPS before torch.accelerator
+    covers it) only once this says the user's code has put a tensor there: reading its counters
+    earlier would start its allocator, and with it fix the allocator's environment settings
+    (``PYTORCH_MPS_HIGH_WATERMARK_RATIO``) before the user's code had a chance to set them.
+    """
+    _SEEN.add(kind)
+
+
+def seen(kind: str) -> bool:
+    """True once :func:`note_seen` was told of a tensor on a device of type ``kind``."""
+    return kind in _SEEN
 
 
 _SPEC = re.compile(r"^([a-z_][a-z0-9_]*)(?::([0-9]+))?$", re.ASCII)
@@ -95,15 +141,17 @@ def parse_device(value) -> Device:
 
 
 def parse_device_list(text) -> Optional[Tuple[int, ...]]:
-    """CUDA device indices from ``"all"`` (None: every device the user's code initialized), ``"0,1"``
-    or ``"cuda:0, cuda:1"``.
+    """Accelerator device indices from ``"all"`` (None: every device the user's code initialized),
+    ``"0,1"``, ``"cuda:0, cuda:1"``, ``"xpu:1"`` or ``"mps"`` (its one device, 0).
+
+    The indices are torch's for the one accelerator a process uses (CUDA, ROCm, XPU or MPS).
 
     Raises:
-        ValueError: an entry is not a CUDA device index, or one appears twice.
+        ValueError: an entry is not an accelerator device index, or one appears twice.
 
     Examples:
-        >>> parse_device_list("all"), parse_device_list("0, cuda:2")
-        (None, (0, 2))
+        >>> parse_device_list("all"), parse_device_list("0, cuda:2"), parse_device_list("xpu:1"), parse_device_list("mps")
+        (None, (0, 2), (1,), (0,))
     """
     text = "all" if text is None else str(text).strip().lower()
     if text in ("all", ""):
@@ -117,7 +165,9 @@ def parse_device_list(text) -> Optional[Tuple[int, ...]]:
             device = parse_device(part)
         except ValueError:
             raise ValueError(f"{part!r} is not a CUDA device: use 'all' or indices like '0,1'") from None
-        if not device.is_cuda or device.index is None:
+        if device.type in SINGLE_DEVICE_TYPES and device.index is None:
+            device = Device(device.type, 0)
+        if device.is_host or device.index is None:
             raise ValueError(f"{part!r} is not one CUDA device: use 'all' or indices like '0,1'")
         if device.index in out:
             raise ValueError(f"{device} is listed twice")

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from .devices import HOST, Device, cuda, parse_device
+from .devices import HOST, Device, device as _device, parse_device
 from .units import MiB
 
 __all__ = ["DeviceMemory", "Process"]
@@ -35,8 +35,10 @@ class DeviceMemory:
     """One device's memory at one moment, in bytes (None where unknown).
 
     Attributes:
-        device: the device (``cuda(0)``, ``HOST``, ``Device("mps")``...), None when nobody said.
-        total: capacity (host: physical RAM; MPS: the high-watermark limit, "max allowed").
+        device: the device (``cuda(0)``, ``HOST``, ``Device("mps")``, ``Device("xpu", 0)``...), None
+            when nobody said.
+        total: capacity (host: physical RAM; MPS: the high-watermark limit, "max allowed", which
+            by default exceeds Metal's recommended working set 1.7 times).
         allocated: bytes in live tensors, as PyTorch counts them ("allocated").
         reserved: the caching allocator's reservation: allocated plus "reserved but unallocated".
         used: device-wide bytes in use by every process (host: total minus available).
@@ -98,9 +100,14 @@ class DeviceMemory:
 
     @classmethod
     def from_sample(cls, sample: Any, source: str = "probe") -> "DeviceMemory":
-        """From a probe's ``DeviceSample`` (index, allocated, reserved, ..., used, total)."""
-        return cls(device=cuda(sample.index), total=sample.total, allocated=sample.allocated,
-                   reserved=sample.reserved, used=sample.used, source=source)
+        """From a probe's ``DeviceSample`` (index, allocated, reserved, ..., used, total, type).
+
+        On MPS ``reserved`` and ``used`` are both this process's Metal allocations and ``total``
+        its out-of-memory limit, so ``free`` is what the process may still allocate before MPS
+        refuses, as in its message ("max allowed" minus "MPS allocated" and "other allocations").
+        """
+        return cls(device=_device(getattr(sample, "type", "cuda"), sample.index), total=sample.total,
+                   allocated=sample.allocated, reserved=sample.reserved, used=sample.used, source=source)
 
     @classmethod
     def from_capture(cls, capture: Any, capped: bool = False) -> "DeviceMemory":
@@ -113,7 +120,7 @@ class DeviceMemory:
         used = None
         if not capped and capture.limit is not None and capture.device_free is not None:
             used = max(0, int(capture.limit) - int(capture.device_free))
-        return cls(device=cuda(capture.device), total=None if capped else capture.limit,
+        return cls(device=_device("cuda", capture.device), total=None if capped else capture.limit,
                    allocated=capture.allocated, reserved=capture.reserved, used=used, source="allocator at OOM")
 
     @classmethod

@@ -7,6 +7,11 @@ torch's peak statistics), and only when asked: :meth:`MemoryProbe.start` with ``
 :meth:`HostProbe.reset_peak`, :meth:`CudaProbe.reset_peak` (the extension asks only while
 ``track_peaks`` is on). A probe never creates a CUDA context: devices the user's code has not
 touched are reported as such, never read.
+
+The accelerator is whichever torch was built for (:mod:`.backends`): CUDA, and ROCm through the
+same torch.cuda counters with amdsmi instead of NVML for the device view, are read here; Apple MPS,
+Intel XPU and other ``torch.accelerator`` devices through the readers of :mod:`.accelerators`,
+loaded only when torch is such a build.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import time
 import weakref
 from typing import NamedTuple, Optional, Sequence
 
-from .devices import cuda as _cuda_device
+from .devices import device as _device
 
 __all__ = [
     "HostSample",
@@ -40,16 +45,29 @@ class HostSample(NamedTuple):
 
 
 class DeviceSample(NamedTuple):
-    """One CUDA device at one instant, in bytes; ``index`` is torch's device index."""
+    """One accelerator device at one instant, in bytes; ``index`` is torch's device index, ``type``
+    torch's device type (``"cuda"``, also on ROCm; ``"mps"``, ``"xpu"``...).
+
+    ``reserved`` is the caching allocator's reservation; on MPS (before torch.accelerator covers it)
+    the Metal driver's allocations for the process. A figure the backend keeps none of is None
+    (``ipy_gpumem.core.backends`` says which), never 0.
+    """
 
     index: int
     allocated: int | None
     reserved: int | None
     peak_allocated: int | None
     peak_reserved: int | None
-    #: Device-wide memory in use, all processes included (NVML, or cudaMemGetInfo).
+    #: Device-wide memory in use, all processes included (NVML, amdsmi, or cudaMemGetInfo); on MPS
+    #: this process's Metal allocations, what its out-of-memory limit counts.
     used: int | None
     total: int | None
+    type: str = "cuda"
+
+    @property
+    def device(self):
+        """The :class:`~.devices.Device` (``cuda:0``, ``mps``, ``xpu:1``)."""
+        return _device(self.type, self.index)
 
 
 class Sample(NamedTuple):
@@ -531,9 +549,16 @@ class CudaProbe:
     is avoided on devices without a context because it would create one (hundreds of MiB).
     """
 
-    def __init__(self, nvml: NvmlProbe | None = None, torch_module=None, internals=None):
+    def __init__(self, nvml: NvmlProbe | None = None, torch_module=None, internals=None, amdsmi=None):
         self._torch_override = torch_module
         self.nvml = nvml if nvml is not None else NvmlProbe()
+        #: ROCm's device view (``accelerators.AmdsmiProbe``), made when a HIP build is first met.
+        self.amdsmi = amdsmi
+        self._rocm_for = None  # the torch module last checked for a HIP build...
+        self._rocm = False  # ...and the answer
+        #: The reader of a non-CUDA backend (``accelerators.Reader``) and the torch it was made for.
+        self.reader = None
+        self._reader_for = None
         #: ``internals(torch)`` -> torch's private fast paths (``tensors.torch_api.api``: the one
         #: adapter to torch's private names, which this foundation may not import); None: public APIs only.
         self._internals = internals
@@ -566,23 +591,73 @@ class CudaProbe:
         return sys.modules.get("torch")  # never import torch on the user's behalf
 
     def status(self):
-        """``(torch.cuda module, None)`` when CUDA is up, else ``(None, reason)``."""
+        """``(handle, None)`` when the accelerator is up, else ``(None, reason)``.
+
+        The handle is the ``torch.cuda`` module on CUDA and ROCm, the backend's reader
+        (``accelerators.Reader``) on MPS, XPU and other ``torch.accelerator`` devices; either
+        goes back to :meth:`device_indices`.
+        """
         torch = self._torch()
         if torch is None:
             return None, "torch is not imported"
         if torch is self._cpu_only:  # asked after every cell: the answer for this torch never changes
             return None, CPU_ONLY
+        if torch is self._reader_for:
+            return self._reader_status()
         cuda = getattr(torch, "cuda", None)
         try:
             if cuda is None or not cuda.is_initialized():
                 # A CPU-only build never initializes CUDA: say so, rather than "not yet".
                 if not self._built_with_cuda(torch):
+                    if self._find_reader(torch) is not None:
+                        return self._reader_status()
                     self._cpu_only = torch
                     return None, CPU_ONLY
                 return None, "CUDA not initialized yet"
         except Exception:  # noqa: BLE001 - a broken torch install must not break cells
             return None, "torch.cuda unavailable"
         return cuda, None
+
+    def _find_reader(self, torch):
+        """The reader for a torch built for MPS, XPU or another accelerator (once per torch module)."""
+        from . import accelerators, backends  # only a non-CUDA build ever loads them
+
+        self.reader = accelerators.reader_for(torch, backends.detect(torch))
+        self._reader_for = torch if self.reader is not None else None
+        return self.reader
+
+    def _reader_status(self):
+        try:
+            reason = self.reader.reason()
+        except Exception as exc:  # noqa: BLE001
+            return None, f"{self.reader.backend.title} counters unavailable ({type(exc).__name__})"
+        return (self.reader, None) if reason is None else (None, reason)
+
+    @property
+    def device_type(self) -> str:
+        """torch's type of the devices this probe reads: ``"cuda"`` (ROCm too), ``"mps"``, ``"xpu"``..."""
+        return self.reader.device_type if self.reader is not None and self._torch() is self._reader_for else "cuda"
+
+    @property
+    def resets_peaks(self) -> bool:
+        """False where the backend keeps no peak counter (MPS before torch.accelerator covers it):
+        its peaks are then the highest values sampled, and :meth:`reset_peak` resets nothing."""
+        return self.reader.resets_peaks if self.reader is not None and self._torch() is self._reader_for else True
+
+    def is_rocm(self) -> bool:
+        """True for a ROCm (HIP) build of torch: a build flag, read once per torch module."""
+        torch = self._torch()
+        if torch is not self._rocm_for:
+            self._rocm_for = torch
+            try:
+                self._rocm = bool(getattr(getattr(torch, "version", None), "hip", None))
+            except Exception:  # noqa: BLE001
+                self._rocm = False
+            if self._rocm and self.amdsmi is None:
+                from .accelerators import AmdsmiProbe
+
+                self.amdsmi = AmdsmiProbe()
+        return self._rocm
 
     def device_count(self) -> Optional[int]:
         """How many CUDA devices this process can see, without initializing CUDA; None if unknown.
@@ -591,18 +666,26 @@ class CudaProbe:
         torch.cuda.device_count() then would initialize the CUDA driver in this process.
         """
         cuda, _ = self.status()
+        torch = self._torch()
+        if torch is not None and torch is self._reader_for:
+            try:
+                return self.reader.device_count()
+            except Exception:  # noqa: BLE001
+                return None
         if cuda is not None:
             try:
                 return int(cuda.device_count())
             except Exception:  # noqa: BLE001
                 return None
-        torch = self._torch()
         if torch is not None and not self._built_with_cuda(torch):
             return 0  # a CPU-only build: no CUDA device will ever exist in this process
         return self.nvml.visible_count()
 
     def device_indices(self, cuda) -> list:
-        """torch indices of devices with a CUDA context (the ones the user's code touched)."""
+        """torch indices of devices with a CUDA context (the ones the user's code touched); on
+        another backend, the ones its reader finds in use (``cuda`` is then that reader)."""
+        if cuda is self.reader and cuda is not None:
+            return cuda.device_indices()
         count = cuda.device_count()
         api = self._api()
         has_context = api.cuda_has_context() if api is not None else None
@@ -621,15 +704,25 @@ class CudaProbe:
         return self._stats_fn(index)
 
     def counters(self, index: int) -> tuple:
-        """``(allocated, reserved, peak_allocated, peak_reserved)`` from the allocator."""
+        """``(allocated, reserved, peak_allocated, peak_reserved)`` from the allocator (None where
+        the backend keeps no such counter)."""
+        if self.reader is not None and self._reader_for is self._torch():
+            return self.reader.counters(index)
         stats = self._nested_stats(index)
         return counters_from_stats(stats)
 
     def reset_peak(self, index: int) -> None:
+        """Reset the device's peak counters (nothing where the backend keeps none: :attr:`resets_peaks`)."""
+        if self.reader is not None and self._reader_for is self._torch():
+            self.reader.reset_peak(index)
+            return
         self._torch().cuda.reset_peak_memory_stats(index)
 
     def properties(self, index: int) -> tuple:
-        """``(name, total, uuid)`` for a device, cached (they never change)."""
+        """``(name, total, uuid)`` for a device, cached (they never change); on MPS the total is
+        its out-of-memory limit (high-watermark ratio times Metal's recommended working set)."""
+        if self.reader is not None and self._reader_for is self._torch():
+            return self.reader.properties(index)
         props = self._props.get(index)
         if props is None:
             p = self._torch().cuda.get_device_properties(index)
@@ -639,10 +732,16 @@ class CudaProbe:
         return props
 
     def device_memory(self, index: int) -> tuple:
-        """``(used, total)`` device-wide: NVML first, else cudaMemGetInfo (only ever called for a
-        device that has a context, where it creates none); ``total`` is torch's in both cases."""
+        """``(used, total)`` device-wide: NVML first (amdsmi on ROCm), else cudaMemGetInfo (only ever
+        called for a device that has a context, where it creates none); ``total`` is torch's in
+        every case. Other backends answer through their reader."""
+        if self.reader is not None and self._reader_for is self._torch():
+            return self.reader.device_memory(index)
         name, total, uuid = self.properties(index)
-        used, _ = self.nvml.memory(index, uuid, total)
+        if self.is_rocm():
+            used, _ = self.amdsmi.memory(index, total)
+        else:
+            used, _ = self.nvml.memory(index, uuid, total)
         if used is not None:
             return used, total
         try:
@@ -650,6 +749,29 @@ class CudaProbe:
             return int(total2) - int(free), int(total2)
         except Exception:  # noqa: BLE001
             return None, total
+
+    def processes(self, index: int) -> list:
+        """``[(pid, bytes or None, name or None)]`` of the processes on device ``index`` (slow: on
+        demand only): NVML's, amdsmi's on ROCm, none on backends that list none."""
+        if self.reader is not None and self._reader_for is self._torch():
+            return self.reader.processes(index)
+        if self.is_rocm():
+            return self.amdsmi.processes(index)
+        return self.nvml.processes(index, self.properties(index)[2])
+
+    def empty_cache(self) -> bool:
+        """The backend's ``empty_cache()`` when the user's code has started it; True if it ran.
+
+        Asked for by the user only (``%gpumem free``): never otherwise, and never on a backend the
+        user's code has not started.
+        """
+        handle, _reason = self.status()
+        if handle is None:
+            return False
+        if handle is self.reader:
+            return bool(self.reader.empty_cache())
+        handle.empty_cache()
+        return True
 
     def sample(self, indices: Sequence[int] | None = None, with_device_memory: bool = True):
         """``(tuple of DeviceSample, reason)`` for the devices with a CUDA context (of ``indices``).
@@ -671,10 +793,11 @@ class CudaProbe:
                 missing = [i for i in untouched if count is not None and i >= count]
                 idle = [i for i in untouched if i not in missing]
                 parts = []
+                kind = self.device_type
                 if idle:
-                    parts.append(", ".join(str(_cuda_device(i)) for i in idle) + " not used by your code yet")
+                    parts.append(", ".join(str(_device(kind, i)) for i in idle) + " not used by your code yet")
                 if missing:
-                    parts.append(", ".join(str(_cuda_device(i)) for i in missing) + f" does not exist ({count} visible)")
+                    parts.append(", ".join(str(_device(kind, i)) for i in missing) + f" does not exist ({count} visible)")
                 reason = "; ".join(parts)
         else:
             indices = live
@@ -685,7 +808,9 @@ class CudaProbe:
                 used, total = self.device_memory(i)
             else:
                 used, total = None, self.properties(i)[1]
-            out.append(DeviceSample(i, allocated, reserved, peak_a, peak_r, used, total))
+            out.append(DeviceSample(i, allocated, reserved, peak_a, peak_r, used, total)
+                       if cuda is not self.reader else
+                       DeviceSample(i, allocated, reserved, peak_a, peak_r, used, total, self.reader.device_type))
         return tuple(out), reason
 
 
@@ -718,7 +843,7 @@ def counters_from_stats(stats: dict) -> tuple:
 
 
 class MemoryProbe:
-    """Host and CUDA probes behind one ``sample()``; what the recorder and sampler call."""
+    """Host and accelerator probes behind one ``sample()``; what the recorder and sampler call."""
 
     def __init__(self, host: HostProbe | None = None, cuda: CudaProbe | None = None):
         self.host = host if host is not None else HostProbe()
@@ -758,7 +883,9 @@ class MemoryProbe:
         except Exception as exc:  # noqa: BLE001 - torch raising must never cost the user a cell
             devs, reason = (), f"CUDA counters unavailable ({type(exc).__name__}: {exc})"
         reset_devices = frozenset()
-        if reset_peaks and devs:
+        # A backend without peak counters (MPS before torch.accelerator) has nothing to reset: its
+        # peaks are the highest values read, so no device is counted as reset for this span.
+        if reset_peaks and devs and self.cuda.resets_peaks:
             try:
                 for dev in devs:
                     # A peak that stands at its value already measures from here: resetting it
