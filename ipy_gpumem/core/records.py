@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Optional, Tuple
 
 from . import words as _words
-from .devices import Device, cuda
+from .devices import Device, device as _device
 from .text import first_line as _first_line
 from .why import Rerun, Why
 
@@ -78,11 +78,14 @@ class HostRecord:
 
 @dataclass(frozen=True)
 class DeviceRecord:
-    """One CUDA device around a cell or line, in bytes; torch's words for torch's counters.
+    """One accelerator device around a cell or line, in bytes; torch's words for torch's counters.
 
     ``allocated`` is memory held by live tensors, ``reserved`` what torch's caching allocator
     holds from the driver (allocated plus "reserved but unallocated"), ``used`` what the whole
-    device has in use (this process's CUDA context and other processes included).
+    device has in use (this process's CUDA context and other processes included). ``type`` is
+    torch's device type (``"cuda"``, also on ROCm; ``"mps"``, ``"xpu"``): on MPS ``reserved`` and
+    ``used`` are the Metal driver's allocations for the process and ``total`` its out-of-memory
+    limit (``ipy_gpumem.core.backends``).
     """
 
     index: int
@@ -101,10 +104,11 @@ class DeviceRecord:
     allocated_delta_sum: Optional[int] = None
     reserved_delta_sum: Optional[int] = None
     peak_increase_max: Optional[int] = None
+    type: str = "cuda"
 
     @property
     def device(self) -> Device:
-        return cuda(self.index)
+        return _device(self.type, self.index)
 
     @property
     def label(self) -> str:
