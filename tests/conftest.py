@@ -33,10 +33,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_browser)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # On pytest-xdist workers: the modules that start kernels, servers or forks first (in their
-        # own order), so that the longest units are not the last ones left to a single worker. Every
+        # own order), so that the longest units are not the last ones left to a single worker; the
+        # browser tests last, when the other worker has little left (JupyterLab, Chromium and a
+        # kernel miss their timeouts beside another worker's kernels on two starved cores). Every
         # worker sorts the same way, as xdist requires.
         heavy = {item.module.__name__ for item in items if "slow" in item.keywords and item.module is not None}
-        items.sort(key=lambda item: 0 if item.module is not None and item.module.__name__ in heavy else 1)
+
+        def order(item):
+            if "browser" in item.keywords:
+                return 2
+            return 0 if item.module is not None and item.module.__name__ in heavy else 1
+
+        items.sort(key=order)
 
 
 #: Test files whose tests each set up all they use (a kernel or a notebook of their own), spread test by
