@@ -93,7 +93,6 @@ def _library_type(tp: type) -> bool:
     return filename is None or not is_user_file(filename)
 
 
-_c_getter = getter_of
 
 
 def _instance_dict(walk: Any, obj: Any) -> dict:
@@ -145,7 +144,7 @@ def read_generator(walk: Any, gen: Any) -> List[Triple]:
     """A suspended generator's or coroutine's frame: its locals (by name from 3.13 on) and what its
     stack holds (the list a ``for`` loop runs over)."""
     attr = next(name for base, name in _GEN_FRAMES if isinstance(gen, base))
-    frame = _c_getter(type(gen), attr)(gen)
+    frame = getter_of(type(gen), attr)(gen)
     if frame is None:
         return []  # finished, or running now (then it is on a thread's stack)
     out: List[Triple] = []
@@ -209,13 +208,13 @@ def read_property(walk: Any, prop: Any) -> List[Triple]:
 
 def read_method_wrapper(walk: Any, method: Any) -> List[Triple]:
     """A staticmethod or classmethod: the function it wraps."""
-    get = _c_getter(type(method), "__func__")
+    get = getter_of(type(method), "__func__")
     return [(ATTR, "__func__", get(method))] if get is not None else []
 
 
 def read_bound_builtin(walk: Any, method: Any) -> List[Triple]:
     """A C function or method bound to an object (``keep = batches.append``): that object."""
-    get = _c_getter(type(method), "__self__")
+    get = getter_of(type(method), "__self__")
     owner = get(method) if get is not None else None
     if owner is None or isinstance(owner, types.ModuleType):
         return []  # a module's function: the module is a library's business
@@ -240,7 +239,7 @@ def info_parts(info: Any, prefix: str) -> List[Triple]:
         return []
     out = []
     for position, name in ((1, "func"), (2, "args"), (3, "kwargs")):
-        get = _c_getter(type(info), name)
+        get = getter_of(type(info), name)
         try:
             value = get(info) if get is not None else None
         except AttributeError:
@@ -306,8 +305,8 @@ def _numpy_parts() -> Optional[Tuple[type, Callable, Callable]]:
     ndarray = getattr(numpy, "ndarray", None)
     if not isinstance(ndarray, type):
         return None
-    dtype_of = _c_getter(ndarray, "dtype")
-    has_object = _c_getter(getattr(numpy, "dtype", type), "hasobject")
+    dtype_of = getter_of(ndarray, "dtype")
+    has_object = getter_of(getattr(numpy, "dtype", type), "hasobject")
     if dtype_of is None or has_object is None:
         return None
     return ndarray, dtype_of, has_object
@@ -332,12 +331,12 @@ def _read_array(walk: Any, array: Any) -> List[Triple]:
     if not has_object(dtype):
         return out
     # The base class's C getters and methods: a subclass's Python overrides never run.
-    size, ndim = _c_getter(ndarray, "size")(array), _c_getter(ndarray, "ndim")(array)
+    size, ndim = getter_of(ndarray, "size")(array), getter_of(ndarray, "ndim")(array)
     if size > MAX_READ:
         walk.not_read(f"the items of object arrays past the first {MAX_READ:,}")
-    if _c_getter(type(dtype), "kind")(dtype) != "O":  # records with object fields: their fields as Python values
+    if getter_of(type(dtype), "kind")(dtype) != "O":  # records with object fields: their fields as Python values
         return out + [(VIA, ".tolist()", ndarray.tolist(array))]
-    flat = _c_getter(ndarray, "flat")(array)  # a C iterator over the items, in C order, whatever the strides
+    flat = getter_of(ndarray, "flat")(array)  # a C iterator over the items, in C order, whatever the strides
     values = [value for _i, value in zip(range(MAX_READ), flat)]
     if ndim == 1:
         out.extend(zip([ITEM] * len(values), range(len(values)), values))
@@ -393,7 +392,7 @@ def _read_frame(walk: Any, frame: Any) -> List[Triple]:
 
 def _field(walk: Any, obj: Any, name: str) -> Any:
     """``obj.name`` through a C getter of its class or its instance dict (a pandas internal), else None."""
-    get = _c_getter(type(obj), name)
+    get = getter_of(type(obj), name)
     if get is not None:
         try:
             return get(obj)
