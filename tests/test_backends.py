@@ -365,3 +365,83 @@ def test_xpu_and_rocm_messages_name_torchs_device(entry):
     else:
         assert memory.label == "cuda:0" and report.kind == "hip"
     assert memory.total == report.total and memory.total is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# every view, in a real IPython shell, through a FAKE MPS torch (the recorded driver series)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mps_shell(ip, gpumem, no_mps_seen, restore_user_ns):
+    """The extension on the test shell reading a FAKE MPS build (the real torch stays imported for the
+    rest of the extension); the fake's torch.mps is ``fake_mps`` in the namespace."""
+    from conftest import run
+
+    series = MPS_FIX["driver_series"]
+    torch = mps_torch(allocated=series["after_empty_cache"] * 2**20, driver=series["before_training"] * 2**20)
+    devices.note_seen("mps")
+    real = gpumem.probe
+    gpumem.probe = probe_for(torch)
+    ip.user_ns["fake_mps"] = torch.mps
+    run(ip, "pass")
+    try:
+        yield torch, run
+    finally:
+        gpumem.probe = real
+
+
+def test_the_cell_line_lines_and_history_name_mps(ip, mps_shell):
+    from conftest import texts
+
+    torch, run = mps_shell
+    series = MPS_FIX["driver_series"]
+    grown = (series["after_one_epoch"] - series["before_training"]) * 2**20
+    res, cap = run(ip, f"fake_mps.allocated += {grown}\nfake_mps.driver += {grown}")
+    assert res.success
+    line = " ".join(texts(cap) + [cap.stdout])
+    assert "mps +13.36 GiB allocated" in line and "cuda" not in line, line
+    import ipy_gpumem
+
+    last = ipy_gpumem.history()[-1]
+    (dev,) = last.devices
+    assert dev.label == "mps" and dev.type == "mps" and dev.allocated_delta == grown
+    assert last.peaks == "sampled" or dev.allocated_peak >= dev.allocated_after  # no counter reset on MPS
+    res, cap = run(ip, f"%%gpumem --lines\nfake_mps.allocated -= {grown}\nfake_mps.driver -= {grown}\nx = 1")
+    assert res.success
+    report = " ".join(texts(cap) + [cap.stdout])
+    assert "mps allocated" in report and "Δallocated" in report and "-13.36 GiB" in report, report
+
+
+def test_gpumem_free_empties_the_mps_cache(ip, mps_shell):
+    from conftest import texts
+
+    torch, run = mps_shell
+    series = MPS_FIX["driver_series"]
+    torch.mps.driver = series["after_one_epoch"] * 2**20
+    res, cap = run(ip, "%gpumem free")
+    assert res.success and ("mps.empty_cache",) in torch.mps.calls
+    text = " ".join(" ".join(texts(cap) + [cap.stdout]).split())
+    assert "the MPS allocator's cache (torch.mps.empty_cache():" in text, text
+    assert "mps reserved" in text and "52.00 MiB" in text
+
+
+def test_gpumem_free_leaves_an_unused_mps_alone(ip, gpumem, no_mps_seen, restore_user_ns):
+    from conftest import run
+
+    torch = mps_torch(allocated=0, driver=0)
+    real = gpumem.probe
+    gpumem.probe = probe_for(torch)
+    try:
+        res, _cap = run(ip, "%gpumem free")
+    finally:
+        gpumem.probe = real
+    assert res.success and [c for c in torch.mps.calls.names() if c.startswith("mps.")] == []
+
+
+def test_mps_status_leaves_unknown_figures_blank_not_zero(no_mps_seen):
+    devices.note_seen("mps")
+    (dev,) = probe_for(mps_torch(allocated=GiB, driver=3 * GiB)).sample().devices
+    memory = DeviceMemory.from_sample(dev)
+    assert memory.outside_pytorch is None  # one driver figure: not split into pool and the rest
+    assert memory.reserved_unallocated == 2 * GiB and memory.free == dev.total - 3 * GiB

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 __all__ = ["FIGURES", "Counter", "Backend", "BACKENDS", "CUDA", "ROCM", "MPS", "XPU", "ACCELERATOR", "detect",
-           "torch_version", "at_least", "MPS_DEFAULT_HIGH_WATERMARK"]
+           "for_device_type", "torch_version", "at_least", "MPS_DEFAULT_HIGH_WATERMARK"]
 
 #: The figures and actions of the table, in the order views list them.
 FIGURES = ("allocated", "reserved", "peak", "reset_peak", "device_total", "device_used", "other_processes",
@@ -188,6 +188,12 @@ ACCELERATOR = Backend("accelerator", "torch.accelerator", "", "torch.accelerator
 
 #: Every backend, by key.
 BACKENDS: Dict[str, Backend] = {b.key: b for b in (CUDA, ROCM, MPS, XPU, ACCELERATOR)}
+
+
+def for_device_type(kind: str) -> Backend:
+    """The row for a torch device type: ``"cuda"`` (CUDA and ROCm read alike), ``"mps"``, ``"xpu"``;
+    any other accelerator is ``torch.accelerator``'s."""
+    return {"cuda": CUDA, "mps": MPS, "xpu": XPU}.get(kind, ACCELERATOR)
 
 
 def torch_version(torch: Any) -> Optional[Tuple[int, int]]:

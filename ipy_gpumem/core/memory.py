@@ -71,7 +71,13 @@ class DeviceMemory:
 
     @property
     def outside_pytorch(self) -> Optional[int]:
-        """``used - reserved``: the CUDA context, other libraries and other processes together."""
+        """``used - reserved``: the CUDA context, other libraries and other processes together.
+
+        None on MPS when both are the Metal driver's one figure (torch.mps keeps no other): how
+        much of it is outside PyTorch's pool cannot be told, which is not the same as none.
+        """
+        if self.device is not None and self.device.type == "mps" and self.used == self.reserved:
+            return None
         return _sub(self.used, self.reserved)
 
     @property

@@ -770,7 +770,7 @@ class CudaProbe:
             return False
         if handle is self.reader:
             return bool(self.reader.empty_cache())
-        handle.empty_cache()
+        self._torch().cuda.empty_cache()
         return True
 
     def sample(self, indices: Sequence[int] | None = None, with_device_memory: bool = True):

@@ -7,8 +7,9 @@ every displayed result (``Out[N]``, ``_``, ``__``, ``___``, ``_N``, plus its own
 ``%tb`` and ``%debug`` will have nothing to show, and ``Out[N]`` entries that held tensors are gone.
 
 :func:`free_memory` is the whole ``%gpumem free``: the plan, then (unless it is a dry run) the
-release, ``gc.collect()`` and the CUDA allocator's ``empty_cache()`` (only when CUDA is already
-initialized: never on the user's behalf), with the memory read before and after.
+release, ``gc.collect()`` and the accelerator allocator's ``empty_cache()`` (``torch.cuda``'s on CUDA
+and ROCm, ``torch.mps``'s, ``torch.xpu``'s, ``torch.accelerator``'s: only once the user's code has
+started that device, never on its behalf), with the memory read before and after.
 
 Which names are IPython's is decided by identity (:func:`~ipy_gpumem.attribution.holders.ipython_refs`),
 never by spelling: after ``x, _ = torch.max(t, 0)`` the name ``_`` is the user's, and so are a
@@ -303,7 +304,7 @@ class FreeOutcome:
             the cache release (None when unknown; ``after`` is None in a dry run).
         dry_run: nothing was released.
         collected: objects ``gc.collect()`` found unreachable.
-        cache_emptied: ``torch.cuda.empty_cache()`` ran (CUDA was initialized).
+        cache_emptied: the accelerator's ``empty_cache()`` ran (the user's code had started it).
     """
 
     plan: ReleasePlan
@@ -318,16 +319,17 @@ class FreeOutcome:
 def free_memory(namespace: MutableMapping[str, Any], refs: Optional[IPythonRefs], probe: Any = None, *,
                 dry_run: bool = False, last_result: Any = None, tb_formatters: Iterable[Any] = (),
                 displayhook: Any = None, hidden: Optional[MutableMapping[str, Any]] = None) -> FreeOutcome:
-    """``%gpumem free [--dry-run]``: plan, release, collect, give the CUDA cache back, measure.
+    """``%gpumem free [--dry-run]``: plan, release, collect, give the accelerator's cache back, measure.
 
     The only state it changes is IPython's own references (see :func:`release`), the garbage
-    collector's run and the CUDA allocator's cache, all asked for by the user; a dry run changes
-    nothing.
+    collector's run and the accelerator allocator's cache (CUDA, ROCm, MPS, XPU: the probe's
+    backend), all asked for by the user; a dry run changes nothing.
 
     Args:
         namespace, refs: ``shell.user_ns`` and ``ipython_refs(shell.user_ns, shell.user_ns_hidden,
             shell.displayhook)``.
-        probe: a ``MemoryProbe`` for the readings before and after (None: no readings).
+        probe: a ``MemoryProbe`` for the readings before and after and the backend whose cache is
+            emptied (None: no readings, and torch.cuda's cache).
         dry_run: plan and read only.
         last_result, tb_formatters, displayhook, hidden: IPython's other references, as for
             :func:`plan_release` and :func:`release`.
@@ -340,7 +342,7 @@ def free_memory(namespace: MutableMapping[str, Any], refs: Optional[IPythonRefs]
     result = release(plan, namespace, hidden=hidden, displayhook=displayhook, last_result=last_result,
                      tb_formatters=tb_formatters)
     collected = gc.collect()  # asked for by the user: %gpumem free
-    emptied = _empty_cuda_cache()
+    emptied = _empty_cache(probe)
     return FreeOutcome(plan, result, before, _sample(probe), collected=collected, cache_emptied=emptied)
 
 
@@ -351,6 +353,18 @@ def _sample(probe: Any) -> Any:
         return probe.sample()
     except Exception:  # a reading is a nicety here; the release stands without it
         return None
+
+
+def _empty_cache(probe: Any) -> bool:
+    """The probe's backend's ``empty_cache()`` (it runs only on a device the user's code started);
+    without a probe, torch.cuda's."""
+    cuda_probe = getattr(probe, "cuda", None)
+    if cuda_probe is not None and hasattr(cuda_probe, "empty_cache"):
+        try:
+            return bool(cuda_probe.empty_cache())
+        except Exception:  # the release stands without it
+            return False
+    return _empty_cuda_cache()
 
 
 def _empty_cuda_cache() -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
-from ..core.devices import cuda
+from ..core.backends import for_device_type
 from ..core.memory import DeviceMemory
 from ..core.units import format_bytes, format_delta
 from ..display.parts import Heading, Para, Table, render
@@ -100,8 +100,14 @@ def _then(before: Any) -> List[str]:
     devices = getattr(before, "devices", None) or ()
     if devices:
         cached = sum(DeviceMemory.from_sample(d).reserved_unallocated or 0 for d in devices)
-        steps.append(f"the CUDA allocator's cache (torch.cuda.empty_cache(): {format_bytes(cached)} "
-                     "reserved but unallocated now)")
+        backend = for_device_type(getattr(devices[0], "type", "cuda"))
+        if backend.key == "mps":
+            # torch.mps.driver_allocated_memory() counts MPSGraph's own buffers as well as the pool.
+            held = "held by the Metal driver beyond tensors now, the allocator's cache among it"
+        else:
+            held = "reserved but unallocated now"
+        steps.append(f"the {backend.title} allocator's cache ({backend.module}.empty_cache(): "
+                     f"{format_bytes(cached)} {held})")
     return steps
 
 
@@ -117,7 +123,7 @@ def _changes(before: Any, after: Any) -> Optional[Table]:
             continue
         for what, a, b in (("allocated", old.allocated, dev.allocated), ("reserved", old.reserved, dev.reserved)):
             delta = None if a is None or b is None else b - a
-            rows.append([f"{cuda(dev.index).label} {what}", format_bytes(a), format_bytes(b), format_delta(delta)])
+            rows.append([f"{dev.device.label} {what}", format_bytes(a), format_bytes(b), format_delta(delta)])
             classes.append(["", "", "", delta_class(delta)])
     rss_a = getattr(getattr(before, "host", None), "rss", None)
     rss_b = getattr(getattr(after, "host", None), "rss", None)
