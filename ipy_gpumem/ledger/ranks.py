@@ -55,10 +55,13 @@ import time
 import types
 import weakref
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
 
 from ..core import children as _children
 from .rankfolder import RankFolder
+
+if TYPE_CHECKING:  # the records load with the first launch or failing cell, not with the extension
+    from ..core.records import RankFailure, RankRecord
 
 __all__ = ["RankWatch", "launcher_failure", "POLL_S", "NVML_EVERY_S"]
 
@@ -706,6 +709,8 @@ def launcher_failure(exc: Any) -> Optional[RankFailure]:
 
 
 def _elastic_failure(exc) -> RankFailure:
+    from ..core.records import RankFailure  # noqa: PLC0415 - loaded with the first failing launch
+
     try:
         rank, failure = exc.get_first_failure()
     except Exception:  # noqa: BLE001

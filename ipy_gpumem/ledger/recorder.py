@@ -11,9 +11,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..core.probes import MemoryProbe, Sample
+
+if TYPE_CHECKING:  # built on first use (loading the extension imports no record)
+    from ..core.records import CellRecord
 
 __all__ = ["Measurement", "Ledger", "MAX_SOURCE_CHARS", "MAX_MESSAGE_CHARS"]
 
@@ -225,7 +228,7 @@ class Measurement:
             except Exception:  # noqa: BLE001 - a name is a nicety
                 pass
             devices.append(DeviceRecord(
-                index=dev.index, name=name,
+                index=dev.index, name=name, type=dev.type,
                 allocated_before=alloc_before, allocated_after=dev.allocated, allocated_peak=self._device_peak(dev, b),
                 reserved_before=reserved_before, reserved_after=dev.reserved, reserved_peak=reserved_peak,
                 used_before=None if fresh else b.used, used_after=dev.used, total=dev.total,

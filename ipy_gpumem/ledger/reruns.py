@@ -43,9 +43,12 @@ from __future__ import annotations
 import re
 import sys
 import types
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from .kept import MAX_STORAGES, Snapshot, take_snapshot
+
+if TYPE_CHECKING:  # the sentences' data load with the first re-run, not with the extension
+    from ..core.why import Suspect
 
 __all__ = ["RerunTracker", "Snapshot", "take_snapshot", "MAX_CELLS", "MAX_STORAGES", "MIN_WALK_S"]
 
