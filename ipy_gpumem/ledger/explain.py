@@ -120,7 +120,7 @@ class CellAnatomy:
         self._stale = False
         snap = self.census(self._budget)
         self._baseline = snap
-        self._after(snap.complete)
+        self._after(not snap.stopped)
         self._settle(snap, self._counters)
         self._counters = None
 
@@ -129,7 +129,7 @@ class CellAnatomy:
         as the baseline."""
         if snapshot is not None:
             self.baseline = snapshot
-            self._after(snapshot.complete)
+            self._after(not snapshot.stopped)
             self._settle(snapshot, sample)
 
     def forget(self) -> None:
@@ -176,8 +176,8 @@ class CellAnatomy:
                 if torch_api is None:
                     return
                 self._watch = CensusWatch(type_cache(torch_api))
-            if not snapshot.complete and not self._gave_up:
-                self._watch.forget()
+            if snapshot.stopped and not self._gave_up:
+                self._watch.forget()  # the next cell counts again, with more time
                 return
             from ..core.why import owner_module
 
@@ -188,8 +188,10 @@ class CellAnatomy:
             if self._watch is not None:
                 self._watch.forget()
 
-    def _after(self, complete: bool) -> None:
-        if complete:
+    def _after(self, finished: bool) -> None:
+        """Grow the budget after a count a budget stopped (an incomplete count for another reason,
+        nesting or something unreadable, would not finish with more time)."""
+        if finished:
             self._budget, self._gave_up = BASELINE_BUDGET_S, False
         elif self._gave_up or self._budget >= BASELINE_MAX_S:
             self._budget, self._gave_up = BASELINE_BUDGET_S, True
@@ -227,7 +229,7 @@ class CellAnatomy:
             base = {d.index: d for d in measurement.start.devices}
             for dev in measurement.end.devices:
                 b = base.get(dev.index)
-                rec = DeviceRecord(dev.index, allocated_before=0 if b is None else b.allocated,
+                rec = DeviceRecord(dev.index, type=dev.type, allocated_before=0 if b is None else b.allocated,
                                    allocated_after=dev.allocated, reserved_before=0 if b is None else b.reserved,
                                    reserved_after=dev.reserved, used_before=None if b is None else b.used,
                                    used_after=dev.used)

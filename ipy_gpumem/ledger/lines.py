@@ -373,7 +373,7 @@ class LineTracer:
                 d = stats.devices[index]
                 a, r = d.allocated, d.reserved
                 devs.append(DeviceRecord(
-                    index=index,
+                    index=index, type=self.probe.cuda.device_type,
                     name=(names or {}).get(index),
                     allocated_before=a.before, allocated_after=a.after, allocated_peak=a.peak,
                     reserved_before=r.before, reserved_after=r.after, reserved_peak=r.peak,
