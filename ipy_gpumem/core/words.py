@@ -135,6 +135,8 @@ def clauses(why: Optional[Why], minimum: int = MIN_BYTES) -> List[Clause]:
 def _partial(why: Why) -> str:
     """What an incomplete count says after its clauses: the amounts are what it counted."""
     left = "; ".join(why.left_out[:2]) if why.left_out else "a time budget"
+    if why.left_out and not why.left_out[0].startswith("stopped"):
+        return f" (at least: the count of tensors left out {clip(left, 160)})"
     return f" (at least: the count of tensors stopped early, {clip(left, 160)})"
 
 

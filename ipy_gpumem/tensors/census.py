@@ -32,17 +32,23 @@ Part = Tuple[str, str, str]  # (device, role, owner)
 class Snapshot:
     """What a census found: ``parts`` ``{(device, role, owner): bytes}``, per-storage ``keys``
     ``{(device, data pointer): (role, owner, bytes)}``, ``info`` about owners (a module's class
-    and parameter bytes, an optimizer's class and state names), and whether it is complete."""
+    and parameter bytes, an optimizer's class and state names), and whether it is complete.
 
-    __slots__ = ("parts", "keys", "info", "complete", "left_out", "elapsed_s")
+    ``stopped`` says that a budget stopped it (more time would count more); a census can also be
+    incomplete for good (nesting deeper than the walk goes, something it cannot read).
+    """
 
-    def __init__(self, parts=None, keys=None, info=None, complete=True, left_out=(), elapsed_s=0.0):
+    __slots__ = ("parts", "keys", "info", "complete", "left_out", "elapsed_s", "stopped")
+
+    def __init__(self, parts=None, keys=None, info=None, complete=True, left_out=(), elapsed_s=0.0,
+                 stopped=False):
         self.parts: Dict[Part, int] = parts if parts is not None else {}
         self.keys: Dict[Tuple[str, int], Tuple[str, str, int]] = keys if keys is not None else {}
         self.info: Dict[str, dict] = info if info is not None else {}
         self.complete = complete
         self.left_out: Tuple[str, ...] = tuple(left_out)
         self.elapsed_s = elapsed_s
+        self.stopped = stopped
 
     @property
     def truncated(self) -> bool:
@@ -157,4 +163,5 @@ def snapshot_of(walk: Any, start: float) -> Snapshot:
     if walk.too_deep:
         left_out.append(f"{walk.too_deep:,} container(s) nested deeper than {MAX_DEPTH} levels (e.g. "
                         f"{walk.label(walk.too_deep_path)})")
-    return Snapshot(parts, keys, walk.info, walk.complete, left_out, time.perf_counter() - start)
+    return Snapshot(parts, keys, walk.info, walk.complete, left_out, time.perf_counter() - start,
+                    stopped=walk.stopped is not None)
