@@ -445,3 +445,12 @@ def test_mps_status_leaves_unknown_figures_blank_not_zero(no_mps_seen):
     memory = DeviceMemory.from_sample(dev)
     assert memory.outside_pytorch is None  # one driver figure: not split into pool and the rest
     assert memory.reserved_unallocated == 2 * GiB and memory.free == dev.total - 3 * GiB
+
+
+def test_the_tensors_room_notes_each_device_type_it_meets(no_mps_seen, monkeypatch):
+    from ipy_gpumem.tensors import storage
+
+    monkeypatch.setattr(storage, "_DEVICES", {("cpu", None): devices.HOST})
+    assert not devices.seen("mps")
+    assert storage.device_of("mps", 0) == Device("mps", 0)
+    assert devices.seen("mps") and not devices.seen("xpu")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from itertools import repeat
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..core.devices import HOST, Device, cuda
+from ..core.devices import HOST, Device, cuda, note_seen
 
 __all__ = ["Storages", "NOTHING", "CUDA_BLOCK_BYTES", "HOST", "device_of", "block_bytes"]
 
@@ -42,6 +42,7 @@ def device_of(dtype: str, index: Optional[int]) -> Device:
             dev = cuda(index)
         else:
             dev = Device(dtype, index)
+            note_seen(dtype)  # the probes read MPS only once a tensor of this process lives there
         _DEVICES[(dtype, index)] = dev
     return dev
 
