@@ -454,3 +454,18 @@ def test_the_tensors_room_notes_each_device_type_it_meets(no_mps_seen, monkeypat
     assert not devices.seen("mps")
     assert storage.device_of("mps", 0) == Device("mps", 0)
     assert devices.seen("mps") and not devices.seen("xpu")
+
+
+def test_the_chart_names_each_series_by_torchs_device(no_mps_seen):
+    from ipy_gpumem.chart.timeline import Timeline
+    from ipy_gpumem.core.probes import DeviceSample, HostSample, Sample
+
+    timeline = Timeline()
+    for t, allocated in ((0.0, GiB), (0.5, 3 * GiB)):
+        timeline.add(Sample(t, HostSample(100 * MiB, None),
+                            (DeviceSample(0, allocated, 4 * GiB, None, None, 4 * GiB, int(30.19 * GiB), "mps"),
+                             DeviceSample(1, allocated, 2 * GiB, None, None, None, 64 * GiB, "xpu"))))
+    snap = timeline.snapshot()
+    labels = {f"{key.device.label} {key.quantity}" for key in snap.keys}
+    assert {"mps allocated", "mps reserved", "mps used", "xpu:1 allocated", "xpu:1 reserved"} <= labels
+    assert Device("mps", 0) in snap.devices() and not any(d.type == "cuda" for d in snap.devices())

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, NamedTuple, Optional, Tuple
 
-from ..core.devices import HOST, Device, cuda
+from ..core.devices import HOST, Device, device
 from ..core.text import first_line
 
 __all__ = ["SeriesKey", "QUANTITIES", "HOST_RSS", "Change", "Span", "MissedPeak", "TimelineSnapshot", "Timeline",
@@ -218,8 +218,8 @@ class TimelineSnapshot:
 def _changes(record) -> Tuple[Change, ...]:
     """Per device what ``record`` did: allocated (and reserved) per CUDA device, else host RSS."""
     if record.devices:
-        return tuple(Change(cuda(d.index), d.allocated_delta, d.allocated_peak, d.peak_increase, d.reserved_delta)
-                     for d in record.devices)
+        return tuple(Change(device(getattr(d, "type", "cuda"), d.index), d.allocated_delta, d.allocated_peak,
+                            d.peak_increase, d.reserved_delta) for d in record.devices)
     host = record.host
     if host.rss_before is None and host.rss_after is None:
         return ()
@@ -463,7 +463,7 @@ class Timeline:
     def _reset(self) -> None:
         self._keys: list = []
         self._key_index: dict = {}
-        self._device_keys: dict = {}  # index -> (allocated, reserved, used) keys
+        self._device_keys: dict = {}  # (device type, index) -> (allocated, reserved, used) keys
         self._points = _Points(self.max_points)
         self._capacities: dict = {}
         self._spans = _Spans(self.max_spans)  # closed runs, oldest first
@@ -582,12 +582,12 @@ class Timeline:
             self._key_index[key] = index
         return index
 
-    def _dev_keys(self, index: int) -> tuple:
-        keys = self._device_keys.get(index)
+    def _dev_keys(self, index: int, kind: str = "cuda") -> tuple:
+        keys = self._device_keys.get((kind, index))
         if keys is None:
-            device = cuda(index)
-            keys = (SeriesKey(device, "allocated"), SeriesKey(device, "reserved"), SeriesKey(device, "used"))
-            self._device_keys[index] = keys
+            dev = device(kind, index)  # torch's name: cuda:0 (ROCm too), mps, xpu:1
+            keys = (SeriesKey(dev, "allocated"), SeriesKey(dev, "reserved"), SeriesKey(dev, "used"))
+            self._device_keys[(kind, index)] = keys
         return keys
 
     def _put(self, values: list, key: SeriesKey, value) -> None:
@@ -604,7 +604,7 @@ class Timeline:
         if host is not None and host.rss is not None:
             self._put(values, HOST_RSS, host.rss)
         for dev in sample.devices:
-            k_alloc, k_res, k_used = self._dev_keys(dev.index)
+            k_alloc, k_res, k_used = self._dev_keys(dev.index, getattr(dev, "type", "cuda"))
             if dev.allocated is not None:
                 self._put(values, k_alloc, dev.allocated)
             if dev.reserved is not None:
@@ -631,7 +631,7 @@ class Timeline:
                         record.error, record.duration_s, _changes(record), True, ranks=_rank_changes(record))
             for dev in record.devices:
                 if dev.total is not None:
-                    self._capacities[cuda(dev.index)] = int(dev.total)
+                    self._capacities[device(getattr(dev, "type", "cuda"), dev.index)] = int(dev.total)
         self._spans.append(_Run(span.start, end, span.label, span.label, span.moved, 1, span.failed, span))
 
     def _all_points(self) -> list:
