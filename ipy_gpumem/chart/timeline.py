@@ -204,9 +204,9 @@ class TimelineSnapshot:
         return tuple(mark for mark in every if mark.key in wanted)
 
     def devices(self) -> Tuple[Device, ...]:
-        """The CUDA devices with at least one reading, in index order."""
+        """The accelerator devices (CUDA, ROCm, MPS, XPU...) with at least one reading, in index order."""
         found = {key.device for key, values in self.series.items()
-                 if key.device.is_cuda and any(v is not None for v in values)}
+                 if not key.device.is_host and any(v is not None for v in values)}
         return tuple(sorted(found, key=lambda d: d.index if d.index is not None else -1))
 
 
