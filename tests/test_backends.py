@@ -469,3 +469,23 @@ def test_the_chart_names_each_series_by_torchs_device(no_mps_seen):
     labels = {f"{key.device.label} {key.quantity}" for key in snap.keys}
     assert {"mps allocated", "mps reserved", "mps used", "xpu:1 allocated", "xpu:1 reserved"} <= labels
     assert Device("mps", 0) in snap.devices() and not any(d.type == "cuda" for d in snap.devices())
+
+
+@pytest.mark.parametrize("entry, device_label, limit", [
+    (MPS_FIX["messages"][0], "mps", "18.13 GiB"),
+    (XPU_FIX["messages"][0], "xpu:0", "5.65 GiB"),
+    (ROCM_FIX["messages"][0], "cuda:0", "191.98 GiB"),
+], ids=["mps", "xpu", "rocm"])
+def test_the_oom_panel_reads_each_backends_real_message(ip, gpumem, restore_user_ns, entry, device_label, limit):
+    """The real messages raised in a real shell: the panel follows the user's traceback, names the
+    device as torch does and states the limit the message gives (MPS: its high-watermark limit)."""
+    from conftest import run, texts
+
+    message = entry["message"].split("Error: ", 1)[-1]
+    ip.user_ns["message"] = message
+    res, cap = run(ip, "import torch\nraise torch.OutOfMemoryError(message)")
+    assert not res.success and isinstance(res.error_in_exec, sys.modules["torch"].OutOfMemoryError)
+    panel = " ".join(" ".join(texts(cap) + [cap.stdout]).split())
+    assert f"Out of memory on {device_label}" in panel and limit in panel, panel[:600]
+    if device_label == "mps":
+        assert "PYTORCH_MPS_HIGH_WATERMARK_RATIO" in panel and "max allowed" in panel
