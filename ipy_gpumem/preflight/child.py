@@ -17,9 +17,12 @@ from typing import Any, Dict, Optional, Tuple
 
 from ..tensors.torch_api import api as torch_api
 from ..tensors.tracker import StorageTracker
+from .attention import summary, words as attention_words
+from .cpulike import cpu_emulation
 from .loaders import notes as loader_notes, read_without_workers
 from .result import Estimate, EstimateError
 from .run import analyse, explain_error, line_words, run_steps, to_cpu, warnings_quiet
+from .steady import words as steady_words
 from .world import FakeWorld, SubstitutionError
 
 __all__ = ["estimate_here"]
@@ -64,9 +67,10 @@ def estimate_here(step: Any, args: tuple, kwargs: dict, *, label: str, costs: Di
     tracker = StorageTracker(fake=True, redirect=to_cpu)
     printed = io.StringIO()
     # A CUDA step computes on CPU fakes: where CUDA allocates differently (autocast's lists and weight
-    # cache, cuBLAS's workspaces, foreach optimizers), the run emulates it (.cudalike).
-    emulation = _cuda_emulation(api, tracker, gpu, world.optimizers) if cuda else contextlib.nullcontext()
-    with fake_mode, emulation as cuda_run, warnings_quiet(), contextlib.redirect_stdout(printed):
+    # cache, dropout, the attention kernel the GPU picks, cuBLAS's workspaces, foreach optimizers), the
+    # run emulates it (.cudalike, .attention); a CPU step counts its kernels' scratch (.cpulike).
+    emulation = _cuda_emulation(api, tracker, gpu, world.optimizers) if cuda else cpu_emulation(api, tracker)
+    with fake_mode, emulation as emulated, warnings_quiet(), contextlib.redirect_stdout(printed):
         try:
             run_steps(step, args, kwargs, tracker, existing, world.modules, world.optimizers)
         except EstimateError:
@@ -79,14 +83,38 @@ def estimate_here(step: Any, args: tuple, kwargs: dict, *, label: str, costs: Di
     for _filename, line, source in tracker.run.value_reads:
         notes.append(f"line {line} (`{source}`) read a tensor's value (.item(), print, or an `if` on a tensor): a "
                      "fake tensor has none, so 0 was used; a branch on it follows the 0 path")
-    if cuda_run is not None and not cuda_run.autocast:
-        notes.append("this torch cannot take Python autocast kernels: a CUDA autocast region was estimated with the "
-                     "CPU's autocast op lists")
+    cuda_run = emulated if cuda else None
+    attention = []
+    if cuda_run is not None:
+        if not cuda_run.autocast:
+            notes.append("this torch cannot take Python autocast kernels: a CUDA autocast region was estimated with "
+                         "the CPU's autocast op lists")
+        notes.extend(_gpu_notes(cuda_run, gpu))
+        attention = summary(cuda_run.attention.calls)
     facts = analyse(tracker, label, costs)
+    if facts.get("steady_calls", 2) > 2:
+        notes.append(steady_words(facts))
     marks = [n for mark in program.marks for n in mark] if program is not None else []
     est = Estimate(device=label, fixed_costs=costs, notes=notes, seconds=time.perf_counter() - began,
-                   gpu=gpu, cublas_workspaces=cuda_run.workspaces.total if cuda_run is not None else 0, **facts)
+                   gpu=gpu, cublas_workspaces=cuda_run.workspaces.total if cuda_run is not None else 0,
+                   attention=attention, **facts)
     return est.to_plain(), marks, list(world.names)
+
+
+def _gpu_notes(cuda_run, gpu: Optional[str]) -> list:
+    """What the run assumed the GPU does: each group of attention calls' kernel, and cuDNN's convolutions."""
+    from .gpus import card_named
+
+    card = card_named(gpu)
+    sm = card.sm if card is not None else None
+    notes = [attention_words(row, gpu, sm) for row in summary(cuda_run.attention.calls)]
+    convs = cuda_run.convolutions
+    if convs.forward or convs.backward:
+        notes.append(f"{convs.forward} convolution call(s) forward and {convs.backward} backward over the two steps: "
+                     "cuDNN picks each one's algorithm when it runs (torch.backends.cudnn.benchmark tries several) "
+                     "and takes its workspace from PyTorch's allocator for the call, often tens of MiB; that "
+                     "workspace is not counted here")
+    return notes
 
 
 def _journals_in_memory(namespace: Optional[dict]) -> None:
@@ -144,4 +172,5 @@ def _cuda_emulation(api, tracker, gpu: Optional[str], optimizers):
     from .cudalike import cuda_emulation
     from .gpus import card_named, cublas_workspace
 
-    return cuda_emulation(api, tracker, cublas_workspace(card_named(gpu)), optimizers)
+    card = card_named(gpu)
+    return cuda_emulation(api, tracker, cublas_workspace(card), optimizers, sm=card.sm if card is not None else None)

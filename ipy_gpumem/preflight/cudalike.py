@@ -19,6 +19,14 @@ be the wrong one. Three places do, in torch 2.13:
   backward's). :class:`CublasWorkspaces` adds them to the tracked allocations.
 - **Foreach optimizers.** Left to choose, most of ``torch.optim`` takes the multi-tensor path on
   CUDA and the for-loop on the CPU; the two differ in temporaries (:func:`like_cuda`).
+- **Dropout.** ``dropout`` in training runs CUDA's fused ``native_dropout``, which keeps a one-byte
+  mask for backward; the CPU draws a mask of the input's dtype and keeps that (``Dropout.cpp``,
+  ``is_fused_kernel_acceptable``): 4 bytes an element in fp32 where CUDA keeps 1 (:class:`CudaDropout`).
+- **Attention.** ``scaled_dot_product_attention`` picks its kernel by the GPU's rules
+  (:mod:`.attention`), and a fused kernel's backward takes scratch for the time of its call.
+- **Convolutions.** cuDNN picks each convolution's algorithm when it runs and takes its workspace
+  from the caching allocator for the call; its size is not known without the card, so the
+  estimate counts the convolutions it saw and says so (:class:`Convolutions`).
 
 All of it changes torch's dispatcher or classes, so it runs in the sealed child, whose changes
 die with it (the tests run it in-process and undo it on exit).
@@ -31,7 +39,7 @@ import weakref
 from typing import Any, Dict, Iterable, Iterator, NamedTuple
 
 __all__ = ["POLICIES", "GEMMS", "FOREACH_BY_DEFAULT", "CudaAutocast", "CublasWorkspaces", "like_cuda",
-           "CudaRun", "cuda_emulation"]
+           "CudaDropout", "AttentionScratch", "Convolutions", "AfterOps", "CudaRun", "cuda_emulation"]
 
 # CUDA's autocast lists in torch 2.13, as registered for the Autocast(CUDA) key by
 # aten/src/ATen/autocast_mode.cpp from the macros of autocast_mode.h. "op" is the default overload.
@@ -334,22 +342,125 @@ def _is_fake(t) -> bool:
     return type(t).__name__ == "FakeTensor"
 
 
+class CudaDropout:
+    """A context in which ``dropout`` and ``dropout_`` on CPU fakes run as on CUDA: the fused
+    ``native_dropout`` (a one-byte mask kept for backward) wherever torch takes it there."""
+
+    def __init__(self, api):
+        self.api = api
+        self.torch = api.torch
+        self._lib = None
+
+    def _rest(self, input, p, train, inplace):
+        """``_dropout_impl`` for what the fused kernel does not take: p of 0 or 1, eval, empty input."""
+        if not 0 <= p <= 1:
+            raise RuntimeError(f"dropout probability has to be between 0 and 1, but got {p}")
+        if p == 0 or not train or input.numel() == 0:
+            return input
+        zero = self.torch.zeros((), dtype=input.dtype, device=input.device)
+        return input.mul_(zero) if inplace else input.mul(zero)
+
+    def dropout(self, input, p, train):
+        if train and 0 < p < 1 and input.numel() > 0:
+            return self.torch.ops.aten.native_dropout(input, p, True)[0]
+        return self._rest(input, p, train, False)
+
+    def dropout_(self, input, p, train):
+        if train and 0 < p < 1 and input.numel() > 0:
+            return input.copy_(self.torch.ops.aten.native_dropout(input, p, True)[0])
+        return self._rest(input, p, train, True)
+
+    def __enter__(self) -> "CudaDropout":
+        lib = self.torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for key in ("AutogradCPU", "CPU"):  # as the attention kernel: before autograd, and inference mode
+                lib.impl("dropout", self.dropout, key)
+                lib.impl("dropout_", self.dropout_, key)
+        self._lib = lib
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._lib is not None:
+            self.api.drop_library(self._lib)
+            self._lib = None
+        return False
+
+
+class AttentionScratch:
+    """Adds a fused attention backward's scratch (:func:`.attention.backward_scratch`) to the tracked run
+    for the time of its call: taken after its gradients, given back at once."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    def __call__(self, func, out=None) -> None:
+        from .attention import backward_scratch
+
+        name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+        if name.endswith("_attention_backward"):
+            size = backward_scratch(name, out)
+            if size > 0:
+                self.tracker.release(self.tracker.allocate(size))
+
+
+#: The aten ops through which a convolution reaches the tracker, forward and backward.
+CONVOLUTIONS = frozenset(("convolution", "_convolution", "cudnn_convolution", "cudnn_convolution_transpose",
+                          "convolution_backward"))
+
+
+class Convolutions:
+    """Counts the convolutions a CUDA run makes (cuDNN's workspaces are not counted: they are named)."""
+
+    def __init__(self):
+        self.forward = 0
+        self.backward = 0
+
+    def __call__(self, func, out=None) -> None:
+        name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+        if name in CONVOLUTIONS:
+            if name == "convolution_backward":
+                self.backward += 1
+            else:
+                self.forward += 1
+
+
+class AfterOps:
+    """Several ``after_op`` hooks as one, called in order."""
+
+    def __init__(self, *hooks):
+        self.hooks = hooks
+
+    def __call__(self, func, out=None) -> None:
+        for hook in self.hooks:
+            hook(func, out)
+
+
 class CudaRun(NamedTuple):
     """What :func:`cuda_emulation` put in place for one run."""
 
     workspaces: CublasWorkspaces
     #: CUDA's autocast lists are emulated (False: this torch cannot take the kernels)
     autocast: bool
+    #: the attention calls and the kernels picked for them
+    attention: Any
+    convolutions: Convolutions
 
 
 @contextlib.contextmanager
-def cuda_emulation(api, tracker, workspace: int, optimizers=()) -> Iterator[CudaRun]:
-    """CUDA's autocast, cuBLAS workspaces (``workspace`` bytes each) and foreach optimizers for one run."""
+def cuda_emulation(api, tracker, workspace: int, optimizers=(), sm=None) -> Iterator[CudaRun]:
+    """CUDA's autocast, dropout, attention kernels (for a card of compute capability ``sm``), cuBLAS
+    workspaces (``workspace`` bytes each) and foreach optimizers for one run."""
+    from .attention import GpuAttention
+
     like_cuda(optimizers, api)
     workspaces = CublasWorkspaces(tracker, workspace)
-    tracker.after_op = workspaces
+    convolutions = Convolutions()
+    tracker.after_op = AfterOps(workspaces, AttentionScratch(tracker), convolutions)
+    marks = tracker.run.phase_marks
     try:
-        with CudaAutocast(api) as autocast:
-            yield CudaRun(workspaces, autocast.supported)
+        with CudaAutocast(api) as autocast, CudaDropout(api), \
+                GpuAttention(api, sm, step_of=lambda: marks[-1][2] if marks else 0) as attention:
+            yield CudaRun(workspaces, autocast.supported, attention, convolutions)
     finally:
         tracker.after_op = None

@@ -76,6 +76,15 @@ class Estimate:
     #: bytes of cuBLAS workspace in the peaks: one per thread that multiplied matrices (the
     #: forward's, and backward's on the autograd engine's thread), taken at its first GEMM
     cublas_workspaces: int = 0
+    #: the scaled_dot_product_attention calls of a step, grouped, with the kernel the GPU picks for
+    #: them: [{"kernel" ("flash", "efficient", "cudnn", "math"), "calls", "batch", "heads", "q_len",
+    #: "kv_len", "head_dim", "dtype", "mask", "dropout", "causal", "refused": {kernel: why}}]
+    attention: List[dict] = field(default_factory=list)
+    #: the step after which the modelled caching allocator's peaks stop growing (2: they hold after
+    #: two), and the reserved bytes the steady state adds to two steps' (a CUDA estimate's peaks are
+    #: the steady state's)
+    steady_calls: int = 2
+    steady_extra: int = 0
 
     @property
     def assumed(self) -> str:
@@ -114,6 +123,9 @@ class Estimate:
             "device": self.device,
             "gpu": self.gpu,
             "cublas_workspaces": self.cublas_workspaces,
+            "attention": [dict(row, refused=dict(row["refused"])) for row in self.attention],
+            "steady_calls": self.steady_calls,
+            "steady_extra": self.steady_extra,
             "peak_allocated": self.peak_allocated,
             "peak_reserved": self.peak_reserved,
             "start_allocated": self.start_allocated,
@@ -199,7 +211,23 @@ def _checked(data) -> dict:
                 peak_step=_int(data["peak_step"]), peak_phase=_str(data["peak_phase"]),
                 notes=[_str(n) for n in _list(data["notes"])], seconds=_number(data["seconds"]),
                 events=list(zip(flat[0::2], flat[1::2])), gpu=None if gpu is None else _str(gpu),
-                cublas_workspaces=_int(data["cublas_workspaces"]))
+                cublas_workspaces=_int(data["cublas_workspaces"]),
+                attention=[_attention_row(row) for row in _list(data["attention"])],
+                steady_calls=_int(data["steady_calls"]), steady_extra=_int(data["steady_extra"]))
+
+
+_ATTENTION_INTS = ("calls", "batch", "heads", "q_len", "kv_len", "head_dim")
+
+
+def _attention_row(value) -> dict:
+    """One group of attention calls, checked."""
+    row = _dict(value)
+    causal = row["causal"]
+    if type(causal) is not bool:
+        raise TypeError("causal must be a bool")
+    return {"kernel": _str(row["kernel"]), **{k: _int(row[k]) for k in _ATTENTION_INTS}, "dtype": _str(row["dtype"]),
+            "mask": _str(row["mask"]), "dropout": _number(row["dropout"]), "causal": causal,
+            "refused": {_str(k): _str(v) for k, v in _dict(row["refused"]).items()}}
 
 
 def _dict(value) -> dict:

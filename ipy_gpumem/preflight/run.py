@@ -76,8 +76,9 @@ def run_steps(step, args, kwargs, tracker: StorageTracker, existing, modules=(),
             tracker.note_grads(modules)
             for optimizer in optimizers:
                 tracker.note_optimizer(optimizer)
-        del kept
+        # The end of the last call: what follows (its own result freed) is the harness's, not a step's.
         tracker.mark("end")
+        del kept
 
 
 def to_cpu(device):
@@ -136,6 +137,7 @@ def explain_error(exc) -> EstimateError:
 def analyse(tracker: StorageTracker, device: str, fixed_costs: Dict[str, int]) -> dict:
     """Peaks, the roles at the peak, the phases and the modules of a tracked run."""
     from .allocator import replay
+    from .steady import repeat
 
     run = tracker.run
     unused = run.unused_existing()
@@ -145,10 +147,24 @@ def analyse(tracker: StorageTracker, device: str, fixed_costs: Dict[str, int]) -
     events = [(k, 0) if k in unused and size >= 0 else (k, size) for k, size in run.events] if unused else run.events
     run_sizes = {k: (0 if k in unused else n) for k, n in run.sizes.items()} if unused else run.sizes
     cuda = device.startswith("cuda")
+    marks = [m for m in run.phase_marks]
+    origin, copies, steady = {}, [], {}
     if cuda:
+        # A loop runs the step many times, and the caching allocator can reserve more for a few more
+        # steps than for two: the last call is repeated in the allocator model until it settles (.steady).
+        repeated = repeat(events, marks)
+        if repeated is not None and repeated.settled > 2:
+            # Kept through the copy after which nothing grew: fits() replays the steady state too.
+            two_calls = replay(repeated.events[:marks[-1][0]], series=False).peak_reserved
+            copies = repeated.copies[:repeated.settled - 2]
+            last = repeated.copies[repeated.settled - 2][0] if repeated.settled - 2 < len(repeated.copies) \
+                else len(repeated.events)
+            events, origin = repeated.events[:last], repeated.origin
         rep = replay(events)
         allocated, reserved, sizes = rep.allocated, rep.reserved, rep.block_sizes
         peak_reserved = rep.peak_reserved
+        if copies:
+            steady = {"steady_calls": repeated.settled, "steady_extra": peak_reserved - two_calls}
     else:
         allocated, total = [], 0
         for key, size in events:
@@ -156,13 +172,15 @@ def analyse(tracker: StorageTracker, device: str, fixed_costs: Dict[str, int]) -
             allocated.append(total)
         reserved, sizes = allocated, run_sizes
         peak_reserved = max(allocated, default=0)
-    marks = [m for m in run.phase_marks]
     first = marks[0][0] if marks else len(events)
     start = allocated[first - 1] if first > 0 else 0
     peak_index = max(range(len(allocated)), key=allocated.__getitem__) if allocated else -1
     peak = allocated[peak_index] if allocated else 0
 
     def role_of(key, at):
+        copied = origin.get(key)
+        if copied is not None:  # a copy of the last call's tensor: its role there
+            key, at = copied[0], at - copied[1]
         role = run.initial_roles.get(key)
         if role is not None:
             return role
@@ -211,6 +229,11 @@ def analyse(tracker: StorageTracker, device: str, fixed_costs: Dict[str, int]) -
         top = max(allocated[begin:end], default=base)
         if begin <= peak_index < end:
             peak_phase, peak_step = phase, step
+        if step == 2:
+            for number, (copy_start, shift) in enumerate(copies, start=3):
+                copy_end = copies[number - 2][0] if number - 2 < len(copies) else len(events)
+                if copy_start <= peak_index < copy_end and begin <= peak_index - shift < end:
+                    peak_phase, peak_step = phase, number  # in a copy of the last call: its phase there
         change = sub_tables(tables.get(end - 1, {}), tables.get(begin - 1, {}))
         phases.append({"phase": phase, "step": step, "peak": max(top - base, 0),
                        "roles": clean_table(change)})
@@ -222,7 +245,7 @@ def analyse(tracker: StorageTracker, device: str, fixed_costs: Dict[str, int]) -
                       for name, row in run.modules.items()), key=lambda r: -r["activations"])
     return {"peak_allocated": peak, "peak_reserved": peak_reserved, "start_allocated": start, "roles": roles,
             "phases": phases, "modules": modules[:10], "peak_phase": peak_phase, "peak_step": peak_step,
-            "events": events}
+            "events": events, **steady}
 
 
 def check_step(step) -> None:
