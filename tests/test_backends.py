@@ -489,3 +489,30 @@ def test_the_oom_panel_reads_each_backends_real_message(ip, gpumem, restore_user
     assert f"Out of memory on {device_label}" in panel and limit in panel, panel[:600]
     if device_label == "mps":
         assert "PYTORCH_MPS_HIGH_WATERMARK_RATIO" in panel and "max allowed" in panel
+
+
+def test_estimate_names_non_nvidia_devices():
+    """MI300X, an Intel Max 1550 and an M3 Max 36GB as ``gpu=``: their usable memory from the
+    recordings (MI300X's 191.98 GiB messages, the Max 1550's 65,520 MiB), the M3 Max's assumed."""
+    import ipy_gpumem
+    from ipy_gpumem.preflight.gpus import GPUS, cublas_workspace, fixed_costs, resolve_gpu
+
+    torch = sys.modules["torch"]
+    assert resolve_gpu("AMD Instinct MI300X") is GPUS["MI300X"]
+    assert resolve_gpu("Intel(R) Data Center GPU Max 1550").capacity == XPU_FIX["device"]["total_memory_mib"] * MiB
+    assert abs(GPUS["MI300X"].capacity - int(191.98 * GiB)) < 2 * MiB
+    m3 = resolve_gpu("M3 Max 36GB")
+    assert m3.capacity == 27 * GiB and fixed_costs(m3) == {} and cublas_workspace(m3) == 0
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 256)
+
+    def step(model, opt, x):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    est = ipy_gpumem.estimate(step, model, opt, x, device="cuda", gpu="M3 Max 36GB")
+    for name in ("M3 Max 36GB", "MI300X", "Max 1550"):
+        fit = est.fits(name)
+        assert fit.fits and fit.capacity == GPUS[name].capacity

@@ -27,7 +27,9 @@ class Gpu(NamedTuple):
 
     name: str
     capacity: int          # bytes, torch's total_memory
-    generation: str        # "kepler", "pascal", "volta", "turing", "ampere", "ada", "hopper", "blackwell"
+    #: "kepler", "pascal", "volta", "turing", "ampere", "ada", "hopper", "blackwell"; non-NVIDIA:
+    #: "cdna3" (AMD Instinct MI300), "xe-hpc" (Intel Data Center GPU Max), "apple" (Apple silicon, MPS)
+    generation: str
     sm: Optional[int] = None
 
 
@@ -54,11 +56,25 @@ GPUS: Dict[str, Gpu] = {g.name: g for g in (
     _g("H100-80", 79.10, "hopper", 90),
     _g("H200", 139.80, "hopper", 90),
     _g("B200", 178.35, "blackwell", 100),
+    # Not NVIDIA (issue 32). MI300X: 191.98 GiB, the "total capacity" of its HIP out-of-memory
+    # messages (tests/fixtures/backends/rocm.json). Max 1550: 65,520 MiB per device torch sees (each
+    # of its two stacks), torch.xpu.get_device_properties in intel/torch-xpu-ops#3888's CI logs.
+    # M3 Max 36GB: what MPS can use without swapping is Metal's recommended working set, which the
+    # messages of 8, 16 and 64 GB Macs put at 2/3 of RAM up to 16 GB and 3/4 at 64 GB; for 36 GB
+    # 3/4 (27 GiB) is ASSUMED (no public reading of one was found). Its allocator's own limit is
+    # 1.7 times that (45.90 GiB, more than the RAM): a step above 27 GiB may still run, swapping.
+    _g("MI300X", 191.98, "cdna3", None),
+    _g("Max 1550", 65520 / 1024, "xe-hpc", None),
+    _g("M3 Max 36GB", 27.00, "apple", None),
 )}
 
 _ALIASES = {"A100": "A100-40", "V100": "V100-16", "H100": "H100-80", "TESLA T4": "T4", "TESLA P100": "P100",
             "A100-SXM4-40GB": "A100-40", "A100-SXM4-80GB": "A100-80", "A100 80GB PCIE": "A100-80",
-            "H100 80GB HBM3": "H100-80", "H100 PCIE": "H100-80", "NVIDIA L4": "L4", "NVIDIA A10G": "A10G"}
+            "H100 80GB HBM3": "H100-80", "H100 PCIE": "H100-80", "NVIDIA L4": "L4", "NVIDIA A10G": "A10G",
+            "AMD-INSTINCT-MI300X": "MI300X", "AMD INSTINCT MI300X": "MI300X",
+            "MAX-1550": "Max 1550", "INTEL-MAX-1550": "Max 1550", "INTEL(R)-DATA-CENTER-GPU-MAX-1550": "Max 1550",
+            "INTEL(R) DATA CENTER GPU MAX 1550": "Max 1550",
+            "M3-MAX-36GB": "M3 Max 36GB", "APPLE-M3-MAX-36GB": "M3 Max 36GB", "M3-MAX-36": "M3 Max 36GB"}
 
 #: CUDA context size (bytes) per generation, with lazy module loading: what nvidia-smi shows for a
 #: process beyond torch's reserved bytes once it has run a step. Public readings (they move by tens
@@ -72,8 +88,13 @@ _ALIASES = {"A100": "A100-40", "V100": "V100-16", "H100": "H100-80", "TESLA T4":
 #:   (pytorch/pytorch#55277): it grows with the kernels built for the architecture.
 #: No public H100 or B200 reading was found: hopper and blackwell are extrapolated (more kernels
 #: per architecture), and ``%%gpumem`` on the card itself measures it.
+#: Not NVIDIA, all ASSUMED (no public reading of the size was found): a HIP context on MI300X as
+#: Hopper's (ROCm's start-up overhead is larger than CUDA's, vllm-project/vllm#43236, unmeasured);
+#: a Level Zero context on a Max 1550 as Turing's; none on Apple silicon (unified memory: MPS keeps no
+#: device context, and MPSGraph's buffers are counted in torch.mps.driver_allocated_memory()).
 CONTEXT_BYTES = {"kepler": 300 * MiB, "pascal": 300 * MiB, "volta": 320 * MiB, "turing": 300 * MiB,
-                 "ampere": 420 * MiB, "ada": 420 * MiB, "hopper": 520 * MiB, "blackwell": 560 * MiB}
+                 "ampere": 420 * MiB, "ada": 420 * MiB, "hopper": 520 * MiB, "blackwell": 560 * MiB,
+                 "cdna3": 520 * MiB, "xe-hpc": 300 * MiB, "apple": 0}
 
 
 def cublas_workspace(gpu: Optional[Gpu]) -> int:
@@ -87,6 +108,8 @@ def cublas_workspace(gpu: Optional[Gpu]) -> int:
     """
     import os
 
+    if gpu is not None and gpu.generation in ("apple", "xe-hpc"):
+        return 0  # no cuBLAS on MPS or XPU (oneDNN and MPSGraph keep their own scratch)
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if config:
         pairs = re.findall(r":([0-9]+):([0-9]+)", config)
@@ -97,9 +120,11 @@ def cublas_workspace(gpu: Optional[Gpu]) -> int:
 
 
 def fixed_costs(gpu: Optional[Gpu]) -> Dict[str, int]:
-    """The bytes a CUDA process needs outside the caching allocator on ``gpu``: its CUDA context."""
+    """The bytes a CUDA process needs outside the caching allocator on ``gpu``: its CUDA context (a
+    HIP one on ROCm, through the same torch.cuda; none on Apple silicon)."""
     generation = gpu.generation if gpu is not None else "ampere"
-    return {"cuda_context": CONTEXT_BYTES.get(generation, 420 * MiB)}
+    context = CONTEXT_BYTES.get(generation, 420 * MiB)
+    return {"cuda_context": context} if context else {}
 
 
 #: Cards met as "this GPU" in this process, by name: the sealed child (a fork) finds them by the
