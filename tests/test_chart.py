@@ -56,8 +56,8 @@ def test_tier_follows_the_front_end(monkeypatch):
     assert tier == "text" and "terminal" in note
     monkeypatch.setitem(sys.modules, "ipykernel", _fake_ipykernel())
     zmq_shell = type("ZMQInteractiveShell", (), {})()
-    # In a kernel the live plotly figure is the default where plotly's widget can be built.
-    from ipy_gpumem.chart.figures.live import plotly_widget_status
+    # In a kernel the live plotly figure is the default where it can be shown (plotly, anywidget).
+    from ipy_gpumem.chart.views import plotly_widget_status
 
     assert choose_tier(zmq_shell) == ("plotly" if plotly_widget_status() is None else "html", None)
     assert choose_tier(zmq_shell, prefer="html") == ("html", None)
@@ -178,8 +178,14 @@ def test_html_view_bundle_updates_in_place():
 
 def test_status_line_view_says_where_the_chart_is():
     view = StatusLineView(gpu_timeline(), where="chart in the right sidebar")
-    bundle = view._bundle(view.timeline.snapshot())
+    bundle = view.bundle(view.timeline.snapshot())
     assert bundle["text/plain"].startswith("ipy_gpumem · cuda:0") and "right sidebar" in bundle["text/plain"]
+    updates = []
+    view.handle = types.SimpleNamespace(update=lambda bundle, raw: updates.append(bundle))
+    view.say("no right sidebar in this front end: the chart is below")  # what the front end reported
+    assert "chart is below" in updates[-1]["text/plain"] and "sidebar;" not in updates[-1]["text/plain"]
+    view.say("no right sidebar in this front end: the chart is below")
+    assert len(updates) == 1  # said once
 
 
 def test_text_view_is_printed_once(capsys):
@@ -212,7 +218,7 @@ def test_widget_view_holds_the_chart_and_closes_its_widgets_when_frozen():
     assert created == {w.model_id for w in view.widgets} and len(created) == 3  # HTML, its layout, its style
     updates = []
     view.handle = types.SimpleNamespace(update=lambda bundle, raw: updates.append(bundle))
-    bundle = view._bundle(tl.snapshot())
+    bundle = view.bundle(tl.snapshot())
     assert set(bundle) == {"application/vnd.jupyter.widget-view+json", "text/html", "text/plain"}
     assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == view.html.model_id
     tl.add(Sample(500.0, HostSample(GiB, None), (DeviceSample(0, GiB, 2 * GiB, None, None, 3 * GiB, 16 * GiB),), None))
@@ -404,12 +410,12 @@ def test_repeated_charts_keep_one_live_view_and_no_widgets(ip, monkeypatch):
         with capture_output():
             chart.show(ip, "widget", run=False)
         assert len(set(_widgets()) - before) == 3
-        from ipy_gpumem.chart.figures.live import plotly_widget_status
+        from ipy_gpumem.chart.views import plotly_widget_status
 
         if plotly_widget_status() is None:
             with capture_output():
-                chart.show(ip, None, run=False)  # the default: one FigureWidget, the HTML widget closed
-            assert len(set(_widgets()) - before) == 1 and chart.views[0].tier == "plotly"
+                chart.show(ip, None, run=False)  # the default: the figure's link and its layout, the HTML widget closed
+            assert len(set(_widgets()) - before) == 2 and chart.views[0].tier == "plotly"
     finally:
         chart.close()
     assert set(_widgets()) == before and chart.views == []

@@ -1,12 +1,13 @@
-"""The plotly figures: what the timeline figure holds, that plotly accepts it, and that the live view keeps a
-user's zoom and sends only what changed."""
+"""The plotly figures: what the session figure holds, that plotly accepts it, that its traces are fixed in
+number and order with x values from the first draw, that the live view hands its link each new figure and
+leaves a figure (never a widget) in its output, and the column figures (a cell, the history, an estimate)."""
 import json
 import time
 
 import pytest
 
-from ipy_gpumem.chart.figures.timeline import PLOTLY_MIME, UIREVISION, byte_unit, timeline_figure
-from ipy_gpumem.chart.svg.base import DEVICE_COLORS, FAILED_COLOR, RUNNING_COLOR
+from ipy_gpumem.chart.figures.timeline import FIXED_TRACES, PLOTLY_MIME, UIREVISION, byte_unit, timeline_figure
+from ipy_gpumem.chart.style import DEVICE_COLORS, FAILED_COLOR, PEAK_COLOR, RUNNING_COLOR
 from ipy_gpumem.chart.timeline import Timeline
 from ipy_gpumem.core.devices import HOST, cuda
 from ipy_gpumem.core.probes import DeviceSample, HostSample, Sample
@@ -95,10 +96,10 @@ def test_host_only_sessions_chart_rss_and_empty_ones_say_so():
     for i in range(5):
         tl.add(host(10.0 + i, 300 * MiB + i * MiB))
     figure = timeline_figure(tl.snapshot())
-    assert [trace["name"] for trace in figure["data"]] == ["host RSS"]
+    assert [trace["name"] for trace in figure["data"] if trace["x"]] == ["host RSS"]  # the other traces are empty
     assert figure["layout"]["yaxis"]["title"]["text"] == "host RSS (MiB)"
     empty = timeline_figure(None)
-    assert empty["data"] == [] and "no samples yet" in json.dumps(empty["layout"]["annotations"])
+    assert not any(trace["x"] for trace in empty["data"]) and "no samples yet" in json.dumps(empty["layout"]["annotations"])
     assert byte_unit(0) == (1024, "KiB") and byte_unit(3 * GiB)[1] == "GiB"
 
 
@@ -121,81 +122,101 @@ def test_long_sessions_stay_small_and_keep_every_cells_peak():
 
 
 # ---------------------------------------------------------------------------------------------
-# The live view (a real FigureWidget, no front end)
+# Stable traces, and the live view (a real link widget, no front end)
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def live_view():
+def test_every_figure_has_the_same_traces_in_the_same_order_each_with_x_values():
+    """Issue 31, items 2 and 3: a legend click hid the wrong series after an update (band traces came and
+    went, shifting indices), and a new figure drew its bands without x values."""
+    empty = timeline_figure(Timeline().snapshot())
+    busy = timeline_figure(session().snapshot())
+    uids = [trace["uid"] for trace in busy["data"]]
+    assert uids[:len(FIXED_TRACES)] == list(FIXED_TRACES) == [trace["uid"] for trace in empty["data"]]
+    assert all("x" in trace and "y" in trace and len(trace["x"]) == len(trace["y"]) for trace in busy["data"])
+    assert len(set(uids)) == len(uids)
+    bands = [trace for trace in busy["data"] if trace["uid"].startswith("band:")]
+    assert all(all(x is None or isinstance(x, float) for x in trace["x"]) for trace in bands)
+    assert sum(len([x for x in trace["x"] if x is not None]) for trace in bands) == 5 * 6  # 6 cells, 5 corners each
+
+
+def test_a_live_figure_only_appends_traces_and_keeps_a_gone_one_empty_in_its_place():
+    from ipy_gpumem.chart.figures.timeline import session_figure
+    from ipy_gpumem.chart.session import session_layout
+
+    tl = Timeline()
+    for i in range(5):
+        tl.add(host(10.0 + i, 300 * MiB + i * MiB))
+    first = session_figure(session_layout(tl.snapshot()))
+    order = [trace["uid"] for trace in first["data"]]
+    assert order[-1] == "series:cpu:rss"
+    tl.add(gpu(20.0, GiB, 2 * GiB))  # CUDA comes up: the chart now draws the device, not host RSS
+    second = session_figure(session_layout(tl.snapshot()), order=order,
+                            kept={trace["uid"]: trace for trace in first["data"]})
+    uids = [trace["uid"] for trace in second["data"]]
+    assert uids[:len(order)] == order and "series:cuda:0:allocated" in uids[len(order):]  # appended, never inserted
+    rss = second["data"][order.index("series:cpu:rss")]
+    assert rss["x"] == [] and rss["y"] == [] and rss["showlegend"] is False and rss["name"] == "host RSS"
+
+
+def _link_view(tl):
     pytest.importorskip("anywidget")
-    pytest.importorskip("plotly")
-    from ipy_gpumem.chart.figures.live import FigureChartView
+    from ipy_gpumem.chart.figures.live import PlotlyChartView
 
-    tl = session()
-    view = FigureChartView(tl)
-    view.refresh()
-    yield tl, view
-    view.freeze()
-
-
-def _spy(monkeypatch, figure):
-    """Record what the widget sends to the front end (restyle and relayout, batched into updates)."""
-    sent = []
-    cls = type(figure)
-    original = cls._send_update_msg
-
-    def spy(self, restyle_data, relayout_data, trace_indexes=None, source_view_id=None):
-        sent.append((dict(restyle_data), dict(relayout_data)))
-        return original(self, restyle_data, relayout_data, trace_indexes, source_view_id)
-
-    monkeypatch.setattr(cls, "_send_update_msg", spy)
-    return sent
-
-
-def test_a_users_zoom_survives_the_next_update(live_view, monkeypatch):
-    tl, view = live_view
-    figure = view.figure
-    # What plotly.js sends back when the user zooms (the widget writes it into the figure).
-    figure.layout.xaxis.range = (1.0, 2.0)
-    figure.layout.xaxis.autorange = False
-    figure.layout.yaxis.range = (0.5, 1.5)
-    sent = _spy(monkeypatch, figure)
-    allocated = next(trace for trace in figure.data if trace.name == "cuda:0 allocated")
-    before = len(allocated.x)
-    tl.add(gpu(103.0, 5 * GiB, 6 * GiB))
-    assert view.refresh() is False and view.owes  # within MIN_INTERVAL of the last draw: held back, owed
-    view._drawn_at = float("-inf")  # a second later
-    assert view.refresh() is True and not view.owes
-    assert len(allocated.x) == before + 1 and allocated.y[-1] == 5.0  # the new point arrived
-    assert tuple(figure.layout.xaxis.range) == (1.0, 2.0) and tuple(figure.layout.yaxis.range) == (0.5, 1.5)
-    assert sent and not any("range" in key or "autorange" in key for _, relayout in sent for key in relayout), sent
-    assert figure.layout.uirevision == UIREVISION
-
-
-def test_updates_send_only_what_changed(live_view, monkeypatch):
-    tl, view = live_view
-    sent = _spy(monkeypatch, view.figure)
-    tl.add(gpu(103.0, 5 * GiB, 6 * GiB))
-    view._drawn_at = float("-inf")
-    view.refresh()
-    touched = {name for restyle, _ in sent for name in restyle}
-    assert touched and touched <= {"x", "y", "text", "hovertext", "marker", "mode", "marker.color"}, touched
-    count = len(sent)
-    view._drawn_at = float("-inf")
-    assert view.refresh() is False and len(sent) == count  # nothing new: nothing sent
-
-
-def test_a_frozen_view_leaves_the_figure_as_the_user_left_it(live_view):
-    tl, view = live_view
+    view = PlotlyChartView(tl)
     updates = []
     view.handle = type("Handle", (), {"update": lambda self, bundle, raw: updates.append(bundle)})()
-    view.figure.layout.xaxis.range = (1.0, 2.0)
-    view.freeze()
-    (bundle,) = updates
-    assert list(bundle)[0] == PLOTLY_MIME and "application/vnd.jupyter.widget-view+json" not in bundle
-    assert tuple(bundle[PLOTLY_MIME]["layout"]["xaxis"]["range"]) == (1.0, 2.0)
-    assert "data:image/svg+xml," in bundle["text/html"] and bundle["text/plain"].startswith("ipy_gpumem")
-    assert view.figure.comm is None or getattr(view.figure, "_repr_keys", None) is None  # closed
+    figure = view.figure(tl.snapshot())
+    view._make_link(tl.snapshot(), figure)  # what display() does after sending the figure
+    return view, updates
+
+
+def test_the_live_view_hands_its_link_each_new_figure_and_its_output_keeps_a_figure():
+    tl = session()
+    view, updates = _link_view(tl)
+    try:
+        link = view.link
+        assert link is not None and link.chart == view.chart and link.figure["layout"]["meta"] == view.chart
+        before = [trace["uid"] for trace in link.figure["data"]]
+        tl.add(gpu(103.0, 5 * GiB, 6 * GiB))
+        assert view.refresh(force=True) is True
+        after = link.figure
+        assert [trace["uid"] for trace in after["data"]][:len(before)] == before
+        allocated = next(trace for trace in after["data"] if trace["name"] == "cuda:0 allocated")
+        assert allocated["y"][-1] == 5.0  # the new point arrived
+        assert after["layout"]["uirevision"] == UIREVISION and "range" not in after["layout"]["xaxis"]
+        assert view.refresh(force=True) is True and link.figure is after  # nothing new: the same figure, nothing sent
+        view.finalize()
+        bundle = updates[-1]
+        assert "application/vnd.jupyter.widget-view+json" not in bundle  # nothing a reopened notebook cannot draw
+        assert bundle[PLOTLY_MIME]["layout"]["meta"] == view.chart and "image/png" not in bundle
+        assert f'class="ipy-gpumem-chart {view.chart}"' in bundle["text/html"]
+    finally:
+        view.freeze()
+    assert view.link is None and "application/vnd.jupyter.widget-view+json" not in updates[-1]
+
+
+def test_the_front_ends_report_is_kept_and_passed_on():
+    tl = session()
+    view, _updates = _link_view(tl)
+    heard = []
+    view.on_placement = heard.append
+    try:
+        # A stand-in for the front end's comm message (what the link's JavaScript sends).
+        view.link._handle_custom_msg({"placement": {"sidebar": True, "inline": 0, "picture": False, "width": 301}}, [])
+        assert view.placement == {"sidebar": True, "inline": 0, "picture": False, "width": 301} and heard == [view]
+        view.link._handle_custom_msg({"something": "else"}, [])
+        assert len(heard) == 1
+    finally:
+        view.freeze()
+
+
+def test_the_links_script_reports_and_hides_only_what_the_front_end_drew():
+    from ipy_gpumem.chart.figures.live import LINK_ESM
+
+    assert "export default { initialize }" in LINK_ESM and "render" not in LINK_ESM  # a model, never a view
+    assert "model.send({placement" in LINK_ESM and "plotly.react(" in LINK_ESM and "Fx.hover" in LINK_ESM
+    assert "setTimeout(look" in LINK_ESM and "jupyterlab-sidecar" in LINK_ESM
 
 
 def test_plotly_stays_off_the_figure_path():
@@ -218,7 +239,7 @@ def test_cell_waterfall_has_a_bar_per_line_stacked_by_role_with_hovers():
     from test_svgchart import _training_record
 
     from ipy_gpumem.chart.figures.cell import cell_figure
-    from ipy_gpumem.chart.svg.base import ROLE_COLORS
+    from ipy_gpumem.chart.style import ROLE_COLORS
 
     figure = cell_figure(_training_record())
     layout = figure["layout"]
@@ -351,3 +372,46 @@ def test_history_lists_each_rank_under_the_cell_that_launched_it():
     assert lines[at + 1].lstrip().startswith("rank 0") and "pid 101" in lines[at + 1]
     assert lines[at + 2].lstrip().startswith("rank 1") and "+700.00 MiB" in lines[at + 2] and "gone" in lines[at + 2]
     assert lines[at + 3].lstrip().startswith("[5]")
+
+
+# ---------------------------------------------------------------------------------------------
+# One layout, two renderers: neither imports the other
+# ---------------------------------------------------------------------------------------------
+
+
+def _chart_imports():
+    """``(module, imported module, names)`` for every import inside ``ipy_gpumem.chart``, read from the source."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "ipy_gpumem"
+    for path in sorted((root / "chart").rglob("*.py")):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        if path.name == "__init__.py":
+            module = module[: -len(".__init__")]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - (node.level - 1)] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+                yield module, target, [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    yield module, alias.name, []
+
+
+def test_the_svg_and_plotly_renderers_share_the_layout_and_import_nothing_of_each_other():
+    """Issue 31: chart/figures/ imported eight private helpers of chart/svg/. Both now draw the layouts
+    (``chart.session``, ``chart.columns``) with the words of ``chart.words``: neither package imports the
+    other, and no module of the chart imports another's underscore name."""
+    seen = list(_chart_imports())
+    assert seen
+    for module, target, names in seen:
+        for one, other in (("ipy_gpumem.chart.figures", "ipy_gpumem.chart.svg"),
+                           ("ipy_gpumem.chart.svg", "ipy_gpumem.chart.figures")):
+            if module.startswith(one):
+                assert not (target or "").startswith(other) and not any(
+                    f"{target}.{name}".startswith(other) for name in names), (module, target, names)
+        if (target or "").startswith("ipy_gpumem"):
+            private = [name for name in names if name.startswith("_")]
+            assert not private, f"{module} imports {private} from {target}"

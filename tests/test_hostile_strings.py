@@ -274,7 +274,7 @@ def test_the_live_chart_shows_cell_sources_as_text(ip, gpumem, restore_user_ns, 
     (shown,) = bundles(cap, "text/html")
     assert_shows(html_reads(shown["text/html"]), *(_shown_first(c) for c in cells[:4]))
     figure = shown.get(PLOTLY_MIME)
-    from ipy_gpumem.chart.figures.live import figure_json, plotly_widget_status
+    from ipy_gpumem.chart.views import plotly_widget_status
 
     view = gpumem.live.views[0]
     assert (view.tier == "plotly") == (plotly_widget_status() is None)
@@ -283,7 +283,7 @@ def test_the_live_chart_shows_cell_sources_as_text(ip, gpumem, restore_user_ns, 
         for cell in cells[4:]:  # cells after the chart is shown update the live figure in place
             run(ip, cell)
         view.refresh(force=True)
-        live = figure_json(view.figure)
+        live = view.link.figure  # what the live figure's front end is handed
         _check_hovers(live, cells)
         figure_reads(live)  # no field of the live figure is read as markup
     # the chart as HTML updated in place, and the static figure the plotly view leaves behind

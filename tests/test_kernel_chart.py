@@ -1,5 +1,6 @@
-"""The live chart in a real kernel: updates arrive while a cell is busy; saved notebooks keep a
-picture of the chart and stay small; repeated charts leave no widgets behind."""
+"""The live chart in a real kernel: updates arrive while a cell is busy; saved notebooks keep the chart
+as a figure and a picture (never a bare widget reference) and stay small; repeated charts leave no widgets
+behind; the sidebar's inline copy holds the chart for front ends without a sidebar."""
 import json
 import os
 import re
@@ -122,13 +123,16 @@ def test_saved_notebook_carries_a_static_snapshot():
     assert "data:image/svg+xml," in html and "<svg" not in html.split("data:image/svg+xml,")[0]
     # the picture was rewritten after later cells ran: it shows their spans, not the initial state
     assert 'title="[4] import time' in html and 'title="[5] z = bytearray' in html
-    # the default chart is the live plotly figure: its widget first, then the figure's JSON (what an
-    # untrusted or reopened notebook draws), also rewritten after the later cells
-    assert list(data)[:2] == ["application/vnd.jupyter.widget-view+json", "application/vnd.plotly.v1+json"]
+    # the default chart is the live plotly figure: plotly's own output, which any front end draws without
+    # the kernel (issue 31: a widget's output showed "model not found" once reopened), rewritten after the
+    # later cells; what moves it is a widget with no view, so no output refers to a widget
+    assert list(data)[:2] == ["application/vnd.plotly.v1+json", "text/html"]
+    assert not any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in chart.outputs)
     figure = data["application/vnd.plotly.v1+json"]
     hovers = json.dumps([trace.get("hovertext") for trace in figure["data"]])
     assert "[4] import time" in hovers and "[5] z = bytearray" in hovers
     assert figure["layout"]["uirevision"] and figure["layout"]["xaxis"]["rangeslider"]["visible"]
+    assert figure["layout"]["meta"].startswith("ipy-gpumem-")  # the name the live figure's front end finds it by
     assert any(trace["name"] == "host RSS" and len(trace["x"]) >= 5 for trace in figure["data"])
     shown = outputs(nb.cells[4], "display_data")
     at = next(i for i, o in enumerate(shown) if o["data"].get("text/plain", "").startswith("%%gpumem"))
@@ -192,23 +196,23 @@ def test_saved_notebooks_stay_small_and_show_every_chart():
     plain_nb.metadata.pop("widgets", None)
     text = nbformat.writes(plain_nb)
     assert len(text) / views <= MAX_BYTES_PER_VIEW, f"{len(text):,} bytes for {views} chart views"
-    # With widget state saving on: the one live figure's plotly bundle, never one per view.
+    # With widget state saving on: the one live figure's link (its figure and a few lines of script), never
+    # plotly's 5 MB bundle, never one per view.
     state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
-    bundles = [v for v in state.values() if "plotly" in json.dumps(v.get("state", {}).get("_esm", ""))[:100000]
-               or v["model_name"] in ("AnyModel", "FigureModel")]
-    assert len(bundles) == 1, sorted(v["model_name"] for v in state.values())
-    assert len(nbformat.writes(nb)) <= len(text) + 6.5 * 2**20
+    links = [v for v in state.values() if v["model_name"] in ("AnyModel", "FigureModel")]
+    assert len(links) == 1, sorted(v["model_name"] for v in state.values())
+    assert len(nbformat.writes(nb)) <= len(text) + MAX_BYTES_PER_VIEW
     # Every chart view left a picture and, once replaced, a static plotly figure in its output.
     for index in range(2, 8):
         data = [o["data"] for o in outputs(nb.cells[index], "display_data")
                 if "ipy-gpumem-chart" in o.get("data", {}).get("text/html", "")]
         assert data and "data:image/svg+xml," in data[-1]["text/html"], (index, nb.cells[index].outputs)
+        assert "application/vnd.jupyter.widget-view+json" not in data[-1], index  # no dead widget
         if index < 7:
-            assert "application/vnd.jupyter.widget-view+json" not in data[-1], index  # no dead widget
             assert "application/vnd.plotly.v1+json" in data[-1], index
     last = [o["data"] for o in outputs(nb.cells[7], "display_data")
             if "application/vnd.plotly.v1+json" in o.get("data", {})][-1]
-    assert "application/vnd.jupyter.widget-view+json" in last  # the live plotly chart
+    assert "application/vnd.jupyter.widget-view+json" not in last  # the live plotly chart: a figure all the same
     assert re.search(r'title="\[9\] import time', last["text/html"])
     assert "[9] import time" in json.dumps(last["application/vnd.plotly.v1+json"])
 
@@ -242,12 +246,12 @@ def test_repeated_charts_leave_no_widgets_behind(kernel):
     try:  # the sidebar: its Sidecar and layout, and its figure (or, without plotly's widget, its HTML chart)
         import sidecar  # noqa: F401
     except ImportError:  # no sidebar: the chart is shown inline instead, the live figure where one can be built
-        from ipy_gpumem.chart.figures.live import plotly_widget_status
+        from ipy_gpumem.chart.views import plotly_widget_status
 
-        expected = "1 ['FigureWidget']" if plotly_widget_status() is None else "0 []"
+        expected = "2 ['ChartLink', 'Layout']" if plotly_widget_status() is None else "0 []"
         assert printed.startswith(expected), printed
-    else:
-        assert printed.startswith(("3 ['FigureWidget', 'Layout', 'Sidecar']",
+    else:  # the Sidecar and its layout, the figure's link and its layout (or, without it, the HTML chart)
+        assert printed.startswith(("4 ['ChartLink', 'Layout', 'Layout', 'Sidecar']",
                                    "5 ['HTML', 'HTMLStyle', 'Layout', 'Layout', 'Sidecar']",
                                    "5 ['DescriptionStyle', 'HTML', 'Layout', 'Layout', 'Sidecar']")), printed
     run(kernel, "%unload_ext ipy_gpumem")
@@ -272,24 +276,27 @@ def test_terminal_prints_a_text_chart():
     script = "%load_ext ipy_gpumem\nbuf = bytearray(2**26)\n%gpumem chart\n%gpumem sidebar\nexit\n"
     out = subprocess.run([sys.executable, "-m", "IPython", "--simple-prompt", "--no-banner", "--colors=NoColor",
                           "--HistoryManager.enabled=False"], input=script, capture_output=True, text=True, timeout=120)
-    assert "ipy_gpumem · host" in out.stdout and "host rss" in out.stdout, out.stdout + out.stderr
+    assert "ipy_gpumem · host" in out.stdout and "host RSS  " in out.stdout, out.stdout + out.stderr
     assert "the sidebar needs JupyterLab (this is terminal IPython)" in out.stdout
     assert "Traceback" not in out.stdout + out.stderr
 
 
-def test_a_sidebar_nobody_draws_moves_its_chart_inline():
-    """nbclient draws no widget, as Notebook 7 draws no sidecar: the sidebar's figure never reports a
-    draw, so its inline line of numbers becomes the live chart, with a title saying why."""
+def test_the_sidebars_inline_copy_holds_the_chart_where_no_sidebar_draws_it():
+    """nbclient draws no widget, as Notebook 7 draws no sidecar: the sidebar cell's output still holds the
+    chart inline, under its line of numbers, as a figure updated at cell ends; nothing in it refers to a
+    widget, and nothing names a front end (the line says where the chart is only once a front end said)."""
     pytest.importorskip("sidecar")
     pytest.importorskip("anywidget")
     nb = execute(["%load_ext ipy_gpumem", "%gpumem sidebar",
-                  "import time\nbufs = []\nfor i in range(12):\n    bufs.append(bytearray(8 * 2**20))\n    time.sleep(1)",
-                  "x = 1"])
-    shown = outputs(nb.cells[1], "display_data")
-    line = [o["data"] for o in shown if "application/vnd.plotly.v1+json" in o["data"]]
-    assert line, [sorted(o["data"]) for o in shown]
-    data = line[-1]
-    assert "application/vnd.jupyter.widget-view+json" in data  # the sidebar's own live figure, inline now
-    figure = data["application/vnd.plotly.v1+json"]
-    assert "the sidebar did not show the chart" in json.dumps(figure["layout"].get("title", {}))
+                  "import time\nbufs = []\nfor i in range(6):\n    bufs.append(bytearray(8 * 2**20))\n    time.sleep(0.5)",
+                  SAVE_LATER])
+    shown = [o["data"] for o in outputs(nb.cells[1], "display_data")]
+    assert not any("application/vnd.jupyter.widget-view+json" in data for data in shown), [sorted(d) for d in shown]
+    line = [data for data in shown if "application/vnd.plotly.v1+json" not in data]
+    chart = [data for data in shown if "application/vnd.plotly.v1+json" in data]
+    assert line and line[0]["text/plain"].startswith("ipy_gpumem · host") and "Notebook" not in line[0]["text/plain"]
+    assert "sidebar" not in line[-1]["text/plain"]  # no front end reported: no claim where the chart is
+    figure = chart[-1]["application/vnd.plotly.v1+json"]
+    assert figure["layout"]["meta"].startswith("ipy-gpumem-")
     assert any(trace["name"] == "host RSS" and len(trace["x"]) >= 5 for trace in figure["data"])
+    assert "[3] import time" in json.dumps([trace.get("hovertext") for trace in figure["data"]])

@@ -77,9 +77,10 @@ def test_timeline_chart_is_valid_xml_with_capacity_ticks_spans_and_legend(sessio
     root = parse(svg)
     words = texts(root)
     assert "15.78 GiB total" in words  # the data reach 30% of it: drawn as a line
-    ticks = [w for w in words if re.fullmatch(r"\d+(\.\d\d)? (bytes|KiB|MiB|GiB)", w or "")]
-    assert 3 <= len(ticks) <= 5 and ticks[0] == "0 bytes"
-    assert all(format_bytes(parse_bytes(w)) == w for w in ticks)  # torch's own spelling
+    ticks = [w for w in words if re.fullmatch(r"\d+(\.\d+)? (bytes|KiB|MiB|GiB)", w or "")]
+    assert 3 <= len(ticks) <= 5 and re.fullmatch(r"0 (bytes|KiB|MiB|GiB)", ticks[0])
+    assert len({w.split()[1] for w in ticks}) == 1, ticks  # one unit for the whole axis (issue 31: no "0 bytes ... 1.46 GiB")
+    assert len({len(w.split()[0].partition(".")[2]) for w in ticks[1:]}) == 1, ticks  # and one number of decimals
     assert [f"[{n}]" for n in range(1, 9)] == [w for w in words if w and w.startswith("[")]
     assert {"cuda:0 allocated", "cuda:0 reserved", "cuda:0 used (all processes)"} <= set(words)
     assert "cuda:0 · a <test>" in words and "&lt;test&gt;" in svg
@@ -672,37 +673,40 @@ def _timeline_with_a_missed_peak(devices):
 
 @pytest.mark.parametrize("devices", [0, 1, 2])
 def test_no_two_legend_entries_look_the_same(devices):
-    """Issue 22: "host RSS" and "cell peak (exact)" were the same solid green line. Every legend
-    entry differs from every other in colour or dash (or glyph), in the items and as drawn, and
-    the peak marks over the cells are drawn with the legend's glyph."""
-    from ipy_gpumem.chart.svg.legend import PEAK_MARK, _drawn_keys, line_legend
+    """Issue 22: "host RSS" and "cell peak (exact)" were the same solid green line; issue 31: the peak
+    mark was still the host's green. Every legend entry differs from every other in colour or line kind
+    (or glyph), in the layout and as drawn, the peak has a colour of its own, and the peak marks over the
+    cells are drawn with the legend's glyph."""
+    from ipy_gpumem.chart.session import PEAK_KIND, session_layout
+    from ipy_gpumem.chart.style import DEVICE_COLORS, HOST_COLOR, PEAK_COLOR
 
     snapshot = _timeline_with_a_missed_peak(devices)
-    keys = _drawn_keys(snapshot.series)
-    peaks = snapshot.missed_peaks(keys)
-    assert peaks, "the record's peak is above every sample"
-    items = line_legend(keys, peaks)
-    looks = [(color, dash) for _label, color, dash in items if color is not None]
+    layout = session_layout(snapshot)
+    assert layout.peaks, "the record's peak is above every sample"
+    items = layout.legend
+    looks = [(color, kind) for _label, color, kind in items if color is not None]
     assert len(set(looks)) == len(looks), items
-    assert ("cell peak (exact)" in [label for label, _c, _d in items]
-            and [d for label, _c, d in items if label == "cell peak (exact)"] == [PEAK_MARK])
+    assert [kind for label, _c, kind in items if label == "cell peak (exact)"] == [PEAK_KIND]
+    assert PEAK_COLOR not in (HOST_COLOR,) + DEVICE_COLORS
     root = parse(timeline_svg(snapshot, width=1400, height=220))  # wide enough for the whole legend row
     drawn = _legend_swatches(root, 220)
     assert len(drawn) == len(looks) and len(set(drawn)) == len(drawn), drawn
     marks = [el for el in root.iter(SVG + "path") if "v6" in (el.get("d") or "")]
-    # the legend's swatch and one mark per device over the cell: one glyph
-    assert {el.get("stroke") for el in marks} >= {dict((i[0], i[1]) for i in items)["cell peak (exact)"]}
-    assert len(marks) == 1 + max(devices, 1)
+    # the legend's swatch and the marks over the cells (one per device): one glyph, one colour
+    assert {el.get("stroke") for el in marks} == {PEAK_COLOR}
+    assert sum(el.get("d").count("v6") for el in marks) == 2 * (1 + max(devices, 1))
 
 
 def test_the_waterfall_and_role_legends_have_no_two_entries_alike():
-    from ipy_gpumem.chart.svg.waterfall import _waterfall_legend
-    from ipy_gpumem.chart.svg.legend import PEAK_MARK
-    from ipy_gpumem.chart.svg.base import DASHES, DEVICE_COLORS, HOST_COLOR, ROLE_COLORS
+    from ipy_gpumem.chart.columns import record_columns
+    from ipy_gpumem.chart.session import PEAK_KIND
+    from ipy_gpumem.chart.style import DEVICE_COLORS, HOST_COLOR, LINE_KINDS, ROLE_COLORS
 
-    for items in (_waterfall_legend([GiB], grew=True), _waterfall_legend([None], grew=False)):
-        looks = [(color, dash) for _label, color, dash in items if color is not None]
-        assert len(set(looks)) == len(looks), items
+    for rec in (record(3, "x = f()", GiB, 3 * GiB, 5 * GiB, 2 * GiB, 4 * GiB), _training_record()):
+        layout = record_columns(rec)
+        for items in (layout.legend, layout.role_legend):
+            looks = [(color, kind) for _label, color, kind in items if color is not None]
+            assert len(set(looks)) == len(looks), items
     assert len(set(ROLE_COLORS.values())) == len(ROLE_COLORS)
     assert HOST_COLOR not in DEVICE_COLORS and len(set(DEVICE_COLORS)) == len(DEVICE_COLORS)
-    assert PEAK_MARK not in DASHES.values()  # a peak is never a series' line style
+    assert PEAK_KIND not in LINE_KINDS.values()  # a peak is never a series' line style

@@ -19,20 +19,18 @@ import threading
 import time
 from typing import Callable, Optional
 
+from .figures.live import PlotlyChartView
 from .sampler import Sampler
 from .timeline import Timeline, seed_timeline
-from .figures.live import SIDEBAR_HEIGHT, FigureChartView
 from .views import (SIDEBAR_SIZE, HtmlChartView, StatusLineView, TextChartView, WidgetChartView, choose_tier,
                     close_widgets, plotly_widget_status)
+from .words import placement_text
 
 __all__ = ["LiveChart", "RedrawBudget", "MAX_RATE", "MIN_RATE", "check_rate", "make_view"]
 
 #: Fastest sampling the chart accepts (samples per second); the sampler costs about 2% of a
 #: core there.
 MAX_RATE = 100.0
-#: Seconds the sidebar has to draw its chart before the chart moves inline (a front end draws a
-#: widget within a second or two of its display; a cold JupyterLab on a loaded machine, a few more).
-SIDEBAR_PATIENCE = 8.0
 #: Slowest sampling other than 0: one sample every 1000 s. Below it the interval stops meaning
 #: anything (1e-10 would be a sample every 300 years).
 MIN_RATE = 0.001
@@ -99,24 +97,13 @@ def make_view(tier: str, timeline, note: Optional[str] = None):
     """A view of ``timeline`` in ``tier`` (see :func:`~.views.choose_tier`); HTML if a widget cannot be built."""
     if tier in ("plotly", "widget"):
         try:
-            return FigureChartView(timeline, note) if tier == "plotly" else WidgetChartView(timeline, note)
-        except Exception as exc:  # noqa: BLE001 - e.g. a plotly, anywidget or ipywidgets version mismatch
+            return PlotlyChartView(timeline, note) if tier == "plotly" else WidgetChartView(timeline, note)
+        except Exception as exc:  # noqa: BLE001 - e.g. an ipywidgets version mismatch
             return HtmlChartView(timeline, f"{tier} chart unavailable ({type(exc).__name__}: {exc}): "
                                            "showing an HTML chart updated in place")
     if tier == "html":
         return HtmlChartView(timeline, note)
     return TextChartView(timeline, note)
-
-
-def _sidebar_view(timeline):
-    """The sidebar's chart: the plotly figure drawn at the sidebar's own width where plotly's widget
-    can be built, else the SVG chart in an HTML widget."""
-    if plotly_widget_status() is None:
-        try:
-            return FigureChartView(timeline, height=SIDEBAR_HEIGHT, narrow=True)
-        except Exception:  # noqa: BLE001 - a plotly/anywidget mismatch: the picture still works
-            pass
-    return WidgetChartView(timeline, size=SIDEBAR_SIZE)
 
 
 class LiveChart:
@@ -150,7 +137,7 @@ class LiveChart:
         self._drawn_moved = -1  # Timeline.moved at the last redraw
         self._drawn_at = float("-inf")
         self._pending = False  # a cell ended without its redraw (budget spent): the sampler owes one
-        self._sidebar_watch = None  # (sidebar view, inline line, deadline) until the sidebar draws it
+        self._line = None  # the sidebar's line of numbers: says where the front end drew the chart
         self._view_error: Optional[str] = None  # a view that failed to draw, until reported
         self.error: Optional[str] = None  # why the sampler stopped, until reported
         self._error_shown = False
@@ -176,7 +163,6 @@ class LiveChart:
         timeline.cell_finished(sample.t, record)
         sampler = self.sampler
         if self.views:
-            self._check_sidebar()
             if sampler is None or not sampler.running or self.budget.allows():
                 # Without a running sampler nobody would redraw later: draw now, whatever it costs.
                 self._redraw(final=True)
@@ -216,6 +202,7 @@ class LiveChart:
         for old in list(self.views):
             self._retire(old)
         self._close_sidecar()
+        self._line = None
         view.display()
         if view.live:  # a text chart is printed once: nothing to keep moving
             self.views.append(view)
@@ -226,9 +213,10 @@ class LiveChart:
     def show_sidebar(self, run: bool = True) -> None:
         """The chart in JupyterLab's right sidebar, and a live line of numbers inline.
 
-        Where the sidebar cannot show it (Notebook 7 runs the sidecar package but has no area for it,
-        and the kernel cannot tell from here), the chart's widget never reports being drawn: after
-        :data:`SIDEBAR_PATIENCE` seconds the inline line becomes the live chart itself.
+        The chart is also shown inline, under the line: it is what a reopened notebook shows, and what a
+        front end without a right sidebar (Notebook 7) shows live. The front end decides (``figures.live``):
+        where the sidebar drew the chart it hides the inline copy. When it says so, the line says where
+        the chart is.
         """
         from sidecar import Sidecar
 
@@ -237,39 +225,38 @@ class LiveChart:
             self._retire(old)
         self._close_sidecar()
         self.sidecar = Sidecar(title="GPU memory", anchor="right")
-        view = _sidebar_view(timeline)
-        view.inline = False
-        view.display(target=self.sidecar)
         # One live line stays inline, so the numbers are never lost where the sidebar cannot show.
-        line = StatusLineView(timeline, where="chart in the right sidebar; not there? %gpumem chart shows it here")
+        line = StatusLineView(timeline)
         line.inline = False
-        line.display()
+        view = None
+        if plotly_widget_status() is None:
+            try:
+                view = PlotlyChartView(timeline, sidebar=True)
+            except Exception:  # noqa: BLE001 - the picture still works
+                view = None
+        if view is not None:
+            view.inline = False
+            view.on_placement = self._placed
+            view.display(target=self.sidecar, before=line.display)
+        else:  # no plotly here: the picture in an HTML widget, which says nothing back
+            view = WidgetChartView(timeline, size=SIDEBAR_SIZE)
+            view.inline = False
+            view.display(target=self.sidecar)
+            line.where = "chart in the right sidebar; not there? %gpumem chart shows it here"
+            line.display()
         self.views += [view, line]
-        self._sidebar_watch = (view, line, self.budget.clock() + SIDEBAR_PATIENCE)
+        self._line = line
         self.error, self._error_shown = None, False
         if run:
             self.ensure_sampler()
 
-    def _check_sidebar(self) -> None:
-        """Move the sidebar's chart into the inline line if no front end has drawn it (any thread)."""
-        watch = self._sidebar_watch
-        if watch is None:
-            return
-        view, line, deadline = watch
-        if getattr(view, "rendered", True) or view not in self.views:
-            self._sidebar_watch = None
-            return
-        if self.budget.clock() < deadline:
-            return
-        self._sidebar_watch = None
-        if line.handle is None or not line.live or not hasattr(view, "adopt"):
-            return
-        line.live = False  # its output now holds the chart
-        if line in self.views:
-            self.views.remove(line)
-        view.adopt(line.handle, "the sidebar did not show the chart here (Notebook 7 has no sidebar for it): "
-                                "it is live inline instead")
-        view.inline = True
+    def _placed(self, view) -> None:
+        """The front end said where it drew the chart (main thread): the line says it."""
+        line = self._line
+        if line is not None and view in self.views:
+            words = placement_text(view.placement)
+            if words:
+                line.say(words)
 
     def _retire(self, view) -> None:
         view.freeze()
@@ -277,6 +264,7 @@ class LiveChart:
             self.views.remove(view)
 
     def _close_sidecar(self) -> None:
+        self._line = None
         sidecar, self.sidecar = self.sidecar, None
         if sidecar is not None:
             close_widgets([sidecar, getattr(sidecar, "layout", None)])
@@ -330,7 +318,6 @@ class LiveChart:
         timeline = self.timeline
         if not self.views or timeline is None:
             return
-        self._check_sidebar()
         owed = any(getattr(view, "owes", False) for view in self.views)
         if not self._pending and not owed and not timeline.running and timeline.moved == self._drawn_moved:
             # Idle and nothing moved: a redraw would only stretch the time axis, in the live chart

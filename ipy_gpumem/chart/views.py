@@ -1,24 +1,23 @@
-"""Live views of the session timeline: an HTML output updated in place, an ipywidgets.HTML, or text.
+"""The views of the session chart: plain-text pieces, the HTML chart updated in place, the widget chart, and what a chart leaves behind.
 
-The tier follows what the front end can do (``choose_tier``). In a kernel the chart is an HTML
-output updated in place through its ``display_id``: it moves while cells run (the sampler thread
-updates it), a saved notebook keeps its latest picture with no widget state at all, and it works
-in JupyterLab, Notebook 7, VS Code and Colab alike. ``%gpumem chart widget`` puts the same chart
-in an ``ipywidgets.HTML`` (also what the JupyterLab sidebar holds, since an Output widget cannot be
-updated through a display id); its saved state is the chart's HTML, tens of KiB. Terminal IPython
-gets text.
+The tier follows what the front end can do (``choose_tier``). In JupyterLab and Notebook 7 the chart
+is the live plotly figure (``figures.live``). The ``html`` tier is an HTML output updated in place
+through its ``display_id``: it moves while cells run (the sampler thread updates it), a saved notebook
+keeps its latest picture with no widget state at all, and it works in JupyterLab, Notebook 7, VS Code
+and Colab alike. ``%gpumem chart widget`` puts the same chart in an ``ipywidgets.HTML`` (also what the
+JupyterLab sidebar holds where plotly's figure cannot be drawn). Terminal IPython gets text.
 
-The chart's HTML is an ``<img>`` of the SVG (a data URI) with one transparent box per cell
-carrying its hover text: JupyterLab's sanitizer strips an inline ``<svg>`` from an untrusted
-notebook (a notebook someone else ran, or nbconvert's), but keeps an image and positioned
-``<div title>`` boxes, so a reopened notebook shows the chart and its tooltips wherever it is
-opened. Inside an image nothing inherits the page's colours, so the SVG is drawn in a grey that
-reads on light and dark themes.
+The chart's HTML is an ``<img>`` of the SVG (a data URI) with one transparent box per cell carrying
+its hover text: JupyterLab's sanitizer strips an inline ``<svg>`` from an untrusted notebook (a
+notebook someone else ran, or nbconvert's), but keeps an image and positioned ``<div title>`` boxes,
+so a reopened notebook shows the chart and its tooltips wherever it is opened. Inside an image
+nothing inherits the page's colours, so the SVG is drawn in a grey that reads on light and dark themes.
 
-ipywidgets is imported here only, and only when a widget view is asked for. Views are created
-on the main thread; ``refresh()`` may run on the sampler thread and only changes widget state or
-updates a display handle (no print, no new display). A view that stops (a newer chart replaced
-it, or the extension is unloaded) leaves a static picture in its output and closes its widgets.
+ipywidgets is imported here only, and only when a widget view is asked for. Views are created on the
+main thread; ``refresh()`` may run on the sampler thread and only changes widget state or updates a
+display handle (no print, no new display). A view that stops (a newer chart replaced it, or the
+extension is unloaded) leaves a static chart in its output (:func:`static_bundle`) and closes its
+widgets.
 """
 from __future__ import annotations
 
@@ -27,20 +26,25 @@ import sys
 import threading
 from typing import Optional
 
-from ..core.units import format_bytes, format_delta
+from ..core.units import format_bytes
 from ..display.escape import esc, script_json
-from .svg import IMG_INK, draw_timeline, span_hover
-from .timeline import HOST_RSS, SeriesKey, TimelineSnapshot
+from .figures.timeline import PLOTLY_MIME, timeline_figure
+from .session import session_layout
+from .style import IMG_INK
+from .svg import draw_session
+from .timeline import TimelineSnapshot
+from .words import cell_summary, span_hover, status_line
 
-__all__ = ["WIDGETS_HINT", "TIERS", "choose_tier", "plotly_widget_status", "timeline_text", "status_line", "chart_html", "svg_data_uri",
-           "static_bundle", "figure_output",
-           "sidebar_unavailable", "widgets_status", "HtmlChartView", "WidgetChartView", "TextChartView",
-           "StatusLineView"]
+__all__ = ["WIDGETS_HINT", "TIERS", "WIDGET_MIME", "choose_tier", "plotly_widget_status", "timeline_text",
+           "status_line", "chart_html", "svg_data_uri", "static_bundle", "figure_output", "sidebar_unavailable",
+           "widgets_status", "in_kernel", "in_colab", "in_vscode", "ChartView", "HtmlChartView", "WidgetChartView",
+           "TextChartView", "StatusLineView", "close_widgets", "CHART_SIZE", "SIDEBAR_SIZE"]
 
 WIDGETS_HINT = "pip install 'ipy_gpumem[widgets]'"
 #: Chart kinds for ``%gpumem chart KIND``, richest first.
 TIERS = ("plotly", "widget", "html", "text")
-_WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+#: The MIME type of a widget's view in an output.
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 _SPARK = "▁▂▃▄▅▆▇█"
 #: Inline chart size, and the narrower one the sidebar gets (an image scales down, never up).
 CHART_SIZE = (760, 240)
@@ -78,21 +82,20 @@ def widgets_status() -> Optional[str]:
 
 
 def plotly_widget_status() -> Optional[str]:
-    """None when a plotly ``FigureWidget`` (the live chart) can be built here, else why not (one line)."""
-    try:
-        import plotly  # noqa: F401
-    except ImportError:
-        return "plotly is not installed (pip install plotly)"
-    try:
-        import ipywidgets  # noqa: F401
-    except ImportError:
-        return "ipywidgets is not installed (pip install ipywidgets)"
-    major = int(plotly.__version__.split(".")[0])
-    if major >= 6:
-        try:  # plotly 6 draws its FigureWidget through anywidget
-            import anywidget  # noqa: F401
-        except ImportError:
-            return "plotly's FigureWidget needs anywidget (pip install anywidget)"
+    """None when the live plotly chart can be shown here, else why not (one line).
+
+    The figure is plotly's own output, drawn by the front end's plotly (which comes with the plotly
+    package); what moves it is a small widget with no view, built on anywidget over ipywidgets.
+    """
+    import importlib.util
+
+    for module, why in (("plotly", "plotly is not installed (pip install plotly)"),
+                        ("ipywidgets", "ipywidgets is not installed (pip install ipywidgets)"),
+                        ("anywidget", "the live figure needs anywidget (pip install anywidget)")):
+        # Found, not imported: anywidget is imported once the figure is on its way (a second on a busy machine).
+        found = sys.modules[module] is not None if module in sys.modules else importlib.util.find_spec(module) is not None
+        if not found:
+            return why
     return None
 
 
@@ -168,35 +171,6 @@ def choose_tier(shell=None, prefer: Optional[str] = None):
 # ---------------------------------------------------------------------------------------------
 
 
-def _last(values) -> Optional[int]:
-    for value in reversed(values):
-        if value is not None:
-            return value
-    return None
-
-
-def status_line(snapshot: TimelineSnapshot) -> str:
-    """The current numbers in one line: per device allocated / reserved / capacity, else RSS."""
-    parts = []
-    for device in snapshot.devices():
-        alloc = _last(snapshot.series.get(SeriesKey(device, "allocated"), ()))
-        reserved = _last(snapshot.series.get(SeriesKey(device, "reserved"), ()))
-        used = _last(snapshot.series.get(SeriesKey(device, "used"), ()))
-        total = snapshot.capacities.get(device)
-        text = f"{device.label} {format_bytes(alloc)} allocated · {format_bytes(reserved)} reserved"
-        if used is not None and total:
-            text += f" · {format_bytes(used)} used of {format_bytes(total)}"
-        elif total:
-            text += f" of {format_bytes(total)}"
-        parts.append(text)
-    if not parts:
-        rss = _last(snapshot.series.get(HOST_RSS, ()))
-        parts.append(f"host {format_bytes(rss)} resident" if rss is not None else "no readings yet")
-    if snapshot.running is not None:
-        parts.append(f"running {snapshot.running.label} for {snapshot.end - snapshot.running.start:.0f} s")
-    return " · ".join(parts)
-
-
 def _columns(times, values, peaks, width: int) -> list:
     """Each column's highest value: samples, raised to the exact peaks of cells that ran there.
 
@@ -228,43 +202,25 @@ def _sparkline(columns: list, lo: int, hi: int) -> str:
                    for v in columns)
 
 
-def _series_label(key: SeriesKey) -> str:
-    return "host rss" if key.device.is_host else f"{key.device.label} {key.quantity}"
-
-
-def _cell_summary(span) -> str:
-    """``[3] cuda:0 +1.00 GiB (peak +2.00 GiB)``: a cell in a few words, from its numbers."""
-    if not span.changes:
-        return span.label
-    change = max(span.changes, key=lambda c: max(abs(c.delta or 0), c.peak_increase or 0))
-    text = f"{span.label} {'host' if change.device.is_host else change.device.label} {format_delta(change.delta)}"
-    if change.peak_increase is not None and change.peak_increase > max(change.delta or 0, 0):
-        text += f" (peak {format_delta(change.peak_increase)})"
-    return text
-
-
-def timeline_text(snapshot: TimelineSnapshot, width: int = 60, cells: int = 8) -> str:
-    """A terminal rendering: one sparkline per series with its range (exact peaks included), then
-    the latest cells."""
+def timeline_text(snapshot: Optional[TimelineSnapshot], width: int = 60, cells: int = 8) -> str:
+    """A terminal rendering of the session layout: one sparkline per series with its range (exact peaks
+    included), then the latest cells."""
     if snapshot is None or snapshot.empty:
         return "ipy_gpumem chart: no samples yet"
+    layout = session_layout(snapshot)
     lines = [f"ipy_gpumem · {status_line(snapshot)}"]
-    keys = [k for k in snapshot.series if any(v is not None for v in snapshot.series[k])]
-    cuda_keys = [k for k in keys if k.device.is_cuda]
-    shown = cuda_keys or keys
-    peaks = snapshot.missed_peaks(shown)
-    name_width = max((len(_series_label(k)) for k in shown), default=8)
-    for key in shown:
-        values = snapshot.series[key]
-        columns = _columns(snapshot.t, values, [p for p in peaks if p.key == key], width)
+    name_width = max((len(plan.name) for plan in layout.series), default=8)
+    for plan in layout.series:
+        values = plan.values
+        columns = _columns(layout.t, values, [p for p in layout.peaks if p.key == plan.key], width)
         # The range: the lowest sample (columns hold maxima) up to the highest peak.
         lo = min(min(v for v in values if v is not None), min(v for v in columns if v is not None))
         hi = max(v for v in columns if v is not None)
-        lines.append(f"{_series_label(key).ljust(name_width)}  {_sparkline(columns, lo, hi)}  "
+        lines.append(f"{plan.name.ljust(name_width)}  {_sparkline(columns, lo, hi)}  "
                      f"{format_bytes(lo)} .. {format_bytes(hi)}")
-    recent = [s for s in snapshot.spans if s.end is not None][-cells:]
+    recent = [cell.span for cell in layout.cells if cell.span.end is not None][-cells:]
     if recent:
-        lines.append("cells: " + "  ".join(_cell_summary(s) for s in recent))
+        lines.append("cells: " + "  ".join(cell_summary(s) for s in recent))
     return "\n".join(lines)
 
 
@@ -292,19 +248,21 @@ def _pct(value: float, whole: float) -> str:
 
 
 def chart_html(snapshot: Optional[TimelineSnapshot], width: int = CHART_SIZE[0], height: int = CHART_SIZE[1],
-               header: bool = True, hover: bool = True) -> str:
+               header: bool = True, hover: bool = True, chart: str = "") -> str:
     """The chart as HTML that survives any notebook sanitizer (see the module docstring).
 
     Args:
         hover: add the transparent boxes that carry each cell's hover text (the newest
             :data:`MAX_HOVER_BOXES` cells).
+        chart: the live chart's name (a class of the ``<div>``), so its front end can tell its picture was
+            drawn instead of its figure.
 
     Returns:
         a ``<div class="ipy-gpumem-chart">``: the status line, then the chart image scaled to the
         output's width (at most its drawn width) with positioned, transparent boxes whose
         ``title`` is each cell's hover text.
     """
-    drawing = draw_timeline(snapshot, width, height, ink=IMG_INK, titles=False)
+    drawing = draw_session(session_layout(snapshot), width, height, ink=IMG_INK, titles=False)
     w, h = drawing.width, drawing.height
     boxes = ""
     if hover and drawing.boxes:
@@ -315,9 +273,10 @@ def chart_html(snapshot: Optional[TimelineSnapshot], width: int = CHART_SIZE[0],
                      f'<div title="{esc(span_hover(box.span))}" style="position:absolute;left:{_pct(box.x0, w)};'
                      f'width:{_pct(box.x1 - box.x0, w)};height:100%"></div>'
                      for box in drawing.boxes[-MAX_HOVER_BOXES:]) + "</div>")
-    line = status_line(snapshot) if snapshot is not None and not snapshot.empty else "no samples yet"
+    line = status_line(snapshot)
     head = f'<div style="opacity:.8;margin:2px 0">ipy_gpumem · {esc(line)}</div>' if header else ""
-    return (f'<div class="ipy-gpumem-chart" style="font:12px var(--jp-ui-font-family,sans-serif)">{head}'
+    name = f" {esc(chart)}" if chart else ""  # a class: what every sanitizer keeps
+    return (f'<div class="ipy-gpumem-chart{name}" style="font:12px var(--jp-ui-font-family,sans-serif)">{head}'
             f'<div style="position:relative;max-width:{w}px">'
             f'<img alt="{esc("memory chart: " + line)}" src=\'{svg_data_uri(drawing.svg)}\' '
             f'style="width:100%;display:block">{boxes}</div></div>')
@@ -343,9 +302,7 @@ def _colab_html(figure: dict, picture: str) -> str:
 
 def figure_output(figure: dict, svg: Optional[str], text: str = "") -> dict:
     """An output holding one plotly figure, with its SVG picture (as an image, which every sanitizer
-    keeps) for viewers without plotly; without a picture they get ``text``."""
-    from .figures.timeline import PLOTLY_MIME
-
+    keeps, scaled to the output's width) for viewers without plotly; without a picture they get ``text``."""
     bundle = {PLOTLY_MIME: figure}
     picture = (f'<img alt="memory chart" src=\'{svg_data_uri(svg)}\' style="max-width:100%;display:block">'
                if svg else "")
@@ -357,14 +314,18 @@ def figure_output(figure: dict, svg: Optional[str], text: str = "") -> dict:
     return bundle
 
 
+def chart_title(snapshot: Optional[TimelineSnapshot]) -> str:
+    """A session chart's title: its numbers now (titled, or plotly's renderer offers "Click to enter
+    Plot title" in its place)."""
+    return f"ipy_gpumem · {status_line(snapshot)}"
+
+
 def static_bundle(snapshot: Optional[TimelineSnapshot], figure: Optional[dict] = None, size=CHART_SIZE) -> dict:
     """A chart that no longer moves: plotly's figure first, the SVG picture for viewers without
-    plotly (GitHub, nbviewer), text for a terminal. ``figure`` defaults to the snapshot's."""
-    from .figures.timeline import PLOTLY_MIME, timeline_figure
-
-    if figure is None:  # titled, or plotly's renderer offers "Click to enter Plot title" in its place
-        line = status_line(snapshot) if snapshot is not None and not snapshot.empty else "no samples yet"
-        figure = timeline_figure(snapshot, title=f"ipy_gpumem · {line}")
+    plotly (GitHub, nbviewer), text for a terminal. ``figure`` defaults to the snapshot's; both are
+    drawn from one layout."""
+    if figure is None:
+        figure = timeline_figure(snapshot, title=chart_title(snapshot))
     picture = chart_html(snapshot, *size)
     if in_colab():
         picture = _colab_html(figure, picture)
@@ -376,33 +337,41 @@ def static_bundle(snapshot: Optional[TimelineSnapshot], figure: Optional[dict] =
 # ---------------------------------------------------------------------------------------------
 
 
-class _View:
-    """A displayed chart of one timeline; subclasses know how to draw it."""
+class ChartView:
+    """A displayed chart of one timeline; subclasses say how to draw it (:meth:`draw`) and what it
+    leaves behind when it stops (:meth:`leave`).
+
+    Attributes:
+        tier: the chart kind (:data:`TIERS`).
+        inline: False for the sidebar's views (a new inline chart does not replace them).
+        handle: the display handle of its output, once shown.
+        live: False once it stopped.
+        drawn: the timeline version it last drew.
+    """
 
     tier = ""
-    inline = True  # False for the sidebar's views (a new inline chart does not replace them)
+    inline = True
 
     def __init__(self, timeline, note: Optional[str] = None):
         self.timeline = timeline
         self.note = note
         self.handle = None
         self.live = True
-        self._drawn = -1
-        self._bundled = -1  # the version whose fallback the output holds (widget views)
-        self._lock = threading.Lock()  # the sampler thread and the main thread both refresh
+        self.drawn = -1
+        self.lock = threading.Lock()  # the sampler thread and the main thread both refresh
 
     def refresh(self, force: bool = False) -> bool:
         """Redraw if the timeline changed since the last draw; True when it redrew."""
         if not self.live:
             return False
-        with self._lock:
+        with self.lock:
             if not self.live:
                 return False
             snapshot = self.timeline.snapshot()
-            if snapshot.version == self._drawn and not force:
+            if snapshot.version == self.drawn and not force:
                 return False
-            self._draw(snapshot)
-            self._drawn = snapshot.version
+            self.draw(snapshot)
+            self.drawn = snapshot.version
             return True
 
     def finalize(self) -> bool:
@@ -410,83 +379,96 @@ class _View:
         return self.refresh()
 
     def freeze(self) -> None:
-        """Stop for good (a newer view replaced this one, or unload): leave a static picture in
-        the output and close any widget."""
-        with self._lock:
+        """Stop for good (a newer view replaced this one, or unload): leave a static chart in the
+        output and close any widget."""
+        with self.lock:
             if not self.live:
                 return
             self.live = False
-            self._leave(self.timeline.snapshot())
+            self.leave(self.timeline.snapshot())
 
-    def _leave(self, snapshot: TimelineSnapshot) -> None:
+    def leave(self, snapshot: TimelineSnapshot) -> None:
         """What stays in the output once the view stops (main thread)."""
 
-    def _draw(self, snapshot: TimelineSnapshot) -> None:  # pragma: no cover - abstract
+    def draw(self, snapshot: TimelineSnapshot) -> None:  # pragma: no cover - abstract
+        """Draw ``snapshot`` (any thread: only widget state or a display handle changes)."""
         raise NotImplementedError
 
 
-class TextChartView(_View):
+class TextChartView(ChartView):
     """Terminal IPython: the chart as text, printed when asked (a terminal cannot redraw in place)."""
 
     tier = "text"
 
     def display(self) -> None:
+        """Print the chart (and why it is text, when asked for another kind)."""
         if self.note:
             print(f"ipy_gpumem: {self.note}")
         print(timeline_text(self.timeline.snapshot()))
         self.live = False  # printed once; %gpumem chart prints the latest again
 
-    def _draw(self, snapshot) -> None:
+    def draw(self, snapshot) -> None:
         pass
 
 
-class HtmlChartView(_View):
+class HtmlChartView(ChartView):
     """An HTML output updated in place through its display id: no widget, and nothing else to save."""
 
     tier = "html"
     size = CHART_SIZE
 
     def display(self) -> None:
+        """Show the chart as an output with a display id."""
         from IPython.display import display
 
         if self.note:
             print(f"ipy_gpumem: {self.note}")
         snapshot = self.timeline.snapshot()
-        self.handle = display(self._bundle(snapshot), raw=True, display_id=True)
-        self._drawn = snapshot.version
+        self.handle = display(self.bundle(snapshot), raw=True, display_id=True)
+        self.drawn = snapshot.version
 
-    def _bundle(self, snapshot) -> dict:
+    def bundle(self, snapshot) -> dict:
+        """The output's MIME bundle for ``snapshot``."""
         return {"text/html": chart_html(snapshot, *self.size), "text/plain": timeline_text(snapshot)}
 
-    def _draw(self, snapshot) -> None:
+    def draw(self, snapshot) -> None:
         if self.handle is not None:
-            self.handle.update(self._bundle(snapshot), raw=True)
+            self.handle.update(self.bundle(snapshot), raw=True)
 
-    def _leave(self, snapshot) -> None:
+    def leave(self, snapshot) -> None:
         # plotly's renderer does not redraw in place, so the figure comes once the chart stops moving.
         if self.handle is not None:
             self.handle.update(static_bundle(snapshot, size=self.size), raw=True)
 
 
 class StatusLineView(HtmlChartView):
-    """One live line of numbers (shown inline while the chart itself sits in the sidebar)."""
+    """One live line of numbers (shown inline while the chart itself sits in the sidebar); ``where``
+    says where the chart is, once the front end has said it."""
 
     def __init__(self, timeline, note: Optional[str] = None, where: str = ""):
         super().__init__(timeline, note)
         self.where = where
 
-    def _bundle(self, snapshot) -> dict:
-        line = status_line(snapshot) if not snapshot.empty else "no samples yet"
-        text = f"ipy_gpumem · {line}" + (f"  ({self.where})" if self.where else "")
+    def bundle(self, snapshot) -> dict:
+        text = f"ipy_gpumem · {status_line(snapshot)}" + (f"  ({self.where})" if self.where else "")
         return {"text/html": f'<div style="font:12px var(--jp-code-font-family,monospace);opacity:.85">{esc(text)}</div>',
                 "text/plain": text}
 
-    def _leave(self, snapshot) -> None:  # a line of numbers stays a line of numbers
-        if self.handle is not None and self._drawn != snapshot.version:
-            self.handle.update(self._bundle(snapshot), raw=True)
+    def say(self, where: str) -> None:
+        """Say where the chart is (main thread): the line is redrawn with it."""
+        with self.lock:
+            if where == self.where or not self.live:
+                return
+            self.where = where
+            if self.handle is not None:
+                self.handle.update(self.bundle(self.timeline.snapshot()), raw=True)
+
+    def leave(self, snapshot) -> None:  # a line of numbers stays a line of numbers
+        if self.handle is not None and self.drawn != snapshot.version:
+            self.handle.update(self.bundle(snapshot), raw=True)
 
 
-class WidgetChartView(_View):
+class WidgetChartView(ChartView):
     """The chart in an ``ipywidgets.HTML``: inline (``%gpumem chart widget``) or in an Output-like
     container such as the sidebar. Its saved widget state is the chart's HTML (tens of KiB)."""
 
@@ -497,11 +479,26 @@ class WidgetChartView(_View):
         import ipywidgets as widgets
 
         self.size = size
+        self.bundled = -1  # the version whose fallback the output holds
         self.html = widgets.HTML(value=chart_html(None, *size))
 
     def display(self, target=None) -> None:
-        """Show the chart inline (``target`` None) or inside an Output-like widget (the sidebar)."""
-        show_widget_view(self, self.html, target)
+        """Show the chart inline (``target`` None) as its bundle (the widget, with the fallbacks an
+        untrusted or reopened notebook shows) under a display id, or the bare widget inside
+        ``target``, an Output-like widget such as the sidebar."""
+        from IPython.display import display
+
+        if self.note:
+            print(f"ipy_gpumem: {self.note}")
+        snapshot = self.timeline.snapshot()
+        self.draw(snapshot)
+        self.drawn = snapshot.version
+        if target is None:
+            self.handle = display(self.bundle(snapshot), raw=True, display_id=True)
+            self.bundled = snapshot.version
+        else:
+            with target:
+                display(self.html)
 
     @property
     def widgets(self) -> tuple:
@@ -509,58 +506,42 @@ class WidgetChartView(_View):
         html = self.html
         return tuple(w for w in (html, getattr(html, "layout", None), getattr(html, "style", None)) if w is not None)
 
-    def _bundle(self, snapshot, live: bool = True) -> dict:
-        # What a notebook reopened without the widget's state shows. While the widget lives, its
-        # state already holds the chart with its hover boxes: the fallback goes without them.
+    def bundle(self, snapshot, live: bool = True) -> dict:
+        """The output's bundle: the widget, and what a notebook reopened without the widget's state shows.
+        While the widget lives, its state already holds the chart with its hover boxes: the fallback goes
+        without them."""
         html = chart_html(snapshot, *self.size, hover=not live)
         bundle = {"text/html": html, "text/plain": timeline_text(snapshot)}
         if live:
-            bundle[_WIDGET_MIME] = {"version_major": 2, "version_minor": 0, "model_id": self.html.model_id}
+            bundle[WIDGET_MIME] = {"version_major": 2, "version_minor": 0, "model_id": self.html.model_id}
         return bundle
 
-    def _draw(self, snapshot) -> None:
+    def draw(self, snapshot) -> None:
         self.html.value = chart_html(snapshot, *self.size)
 
     def finalize(self) -> bool:
         drew = self.refresh()
-        with self._lock:
+        with self.lock:
             snapshot = self.timeline.snapshot()
             # Same widget, fresh fallback for an untrusted or reopened notebook: also when the
             # sampler thread drew the widget last, since it never rewrites the output itself.
-            if self.live and self.handle is not None and snapshot.version != self._bundled:
-                self.handle.update(self._bundle(snapshot), raw=True)
-                self._bundled = snapshot.version
+            if self.live and self.handle is not None and snapshot.version != self.bundled:
+                self.handle.update(self.bundle(snapshot), raw=True)
+                self.bundled = snapshot.version
         return drew
 
-    def _leave(self, snapshot) -> None:
+    def leave(self, snapshot) -> None:
         if self.handle is not None:
             # The output keeps the figure and its picture, and no reference to a widget about to go.
             self.handle.update(static_bundle(snapshot, size=self.size), raw=True)
         close_widgets(self.widgets)
 
 
-def show_widget_view(view, widget, target=None) -> None:
-    """Draw a widget view and show it: inline as its bundle (the widget, with the fallbacks an
-    untrusted or reopened notebook shows) under a display id, or the bare widget inside ``target``,
-    an Output-like widget such as the sidebar."""
-    from IPython.display import display
-
-    if view.note:
-        print(f"ipy_gpumem: {view.note}")
-    snapshot = view.timeline.snapshot()
-    view._draw(snapshot)
-    view._drawn = snapshot.version
-    if target is None:
-        view.handle = display(view._bundle(snapshot), raw=True, display_id=True)
-        view._bundled = snapshot.version
-    else:
-        with target:
-            display(widget)
-
-
 def close_widgets(widgets) -> None:
     """Close widget models (their front-end views go, and they leave the kernel's registry)."""
     for widget in widgets:
+        if widget is None:
+            continue
         try:
             widget.close()
         except Exception:  # noqa: BLE001 - a widget already gone

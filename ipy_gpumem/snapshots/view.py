@@ -69,9 +69,9 @@ def timeline_of(report, device: Optional[int] = None, start: Optional[float] = N
 
 def _title(report, device: int, start, end, solid: bool = True) -> str:
     peak, _ = report.peak(device, "allocated", start, end)
-    unit = "s" if report.replay(device).timed else "events"
+    over = "over time" if report.replay(device).timed else "over events"
     lines = " (solid) and reserved (dashed)" if solid else " and reserved"
-    return f"cuda:{device}: allocated{lines} over {unit}, peak allocated {b(peak)}"
+    return f"cuda:{device}: allocated{lines} {over}, peak allocated {b(peak)}"
 
 
 def _svg(report, device: int, start, end, ink: Optional[str] = None) -> str:
@@ -84,7 +84,7 @@ def _svg(report, device: int, start, end, ink: Optional[str] = None) -> str:
 def _chart(report, device: int, start, end) -> Raw:
     """The chart as an image of the SVG: an untrusted notebook's sanitizer strips an inline <svg> (its
     axis labels would spill out as a run-on line of text) but keeps an image."""
-    from ..chart.svg.base import IMG_INK
+    from ..chart.style import IMG_INK
     from ..chart.views import svg_data_uri
 
     svg = _svg(report, device, start, end, ink=IMG_INK)
@@ -134,7 +134,7 @@ def snapshot_figure(report, start: Optional[float] = None, end: Optional[float] 
 def figure_bundle(report, start: Optional[float] = None, end: Optional[float] = None,
                   device: Optional[int] = None) -> dict:
     """One output: the plotly figure, the SVG chart as an image for viewers without plotly, a line of text."""
-    from ..chart.svg.base import IMG_INK
+    from ..chart.style import IMG_INK
     from ..chart.views import figure_output
 
     d = report.device if device is None else device

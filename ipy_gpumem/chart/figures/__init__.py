@@ -1,13 +1,14 @@
-"""Charts as plotly figures: plain JSON-ready dicts built by hand, and the live ``FigureWidget`` view.
+"""Charts as plotly figures, drawn from the charts' layouts as plain JSON-ready dicts, and the live plotly view.
 
-    timeline   the session timeline (and a snapshot's) as a figure dict; plotly is not imported
-    cell       one cell: the waterfall of its lines (``--lines``) or its samples, as a figure dict
-    history    the recorded cells (``%gpumem history``), one column per cell
-    estimate   a ``--estimate``: the predicted level line by line against the GPU
-    bars       what those three share: bars from one level to the next, their layout, hover text
-    live       the live chart as a plotly ``FigureWidget`` (imports plotly, when one is asked for)
+    timeline   the session chart (``chart.session``) as a figure dict, its traces fixed in number and order
+    bars       column charts (``chart.columns``): a cell's waterfall, the history, an estimate
+    cell       one cell: its waterfall or its samples
+    history    the recorded cells (``%gpumem history``)
+    estimate   a ``--estimate``'s predicted lines, scaled to the step
+    live       the live chart: the figure as plotly's own output, moved by a small widget with no view
 
-The SVG charts (``chart.svg``) stay beside every figure as the picture for viewers without plotly.
+The SVG pictures (``chart.svg``) draw the same layouts, as the picture beside every figure for viewers
+without plotly; neither package imports the other.
 """
 from .timeline import PLOTLY_MIME, UIREVISION, figure_config, timeline_figure  # noqa: F401
 

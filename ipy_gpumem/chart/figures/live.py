@@ -1,200 +1,303 @@
-"""The live chart as a plotly ``FigureWidget``: it moves while cells run and keeps the user's zoom across updates.
+"""The live chart as plotly's own output, moved by a small widget with no view: fast to show, and a figure wherever it is reopened.
 
-plotly's own renderer does not redraw a figure that is updated in place through a ``display_id``,
-so a figure that moves needs a widget. The widget is shown in one output bundle with the figure's
-JSON and the SVG picture beside it: an untrusted or reopened notebook, where no widget can be
-drawn, shows the plotly figure (plotly's renderer is trusted to run) or the picture.
+The chart is displayed as a plotly figure (``application/vnd.plotly.v1+json``) under a display id,
+with its SVG picture and a line of text beside it. The front end's plotly draws it at once (its
+renderer is loaded with the page; no widget bundle travels), and a notebook saved at any moment
+holds a figure that any front end draws without the kernel: never "Error displaying widget: model
+not found". What moves it is a link (:func:`link_class`), an anywidget model that is never displayed: its
+few lines of JavaScript run when the front end creates the model, find the figure by its name
+(``layout.meta``) in the page (inline, and in JupyterLab's sidebar), and hand every new figure to
+``Plotly.react``. The figure's traces are fixed in number and order (``figures.timeline``) and its
+``uirevision`` never changes, so a legend click, a zoom and a hover survive every update.
 
-Updates touch only what the data owns: each trace's points, the cell bands and the capacity notes.
-The axes' ranges are never set from here, and the layout's ``uirevision`` stays constant, so a
-zoom, a pan or a legend toggle that the user made survives every update (the widget writes the
-user's ranges back into the figure, and an update that does not mention them leaves them be).
+The link also says what the front end did with the chart, as comm messages (``placement``): whether
+the sidebar drew it, whether an inline copy is shown, or whether the front end drew the picture
+instead of the figure. For ``%gpumem sidebar`` the inline copy is the chart a reopened notebook
+shows; in JupyterLab the link hides it as soon as the sidebar holds the chart, and in Notebook 7,
+which has no sidebar for it, it stays: the front end decides from what it has drawn, with no timer.
+The kernel hears the report when it is next idle and words the line above the chart from it.
 
-plotly is imported here only, when a live figure is asked for (about a second the first time, on
-the main thread, never inside a cell's measurement). A view that stops leaves the figure as it is
-now, with the user's zoom, as static JSON, and closes its widget: saved widget state then holds at
-most the one live figure's plotly bundle (about 5 MB), never one per chart shown.
+plotly itself is never imported here: the figure is a dict. anywidget is imported when the link is
+made, after the figure was sent, so the first draw does not wait for it.
 """
 from __future__ import annotations
 
 import time
-from typing import Optional
+import uuid
+from functools import lru_cache
+from typing import Callable, Optional
 
-from .timeline import PLOTLY_MIME, figure_config, timeline_figure
-from ..views import (_View, chart_html, close_widgets, plotly_widget_status, show_widget_view, static_bundle,  # noqa: F401
-                     status_line, timeline_text)
+from ..session import session_layout
+from ..views import ChartView, chart_html, chart_title, close_widgets, timeline_text
+from .timeline import PLOTLY_MIME, session_figure
 
-__all__ = ["FigureChartView", "plotly_widget_status", "figure_json", "WIDGET_MIME"]
+__all__ = ["PlotlyChartView", "link_class", "HEIGHT", "SIDEBAR_HEIGHT", "MIN_INTERVAL", "LINK_ESM"]
 
-WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 #: Seconds between two redraws of a live figure (cell ends included; a held-back one is made later).
 MIN_INTERVAL = 0.9  # the sampler ticks once a second: one redraw a tick, never more
 #: Inline height in pixels; the width follows the output area.
 HEIGHT = 330
-#: The sidebar's figure: drawn at the sidebar's own width, so its labels keep their size.
+#: The sidebar's figure: drawn at the sidebar's own width (plotly sizes it to its box from the first draw).
 SIDEBAR_HEIGHT = 360
 
+#: The link's front end: find the chart's figures by name, hand them each new figure, keep a hover, hide
+#: the inline copy where the sidebar holds the chart, and report what was drawn where.
+LINK_ESM = r"""
+function figures(chart) {
+  return [...document.querySelectorAll('.js-plotly-plot, .jp-RenderedPlotly')].filter(
+    (gd) => gd.isConnected && (!gd.layout || gd.layout.meta === chart) && !(gd.parentElement && gd.parentElement.closest('.js-plotly-plot')));
+}
+function inSidebar(gd) { return !!gd.closest('.jupyterlab-sidecar'); }
+function outputOf(gd) { return gd.closest('.jp-OutputArea-child') || gd.parentElement; }
+function copy(value) { return JSON.parse(JSON.stringify(value)); }
+function initialize({ model }) {
+  const chart = model.get('chart');
+  const hovers = new WeakMap();
+  const watched = new WeakSet();
+  let said = '';
+  const place = () => {
+    const found = figures(chart);
+    const ours = found.filter((gd) => gd.layout);  // drawn, and named ours
+    const side = found.filter(inSidebar);
+    const inline = ours.filter((gd) => !inSidebar(gd));
+    const hide = model.get('sidebar') && side.length > 0;
+    for (const gd of inline) {
+      const box = outputOf(gd);
+      if (box && box.style.display !== (hide ? 'none' : '')) box.style.display = hide ? 'none' : '';
+    }
+    const picture = !ours.length && !!document.querySelector('.ipy-gpumem-chart.' + chart);
+    const report = {sidebar: side.filter((gd) => gd.layout).length > 0, inline: hide ? 0 : inline.length, picture,
+                    width: Math.round(Math.max(0, ...ours.map((gd) => gd.getBoundingClientRect().width)))};
+    const key = JSON.stringify([report.sidebar, report.inline, report.picture]);
+    if (key !== said && (ours.length || picture)) { said = key; model.send({placement: report}); }
+    return ours;
+  };
+  const draw = () => {
+    const fig = model.get('figure');
+    const plotly = window.Plotly;
+    const drawn = place();
+    if (!plotly || !fig || !fig.data) return;
+    for (const gd of drawn) {
+      if (!watched.has(gd) && gd.on) {
+        watched.add(gd);
+        gd.on('plotly_hover', (e) => hovers.set(gd, e.points.map((p) => ({curveNumber: p.curveNumber, pointNumber: p.pointNumber}))));
+        gd.on('plotly_unhover', () => hovers.delete(gd));
+      }
+      const layout = Object.assign(copy(fig.layout), inSidebar(gd) ? model.get('side') : {});
+      Promise.resolve(plotly.react(gd, copy(fig.data), layout, fig.config || {})).then(() => {
+        const points = hovers.get(gd);  // a hover the redraw took away comes back
+        if (points && plotly.Fx) { try { plotly.Fx.hover(gd, points); } catch (e) { hovers.delete(gd); } }
+      });
+    }
+  };
+  model.on('change:figure', draw);
+  model.on('change:side', draw);
+  // Until the front end has drawn the chart, look for it often; then now and then (the sidebar may close).
+  // A copy drawn since (from the output's data) gets the latest figure at once.
+  let looks = 0, count = 0, timer = null;
+  const look = () => {
+    looks += 1;
+    const drawn = place().length;
+    if (drawn !== count) { count = drawn; draw(); }
+    timer = setTimeout(look, looks < 80 ? 100 : 1500);
+  };
+  look();
+  return () => clearTimeout(timer);
+}
+export default { initialize };
+"""
 
-def _same_traces(widget_data, specs) -> bool:
-    return len(widget_data) == len(specs) and all(
-        trace.name == spec.get("name") and trace.type == spec.get("type") for trace, spec in zip(widget_data, specs))
+
+@lru_cache(maxsize=1)
+def link_class():
+    """The :class:`ChartLink` widget class (imports anywidget, once)."""
+    import anywidget
+    import traitlets
+
+    class ChartLink(anywidget.AnyWidget):
+        """The live chart's front end: a widget model with no view (see the module docstring).
+
+        Traits: ``chart`` (the figure's name), ``figure`` (the latest figure), ``side`` (layout for the
+        sidebar's copy), ``sidebar`` (hide the inline copy once the sidebar holds the chart).
+        """
+
+        _esm = LINK_ESM
+        chart = traitlets.Unicode("").tag(sync=True)
+        figure = traitlets.Dict().tag(sync=True)
+        side = traitlets.Dict().tag(sync=True)
+        sidebar = traitlets.Bool(False).tag(sync=True)
+
+    return ChartLink
 
 
-class FigureChartView(_View):
-    """The live chart as a plotly ``FigureWidget``, inline or inside an Output-like widget (the sidebar)."""
+def _side_layout(title: str) -> dict:
+    """The sidebar copy's layout: its own height, and its title one number a line so it fits the panel."""
+    from ...display.escape import plotly_text
+
+    text = title.replace(" · ", "\n")
+    return {"height": SIDEBAR_HEIGHT, "title": {"text": plotly_text(text), "x": 0.01, "xanchor": "left",
+                                                "font": {"size": 11}},
+            "margin": {"l": 48, "r": 8, "t": 20 + 14 * (text.count("\n") + 1), "b": 8}}
+
+
+class PlotlyChartView(ChartView):
+    """The live chart: plotly's output under a display id, moved by a link (:func:`link_class`).
+
+    Args:
+        sidebar: also show the figure in a sidebar (``display(target=...)``), the inline copy hidden by
+            the front end wherever the sidebar drew it.
+
+    Attributes:
+        chart: the figure's name (its ``layout.meta``), unique per view.
+        placement: what the front end last reported (``{"sidebar", "inline", "picture", "width"}``), or None.
+        on_placement: called with the view when a report arrives (main thread).
+        link_error: why no link could be made (the figure then stays as first drawn), or None.
+    """
 
     tier = "plotly"
 
-    def __init__(self, timeline, note: Optional[str] = None, height: int = HEIGHT, narrow: bool = False):
+    def __init__(self, timeline, note: Optional[str] = None, sidebar: bool = False):
         super().__init__(timeline, note)
-        import plotly.graph_objects as go
-
-        self.height = height
-        self.narrow = narrow  # drawn in the sidebar: its title is broken into lines
-        self.rendered = False  # True once a front end drew the widget (it sends its first deltas back)
+        self.chart = "ipy-gpumem-" + uuid.uuid4().hex[:12]
+        self.sidebar = sidebar
+        self.link = None
+        self.link_error: Optional[str] = None
+        self.placement: Optional[dict] = None
+        self.on_placement: Optional[Callable] = None
         self.owes = False  # a redraw was held back by MIN_INTERVAL
+        self.bundled = -1  # the version the output holds
+        self._order: Optional[list] = None  # the trace uids drawn so far, in order
+        self._kept: dict = {}
         self._drawn_at = float("-inf")
-        self._last = None  # the figure spec last drawn: updates send only what changed
-        self._note = ""  # said in the title before the numbers (why the chart is where it is)
-        spec = self._spec(timeline.snapshot())
-        self.figure = go.FigureWidget(data=spec["data"], layout=spec["layout"])
-        try:
-            self.figure._config = figure_config()
-        except Exception:  # noqa: BLE001 - an older plotly without a synced config: the default mode bar
-            pass
-        try:  # plotly.js answers its first draw with the trace and layout deltas it computed
-            self.figure.observe(self._drawn_somewhere, names=["_js2py_traceDeltas", "_js2py_layoutDelta"])
-        except Exception:  # noqa: BLE001 - no such traits in this plotly: assume it is drawn
-            self.rendered = True
+        self._figure: Optional[dict] = None  # the figure last handed to the link
 
-    def _drawn_somewhere(self, _change) -> None:
-        self.rendered = True
+    # -- what is drawn --------------------------------------------------------------------------
 
-    def adopt(self, handle, note: str) -> None:
-        """Show this (sidebar) figure in another output, ``handle``'s, with ``note`` as its title."""
-        with self._lock:
-            if not self.live:
-                return
-            self._note = note
-            self.narrow = False
-            self.height = HEIGHT
-            self.figure.layout.height = HEIGHT
-            self.handle = handle
-            snapshot = self.timeline.snapshot()
-            self._draw(snapshot)
-            handle.update(self._bundle(snapshot), raw=True)
-            self._bundled = snapshot.version
+    def figure(self, snapshot) -> dict:
+        """The figure of ``snapshot``: its traces in the order drawn so far (new ones appended)."""
+        figure = session_figure(session_layout(snapshot), height=HEIGHT, title=chart_title(snapshot),
+                                order=self._order, kept=self._kept, meta=self.chart)
+        self._order = [trace["uid"] for trace in figure["data"]]
+        self._kept = {trace["uid"]: trace for trace in figure["data"]}
+        return figure
+
+    def bundle(self, snapshot, figure: dict) -> dict:
+        """The output: the figure first, its picture for viewers without plotly, text for a terminal."""
+        return {PLOTLY_MIME: figure, "text/html": chart_html(snapshot, chart=self.chart),
+                "text/plain": timeline_text(snapshot)}
 
     @property
     def widgets(self) -> tuple:
-        """Every widget model this view created: the figure, and the ipywidgets ``Layout`` a
-        DOMWidget-based FigureWidget (plotly 5) makes behind plotly's own ``layout`` property."""
-        made = getattr(self.figure, "_trait_values", {}).get("layout")
+        """The widget models this view made: its link, and the ``Layout`` model an ipywidgets DOM widget makes."""
+        link = self.link
+        if link is None:
+            return ()
+        made = getattr(link, "_trait_values", {}).get("layout")
+        return (link,) + ((made,) if made is not None and hasattr(made, "comm") else ())
+
+    # -- showing it -----------------------------------------------------------------------------
+
+    def display(self, target=None, before: Optional[Callable] = None) -> None:
+        """Show the figure inline, and inside ``target`` (an Output-like widget: the sidebar) when given;
+        ``before`` runs just before the inline copy is shown (the sidebar's line of numbers)."""
+        from IPython.display import display
+
+        if self.note:
+            print(f"ipy_gpumem: {self.note}")
+        snapshot = self.timeline.snapshot()
+        figure = self.figure(snapshot)
+        if target is not None:
+            # The link first, so its front end is watching when the copies are drawn: JupyterLab hides the
+            # inline one as soon as the sidebar's appears.
+            self._make_link(snapshot, figure)
+            side = dict(figure, layout=dict(figure["layout"], **_side_layout(chart_title(snapshot))))
+            with target:
+                display({PLOTLY_MIME: side, "text/plain": timeline_text(snapshot)}, raw=True)
+        if before is not None:
+            before()
+        self.handle = display(self.bundle(snapshot, figure), raw=True, display_id=True)
+        self.drawn = self.bundled = snapshot.version
+        self._drawn_at = time.monotonic()
+        if target is None:
+            self._make_link(snapshot, figure)  # after the figure: its first draw does not wait for anywidget
+
+    def _make_link(self, snapshot, figure: dict) -> None:
         try:
-            import ipywidgets
+            link = link_class()(chart=self.chart, figure=figure, sidebar=self.sidebar,
+                                side=_side_layout(chart_title(snapshot)) if self.sidebar else {})
+            link.on_msg(self._heard)
+        except Exception as exc:  # noqa: BLE001 - anywidget missing or mismatched: the figure stays as drawn
+            self.link_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}".rstrip(": ")
+            return
+        self.link = link
+        self._figure = figure
 
-            extra = (made,) if isinstance(made, ipywidgets.Widget) else ()
-        except ImportError:
-            extra = ()
-        return (self.figure,) + extra
+    def _heard(self, _widget, content, _buffers=None) -> None:
+        """A message from the front end (main thread, when the kernel is idle)."""
+        placement = content.get("placement") if isinstance(content, dict) else None
+        if not isinstance(placement, dict):
+            return
+        self.placement = {key: placement.get(key) for key in ("sidebar", "inline", "picture", "width")}
+        callback = self.on_placement
+        if callback is not None:
+            try:
+                callback(self)
+            except Exception:  # noqa: BLE001 - a report must never raise into the kernel
+                pass
 
-    def display(self, target=None) -> None:
-        """Show the figure inline (``target`` None) or inside an Output-like widget (the sidebar)."""
-        show_widget_view(self, self.figure, target)
+    # -- redrawing ------------------------------------------------------------------------------
 
-    def _bundle(self, snapshot, live: bool = True) -> dict:
-        text = timeline_text(snapshot)
-        if not live:
-            return static_bundle(snapshot, figure_json(self.figure))
-        # The widget's own state holds the live figure; the JSON and picture beside it are what an
-        # untrusted or reopened notebook shows.
-        return {WIDGET_MIME: {"version_major": 2, "version_minor": 0, "model_id": self.figure.model_id},
-                PLOTLY_MIME: figure_json(self.figure), "text/html": chart_html(snapshot),
-                "text/plain": text}
-
-    def _spec(self, snapshot) -> dict:
-        """The figure, titled with the current numbers as the SVG chart's header line is."""
-        line = status_line(snapshot) if not snapshot.empty else "no samples yet"
-        if self.narrow:  # the sidebar: one number per line, so the title fits its width
-            line = line.replace(" · ", "\n")
-        # Plain text, lines apart at "\n": the figure escapes it for plotly and breaks its lines.
-        title = f"{self._note}\nipy_gpumem · {line}" if self._note else f"ipy_gpumem · {line}"
-        spec = timeline_figure(snapshot, height=self.height, title=title)
-        spec["layout"]["margin"]["t"] = 18 + 15 * title.count("\n") + 16
-        return spec
-
-    def _draw(self, snapshot) -> None:
-        spec = self._spec(snapshot)
-        last, self._last = self._last, spec
-        figure = self.figure
-        with figure.batch_update():
-            if last is not None and _same_traces(figure.data, spec["data"]):
-                # Only what changed goes through plotly's validation (a list compare is C speed; a
-                # validated assignment of the same points costs milliseconds).
-                for trace, new, old in zip(figure.data, spec["data"], last["data"]):
-                    changed = {key: new[key] for key in _MOVING if key in new and new[key] != old.get(key)}
-                    if changed:
-                        trace.update(changed)
-            else:  # the first draw, or a device or the cells appeared: the set of traces changed
-                figure.data = ()
-                figure.add_traces(spec["data"])
-            layout, before = spec["layout"], (last or {}).get("layout", {})
-            # Assigned, not updated: an update with an empty list would leave the old items.
-            for key in ("shapes", "annotations", "showlegend", "title", "margin"):
-                if layout.get(key) != before.get(key):
-                    figure.layout[key] = layout.get(key)
-            if layout["yaxis"]["title"] != before.get("yaxis", {}).get("title"):
-                figure.layout.yaxis.title.text = layout["yaxis"]["title"]["text"]
-            if layout["xaxis"]["rangeslider"] != before.get("xaxis", {}).get("rangeslider"):
-                figure.layout.xaxis.rangeslider.visible = layout["xaxis"]["rangeslider"]["visible"]
+    def draw(self, snapshot) -> None:
+        if (self.placement or {}).get("picture"):  # the front end drew the picture, not the figure: move that
+            if self.handle is not None:
+                self.handle.update({"text/html": chart_html(snapshot, chart=self.chart),
+                                    "text/plain": timeline_text(snapshot)}, raw=True)
+            return
+        figure = self.figure(snapshot)
+        link = self.link
+        if link is not None and figure != self._figure:
+            with link.hold_sync():
+                link.figure = figure
+                if self.sidebar:
+                    link.side = _side_layout(chart_title(snapshot))
+            self._figure = figure
 
     def refresh(self, force: bool = False, final: bool = False) -> bool:
-        """The sampler's redraws come at most every :data:`MIN_INTERVAL` seconds: a figure update
-        sends every changed trace whole (tens of KiB of JSON with a long session), where the SVG view
-        sends one picture. A redraw held back is owed (:attr:`owes`); the live chart's next tick
-        makes it. A cell's end (:meth:`finalize`) is drawn at once, within the redraw budget."""
+        """The sampler's redraws come at most every :data:`MIN_INTERVAL` seconds (a figure is tens of KiB
+        of JSON with a long session). A redraw held back is owed (:attr:`owes`); the live chart's next
+        tick makes it. A cell's end (:meth:`finalize`) is drawn at once, within the redraw budget."""
         now = time.monotonic()
         if not (force or final) and now - self._drawn_at < MIN_INTERVAL:
-            self.owes = self.live and self.timeline.snapshot().version != self._drawn
+            self.owes = self.live and self.timeline.snapshot().version != self.drawn
             return False
         drew = super().refresh(force)
         if drew:
             self._drawn_at = now
         self.owes = False
         if drew and not self.timeline.running:
-            self._write_fallback()  # an owed redraw after the last cell: the output catches up too
+            self.write_output()  # an owed redraw after the last cell: the output catches up too
         return drew
 
     def finalize(self) -> bool:
+        """At a cell's end: redraw, and write the figure into the output (what a saved notebook keeps)."""
         drew = self.refresh(final=True)
-        self._write_fallback()
+        self.write_output()
         return drew
 
-    def _write_fallback(self) -> None:
-        with self._lock:
+    def write_output(self) -> None:
+        """The output holds the figure as it is now: a reopened notebook draws it at the output's width
+        (the update also drops the PNG plotly's renderer cached at the window's width)."""
+        with self.lock:
             snapshot = self.timeline.snapshot()
-            # Same widget, fresh fallback for an untrusted or reopened notebook.
-            if self.live and self.handle is not None and snapshot.version != self._bundled:
-                self.handle.update(self._bundle(snapshot), raw=True)
-                self._bundled = snapshot.version
+            if self.live and self.handle is not None and snapshot.version != self.bundled:
+                figure = self._figure if self._figure is not None and self.drawn == snapshot.version else \
+                    self.figure(snapshot)
+                self.handle.update(self.bundle(snapshot, figure), raw=True)
+                self.bundled = snapshot.version
 
-    def _leave(self, snapshot) -> None:
+    def leave(self, snapshot) -> None:
         if self.handle is not None:
-            # The output keeps the figure as it is now, as the user left it (zoom included, which the
-            # widget wrote back), and no widget reference.
-            if snapshot.version != self._drawn:
-                self._draw(snapshot)
-            self.handle.update(self._bundle(snapshot, live=False), raw=True)
+            # The output keeps the figure as it is now, with every series shown, and its picture.
+            self.handle.update(self.bundle(snapshot, self.figure(snapshot)), raw=True)
         close_widgets(self.widgets)
-
-
-#: Trace properties that change as the session goes on (the rest is fixed per trace).
-_MOVING = ("x", "y", "text", "hovertext", "marker", "mode")
-
-
-def figure_json(figure) -> dict:
-    """The figure as it is now, the user's zoom included, as the plotly MIME type's JSON."""
-    spec = figure.to_plotly_json()
-    return {"data": spec.get("data", []), "layout": spec.get("layout", {}), "config": figure_config()}
-
-
+        self.link = None

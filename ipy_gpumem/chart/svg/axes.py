@@ -1,87 +1,28 @@
-"""The plot's frame and what is drawn against it: byte and time ticks, both axes, the device capacity.
+"""The plot's frame and what is drawn against it: byte and time ticks, both axes, capacity lines.
 
-Byte ticks are in torch's spelling at a binary-friendly step, and time is written in one unit for
-the whole axis (ms, s, min:s, min, h). A capacity far above the data would squash it into the bottom
-pixels, so it is written in the legend row instead (:data:`CAPACITY_ON_SCALE`).
+The ticks are the layout's (``chart.scale``): a byte axis is written in one unit, time in one unit
+for the whole axis.
 """
 from __future__ import annotations
 
-import math
-from typing import Optional
+from typing import Sequence
 
-from ...core.units import GiB, KiB, MiB, format_bytes
 from ...display.escape import xml_text
-from .base import _num, device_color
+from ..scale import byte_labels, format_time, time_ticks
+from ..style import device_color
+from ..words import capacity_text
+from .base import DASH_ARRAYS, num
 
-#: A capacity line is drawn (and included in the y range) when the data reach this fraction
-#: of it; below that, a 80 GiB line would squash a 2 GiB session into the bottom pixels, so
-#: the capacity is only written in the corner.
-CAPACITY_ON_SCALE = 0.3
-_TICK_MULTIPLIERS = (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 40, 50, 64, 100, 128, 200, 250, 256, 500, 512)
-_TIME_STEPS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300,
-               600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+__all__ = ["Frame", "y_axis", "x_axis", "capacity_lines", "label_y", "hline"]
 
 
-def byte_ticks(top: float) -> tuple:
-    """``(axis top, [tick values])``: 4-5 ticks from 0 at a binary-friendly step.
+class Frame:
+    """Plot geometry: the data ranges and the pixel rectangle they map to.
 
-    Examples:
-        >>> byte_ticks(15.2 * 2**30)[1][-1] / 2**30, len(byte_ticks(15.2 * 2**30)[1])
-        (16.0, 5)
+    Args:
+        width, height: the picture's size; ``left``, ``top``, ``bottom``: its margins (the right one is 10).
+        x0, x1: the data's x range; ``ymin``, ``ymax``: its y range.
     """
-    top = max(float(top or 0), 1.0)
-    for unit in (1, KiB, MiB, GiB, GiB * 1024):
-        for m in _TICK_MULTIPLIERS:
-            step = m * unit
-            count = math.ceil(top / step - 1e-9)
-            if count <= 4:
-                return count * step, [i * step for i in range(count + 1)]
-    step = 2 ** math.ceil(math.log2(top / 4))
-    count = math.ceil(top / step)
-    return count * step, [i * step for i in range(count + 1)]
-
-
-def time_ticks(lo: float, hi: float, max_ticks: int = 6) -> list:
-    """Tick positions (seconds) between ``lo`` and ``hi`` at a round step."""
-    span = max(hi - lo, 1e-9)
-    step = next((s for s in _TIME_STEPS if span / s <= max_ticks), None)
-    if step is None:
-        step = _TIME_STEPS[-1] * math.ceil(span / max_ticks / _TIME_STEPS[-1])
-    first = math.ceil(lo / step - 1e-9) * step
-    ticks, value = [], first
-    while value <= hi + 1e-9 and len(ticks) < 100:
-        ticks.append(value)
-        value = first + len(ticks) * step
-    return ticks
-
-
-def format_time(value: float, step: float, hi: Optional[float] = None) -> str:
-    """An axis label in one unit for the whole axis (chosen from the step and the axis end).
-
-    Examples:
-        >>> [format_time(v, 0.25, 0.75) for v in (0, 0.25)], format_time(1.5, 0.5, 2), format_time(30, 15, 60)
-        (['0 ms', '250 ms'], '1.5 s', '30 s')
-        >>> format_time(150, 30, 300), format_time(600, 300, 1800), format_time(5400, 1800, 14400)
-        ('2:30', '10 min', '1.5 h')
-    """
-    hi = value if hi is None else hi
-    if step >= 3600 or hi >= 3 * 3600:
-        return f"{value / 3600:g} h"
-    if step >= 60:
-        return f"{value / 60:g} min"
-    if step >= 1:
-        if hi < 120:
-            return f"{value:.0f} s"
-        minutes, seconds = divmod(int(round(value)), 60)
-        return f"{minutes}:{seconds:02d}"
-    if hi < 1:
-        return f"{value * 1000:.0f} ms"
-    decimals = max(1, -math.floor(math.log10(step) + 1e-9))
-    return f"{value:.{decimals}f} s"
-
-
-class _Frame:
-    """Plot geometry: the data ranges and the pixel rectangle they map to."""
 
     def __init__(self, width, height, left, top, bottom, x0, x1, ymax, ymin=0):
         self.width, self.height = width, height
@@ -93,26 +34,30 @@ class _Frame:
         self.sy = (self.py1 - self.py0) / (self.ymax - ymin)
 
     def x(self, t: float) -> float:
+        """The pixel column of data x ``t``."""
         return self.px0 + (t - self.x0) * self.sx
 
     def y(self, v: float) -> float:
+        """The pixel row of data y ``v``."""
         return self.py1 - (v - self.ymin) * self.sy
 
 
-def _y_axis(frame: _Frame, ticks: list) -> str:
+def y_axis(frame: Frame, ticks: Sequence[float]) -> str:
+    """Grid lines and labels at the byte ``ticks``, written in one unit."""
     out = []
-    for value in ticks:
+    for value, label in zip(ticks, byte_labels(list(ticks))):
         y = frame.y(value)
         out.append(
-            f'<line x1="{_num(frame.px0)}" y1="{_num(y)}" x2="{_num(frame.px1)}" y2="{_num(y)}" '
+            f'<line x1="{num(frame.px0)}" y1="{num(y)}" x2="{num(frame.px1)}" y2="{num(y)}" '
             f'stroke="currentColor" stroke-opacity="{0.35 if value == 0 else 0.12}"/>'
-            f'<text x="{_num(frame.px0 - 4)}" y="{_num(y + 3.5)}" text-anchor="end" fill="currentColor" '
-            f'fill-opacity="0.75">{xml_text(format_bytes(int(value)))}</text>'
+            f'<text x="{num(frame.px0 - 4)}" y="{num(y + 3.5)}" text-anchor="end" fill="currentColor" '
+            f'fill-opacity="0.75">{xml_text(label)}</text>'
         )
     return "".join(out)
 
 
-def _x_axis(frame: _Frame) -> str:
+def x_axis(frame: Frame) -> str:
+    """Time ticks along the bottom, in one unit for the whole axis."""
     ticks = time_ticks(frame.x0, frame.x1, max_ticks=max(2, int((frame.px1 - frame.px0) / 90)))
     step = ticks[1] - ticks[0] if len(ticks) > 1 else max(frame.x1 - frame.x0, 1e-3)
     y = frame.py1
@@ -120,46 +65,32 @@ def _x_axis(frame: _Frame) -> str:
     for value in ticks:
         x = frame.x(value)
         out.append(
-            f'<line x1="{_num(x)}" y1="{_num(y)}" x2="{_num(x)}" y2="{_num(y + 3)}" stroke="currentColor" '
-            f'stroke-opacity="0.5"/><text x="{_num(x)}" y="{_num(y + 13)}" text-anchor="middle" '
+            f'<line x1="{num(x)}" y1="{num(y)}" x2="{num(x)}" y2="{num(y + 3)}" stroke="currentColor" '
+            f'stroke-opacity="0.5"/><text x="{num(x)}" y="{num(y + 13)}" text-anchor="middle" '
             f'fill="currentColor" fill-opacity="0.75">{xml_text(format_time(value, step, ticks[-1]))}</text>'
         )
     return "".join(out)
 
 
-def _capacity_layout(capacities, devices: list, data_max: float) -> tuple:
-    """``(on-scale capacities, off-scale capacities)`` as ``[(device, bytes)]`` lists."""
-    on, off = [], []
-    for device in devices:
-        total = capacities.get(device)
-        if not total:
-            continue
-        (on if data_max >= CAPACITY_ON_SCALE * total else off).append((device, total))
-    return on, off
-
-
-def _label_y(y: float, frame: _Frame) -> float:
+def label_y(y: float, frame: Frame) -> float:
     """Baseline of a label for a horizontal line at ``y``: above it, or below when near the top."""
     return y - 3 if y - 12 >= frame.py0 else y + 11
 
 
-def _capacities(on: list, frame: _Frame, several: bool) -> str:
-    out = []
-    for device, total in on:
-        y = frame.y(total)
-        text = f"{device.label} {format_bytes(total)} total" if several else f"{format_bytes(total)} total"
-        out.append(
-            f'<line x1="{_num(frame.px0)}" y1="{_num(y)}" x2="{_num(frame.px1)}" y2="{_num(y)}" '
-            f'stroke="{device_color(device)}" stroke-width="1.2" stroke-dasharray="8 3 2 3" stroke-opacity="0.8"/>'
-            f'<text x="{_num(frame.px1 - 3)}" y="{_num(_label_y(y, frame))}" text-anchor="end" fill="currentColor" '
-            f'fill-opacity="0.8">{xml_text(text)}</text>'
-        )
-    return "".join(out)
+def hline(frame: Frame, value: float, colour: str, kind: str, label: str, anchor: str = "end",
+          width: float = 1.2) -> str:
+    """A horizontal line across the plot at ``value`` with its label (right- or left-aligned)."""
+    y = frame.y(value)
+    dash = DASH_ARRAYS.get(kind, "")
+    dash = f' stroke-dasharray="{dash}"' if dash else ""
+    x = frame.px1 - 3 if anchor == "end" else frame.px0 + 3
+    return (f'<line x1="{num(frame.px0)}" y1="{num(y)}" x2="{num(frame.px1)}" y2="{num(y)}" stroke="{colour}" '
+            f'stroke-width="{width}"{dash} stroke-opacity="0.85"/>'
+            f'<text x="{num(x)}" y="{num(label_y(y, frame))}" text-anchor="{anchor}" fill="currentColor" '
+            f'fill-opacity="0.8">{xml_text(label)}</text>')
 
 
-def _off_scale(off: list, several: bool) -> str:
-    """The capacities too far above the data to draw, as a note for the legend row."""
-    if not off:
-        return ""
-    return " · ".join(f"{device.label} {format_bytes(total)} total" if several else f"{format_bytes(total)} total"
-                      for device, total in off) + " (off scale)"
+def capacity_lines(capacities: Sequence, frame: Frame, several: bool) -> str:
+    """Each ``(device, bytes)`` capacity as a dash-dot line in the device's colour, with its total."""
+    return "".join(hline(frame, total, device_color(device), "dashdot", capacity_text(device, total, several))
+                   for device, total in capacities)

@@ -1,57 +1,45 @@
-"""The line chart shared by :func:`timeline_svg` and ``cell_svg(samples=...)``, and the session chart.
+"""The session chart as an SVG picture, drawn from its layout (``chart.session``).
 
-:func:`timeline_svg` draws a :class:`~ipy_gpumem.chart.timeline.TimelineSnapshot`: one line per
-series (allocated solid, reserved dashed, device-wide used dotted; host RSS solid when no CUDA
-device is in use), the min-max band of merged points, the device capacity, cell spans as light
-bands labelled ``[7]`` with their hover text (:func:`span_hover`) as native ``<title>``
-tooltips, each cell's exact peak where the samples missed it, the running cell in amber, failed
-cells in red, byte ticks in torch's spelling and time in s/min/h.
+:func:`draw_session` draws a :class:`~ipy_gpumem.chart.session.SessionLayout`: one line per series
+(allocated solid, reserved dashed, device-wide used dotted; host RSS solid when no CUDA device is in
+use), the min-max band of merged points, the device capacity, cell spans as light bands labelled
+``[7]`` with their hover text as native ``<title>`` tooltips, each cell's exact peak where the
+samples missed it, the running cell in amber, failed cells in red, byte ticks in one unit and time
+in s/min/h. :func:`timeline_svg` and :func:`draw_timeline` draw a snapshot's layout.
 """
 from __future__ import annotations
 
 import bisect
 from typing import NamedTuple, Optional, Sequence, Tuple
 
-from ...core.units import MiB, format_bytes
 from ...display.escape import xml_text
-from ..timeline import Span, TimelineSnapshot, missed_peaks
-from .axes import _capacities, _capacity_layout, _Frame, _off_scale, _x_axis, _y_axis, byte_ticks
-from .base import (FAILED_COLOR, HOST_COLOR, MIN_HEIGHT, MIN_WIDTH, RUNNING_COLOR, _num, _svg_open, _text_width,
-                   device_color, empty_svg)
-from .legend import _drawn_keys, _legend, line_legend, peak_mark_path, span_hover
-from .paths import _series_paths
+from ..scale import byte_labels
+from ..session import SessionLayout, session_layout
+from ..style import PEAK_COLOR, band
+from ..timeline import Span, TimelineSnapshot
+from ..words import exact_peak_text, off_scale_note, span_hover
+from .axes import Frame, capacity_lines, hline, x_axis, y_axis
+from .base import MIN_HEIGHT, MIN_WIDTH, empty_svg, num, paint, svg_open, text_width
+from .legend import legend_row, peak_mark_path
+from .paths import series_paths
+
+__all__ = ["HoverBox", "Drawing", "draw_session", "draw_timeline", "timeline_svg"]
 
 
-def _max(values: Sequence) -> float:
-    try:
-        return max(values, default=0)
-    except TypeError:  # None among the values (a series that started late)
-        return max((v for v in values if v is not None), default=0)
+def _label_order(cells: Sequence) -> list:
+    """Indices of cells in labelling priority: running, then by bytes moved, then newest."""
+    return sorted(range(len(cells)), key=lambda i: (cells[i].span.end is not None, -cells[i].span.moved, -i))
 
 
-def _span_fill(span, index: int) -> tuple:
-    if span.end is None:
-        return RUNNING_COLOR, 0.28
-    if span.failed:
-        return FAILED_COLOR, 0.18
-    return "currentColor", (0.06 if index % 2 else 0.11)  # alternate: back-to-back cells stay apart
-
-
-def _label_order(spans: Sequence) -> list:
-    """Indices of spans in labelling priority: running, then by bytes moved, then newest."""
-    return sorted(range(len(spans)), key=lambda i: (spans[i].end is not None, -spans[i].moved, -i))
-
-
-def _place_labels(spans: Sequence, frame: _Frame) -> set:
-    """Indices of spans whose label fits without overlapping a more important one."""
+def _place_labels(cells: Sequence, frame: Frame) -> set:
+    """Indices of cells whose label fits without overlapping a more important one."""
     starts: list = []  # left edges of placed labels, sorted; placed labels never overlap
     ends: list = []
     labelled = set()
-    for i in _label_order(spans):
-        span = spans[i]
-        end = span.end if span.end is not None else frame.x1
-        centre = (frame.x(span.start) + frame.x(end)) / 2
-        half = _text_width(span.label, 9) / 2 + 2
+    for i in _label_order(cells):
+        cell = cells[i]
+        centre = (frame.x(cell.start) + frame.x(cell.end)) / 2
+        half = text_width(cell.span.label, 9) / 2 + 2
         lo, hi = centre - half, centre + half
         if lo < frame.px0 or hi > frame.px1:
             continue
@@ -75,66 +63,67 @@ class HoverBox(NamedTuple):
     span: Span
 
 
-def _spans(spans: Sequence, frame: _Frame, boxes: Optional[list], titles: bool = True) -> str:
-    """Span bands with tooltips; ``[7]`` labels where they do not collide. Appends to ``boxes``.
+def _cells(cells: Sequence, frame: Frame, boxes: Optional[list], titles: bool = True) -> str:
+    """Cell bands with tooltips; ``[7]`` labels where they do not collide. Appends to ``boxes``.
 
-    Without titles (a chart for an ``<img>``) the bands of one colour are a single path: a few
-    dozen bytes a cell instead of a hundred.
+    Without titles (a chart for an ``<img>``) the bands of one kind are a single path: a few dozen
+    bytes a cell instead of a hundred.
     """
-    if not spans:
+    if not cells:
         return ""
-    labelled = _place_labels(spans, frame)
+    labelled = _place_labels(cells, frame)
     out = ['<g class="spans">']
     groups: dict = {}
     height = frame.py1 - frame.py0
-    for i, span in enumerate(spans):
-        end = span.end if span.end is not None else frame.x1
-        x0, x1 = frame.x(span.start), frame.x(end)
+    for i, cell in enumerate(cells):
+        x0, x1 = frame.x(cell.start), frame.x(cell.end)
         width = max(x1 - x0, 1.0)
-        color, opacity = _span_fill(span, i)
+        colour, opacity = band(cell.kind)
         label = ""
         if i in labelled:
-            weight = ' font-weight="600"' if span.end is None else ""
-            label = (
-                f'<text x="{_num((x0 + x1) / 2)}" y="{_num(frame.py0 + 9)}" text-anchor="middle" '
-                f'font-size="9" fill="currentColor" fill-opacity="0.8"{weight}>{xml_text(span.label)}</text>'
-            )
+            weight = ' font-weight="600"' if cell.kind == "running" else ""
+            label = (f'<text x="{num((x0 + x1) / 2)}" y="{num(frame.py0 + 9)}" text-anchor="middle" '
+                     f'font-size="9" fill="currentColor" fill-opacity="0.8"{weight}>{xml_text(cell.span.label)}</text>')
         if boxes is not None:
-            boxes.append(HoverBox(x0, x0 + width, frame.py0, frame.py1, span))
+            boxes.append(HoverBox(x0, x0 + width, frame.py0, frame.py1, cell.span))
         if titles:
-            out.append(f'<g><title>{xml_text(span_hover(span))}</title><rect x="{_num(x0)}" y="{_num(frame.py0)}" '
-                       f'width="{_num(width)}" height="{_num(height)}" fill="{color}" fill-opacity="{opacity}"/>'
+            out.append(f'<g><title>{xml_text(span_hover(cell.span))}</title><rect x="{num(x0)}" y="{num(frame.py0)}" '
+                       f'width="{num(width)}" height="{num(height)}" fill="{paint(colour)}" fill-opacity="{opacity}"/>'
                        f'{label}</g>')
         else:
-            groups.setdefault((color, opacity), []).append(f"M{x0:.1f},{frame.py0:.1f}h{width:.1f}v{height:.1f}h{-width:.1f}z")
+            groups.setdefault((paint(colour), opacity), []).append(
+                f"M{x0:.1f},{frame.py0:.1f}h{width:.1f}v{height:.1f}h{-width:.1f}z")
             out.append(label)
-    for (color, opacity), rects in groups.items():
-        out.insert(1, f'<path d="{"".join(rects)}" fill="{color}" fill-opacity="{opacity}"/>')
+    for (colour, opacity), rects in groups.items():
+        out.insert(1, f'<path d="{"".join(rects)}" fill="{colour}" fill-opacity="{opacity}"/>')
     out.append("</g>")
     return "".join(out)
 
 
-def _peak_marks(peaks: list, frame: _Frame) -> str:
-    """Each missed peak as a short bar with end ticks over its cell (the legend's glyph), one path per colour."""
-    groups: dict = {}
+def _peak_marks(peaks: Sequence, frame: Frame) -> str:
+    """Each missed peak as a short bar with end ticks over the middle of its cell (the legend's glyph)."""
+    lines = []
     for mark in peaks:
-        # The middle of the cell, so neighbouring cells' marks never join into a line.
         x0, x1, y = frame.x(mark.start), frame.x(mark.end), frame.y(mark.peak)
-        width = max((x1 - x0) * 0.6, 3.0)
-        groups.setdefault(mark.key.device, []).append(peak_mark_path((x0 + x1 - width) / 2, (x0 + x1 + width) / 2, y))
-    return "".join(f'<path d="{"".join(lines)}" stroke="{device_color(device)}" stroke-width="2" fill="none"/>'
-                   for device, lines in groups.items())
+        width = max((x1 - x0) * 0.6, 3.0)  # the middle: neighbouring cells' marks never join into a line
+        lines.append(peak_mark_path((x0 + x1 - width) / 2, (x0 + x1 + width) / 2, y))
+    return f'<path d="{"".join(lines)}" stroke="{PEAK_COLOR}" stroke-width="2" fill="none"/>' if lines else ""
 
 
-def _peak_line(peak: Optional[int], frame: _Frame, color: str) -> str:
-    if peak is None:
-        return ""
-    y = frame.y(peak)
-    return (
-        f'<line x1="{_num(frame.px0)}" y1="{_num(y)}" x2="{_num(frame.px1)}" y2="{_num(y)}" stroke="{color}" '
-        f'stroke-width="1" stroke-dasharray="3 3"/><text x="{_num(frame.px0 + 3)}" y="{_num(y - 3)}" '
-        f'fill="currentColor" fill-opacity="0.8">{xml_text(f"peak {format_bytes(peak)} (exact, from the record)")}</text>'
-    )
+def _ranks(ranks: Sequence, frame: Frame) -> str:
+    out = []
+    for rank in ranks:
+        parts, pen = [], "M"
+        for x, y in zip(rank.xs, rank.ys):
+            if x is None or y is None:
+                pen = "M"
+                continue
+            parts.append(f"{pen}{frame.x(x):.1f},{frame.y(y):.1f}")
+            pen = "L"
+        if parts:
+            out.append(f'<path d="{"".join(parts)}" fill="none" stroke="{rank.color}" stroke-width="1.4" '
+                       f'stroke-dasharray="1.5 2.5"/>')
+    return "".join(out)
 
 
 class Drawing(NamedTuple):
@@ -146,71 +135,48 @@ class Drawing(NamedTuple):
     boxes: Tuple[HoverBox, ...] = ()
 
 
-def _line_chart(times, series, lows, keys, *, spans=(), capacities=None, end=None, merged=0, width=720,
-                height=220, title=None, peak=None, ink=None, titles=True, boxes=None, snapshot=None) -> str:
-    """The shared line chart; ``keys`` are the series to draw (already chosen)."""
-    capacities = capacities or {}
-    data_max = max((_max(series[k]) for k in keys), default=0)
-    devices = sorted({k.device for k in keys if k.device.is_cuda}, key=lambda d: d.index or 0)
-    on_scale, off_scale = _capacity_layout(capacities, devices, data_max)
-    if not times:
-        peaks = ()
-    elif snapshot is not None:
-        peaks = snapshot.missed_peaks(keys)
-    else:
-        peaks = missed_peaks(spans, times, series, keys)
-    top_value = max([data_max, peak or 0] + [p.peak for p in peaks] + [total for _, total in on_scale])
-    axis_top, ticks = byte_ticks(max(top_value * 1.04, MiB))  # all zeros still get a sane axis
-    starts = [times[0]] if times else []
-    starts += [s.start for s in spans]
-    x0 = min(starts, default=0.0)
-    x1 = max([end if end is not None else x0] + list(times[-1:]))
-    left = 8 + max(_text_width(format_bytes(int(t))) for t in ticks)
-    top = 20 if title else 6
-    frame = _Frame(width, height, left, top, 34, x0, x1, axis_top)
-    several = len(devices) > 1
-    parts = [
-        _svg_open(width, height, title or "memory timeline", ink),
-        _spans(spans, frame, boxes, titles),
-        _y_axis(frame, ticks),
-        _x_axis(frame),
-        _capacities(on_scale, frame, several),
-        _series_paths(times, series, lows, keys, merged, frame, titles) if times else "",
-        _peak_marks(peaks, frame),
-        _peak_line(peak, frame, device_color(keys[0].device) if keys else HOST_COLOR),
-        _legend(line_legend(keys, peaks),
-                frame.px0, height - 5, width - 4, _off_scale(off_scale, several)),
-    ]
-    if title:
-        parts.append(f'<text x="{_num(frame.px0)}" y="13" font-size="11" font-weight="600" fill="currentColor">'
-                     f'{xml_text(title)}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-def draw_timeline(snapshot: Optional[TimelineSnapshot], width: int = 720, height: int = 220,
-                  title: Optional[str] = None, ink: Optional[str] = None, titles: bool = True) -> Drawing:
-    """The session chart and where its spans are; see :func:`timeline_svg`.
+def draw_session(layout: SessionLayout, width: int = 720, height: int = 220, title: Optional[str] = None,
+                 ink: Optional[str] = None, titles: bool = True) -> Drawing:
+    """The picture of a session layout and where its cells are.
 
     Args:
         ink: the chart's ``currentColor`` (text, axes, bands); None inherits the page's, which is
-            right inline and wrong in an ``<img>`` (use :data:`IMG_INK` there).
+            right inline and wrong in an ``<img>`` (use ``chart.style.IMG_INK`` there).
         titles: put hover texts in ``<title>`` elements (inline SVG); an ``<img>`` shows none of
             them, so its HTML carries them instead, from :attr:`Drawing.boxes`.
     """
     width, height = max(int(width), MIN_WIDTH), max(int(height), MIN_HEIGHT)
-    if snapshot is None or snapshot.empty:
-        return Drawing(empty_svg("no samples yet", width, ink=ink), width, 40)
-    keys = _drawn_keys(snapshot.series)
-    if not keys and not snapshot.spans:
-        return Drawing(empty_svg("no memory readings yet", width, ink=ink), width, 40)
+    if layout.empty:
+        return Drawing(empty_svg(layout.empty, width, ink=ink), width, 40)
+    left = 8 + max(text_width(label) for label in byte_labels(list(layout.ticks)))
+    frame = Frame(width, height, left, 20 if title else 6, 34, layout.x0, layout.x1, layout.top)
     boxes: list = []
-    svg = _line_chart(
-        snapshot.t, snapshot.series, snapshot.lows, keys, spans=snapshot.spans, capacities=snapshot.capacities,
-        end=snapshot.end, merged=snapshot.merged, width=width, height=height, title=title, ink=ink,
-        titles=titles, boxes=boxes, snapshot=snapshot,
-    )
-    return Drawing(svg, width, height, tuple(boxes))
+    exact = ""
+    if layout.exact_peak is not None:
+        exact = hline(frame, layout.exact_peak, PEAK_COLOR, "dot", exact_peak_text(layout.exact_peak), "start", 1.0)
+    parts = [
+        svg_open(width, height, title or "memory timeline", ink),
+        _cells(layout.cells, frame, boxes, titles),
+        y_axis(frame, layout.ticks),
+        x_axis(frame),
+        capacity_lines(layout.capacities, frame, layout.several),
+        series_paths(layout.t, layout.series, layout.merged, frame, titles) if layout.t else "",
+        _ranks(layout.ranks, frame),
+        _peak_marks(layout.peaks, frame),
+        exact,
+        legend_row(layout.legend, frame.px0, height - 5, width - 4, off_scale_note(layout.off_scale, layout.several)),
+    ]
+    if title:
+        parts.append(f'<text x="{num(frame.px0)}" y="13" font-size="11" font-weight="600" fill="currentColor">'
+                     f'{xml_text(title)}</text>')
+    parts.append("</svg>")
+    return Drawing("".join(parts), width, height, tuple(boxes))
+
+
+def draw_timeline(snapshot: Optional[TimelineSnapshot], width: int = 720, height: int = 220,
+                  title: Optional[str] = None, ink: Optional[str] = None, titles: bool = True) -> Drawing:
+    """The session chart of a snapshot and where its spans are; see :func:`draw_session`."""
+    return draw_session(session_layout(snapshot), width, height, title, ink, titles)
 
 
 def timeline_svg(snapshot: Optional[TimelineSnapshot], width: int = 720, height: int = 220,
@@ -222,8 +188,8 @@ def timeline_svg(snapshot: Optional[TimelineSnapshot], width: int = 720, height:
         width: pixels (at least 240 are used).
         height: pixels (at least 120 are used).
         title: optional text above the plot.
-        ink: see :func:`draw_timeline`.
-        titles: see :func:`draw_timeline`.
+        ink: see :func:`draw_session`.
+        titles: see :func:`draw_session`.
 
     Returns:
         ``<svg ...>...</svg>``, self-contained; safe to embed in HTML as is.

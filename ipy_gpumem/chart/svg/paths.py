@@ -10,15 +10,16 @@ from functools import lru_cache
 from typing import Sequence
 
 from ...display.escape import xml_text
-from .axes import _Frame
-from .base import DASHES, _num, device_color
-from .legend import series_name
+from .axes import Frame
+from .base import dash_attr, num
+
+__all__ = ["series_paths"]
 
 
 @lru_cache(maxsize=64)
 def _coord_table(origin: float, step: float, count: int, suffix: str) -> tuple:
     """``count`` pre-formatted coordinates ``origin + i * step`` (cached across redraws)."""
-    return tuple(_num(origin + i * step) + suffix for i in range(count))
+    return tuple(num(origin + i * step) + suffix for i in range(count))
 
 
 def _runs(values: Sequence) -> list:
@@ -38,7 +39,7 @@ def _runs(values: Sequence) -> list:
     return runs
 
 
-def _y_table(frame: _Frame) -> tuple:
+def _y_table(frame: Frame) -> tuple:
     """``(quantum, table)``: ``table[v // quantum]`` is the pre-formatted y of ``v`` bytes plus a space.
 
     Integer floor division by a byte quantum (about half a pixel) is one C call per point, and
@@ -58,7 +59,7 @@ def _interleave(xs: list, ys) -> str:
     return "".join(out)
 
 
-def _path_data(xs: list, values: Sequence, frame: _Frame) -> str:
+def _path_data(xs: list, values: Sequence, frame: Frame) -> str:
     """SVG path data through the points (``M x,y x,y ...``); None values break the line.
 
     This is the hot loop of a redraw (2000 points x 4 series every second), so the common case
@@ -78,7 +79,7 @@ def _path_data(xs: list, values: Sequence, frame: _Frame) -> str:
     return "".join(parts)
 
 
-def _x_coords(times: Sequence[float], frame: _Frame) -> list:
+def _x_coords(times: Sequence[float], frame: Frame) -> list:
     """``"x,"`` strings for each time (half-pixel precision), shared by every series."""
     xtab = _coord_table(frame.px0, 0.5, int(2 * (frame.px1 - frame.px0)) + 3, ",")
     k = 2 * frame.sx
@@ -86,7 +87,7 @@ def _x_coords(times: Sequence[float], frame: _Frame) -> list:
     return list(map(xtab.__getitem__, map(int, map(k.__mul__, shifted))))
 
 
-def _envelope(xs: list, highs: Sequence, lows: Sequence, n: int, frame: _Frame, color: str) -> str:
+def _envelope(xs: list, highs: Sequence, lows: Sequence, n: int, frame: Frame, color: str) -> str:
     """The min-max band of the first ``n`` (merged) points, when any bucket has a range."""
     hi, lo = tuple(highs[:n]), tuple(lows[:n])
     if n < 2 or hi == lo or None in hi or None in lo:
@@ -99,22 +100,20 @@ def _envelope(xs: list, highs: Sequence, lows: Sequence, n: int, frame: _Frame, 
     )
 
 
-def _series_paths(times, series, lows, keys, merged, frame, titles: bool = True) -> str:
+def series_paths(times, plans, merged: int, frame: Frame, titles: bool = True) -> str:
+    """The layout's series (``chart.session.SeriesPlan``) as paths, each over its min-max band where
+    merged points have one; ``titles`` names each path in a ``<title>``."""
     xs = _x_coords(times, frame)
     out = []
-    for key in keys:
-        values = series[key]
-        color = device_color(key.device)
-        if key.quantity in ("allocated", "rss") and key in lows:
+    for plan in plans:
+        if plan.lows is not None:
             # Saw-tooth memory (training loops) merged into buckets keeps its range visible.
-            out.append(_envelope(xs, values, lows[key], merged, frame, color))
-        dash = DASHES.get(key.quantity, "")
-        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-        data = _path_data(xs, values, frame)
+            out.append(_envelope(xs, plan.values, plan.lows, merged, frame, plan.color))
+        data = _path_data(xs, plan.values, frame)
         if data:
-            title = f"<title>{xml_text(series_name(key))}</title>" if titles else ""
+            title = f"<title>{xml_text(plan.name)}</title>" if titles else ""
             out.append(
-                f'<path d="{data}" fill="none" stroke="{color}" stroke-width="1.6" '
-                f'stroke-linejoin="round"{dash_attr} pointer-events="none">{title}</path>'
+                f'<path d="{data}" fill="none" stroke="{plan.color}" stroke-width="1.6" '
+                f'stroke-linejoin="round"{dash_attr(plan.kind)} pointer-events="none">{title}</path>'
             )
     return "".join(out)
