@@ -403,17 +403,14 @@ class GpuMemMagics(Magics):
             return view
         # In a notebook the table is followed by its chart: one column per cell, plotly with the SVG beside it.
         from .chart.figures.history import history_figure
-        from .chart.svg import IMG_INK, timeline_svg
-        from .chart.timeline import Timeline, seed_timeline
+        from .chart.svg import IMG_INK, history_svg
         from .chart.views import figure_output
 
         figure = history_figure(records)
         if figure is None:
             return view
         _display(view)
-        timeline = Timeline()
-        seed_timeline(timeline, records)
-        _display_raw(figure_output(figure, timeline_svg(timeline.snapshot(), 720, 220, ink=IMG_INK),
+        _display_raw(figure_output(figure, history_svg(records, 720, 220, ink=IMG_INK),  # the same chart, as a picture
                                    text=f"(chart of {len(records)} recorded cells)"))
         return None
 
@@ -576,10 +573,12 @@ class GpuMemMagics(Magics):
 
         if in_kernel(self.shell):  # the per-line table drawn, as its own output after the report
             from .chart.figures.estimate import estimate_figure
+            from .chart.svg import IMG_INK, estimate_svg
 
             figure = estimate_figure(result)
             if figure is not None:
-                _display_raw(figure_output(figure, None, text="(chart of the estimate's lines)"))
+                _display_raw(figure_output(figure, estimate_svg(result, 640, 220, ink=IMG_INK),
+                                           text="(chart of the estimate's lines)"))
 
 
 # ---------------------------------------------------------------------------------------------
