@@ -604,6 +604,8 @@ class CudaProbe:
             return None, CPU_ONLY
         if torch is self._reader_for:
             return self._reader_status()
+        if self.reader is not None:  # another torch than the one the reader was made for
+            self.reader = self._reader_for = None
         cuda = getattr(torch, "cuda", None)
         try:
             if cuda is None or not cuda.is_initialized():
@@ -616,6 +618,8 @@ class CudaProbe:
                 return None, "CUDA not initialized yet"
         except Exception:  # noqa: BLE001 - a broken torch install must not break cells
             return None, "torch.cuda unavailable"
+        if torch is not self._rocm_for:  # once per torch module: device_memory reads the flag
+            self.is_rocm()
         return cuda, None
 
     def _find_reader(self, torch):
@@ -636,17 +640,19 @@ class CudaProbe:
     @property
     def device_type(self) -> str:
         """torch's type of the devices this probe reads: ``"cuda"`` (ROCm too), ``"mps"``, ``"xpu"``..."""
-        return self.reader.device_type if self.reader is not None and self._torch() is self._reader_for else "cuda"
+        reader = self.reader
+        return "cuda" if reader is None else reader.device_type
 
     @property
     def resets_peaks(self) -> bool:
         """False where the backend keeps no peak counter (MPS before torch.accelerator covers it):
         its peaks are then the highest values sampled, and :meth:`reset_peak` resets nothing."""
-        return self.reader.resets_peaks if self.reader is not None and self._torch() is self._reader_for else True
+        reader = self.reader
+        return True if reader is None else reader.resets_peaks
 
     def is_rocm(self) -> bool:
         """True for a ROCm (HIP) build of torch: a build flag, read once per torch module."""
-        torch = self._torch()
+        torch = self._torch_override if self._torch_override is not None else sys.modules.get("torch")
         if torch is not self._rocm_for:
             self._rocm_for = torch
             try:
@@ -706,14 +712,14 @@ class CudaProbe:
     def counters(self, index: int) -> tuple:
         """``(allocated, reserved, peak_allocated, peak_reserved)`` from the allocator (None where
         the backend keeps no such counter)."""
-        if self.reader is not None and self._reader_for is self._torch():
+        if self.reader is not None:
             return self.reader.counters(index)
         stats = self._nested_stats(index)
         return counters_from_stats(stats)
 
     def reset_peak(self, index: int) -> None:
         """Reset the device's peak counters (nothing where the backend keeps none: :attr:`resets_peaks`)."""
-        if self.reader is not None and self._reader_for is self._torch():
+        if self.reader is not None:
             self.reader.reset_peak(index)
             return
         self._torch().cuda.reset_peak_memory_stats(index)
@@ -721,7 +727,7 @@ class CudaProbe:
     def properties(self, index: int) -> tuple:
         """``(name, total, uuid)`` for a device, cached (they never change); on MPS the total is
         its out-of-memory limit (high-watermark ratio times Metal's recommended working set)."""
-        if self.reader is not None and self._reader_for is self._torch():
+        if self.reader is not None:
             return self.reader.properties(index)
         props = self._props.get(index)
         if props is None:
@@ -735,10 +741,10 @@ class CudaProbe:
         """``(used, total)`` device-wide: NVML first (amdsmi on ROCm), else cudaMemGetInfo (only ever
         called for a device that has a context, where it creates none); ``total`` is torch's in
         every case. Other backends answer through their reader."""
-        if self.reader is not None and self._reader_for is self._torch():
+        if self.reader is not None:
             return self.reader.device_memory(index)
         name, total, uuid = self.properties(index)
-        if self.is_rocm():
+        if self._rocm if self._rocm_for is not None else self.is_rocm():
             used, _ = self.amdsmi.memory(index, total)
         else:
             used, _ = self.nvml.memory(index, uuid, total)
@@ -753,7 +759,7 @@ class CudaProbe:
     def processes(self, index: int) -> list:
         """``[(pid, bytes or None, name or None)]`` of the processes on device ``index`` (slow: on
         demand only): NVML's, amdsmi's on ROCm, none on backends that list none."""
-        if self.reader is not None and self._reader_for is self._torch():
+        if self.reader is not None:
             return self.reader.processes(index)
         if self.is_rocm():
             return self.amdsmi.processes(index)
