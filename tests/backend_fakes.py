@@ -4,7 +4,7 @@ Each fake has only the calls the torch version it stands for has (``version`` ga
 2.4 has no ``torch.accelerator``, a 2.4 MPS build no ``recommended_max_memory``...), records every
 call, and refuses the calls that would start a device (``is_available``, ``device_count`` before
 initialization): a test then fails where a probe would have started one. The numbers they return
-are the recordings of ``tests/fixtures/backends/`` (see its SOURCES).
+are the recordings of ``tests/fixtures/backends/`` (see its SOURCES.md).
 """
 import json
 import os
@@ -235,7 +235,7 @@ def props(name, total, uuid=None):
 
 
 class FakeAmdsmi:
-    """FAKE ``amdsmi`` in the shapes of ROCm/amdsmi's py-interface (see SOURCES); with ``usage_bytes``
+    """FAKE ``amdsmi`` in the shapes of ROCm/amdsmi's py-interface (see SOURCES.md); with ``usage_bytes``
     it has ``amdsmi_get_gpu_memory_usage`` (bytes), without it only ``amdsmi_get_gpu_vram_usage`` (MB)."""
 
     def __init__(self, handles, vram_usage_mb=None, usage_bytes=None, processes=(), enumeration=True, calls=None):

@@ -1,7 +1,7 @@
 """Every accelerator torch knows (CUDA, ROCm, MPS, XPU, torch.accelerator), tested without the hardware.
 
 The counters and messages are recordings from public sources (``tests/fixtures/backends/``, cited in
-its SOURCES); the torch modules are labelled FAKES (``backend_fakes``) with the calls of the torch
+its SOURCES.md); the torch modules are labelled FAKES (``backend_fakes``) with the calls of the torch
 version they stand for. None of these backends was run on its hardware here: this machine has a
 CPU build of torch and no GPU.
 """

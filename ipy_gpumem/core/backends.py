@@ -5,7 +5,7 @@ for each figure the probes read (allocated, reserved, peak, device total, device
 processes) and each action ``%gpumem`` takes (empty the cache, reset the peak, a snapshot), the
 public call that reads or does it, the first torch release that has it, and, where a device keeps
 none, what is shown instead: a sampled peak on MPS (the highest value read), otherwise the words of
-:meth:`Backend.missing`, never a zero. The sources of every row are in ``tests/fixtures/backends/SOURCES``.
+:meth:`Backend.missing`, never a zero. The sources of every row are in ``tests/fixtures/backends/SOURCES.md``.
 
 :func:`detect` says which backend a torch build uses from build flags alone: it initializes no
 device and imports nothing.
