@@ -23,7 +23,8 @@ A change that provably leaves the count as it was is absorbed (a name rebound fr
 another, a new name holding a list of ints or a function of the notebook, a name that owned
 nothing rebound to a string): :class:`_Proof` reads a value by the census's own rules. Any other
 change says "count again". What this cannot see without memory moving: a change two levels down
-in a container (``d["a"].append(t)`` of a tensor smaller than :data:`HOST_SLACK` on the CPU), and,
+in a container (``d["a"].append(t)`` of a CPU tensor smaller than :data:`HOST_SLACK`, or placed in
+heap memory the process had freed but kept resident, as glibc does below 32 MiB), and,
 in a namespace larger than one window, a name that held no tensor and now does, until its window
 comes round, or an item replaced in such a name's container without its length changing; the next
 count that runs for another reason sees them.
