@@ -26,6 +26,9 @@ What it does:
    one after the other). Each run starts from a fresh copy of the tests, in its own working
    directory, with its own empty ``IPYTHONDIR``, basetemp and log, so the user's IPython profile
    (and any extension it loads) plays no part and neither run sees the other.
+   ``--plain failing`` (what CI runs) runs the whole suite with the extension only, and the plain
+   run only over the test files holding a failure: a test that passes with the extension needs no
+   plain run to be cleared, and the plain run of all of it was half the check's time.
 5. Compares outcomes. Tests that fail only with the extension are re-run (their whole test files,
    so that the order inside a file is kept) once more in both modes; those that fail only with the
    extension again are printed with their failure text, and the exit status is 1. Tests failing in
@@ -457,6 +460,9 @@ def main(argv=None):
     ap.add_argument("--timeout", type=int, default=600, help="seconds allowed for each pytest run (default: %(default)s)")
     ap.add_argument("--jobs", type=int, choices=(1, 2), default=2,
                     help="2 runs the plain and the extension run side by side, 1 one after the other (default: %(default)s)")
+    ap.add_argument("--plain", choices=("all", "failing"), default="all",
+                    help="all: the plain run covers every test; failing: the extension run covers every test and the "
+                         "plain run only the files where it failed (default: %(default)s)")
     ap.add_argument("tests", nargs="*", help="test paths/node ids relative to the sdist (default: all core tests)")
     args = ap.parse_args(argv)
 
@@ -487,7 +493,7 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     status = 2
     try:
-        status = compare_runs(src, layout, work, deps_dir, targets, args.timeout, t_start, args.jobs)
+        status = compare_runs(src, layout, work, deps_dir, targets, args.timeout, t_start, args.jobs, args.plain)
         return status
     finally:
         if args.keep or args.work_dir or status != 0:
@@ -496,10 +502,28 @@ def main(argv=None):
             shutil.rmtree(work, ignore_errors=True)
 
 
-def compare_runs(src, layout, work, deps_dir, targets, timeout, t_start, jobs=1):
-    log("\n-- %s: plain, and with ipy_gpumem loaded into the global test shell"
-        % ("two runs side by side" if jobs > 1 else "two runs, one after the other"))
-    (plain, t_plain, _), (ext, t_ext, _) = run_pytest_pair(src, layout, work, deps_dir, targets, timeout, "full", jobs)
+def compare_runs(src, layout, work, deps_dir, targets, timeout, t_start, jobs=1, plain_scope="all"):
+    if plain_scope == "failing":
+        log("\n-- with ipy_gpumem loaded into the global test shell; then plain, over the files where a test failed")
+        ext, t_ext, _ = run_pytest("ext", src, layout, work, deps_dir, targets, timeout, "full")
+        ext_problems = check_run(ext, "ext")
+        failing = sorted({test_file(i) for i, entry in (ext.get("outcomes") or {}).items() if is_fail(entry)})
+        if ext_problems or not failing:
+            # A run that broke down is checked against the whole plain run (was it ours?); a clean one needs none.
+            plain, t_plain, _ = (run_pytest("plain", src, layout, work, deps_dir, targets, timeout, "full")
+                                 if ext_problems else ({"outcomes": {}}, 0.0, None))
+        else:
+            log("  %d file(s) hold a failure; the plain run covers those: %s" % (len(failing), " ".join(failing)))
+            plain, t_plain, _ = run_pytest("plain", src, layout, work, deps_dir, failing, timeout, "full")
+        if not ext_problems:
+            # The files without a failure were not run plain: what passed with the extension stands for both runs.
+            ran = set(failing)
+            plain["outcomes"] = {**{i: e for i, e in ext["outcomes"].items() if test_file(i) not in ran},
+                                 **(plain.get("outcomes") or {})}
+    else:
+        log("\n-- %s: plain, and with ipy_gpumem loaded into the global test shell"
+            % ("two runs side by side" if jobs > 1 else "two runs, one after the other"))
+        (plain, t_plain, _), (ext, t_ext, _) = run_pytest_pair(src, layout, work, deps_dir, targets, timeout, "full", jobs)
     ext_info = ext.get("extension") or {}
     if ext_info.get("loaded_into"):
         log("  ipy_gpumem loaded into %s at %s; still loaded at the end: %s; cells it recorded: %s"
