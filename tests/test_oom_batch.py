@@ -144,7 +144,9 @@ def test_the_panel_runs_none_of_the_cells_code(ip, gpumem, tmp_path):
 
 def test_the_panel_costs_under_a_second_whatever_the_namespace_holds(ip, gpumem):
     """The seed scenario (a model, Adam after a step, the next forward's graph kept) next to a 5M-item
-    list and a 1 GiB numpy array: analyse + oom_panel, as the extension calls them, in under a second."""
+    list and a 1 GiB numpy array: analyse + oom_panel, as the extension calls them, in under a second of the
+    process's CPU time (wall time on a machine that other processes load is theirs as much as ours; the
+    walk's own budget is in wall time, so a loaded machine makes the panel say less, not take longer)."""
     np = pytest.importorskip("numpy")
     setup = (SETUP
              + "model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 10))\n"
@@ -160,19 +162,19 @@ def test_the_panel_costs_under_a_second_whatever_the_namespace_holds(ip, gpumem)
     result, _ = run(ip, setup)
     assert result.success, result.error_in_exec
     assert ip.user_ns["big_array"].nbytes == GiB and isinstance(ip.user_ns["big_array"], np.ndarray)
-    cell = "failed_at = time.perf_counter()\nscratch = torch.empty(batch_size, per_sample)\n"
+    cell = "failed_at = time.process_time()\nscratch = torch.empty(batch_size, per_sample)\n"
     result, cap = run(ip, cell)
-    end_to_end = time.perf_counter() - ip.user_ns["failed_at"]
+    end_to_end = time.process_time() - ip.user_ns["failed_at"]
     err = result.error_in_exec
     assert "DefaultCPUAllocator" in str(err)
     _panel(cap)
     assert end_to_end < 1.0, end_to_end
-    began = time.perf_counter()
+    began = time.process_time()
     analysis = analyse(parse_oom(str(err)), ipy_gpumem.last(), namespace=ip.user_ns,
                        records=ipy_gpumem.history()[-50:], probe=gpumem.probe, tb=err.__traceback__,
                        refs=gpumem._refs())
     view = oom_panel(analysis)
-    seconds = time.perf_counter() - began
+    seconds = time.process_time() - began
     assert seconds < 1.0, seconds
     assert view.text.startswith("Out of memory on the host") and analysis.who is not None
     assert analysis.who.categories["optimizer_state"] > 0  # who() saw the seed's objects

@@ -20,7 +20,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional
 
 __all__ = ["ChildInfo", "ChildMemory", "RankVariables", "MainThreadChildren", "MAX_WORLD_SIZE", "rank_variables",
            "environment_of", "parse_pids", "descendants", "descendant_tree", "thread_children", "child_info", "child_memory",
-           "is_launcher_helper"]
+           "is_launcher_helper", "is_fresh_program"]
 
 _PROC = "/proc"
 _LINUX = sys.platform.startswith("linux")
@@ -273,6 +273,24 @@ def child_info(pid: int, psutil_module=None) -> Optional[ChildInfo]:
     except Exception:  # noqa: BLE001 - gone, or not ours to read
         return None
     return ChildInfo(pid, ppid, cmdline, *variables)
+
+
+def is_fresh_program(info: ChildInfo) -> bool:
+    """Whether ``info`` is a program of its own (exec'd: a spawned interpreter, a launcher's worker), whose
+    whole memory is its own, rather than a copy of this process (forked without exec: same command line).
+    Read in the window between a fork and its exec, a fresh program still looks like a copy: the safe side."""
+    return bool(info.cmdline) and info.cmdline != _own_cmdline()
+
+
+_OWN_CMDLINE: Optional[tuple] = None
+
+
+def _own_cmdline() -> tuple:
+    global _OWN_CMDLINE
+    if _OWN_CMDLINE is None:
+        own = child_info(os.getpid())
+        _OWN_CMDLINE = own.cmdline if own is not None else ()
+    return _OWN_CMDLINE
 
 
 def child_memory(pid: int, psutil_module=None) -> Optional[ChildMemory]:

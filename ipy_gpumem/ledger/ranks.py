@@ -636,7 +636,10 @@ def _ranks(seen: Dict[int, _Seen], files: Dict[int, dict], failure: Optional[Ran
                               "inside", end["rank_from"], "exited", devices_note=end["devices_note"],
                               readings=s.readings if s else 0)
         else:
-            before = start["rss_before"] if start else (s.first_rss if s else None)
+            # Read from outside, a program of its own started from nothing (its first reading can come late,
+            # after it imported torch); a copy of the kernel started from what it copied, as first read.
+            fresh = s is not None and _children.is_fresh_program(s.info)
+            before = start["rss_before"] if start else (0 if fresh else (s.first_rss if s else None))
             host = HostRecord(before, s.last_rss if s else None, _max(s.max_hwm, s.max_rss) if s else None)
             devices = None
             if s is not None and s.nvml_last:
