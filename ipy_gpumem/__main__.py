@@ -21,7 +21,21 @@ def run_notebook(path: str, out_dir: str, timeout: int = 600) -> str:
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": out_dir}})
     client.km = client.create_kernel_manager()
     client.km.kernel_spec.argv[0] = sys.executable  # this interpreter, whatever kernelspecs are installed
-    client.execute()
+    sockets = None
+    if os.name == "posix":
+        # Unix sockets in a folder only we can open, rather than TCP ports any local user can reach (the
+        # kernel warns about those on every start: "running over TCP without encryption").
+        import tempfile
+
+        sockets = tempfile.mkdtemp(prefix="ipy_gpumem-demo-")
+        client.km.transport, client.km.ip = "ipc", os.path.join(sockets, "kernel")
+    try:
+        client.execute()
+    finally:
+        if sockets is not None:
+            import shutil
+
+            shutil.rmtree(sockets, ignore_errors=True)
     stem = os.path.splitext(os.path.basename(path))[0]
     nbformat.write(nb, os.path.join(out_dir, stem + ".ipynb"))
     html, _ = HTMLExporter().from_notebook_node(nb)
