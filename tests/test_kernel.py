@@ -5,7 +5,7 @@ from kernel_helpers import execute, outputs, plain
 
 pytest.importorskip("nbclient")
 pytest.importorskip("torch")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compat]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 from kernel_helpers import execute, outputs, plain
 
 pytest.importorskip("nbclient")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compat]
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "snapshots")
 OOM = os.path.join(HERE, "Constructor-Sun_memory_snapshot.pickle.gz")  # an OOM on cuda:1, 3 devices

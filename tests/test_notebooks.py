@@ -82,6 +82,7 @@ def test_quickstart(tmp_path):
     assert "Δallocated" in cell and "optimizer.step()" in cell and "At the peak" in cell
 
 
+@pytest.mark.compat  # the README demo command and a real OOM panel in a kernel of each venv
 def test_oom_walkthrough_ends_in_a_real_oom_and_its_panel(tmp_path):
     nb = run("oom_walkthrough", tmp_path)
     who = texts(find(nb, "%gpumem who"))

@@ -165,6 +165,7 @@ def test_who_and_free_bad_arguments(ip, gpumem):
 
 
 @pytest.mark.slow
+@pytest.mark.compat
 def test_kernel_cpu_oom_error_then_panel():
     nb = execute(["%load_ext ipy_gpumem", "import torch", CPU_OOM, "1/0", "%%time\n" + CPU_OOM])
     kinds = [o.output_type for o in nb.cells[2].outputs]
