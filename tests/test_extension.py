@@ -232,7 +232,7 @@ def test_status_history_on_off_clear(ip, gpumem):
     with capture_output() as cap:
         ip.run_line_magic("gpumem", "")
         ip.run_line_magic("gpumem", "status")
-    assert all(f"No CUDA device in use: {NO_CUDA}." in t for t in texts(cap))
+    assert all(f"No GPU in use: {NO_CUDA}." in t for t in texts(cap))
     assert all("host:" in t and "resident" in t for t in texts(cap))
     run(ip, "h = 1")
     with capture_output() as cap:
@@ -380,7 +380,7 @@ def test_cell_magic_device_selection(ip, gpumem):
         assert "x_nodev" not in ip.user_ns and "r_nodev" not in ip.user_ns
     else:
         _, cap = run(ip, "%%gpumem -d cuda:0 -o r\nx2 = 1")
-        assert f"No CUDA device measured: {NO_CUDA}" in texts(cap)[0]
+        assert f"No GPU measured: {NO_CUDA}" in texts(cap)[0]
 
 
 def test_cell_magic_top_level_await(ip, gpumem):

@@ -101,7 +101,7 @@ def test_history_and_status_tables():
     assert row.split()[2:] == ["4.00", "GiB", "1024.00", "MiB", "1024.00", "MiB", "10.00", "GiB", "16.00", "GiB"]
     assert "host: 3.00 GiB resident" in text
     cpu = status_view([], GiB, reason="torch is not imported").text
-    assert cpu.startswith("No CUDA device in use: torch is not imported.")
+    assert cpu.startswith("No GPU in use: torch is not imported.")
 
 
 def test_text_table_alignment():

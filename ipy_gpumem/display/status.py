@@ -33,7 +33,7 @@ def status_view(memories: Sequence[DeviceMemory], host_rss: Optional[int], reaso
         if reason:  # devices named in GpuMemMagics.devices that could not be read
             parts.append(Line(f"({reason})"))
     else:
-        parts.append(Line(f"No CUDA device in use: {reason or 'none found'}."))
+        parts.append(Line(f"No GPU in use: {reason or 'none found'}."))
     host = f"host: {format_bytes(host_rss)} resident (process RSS)" if host_rss is not None else "host: RSS unavailable"
     parts.append(Line(host))
     parts.extend(Line(Span(note, "dim")) for note in notes)

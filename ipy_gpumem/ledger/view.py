@@ -237,7 +237,7 @@ def _notes(record: CellRecord, stopped: Optional[str], counted: Optional[Tuple[i
     """The report's closing notes: what was not measured, and how."""
     notes = []
     if record.devices_note and not record.devices:
-        notes.append(f"No CUDA device measured: {record.devices_note}; showing host memory.")
+        notes.append(f"No GPU measured: {record.devices_note}; showing host memory.")
     if record.peaks == "sampled":
         notes.append("Peaks are the highest values sampled (peak counters were not reset for this cell).")
     if stopped:
