@@ -2,6 +2,7 @@
 number and order with x values from the first draw, that the live view hands its link each new figure and
 leaves a figure (never a widget) in its output, and the column figures (a cell, the history, an estimate)."""
 import json
+import re
 import time
 
 import pytest
@@ -135,7 +136,7 @@ def test_every_figure_has_the_same_traces_in_the_same_order_each_with_x_values()
     assert uids[:len(FIXED_TRACES)] == list(FIXED_TRACES) == [trace["uid"] for trace in empty["data"]]
     assert all("x" in trace and "y" in trace and len(trace["x"]) == len(trace["y"]) for trace in busy["data"])
     assert len(set(uids)) == len(uids)
-    bands = [trace for trace in busy["data"] if trace["uid"].startswith("band:")]
+    bands = [trace for trace in busy["data"] if trace["uid"].startswith("band-")]
     assert all(all(x is None or isinstance(x, float) for x in trace["x"]) for trace in bands)
     assert sum(len([x for x in trace["x"] if x is not None]) for trace in bands) == 5 * 6  # 6 cells, 5 corners each
 
@@ -149,13 +150,14 @@ def test_a_live_figure_only_appends_traces_and_keeps_a_gone_one_empty_in_its_pla
         tl.add(host(10.0 + i, 300 * MiB + i * MiB))
     first = session_figure(session_layout(tl.snapshot()))
     order = [trace["uid"] for trace in first["data"]]
-    assert order[-1] == "series:cpu:rss"
+    # uids go into plotly.js's CSS selectors: letters, digits, dashes and underscores only
+    assert order[-1] == "series-cpu-rss" and all(re.fullmatch(r"[A-Za-z0-9_-]+", uid) for uid in order)
     tl.add(gpu(20.0, GiB, 2 * GiB))  # CUDA comes up: the chart now draws the device, not host RSS
     second = session_figure(session_layout(tl.snapshot()), order=order,
                             kept={trace["uid"]: trace for trace in first["data"]})
     uids = [trace["uid"] for trace in second["data"]]
-    assert uids[:len(order)] == order and "series:cuda:0:allocated" in uids[len(order):]  # appended, never inserted
-    rss = second["data"][order.index("series:cpu:rss")]
+    assert uids[:len(order)] == order and "series-cuda_3a_0-allocated" in uids[len(order):]  # appended, never inserted
+    rss = second["data"][order.index("series-cpu-rss")]
     assert rss["x"] == [] and rss["y"] == [] and rss["showlegend"] is False and rss["name"] == "host RSS"
 
 
