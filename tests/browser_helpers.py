@@ -57,13 +57,13 @@ def write_kernelspec(data_dir: str, name: str = KERNEL_NAME) -> str:
     return name
 
 
-def write_lab_settings(config_dir: str) -> None:
-    """User settings for a quiet, deterministic lab: no news toast, no update check; and widget state
-    saved with the notebook (off by default: on, the saved file shows what it would carry)."""
+def write_lab_settings(config_dir: str, save_widget_state: bool = False) -> None:
+    """User settings for a quiet, deterministic lab: no news toast, no update check; widget state saved
+    with the notebook only when asked (off, as JupyterLab and Notebook 7 ship)."""
     settings = {
         "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
             "fetchNews": "false", "checkForUpdates": False},
-        "@jupyter-widgets/jupyterlab-manager/plugin.jupyterlab-settings": {"saveState": True},
+        "@jupyter-widgets/jupyterlab-manager/plugin.jupyterlab-settings": {"saveState": save_widget_state},
         # Every cell drawn, in view or not (the default windowing leaves far cells unrendered).
         "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
     }
@@ -174,66 +174,61 @@ KERNEL_READY_JS = """(path) => {
   return !!(s && s.kernel && s.kernel.status === 'idle');
 }"""
 
-#: Starts "run all" without awaiting it (its promise resolves when every cell has finished).
-RUN_ALL_JS = """() => {
-  window.__gpumemRunAll = 'pending';
-  window.jupyterapp.commands.execute('notebook:run-all-cells').then(
-    (r) => { window.__gpumemRunAll = 'resolved:' + r; },
-    (e) => { window.__gpumemRunAll = 'rejected:' + e; });
-  return true;
-}"""
+#: A stand-in for a busy machine, labelled as such: anywidget (0.9.16 and later) gives a model 2 s
+#: (``AbortSignal.timeout(2000)``, which nothing else in JupyterLab or Notebook 7 uses) to load its
+#: JavaScript, then drops every message to that model for good. On CI's two busy cores the page is often
+#: still loading plotly.js then; here the 2 s end at once, so the live chart is tested the way it failed.
+ANYWIDGET_DEADLINE_PASSED_JS = """(() => {
+  const timeout = AbortSignal.timeout.bind(AbortSignal);
+  AbortSignal.timeout = (ms) => timeout(ms === 2000 ? 0 : ms);
+})();"""
 
-#: Every plotly figure drawn in the notebook and the sidebar: where it is, how it got there (the live
-#: widget, or plotly's renderer of a saved figure), its points (the longest line trace) and its x range.
-FIGURES_JS = r"""(path) => {
+#: The page as a user sees it: per cell its prompt and the plotly figures ipy_gpumem names
+#: (``layout.meta``): drawn, their points (the longest series), the x range, whether their output is hidden;
+#: the figures in JupyterLab's sidebar; each output's text (not a figure's); error outputs; stderr.
+CHARTS_JS = r"""(path) => {
   const app = window.jupyterapp;
   const panel = app && app.shell ? app.shell.currentWidget : null;
-  const out = {kernel: null, prompts: [], errors: [], figures: [], images: [], sidecars: [], runAll: window.__gpumemRunAll};
-  if (!panel || !panel.content) return out;
+  const out = {prompts: [], errors: [], figures: [], sidebar: [], outputs: [], kernel: null};
+  if (!panel || !panel.content || (path && (!panel.context || panel.context.path !== path))) return out;
   const session = panel.sessionContext && panel.sessionContext.session;
   if (session && session.kernel) out.kernel = session.kernel.status;
-  const figure = (gd, cell, trusted) => {
-    const lines = (gd.data || []).filter((t) => t.mode === 'lines');
-    // The box plotly sizes: a figure collapsed by a resize keeps an SVG of full height inside a 0 px box.
-    const drawn = gd.querySelector('.svg-container');
-    const box = (drawn || gd).getBoundingClientRect();
-    const typed = gd.closest('[data-mime-type]');
+  const figure = (gd, cell) => {
+    const box = (gd.querySelector('.svg-container') || gd).getBoundingClientRect();
+    const output = gd.closest('.jp-OutputArea-child');
     const full = gd._fullLayout || {};
-    return {cell, points: lines.reduce((n, t) => Math.max(n, (t.x || []).length), 0), traces: (gd.data || []).length,
-            names: (gd.data || []).map((t) => t.name || ''),
-            range: gd.layout && gd.layout.xaxis && gd.layout.xaxis.range ? [...gd.layout.xaxis.range] : null,
+    const series = (gd.data || []).filter((t) => String(t.uid || '').startsWith('series-'));
+    return {cell, meta: gd.layout ? String(gd.layout.meta || '') : '', drawn: !!gd.querySelector('.main-svg'),
+            points: series.reduce((n, t) => Math.max(n, (t.x || []).length), 0),
+            range: full.xaxis && full.xaxis.range ? [...full.xaxis.range] : null,
             autorange: full.xaxis ? full.xaxis.autorange : null, width: Math.round(box.width),
-            visible: box.width > 0 && box.height > 0, inSidecar: !!gd.closest('.jupyterlab-sidecar'),
-            inRight: !!gd.closest('#jp-right-stack'),
-            // plotly's renderer draws a saved figure (its output element is the plot); else it is the widget
-            mime: gd.classList.contains('jp-RenderedPlotly') ? 'application/vnd.plotly.v1+json'
-                  : (typed ? typed.getAttribute('data-mime-type') : 'application/vnd.jupyter.widget-view+json'),
-            trusted: trusted === undefined ? null : trusted,
-            title: full.title && full.title.text ? String(full.title.text).slice(0, 300) : ''};
+            hidden: !!(output && output.style.display === 'none') || box.width === 0,
+            inSidebar: !!gd.closest('.jupyterlab-sidecar'), inRight: !!gd.closest('#jp-right-stack')};
   };
+  const ours = (gd) => gd.layout && String(gd.layout.meta || '').startsWith('ipy-gpumem-');
   panel.content.widgets.forEach((cell, i) => {
     const prompt = cell.node.querySelector('.jp-InputArea-prompt');
     out.prompts.push(prompt ? prompt.textContent.trim() : null);
     const outputs = cell.model && cell.model.outputs ? cell.model.outputs.toJSON() : [];
-    outputs.filter((o) => o.output_type === 'error').forEach((o) => {
-      const tb = (o.traceback || []).join('\n').replace(/\u001b\[[0-9;]*m/g, '');
-      out.errors.push({cell: i, text: `${o.ename}: ${o.evalue}\n${tb.slice(-1500)}`});
+    outputs.forEach((o) => {
+      const strip = (text) => String(text).replace(/\u001b\[[0-9;]*m/g, '');
+      if (o.output_type === 'error') out.errors.push({cell: i, text: strip(`${o.ename}: ${o.evalue}`)});
+      if (o.output_type === 'stream' && o.name === 'stderr') out.errors.push({cell: i, text: strip(o.text)});
     });
-    const trusted = cell.model ? !!cell.model.trusted : null;
-    // an image output, or the PNG plotly's renderer saved beside a figure and shows where it may not run
-    cell.node.querySelectorAll('.jp-RenderedImage img, .jp-RenderedPlotly img.plot-img').forEach((img) => {
-      const box = img.getBoundingClientRect();
-      out.images.push({cell: i, visible: img.naturalWidth > 0 && box.width > 0 && box.height > 0, trusted,
-                       width: Math.round(box.width)});
-    });
-    cell.node.querySelectorAll('.js-plotly-plot').forEach((gd) => {
-      if (!gd.parentElement || !gd.parentElement.closest('.js-plotly-plot')) out.figures.push(figure(gd, i, trusted));
+    cell.node.querySelectorAll('.js-plotly-plot').forEach((gd) => { if (ours(gd)) out.figures.push(figure(gd, i)); });
+    cell.node.querySelectorAll('.jp-OutputArea-output').forEach((o) => {
+      if (!o.querySelector('.js-plotly-plot')) out.outputs.push({cell: i, text: o.textContent.slice(0, 400)});
     });
   });
   document.querySelectorAll('.jupyterlab-sidecar').forEach((sc) => {
     const box = sc.getBoundingClientRect();
-    out.sidecars.push({inRight: !!sc.closest('#jp-right-stack'), visible: box.width > 0,
-                       figures: [...sc.querySelectorAll('.js-plotly-plot')].map((gd) => figure(gd, null))});
+    out.sidebar.push({inRight: !!sc.closest('#jp-right-stack'), width: Math.round(box.width), visible: box.width > 0,
+                      figures: [...sc.querySelectorAll('.js-plotly-plot')].filter(ours).map((gd) => figure(gd, null))});
   });
   return out;
 }"""
+
+
+def run_command_js(command: str) -> str:
+    """A page function that starts a JupyterLab command without awaiting it (run-all resolves when cells end)."""
+    return f"() => {{ window.jupyterapp.commands.execute({command!r}); return true; }}"

@@ -414,8 +414,8 @@ def test_repeated_charts_keep_one_live_view_and_no_widgets(ip, monkeypatch):
 
         if plotly_widget_status() is None:
             with capture_output():
-                chart.show(ip, None, run=False)  # the default: the figure's link and its layout, the HTML widget closed
-            assert len(set(_widgets()) - before) == 2 and chart.views[0].tier == "plotly"
+                chart.show(ip, None, run=False)  # the default: the figure's state, link and layout, the HTML widget closed
+            assert len(set(_widgets()) - before) == 3 and chart.views[0].tier == "plotly"
     finally:
         chart.close()
     assert set(_widgets()) == before and chart.views == []

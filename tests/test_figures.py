@@ -2,6 +2,7 @@
 number and order with x values from the first draw, that the live view hands its link each new figure and
 leaves a figure (never a widget) in its output, and the column figures (a cell, the history, an estimate)."""
 import json
+import re
 import time
 
 import pytest
@@ -135,7 +136,7 @@ def test_every_figure_has_the_same_traces_in_the_same_order_each_with_x_values()
     assert uids[:len(FIXED_TRACES)] == list(FIXED_TRACES) == [trace["uid"] for trace in empty["data"]]
     assert all("x" in trace and "y" in trace and len(trace["x"]) == len(trace["y"]) for trace in busy["data"])
     assert len(set(uids)) == len(uids)
-    bands = [trace for trace in busy["data"] if trace["uid"].startswith("band:")]
+    bands = [trace for trace in busy["data"] if trace["uid"].startswith("band-")]
     assert all(all(x is None or isinstance(x, float) for x in trace["x"]) for trace in bands)
     assert sum(len([x for x in trace["x"] if x is not None]) for trace in bands) == 5 * 6  # 6 cells, 5 corners each
 
@@ -149,13 +150,14 @@ def test_a_live_figure_only_appends_traces_and_keeps_a_gone_one_empty_in_its_pla
         tl.add(host(10.0 + i, 300 * MiB + i * MiB))
     first = session_figure(session_layout(tl.snapshot()))
     order = [trace["uid"] for trace in first["data"]]
-    assert order[-1] == "series:cpu:rss"
+    # uids go into plotly.js's CSS selectors: letters, digits, dashes and underscores only
+    assert order[-1] == "series-cpu-rss" and all(re.fullmatch(r"[A-Za-z0-9_-]+", uid) for uid in order)
     tl.add(gpu(20.0, GiB, 2 * GiB))  # CUDA comes up: the chart now draws the device, not host RSS
     second = session_figure(session_layout(tl.snapshot()), order=order,
                             kept={trace["uid"]: trace for trace in first["data"]})
     uids = [trace["uid"] for trace in second["data"]]
-    assert uids[:len(order)] == order and "series:cuda:0:allocated" in uids[len(order):]  # appended, never inserted
-    rss = second["data"][order.index("series:cpu:rss")]
+    assert uids[:len(order)] == order and "series-cuda_3a_0-allocated" in uids[len(order):]  # appended, never inserted
+    rss = second["data"][order.index("series-cpu-rss")]
     assert rss["x"] == [] and rss["y"] == [] and rss["showlegend"] is False and rss["name"] == "host RSS"
 
 
@@ -175,17 +177,18 @@ def test_the_live_view_hands_its_link_each_new_figure_and_its_output_keeps_a_fig
     tl = session()
     view, updates = _link_view(tl)
     try:
-        link = view.link
-        assert link is not None and link.chart == view.chart and link.figure["layout"]["meta"] == view.chart
-        before = [trace["uid"] for trace in link.figure["data"]]
+        state, link = view.state, view.link
+        assert state is not None and state.chart == view.chart and state.figure["layout"]["meta"] == view.chart
+        assert link.state == state.model_id  # the link's JavaScript finds the state's model by its id
+        before = [trace["uid"] for trace in state.figure["data"]]
         tl.add(gpu(103.0, 5 * GiB, 6 * GiB))
         assert view.refresh(force=True) is True
-        after = link.figure
+        after = state.figure
         assert [trace["uid"] for trace in after["data"]][:len(before)] == before
         allocated = next(trace for trace in after["data"] if trace["name"] == "cuda:0 allocated")
         assert allocated["y"][-1] == 5.0  # the new point arrived
         assert after["layout"]["uirevision"] == UIREVISION and "range" not in after["layout"]["xaxis"]
-        assert view.refresh(force=True) is True and link.figure is after  # nothing new: the same figure, nothing sent
+        assert view.refresh(force=True) is True and state.figure is after  # nothing new: the same figure, nothing sent
         view.finalize()
         bundle = updates[-1]
         assert "application/vnd.jupyter.widget-view+json" not in bundle  # nothing a reopened notebook cannot draw
@@ -193,7 +196,8 @@ def test_the_live_view_hands_its_link_each_new_figure_and_its_output_keeps_a_fig
         assert f'class="ipy-gpumem-chart {view.chart}"' in bundle["text/html"]
     finally:
         view.freeze()
-    assert view.link is None and "application/vnd.jupyter.widget-view+json" not in updates[-1]
+    assert view.link is None and view.state is None and "application/vnd.jupyter.widget-view+json" not in updates[-1]
+    assert state.comm is None and link.comm is None  # both models closed
 
 
 def test_the_front_ends_report_is_kept_and_passed_on():
@@ -203,9 +207,9 @@ def test_the_front_ends_report_is_kept_and_passed_on():
     view.on_placement = heard.append
     try:
         # A stand-in for the front end's comm message (what the link's JavaScript sends).
-        view.link._handle_custom_msg({"placement": {"sidebar": True, "inline": 0, "picture": False, "width": 301}}, [])
+        view.state._handle_custom_msg({"placement": {"sidebar": True, "inline": 0, "picture": False, "width": 301}}, [])
         assert view.placement == {"sidebar": True, "inline": 0, "picture": False, "width": 301} and heard == [view]
-        view.link._handle_custom_msg({"something": "else"}, [])
+        view.state._handle_custom_msg({"something": "else"}, [])
         assert len(heard) == 1
     finally:
         view.freeze()
@@ -215,8 +219,11 @@ def test_the_links_script_reports_and_hides_only_what_the_front_end_drew():
     from ipy_gpumem.chart.figures.live import LINK_ESM
 
     assert "export default { initialize }" in LINK_ESM and "render" not in LINK_ESM  # a model, never a view
-    assert "model.send({placement" in LINK_ESM and "plotly.react(" in LINK_ESM and "Fx.hover" in LINK_ESM
+    assert "state.send({placement" in LINK_ESM and "plotly.react(" in LINK_ESM and "Fx.hover" in LINK_ESM
     assert "setTimeout(look" in LINK_ESM and "jupyterlab-sidecar" in LINK_ESM
+    # The figure comes from the plain state model (anywidget drops every message to its own model for good
+    # when its JavaScript took over 2 s to run), and the link's first run waits on nothing from the kernel.
+    assert "manager.get_model(model.get('state'))" in LINK_ESM and "model.on(" not in LINK_ESM
 
 
 def test_plotly_stays_off_the_figure_path():

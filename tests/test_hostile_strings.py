@@ -283,7 +283,7 @@ def test_the_live_chart_shows_cell_sources_as_text(ip, gpumem, restore_user_ns, 
         for cell in cells[4:]:  # cells after the chart is shown update the live figure in place
             run(ip, cell)
         view.refresh(force=True)
-        live = view.link.figure  # what the live figure's front end is handed
+        live = view.state.figure  # what the live figure's front end is handed
         _check_hovers(live, cells)
         figure_reads(live)  # no field of the live figure is read as markup
     # the chart as HTML updated in place, and the static figure the plotly view leaves behind

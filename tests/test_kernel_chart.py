@@ -248,10 +248,10 @@ def test_repeated_charts_leave_no_widgets_behind(kernel):
     except ImportError:  # no sidebar: the chart is shown inline instead, the live figure where one can be built
         from ipy_gpumem.chart.views import plotly_widget_status
 
-        expected = "2 ['ChartLink', 'Layout']" if plotly_widget_status() is None else "0 []"
+        expected = "3 ['ChartLink', 'ChartState', 'Layout']" if plotly_widget_status() is None else "0 []"
         assert printed.startswith(expected), printed
-    else:  # the Sidecar and its layout, the figure's link and its layout (or, without it, the HTML chart)
-        assert printed.startswith(("4 ['ChartLink', 'Layout', 'Layout', 'Sidecar']",
+    else:  # the Sidecar and its layout, the figure's state, link and layout (or, without them, the HTML chart)
+        assert printed.startswith(("5 ['ChartLink', 'ChartState', 'Layout', 'Layout', 'Sidecar']",
                                    "5 ['HTML', 'HTMLStyle', 'Layout', 'Layout', 'Sidecar']",
                                    "5 ['DescriptionStyle', 'HTML', 'Layout', 'Layout', 'Sidecar']")), printed
     run(kernel, "%unload_ext ipy_gpumem")

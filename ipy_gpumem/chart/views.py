@@ -85,7 +85,8 @@ def plotly_widget_status() -> Optional[str]:
     """None when the live plotly chart can be shown here, else why not (one line).
 
     The figure is plotly's own output, drawn by the front end's plotly (which comes with the plotly
-    package); what moves it is a small widget with no view, built on anywidget over ipywidgets.
+    package); what moves it is two small widget models with no view: its state in ipywidgets, the
+    JavaScript that hands it to plotly in anywidget (``figures.live``).
     """
     import importlib.util
 

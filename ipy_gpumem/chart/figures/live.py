@@ -1,20 +1,31 @@
-"""The live chart as plotly's own output, moved by a small widget with no view: fast to show, and a figure wherever it is reopened.
+"""The live chart as plotly's own output, moved by two small widgets with no view: fast to show, and a figure wherever it is reopened.
 
 The chart is displayed as a plotly figure (``application/vnd.plotly.v1+json``) under a display id,
 with its SVG picture and a line of text beside it. The front end's plotly draws it at once (its
 renderer is loaded with the page; no widget bundle travels), and a notebook saved at any moment
 holds a figure that any front end draws without the kernel: never "Error displaying widget: model
-not found". What moves it is a link (:func:`link_class`), an anywidget model that is never displayed: its
-few lines of JavaScript run when the front end creates the model, find the figure by its name
-(``layout.meta``) in the page (inline, and in JupyterLab's sidebar), and hand every new figure to
-``Plotly.react``. The figure's traces are fixed in number and order (``figures.timeline``) and its
-``uirevision`` never changes, so a legend click, a zoom and a hover survive every update.
+not found". What moves it is a pair of widget models that are never displayed (:func:`link_classes`):
 
-The link also says what the front end did with the chart, as comm messages (``placement``): whether
-the sidebar drew it, whether an inline copy is shown, or whether the front end drew the picture
-instead of the figure. For ``%gpumem sidebar`` the inline copy is the chart a reopened notebook
-shows; in JupyterLab the link hides it as soon as the sidebar holds the chart, and in Notebook 7,
-which has no sidebar for it, it stays: the front end decides from what it has drawn, with no timer.
+- ``ChartState``, a plain ipywidgets model (``WidgetModel`` of ``@jupyter-widgets/base``): the figure's
+  name (``layout.meta``), the latest figure, the sidebar's layout. ipywidgets applies each update the
+  moment it arrives, whatever else the page is doing.
+- ``ChartLink``, an anywidget model that carries only the few lines of JavaScript (:data:`LINK_ESM`):
+  when the front end has loaded them, they find the state's model (``widget_manager.get_model``), find
+  the figure by its name in the page (inline, and in JupyterLab's sidebar), and hand every new figure to
+  ``Plotly.react``.
+
+The figure travels in the plain model, not in the anywidget one, because anywidget (0.9.16 and later)
+holds every message to its model until the model's JavaScript has run, and drops them all for good
+when that took over 2 s (``[anywidget] Failed to initialize model``): on a busy machine, where the
+page is loading plotly.js for the figure at that moment, the live chart used to stay as first drawn.
+
+The figure's traces are fixed in number and order (``figures.timeline``), each with a uid plotly.js can
+put in a CSS selector, and its ``uirevision`` never changes, so a legend click, a zoom and a hover survive
+every update. The link also says what the front end did with the chart, as comm messages
+(``placement``): whether the sidebar drew it, whether an inline copy is shown, or whether the front end
+drew the picture instead of the figure. For ``%gpumem sidebar`` the inline copy is the chart a reopened
+notebook shows; in JupyterLab the link hides it as soon as the sidebar holds the chart, and in Notebook
+7, which has no sidebar for it, it stays: the front end decides from what it has drawn, with no timer.
 The kernel hears the report when it is next idle and words the line above the chart from it.
 
 plotly itself is never imported here: the figure is a dict. anywidget is imported when the link is
@@ -31,7 +42,7 @@ from ..session import session_layout
 from ..views import ChartView, chart_html, chart_title, close_widgets, timeline_text
 from .timeline import PLOTLY_MIME, session_figure
 
-__all__ = ["PlotlyChartView", "link_class", "HEIGHT", "SIDEBAR_HEIGHT", "MIN_INTERVAL", "LINK_ESM"]
+__all__ = ["PlotlyChartView", "link_classes", "HEIGHT", "SIDEBAR_HEIGHT", "MIN_INTERVAL", "LINK_ESM"]
 
 #: Seconds between two redraws of a live figure (cell ends included; a held-back one is made later).
 MIN_INTERVAL = 0.9  # the sampler ticks once a second: one redraw a tick, never more
@@ -43,24 +54,27 @@ SIDEBAR_HEIGHT = 360
 #: The link's front end: find the chart's figures by name, hand them each new figure, keep a hover, hide
 #: the inline copy where the sidebar holds the chart, and report what was drawn where.
 LINK_ESM = r"""
+// plotly's own copies are left alone: toImage draws a clone at the end of <body> to make its PNG.
 function figures(chart) {
   return [...document.querySelectorAll('.js-plotly-plot, .jp-RenderedPlotly')].filter(
-    (gd) => gd.isConnected && (!gd.layout || gd.layout.meta === chart) && !(gd.parentElement && gd.parentElement.closest('.js-plotly-plot')));
+    (gd) => gd.isConnected && gd.parentElement !== document.body && (!gd.layout || gd.layout.meta === chart)
+      && !(gd.parentElement && gd.parentElement.closest('.js-plotly-plot')));
 }
 function inSidebar(gd) { return !!gd.closest('.jupyterlab-sidecar'); }
 function outputOf(gd) { return gd.closest('.jp-OutputArea-child') || gd.parentElement; }
 function copy(value) { return JSON.parse(JSON.stringify(value)); }
-function initialize({ model }) {
-  const chart = model.get('chart');
+function follow(state) {
+  const chart = state.get('chart');
   const hovers = new WeakMap();
+  const given = new WeakMap();  // each figure element -> the figure it was last handed
   const watched = new WeakSet();
-  let said = '';
+  let said = "", looks = 0, timer = null, stopped = false;
   const place = () => {
     const found = figures(chart);
     const ours = found.filter((gd) => gd.layout);  // drawn, and named ours
     const side = found.filter(inSidebar);
     const inline = ours.filter((gd) => !inSidebar(gd));
-    const hide = model.get('sidebar') && side.length > 0;
+    const hide = state.get('sidebar') && side.length > 0;
     for (const gd of inline) {
       const box = outputOf(gd);
       if (box && box.style.display !== (hide ? 'none' : '')) box.style.display = hide ? 'none' : '';
@@ -69,65 +83,97 @@ function initialize({ model }) {
     const report = {sidebar: side.filter((gd) => gd.layout).length > 0, inline: hide ? 0 : inline.length, picture,
                     width: Math.round(Math.max(0, ...ours.map((gd) => gd.getBoundingClientRect().width)))};
     const key = JSON.stringify([report.sidebar, report.inline, report.picture]);
-    if (key !== said && (ours.length || picture)) { said = key; model.send({placement: report}); }
+    if (key !== said && (ours.length || picture)) { said = key; state.send({placement: report}); }
     return ours;
   };
-  const draw = () => {
-    const fig = model.get('figure');
+  const give = (gd, fig) => {
     const plotly = window.Plotly;
+    given.set(gd, fig);
+    if (!watched.has(gd) && gd.on) {
+      watched.add(gd);
+      gd.on('plotly_hover', (e) => hovers.set(gd, e.points.map((p) => ({curveNumber: p.curveNumber, pointNumber: p.pointNumber}))));
+      gd.on('plotly_unhover', () => hovers.delete(gd));
+    }
+    const layout = Object.assign(copy(fig.layout), inSidebar(gd) ? state.get('side') : {});
+    Promise.resolve(plotly.react(gd, copy(fig.data), layout, fig.config || {})).then(() => {
+      const points = hovers.get(gd);  // a hover the redraw took away comes back
+      if (points && plotly.Fx) { try { plotly.Fx.hover(gd, points); } catch (e) { hovers.delete(gd); } }
+    }).catch(() => {});
+  };
+  // Every figure of ours that has not had the latest figure gets it (all of them when ``every``): a copy
+  // drawn since from the output's data too. One that cannot be drawn never stops the others.
+  const draw = (every) => {
+    const fig = state.get('figure');
     const drawn = place();
-    if (!plotly || !fig || !fig.data) return;
+    if (stopped || !window.Plotly || !fig || !fig.data) return;
     for (const gd of drawn) {
-      if (!watched.has(gd) && gd.on) {
-        watched.add(gd);
-        gd.on('plotly_hover', (e) => hovers.set(gd, e.points.map((p) => ({curveNumber: p.curveNumber, pointNumber: p.pointNumber}))));
-        gd.on('plotly_unhover', () => hovers.delete(gd));
+      if (every || given.get(gd) !== fig) {
+        try { give(gd, fig); } catch (e) { /* a figure plotly cannot redraw keeps what it shows */ }
       }
-      const layout = Object.assign(copy(fig.layout), inSidebar(gd) ? model.get('side') : {});
-      Promise.resolve(plotly.react(gd, copy(fig.data), layout, fig.config || {})).then(() => {
-        const points = hovers.get(gd);  // a hover the redraw took away comes back
-        if (points && plotly.Fx) { try { plotly.Fx.hover(gd, points); } catch (e) { hovers.delete(gd); } }
-      });
     }
   };
-  model.on('change:figure', draw);
-  model.on('change:side', draw);
+  const onFigure = () => draw(false);
+  const onSide = () => draw(true);
+  state.on('change:figure', onFigure);
+  state.on('change:side', onSide);
   // Until the front end has drawn the chart, look for it often; then now and then (the sidebar may close).
-  // A copy drawn since (from the output's data) gets the latest figure at once.
-  let looks = 0, count = 0, timer = null;
   const look = () => {
     looks += 1;
-    const drawn = place().length;
-    if (drawn !== count) { count = drawn; draw(); }
     timer = setTimeout(look, looks < 80 ? 100 : 1500);
+    try { draw(false); } catch (e) { /* the next look tries again */ }
   };
+  const stop = () => {
+    stopped = true;
+    clearTimeout(timer);
+    state.off('change:figure', onFigure);
+    state.off('change:side', onSide);
+  };
+  state.once('comm:close', stop);
+  state.once('destroy', stop);
   look();
-  return () => clearTimeout(timer);
+  return stop;
+}
+// The state's model may come before or after this runs; nothing here waits on the kernel.
+function initialize({ model }) {
+  let stop = null, gone = false;
+  const manager = model.widget_manager;
+  if (manager && manager.get_model) {
+    Promise.resolve(manager.get_model(model.get('state'))).then((state) => {
+      if (state && !gone) stop = follow(state);
+    }).catch(() => {});
+  }
+  return () => { gone = true; if (stop) stop(); };
 }
 export default { initialize };
 """
 
 
 @lru_cache(maxsize=1)
-def link_class():
-    """The :class:`ChartLink` widget class (imports anywidget, once)."""
+def link_classes() -> tuple:
+    """The ``(ChartState, ChartLink)`` widget classes (imports ipywidgets and anywidget, once)."""
     import anywidget
+    import ipywidgets
     import traitlets
 
-    class ChartLink(anywidget.AnyWidget):
-        """The live chart's front end: a widget model with no view (see the module docstring).
+    class ChartState(ipywidgets.Widget):
+        """The live chart's state, in ipywidgets' plain model with no view (see the module docstring).
 
         Traits: ``chart`` (the figure's name), ``figure`` (the latest figure), ``side`` (layout for the
         sidebar's copy), ``sidebar`` (hide the inline copy once the sidebar holds the chart).
         """
 
-        _esm = LINK_ESM
         chart = traitlets.Unicode("").tag(sync=True)
         figure = traitlets.Dict().tag(sync=True)
         side = traitlets.Dict().tag(sync=True)
         sidebar = traitlets.Bool(False).tag(sync=True)
 
-    return ChartLink
+    class ChartLink(anywidget.AnyWidget):
+        """The live chart's JavaScript, in a model with no view; ``state`` is its ChartState's model id."""
+
+        _esm = LINK_ESM
+        state = traitlets.Unicode("").tag(sync=True)
+
+    return ChartState, ChartLink
 
 
 def _side_layout(title: str) -> dict:
@@ -141,7 +187,7 @@ def _side_layout(title: str) -> dict:
 
 
 class PlotlyChartView(ChartView):
-    """The live chart: plotly's output under a display id, moved by a link (:func:`link_class`).
+    """The live chart: plotly's output under a display id, moved by its state and link (:func:`link_classes`).
 
     Args:
         sidebar: also show the figure in a sidebar (``display(target=...)``), the inline copy hidden by
@@ -151,6 +197,7 @@ class PlotlyChartView(ChartView):
         chart: the figure's name (its ``layout.meta``), unique per view.
         placement: what the front end last reported (``{"sidebar", "inline", "picture", "width"}``), or None.
         on_placement: called with the view when a report arrives (main thread).
+        state: the ChartState widget the front end draws from, or None (none made, or closed).
         link_error: why no link could be made (the figure then stays as first drawn), or None.
     """
 
@@ -161,6 +208,7 @@ class PlotlyChartView(ChartView):
         self.chart = "ipy-gpumem-" + uuid.uuid4().hex[:12]
         self.sidebar = sidebar
         self.link = None
+        self.state = None
         self.link_error: Optional[str] = None
         self.placement: Optional[dict] = None
         self.on_placement: Optional[Callable] = None
@@ -169,7 +217,7 @@ class PlotlyChartView(ChartView):
         self._order: Optional[list] = None  # the trace uids drawn so far, in order
         self._kept: dict = {}
         self._drawn_at = float("-inf")
-        self._figure: Optional[dict] = None  # the figure last handed to the link
+        self._figure: Optional[dict] = None  # the figure last handed to the front end
 
     # -- what is drawn --------------------------------------------------------------------------
 
@@ -188,12 +236,11 @@ class PlotlyChartView(ChartView):
 
     @property
     def widgets(self) -> tuple:
-        """The widget models this view made: its link, and the ``Layout`` model an ipywidgets DOM widget makes."""
-        link = self.link
-        if link is None:
-            return ()
-        made = getattr(link, "_trait_values", {}).get("layout")
-        return (link,) + ((made,) if made is not None and hasattr(made, "comm") else ())
+        """The widget models this view made: its state, its link, and the ``Layout`` model an ipywidgets
+        DOM widget (the link) makes."""
+        made = tuple(w for w in (self.state, self.link) if w is not None)
+        layout = getattr(self.link, "_trait_values", {}).get("layout") if self.link is not None else None
+        return made + ((layout,) if layout is not None and hasattr(layout, "comm") else ())
 
     # -- showing it -----------------------------------------------------------------------------
 
@@ -222,14 +269,18 @@ class PlotlyChartView(ChartView):
             self._make_link(snapshot, figure)  # after the figure: its first draw does not wait for anywidget
 
     def _make_link(self, snapshot, figure: dict) -> None:
+        state = None
         try:
-            link = link_class()(chart=self.chart, figure=figure, sidebar=self.sidebar,
+            state_class, link_class = link_classes()
+            state = state_class(chart=self.chart, figure=figure, sidebar=self.sidebar,
                                 side=_side_layout(chart_title(snapshot)) if self.sidebar else {})
-            link.on_msg(self._heard)
+            state.on_msg(self._heard)
+            link = link_class(state=state.model_id)
         except Exception as exc:  # noqa: BLE001 - anywidget missing or mismatched: the figure stays as drawn
             self.link_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}".rstrip(": ")
+            close_widgets([state] if state is not None else [])
             return
-        self.link = link
+        self.state, self.link = state, link
         self._figure = figure
 
     def _heard(self, _widget, content, _buffers=None) -> None:
@@ -254,12 +305,12 @@ class PlotlyChartView(ChartView):
                                     "text/plain": timeline_text(snapshot)}, raw=True)
             return
         figure = self.figure(snapshot)
-        link = self.link
-        if link is not None and figure != self._figure:
-            with link.hold_sync():
-                link.figure = figure
+        state = self.state
+        if state is not None and figure != self._figure:
+            with state.hold_sync():
+                state.figure = figure
                 if self.sidebar:
-                    link.side = _side_layout(chart_title(snapshot))
+                    state.side = _side_layout(chart_title(snapshot))
             self._figure = figure
 
     def refresh(self, force: bool = False, final: bool = False) -> bool:
@@ -300,4 +351,4 @@ class PlotlyChartView(ChartView):
             # The output keeps the figure as it is now, with every series shown, and its picture.
             self.handle.update(self.bundle(snapshot, self.figure(snapshot)), raw=True)
         close_widgets(self.widgets)
-        self.link = None
+        self.state = self.link = None

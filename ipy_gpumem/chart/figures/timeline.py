@@ -16,6 +16,7 @@ where it is placed: plotly.js reads them as HTML of its own, and a cell's first 
 """
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from typing import Optional, Sequence
 
@@ -26,8 +27,8 @@ from ..style import BANDS, FAILED_COLOR, IMG_INK, PEAK_COLOR, RUNNING_COLOR, ban
 from ..timeline import TimelineSnapshot
 from ..words import PEAK_LEGEND, capacity_text, exact_peak_text, off_scale_note, series_name, span_hover
 
-__all__ = ["timeline_figure", "session_figure", "figure_config", "trace_order", "PLOTLY_MIME", "UIREVISION",
-           "byte_unit", "PLOT_DASH", "FIXED_TRACES", "MAX_HOVER_CELLS"]
+__all__ = ["timeline_figure", "session_figure", "figure_config", "trace_order", "trace_uid", "PLOTLY_MIME",
+           "UIREVISION", "byte_unit", "PLOT_DASH", "FIXED_TRACES", "MAX_HOVER_CELLS"]
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 #: Constant across updates: plotly keeps the user's zoom, pan and legend choices while it is unchanged.
@@ -36,8 +37,19 @@ UIREVISION = "ipy_gpumem"
 PLOT_DASH = {"solid": "solid", "dash": "dash", "dot": "dot", "dashdot": "dashdot"}
 #: Past this many cells only the newest keep a hover marker (older ones are merged runs already).
 MAX_HOVER_CELLS = 300
+
+
+def trace_uid(*parts) -> str:
+    """A trace's uid from what it is, its parts joined by dashes: letters and digits stay, any other character
+    is ``_`` and its code in hex then ``_`` (``cuda:0`` is ``cuda_3a_0``), so two names never share a uid.
+
+    plotly.js puts a trace's uid in a CSS selector (``.cb<uid>``, when a redraw clears colour bars): a ``:``
+    there made ``Plotly.react`` throw, and the live figure stopped moving."""
+    return "-".join(re.sub(r"[^A-Za-z0-9]", lambda m: f"_{ord(m.group()):x}_", str(part)) for part in parts)
+
+
 #: The traces every session figure starts with, in this order, whatever it holds.
-FIXED_TRACES = tuple(f"band:{kind}" for kind in BANDS) + ("cells", "peaks")
+FIXED_TRACES = tuple(trace_uid("band", kind) for kind in BANDS) + ("cells", "peaks")
 
 
 def figure_config(filename: str = "ipy_gpumem") -> dict:
@@ -72,9 +84,9 @@ def _bands(layout: SessionLayout, top: float) -> dict:
                        round(cell.start, 3), None]
                 ys += [0, top, top, 0, 0, None]
         colour, opacity = band(kind)
-        out[f"band:{kind}"] = {"type": "scatter", "mode": "none", "x": xs, "y": ys, "fill": "toself",
-                               "fillcolor": rgba(colour, opacity), "hoverinfo": "skip", "showlegend": False,
-                               "name": f"cells ({kind})"}
+        out[trace_uid("band", kind)] = {"type": "scatter", "mode": "none", "x": xs, "y": ys, "fill": "toself",
+                                        "fillcolor": rgba(colour, opacity), "hoverinfo": "skip", "showlegend": False,
+                                        "name": f"cells ({kind})"}
     return out
 
 
@@ -104,14 +116,14 @@ def _series(layout: SessionLayout, divisor: float, unit: str) -> dict:
     out = {}
     for rank, plan in enumerate(layout.series):
         name = plotly_text(plan.name)
-        out[f"series:{plan.key.device.label}:{plan.key.quantity}"] = {
+        out[trace_uid("series", plan.key.device.label, plan.key.quantity)] = {
             "type": "scatter", "mode": "lines", "name": name, "legendrank": 100 + rank,
             "x": list(layout.t), "y": _scaled(plan.values, divisor),
             "line": {"color": plan.color, "dash": PLOT_DASH.get(plan.kind, "solid"), "width": 1.6},
             "legendgroup": plan.group, "hovertemplate": f"%{{y:.2f}} {unit}<extra>{name}</extra>"}
     for rank in layout.ranks:
         name = plotly_text(f"{rank.label} RSS")
-        out[f"rank:{rank.label}"] = {
+        out[trace_uid("rank", rank.label)] = {
             "type": "scatter", "mode": "lines+markers", "name": name, "x": list(rank.xs), "legendrank": 500,
             "y": [None if v is None else round(v / divisor, 4) for v in rank.ys], "connectgaps": False,
             "legendgroup": "ranks", "line": {"color": rank.color, "dash": "dot", "width": 1.4}, "marker": {"size": 5},
