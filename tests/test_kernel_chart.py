@@ -13,7 +13,7 @@ from kernel_helpers import execute, outputs, plain
 
 pytest.importorskip("nbclient")
 pytest.importorskip("torch")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compat]
 
 GROW = "import time\nbufs = []\nfor i in range(10):\n    bufs.append(bytearray(16 * 2**20))\n    time.sleep(0.4)"
 # A user saves seconds after the last cell: by then the sampler has made the redraw a cell end owed
