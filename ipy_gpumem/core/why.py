@@ -138,7 +138,7 @@ class Suspect(NamedTuple):
 
     name: str                   # who holds it, as the user knows it: `opt`, `Out[3]`, `traceback`, `lin hook`
     kind: str                   # output_cache, traceback, hook, optimizer, appended_graph, appended, graph, reassigned, class_attribute, module_global, default_argument, closure, variable
-    fix: str                    # free_or_semicolon, free, remove_handle, rerun_cell, recreate, append_item, clear_or_del, detach, del_before_rerun, clear, default_none, del
+    fix: str                    # what frees them: one of words.FIXES (append_item, append_detached, del...)
     bytes: int                  # what it gained since the previous run
     new: bool = True            # this run is the first to name it (a cell says so once per suspect)
     exprs: Tuple[str, ...] = ()  # the expressions that hold it (``Out[3]``, ``_``), or a traceback's locals

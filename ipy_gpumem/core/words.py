@@ -30,8 +30,8 @@ MIN_BYTES = 64 * 1024
 KINDS = ("output_cache", "traceback", "hook", "optimizer", "appended_graph", "appended", "graph", "reassigned",
          "class_attribute", "module_global", "default_argument", "closure", "variable")
 #: What frees them (``Suspect.fix``).
-FIXES = ("free_or_semicolon", "free", "remove_handle", "rerun_cell", "recreate", "append_item", "clear_or_del",
-         "detach", "del_before_rerun", "clear", "default_none", "del")
+FIXES = ("free_or_semicolon", "free", "remove_handle", "rerun_cell", "recreate", "append_item", "append_detached",
+         "clear_or_del", "detach", "del_before_rerun", "clear", "default_none", "del")
 
 
 class Clause(NamedTuple):
@@ -339,13 +339,18 @@ def cause(s: Suspect) -> str:
         fix = f"re-run [{s.cell}] after this cell" if s.fix == "rerun_cell" else f"re-create `{name}` after this cell"
         return f"`{name}`{where} still holds {what} ({size}): {fix}"
     if s.kind == "appended_graph":
-        return (f"`{name}.append({s.item})` keeps each run's graph ({size}): append `{s.item}.item()` "
-                f"(or `{s.item}.detach()`)")
+        if s.fix == "append_item":  # a one-element tensor: a number is all it needs
+            return (f"`{name}.append({s.item})` keeps each run's graph ({size}): append `{s.item}.item()` "
+                    f"(or `{s.item}.detach()`)")
+        return (f"`{name}.append({s.item})` keeps each run's graph ({size}): append `{s.item}.detach()` (a "
+                f"tensor of more than one element has no `.item()`), or `{s.item}.detach().cpu()` to keep it "
+                "off the device")
     if s.kind == "appended":
         return (f"`{name}` gains {size} on every run (`{name}.append({s.item})`): clear it at the top of the cell "
                 f"(`{name}.clear()`) or `del` what you no longer need")
     if s.kind == "graph":
-        return f"`{name}` keeps an earlier run's graph ({size}): keep `.item()` or `.detach()` instead of the tensor"
+        return (f"`{name}` keeps an earlier run's graph ({size}): keep `.detach()` (or the `.item()` of a one-element "
+                "tensor) instead of the tensor")
     if s.kind == "class_attribute":
         return (f"`{s.item}`, a class attribute, gains {size} on every run (it outlives the run and every "
                 f"instance): clear it at the top of the cell (`{s.item}.clear()`) or keep the tensors on an instance")
