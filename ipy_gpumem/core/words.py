@@ -378,14 +378,27 @@ def rank_note(rank) -> Optional[str]:
     parts = []
     how = f"killed by {rank.signal}" if rank.signal else (
         f"exit code {rank.exit_code}" if rank.exit_code is not None else None)
+    unread = rank.end == "gone" and not rank.readings
+    never_read = unread and rank.seen == "outside" and rank.host.rss_before is None  # known from the launcher only
     if rank.end == "gone" and rank.seen == "inside":
-        parts.append(f"ended without recording its end ({how or 'killed or terminated'}): its numbers after its "
-                     "start are the last readings taken from outside")
+        if unread:
+            parts.append(f"ended without recording its end ({how or 'killed or terminated'}) before its first "
+                         "reading from outside: only its start is known")
+        else:
+            parts.append(f"ended without recording its end ({how or 'killed or terminated'}): its numbers after its "
+                         "start are the last readings taken from outside")
+    elif never_read:
+        parts.append(f"ended ({how or 'killed or terminated'}) before its first reading: nothing of its memory is "
+                     "known")
     elif rank.end == "gone" and how:
         parts.append(f"ended: {how}")
     elif rank.end == "running":
         parts.append("still running when the cell ended: its numbers are those of the cell's end")
-    if rank.seen == "outside":
+    if rank.signal == "SIGKILL":
+        # Nothing in the process could say why; the kernel's OOM killer sends SIGKILL when RAM runs out.
+        parts.append(f"nothing in Python can catch SIGKILL: the kernel's OOM killer is the likely cause (`dmesg` or "
+                     f"`journalctl -k` shows \"Out of memory: Killed process {rank.pid}\")")
+    if rank.seen == "outside" and not never_read:
         if rank.devices is None:
             parts.append("not a fork of this kernel, so read from outside: host RSS and its high-water mark from "
                          "/proc; device memory not visible (no NVML reading for its pid)")
