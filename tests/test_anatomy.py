@@ -267,7 +267,7 @@ def test_reasons_name_the_users_objects_and_the_mechanism():
     s2 = _take(ns)
     back = describe(s2.diff(s1).parts, s1, s2, seen={(r, o) for (_d, r, o) in s1.parts})
     assert back.startswith("+1.00 GiB") is False and "gradients for `model`'s" in back and "first backward" in back
-    assert "activations released" in back
+    assert "activations released (saved in the graph of `output`)" in back  # whose they were
     opt.step()
     s3 = _take(ns)
     why = why_of(s3.diff(s2).parts, s2, s3)
@@ -509,7 +509,8 @@ def test_an_evaluation_without_no_grad_says_that_it_kept_activations(_default_th
     assert rec.roles["cpu"]["activations"] == 4 * 256 * 1024 * 4  # each batch's ReLU output
     # Under no_grad nothing is saved, and nothing is said.
     rec, shown = _explained(gpumem, ip, "with torch.no_grad():\n    outs = [net(b) for b in batches]")
-    assert rec.roles["cpu"]["activations"] == -4 * 256 * 1024 * 4 and "activations released" in shown
+    assert rec.roles["cpu"]["activations"] == -4 * 256 * 1024 * 4
+    assert "activations released (saved in the graph of `outs`)" in shown, shown  # rebinding `outs` released them
     assert "no backward used them" not in shown
 
 

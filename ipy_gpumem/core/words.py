@@ -210,7 +210,10 @@ def clauses(why: Optional[Why], minimum: int = MIN_BYTES) -> List[Clause]:
                      "`torch.inference_mode()`) keeps none")
         out.append(Clause(size, "activations", text))
     if gone <= -minimum:
-        out.append(Clause(gone, "activations", f"{format_delta(gone)} activations released"))
+        # Whose: the variables whose graphs saved them (backward freed them, or the names were rebound).
+        owners = {o: v for o, v in acts.items() if v < 0}
+        out.append(Clause(gone, "activations", f"{format_delta(gone)} activations released (saved in the graph of "
+                                               f"{_names(owners)})"))
     for owner, value in roles.get("parameters", {}).items():
         if abs(value) < minimum:
             continue
