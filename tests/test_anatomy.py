@@ -3,6 +3,7 @@ activations against what backward really frees (a storage tracker), on five arch
 optimizers; then the seed scenario's rows and reasons in a real kernel.
 """
 import json
+import sys
 import weakref
 
 import pytest
@@ -19,6 +20,7 @@ def _take(names):
     return census.take(names, caches=False, user_modules=False)
 from ipy_gpumem.anatomy.reasons import why_of  # noqa: E402
 from ipy_gpumem.core import words  # noqa: E402
+from ipy_gpumem.core.units import format_bytes  # noqa: E402
 from tests.conftest import run, texts  # noqa: E402
 from tests.kernel_helpers import execute, plain  # noqa: E402
 
@@ -193,6 +195,48 @@ def test_tied_weights_count_once_and_an_optimizer_alone_still_holds_parameters()
     assert snap.role_bytes("parameters", owner="opt's parameters") == 100 * 32 * 4
 
 
+def test_a_graph_that_outlives_its_model_keeps_parameters_and_gradients_not_activations():
+    """Roles follow what a tensor is (issue 29): the model's name is rebound after a training step, and
+    the graph of its last forward (held by `output` and `loss`) keeps its parameters (AccumulateGrad's
+    leaves) and their gradients: parameters and gradients owned by that graph, none of them activations."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(64, 256)
+    output = model(x)
+    loss = output.square().mean()
+    loss.backward()
+    opt.step()
+    params = _unique_bytes(list(model.parameters()))
+    ns = {"model": model, "optimizer": opt, "x": x, "output": output, "loss": loss}
+    before = _take(ns)
+    assert before.role_bytes("parameters", owner="model") == params and not before.graph_held
+    ns.update(model=nn.Linear(3, 3), optimizer=None)
+    after = _take(ns)
+    assert after.role_bytes("parameters", owner="output") == params
+    assert after.role_bytes("gradients", owner="output") == params
+    assert after.role_bytes("activations") == 0  # backward freed what the nodes saved
+    assert after.graph_held == {("parameters", "output"), ("gradients", "output")}
+    assert after.graphs == {"output": ("output", "loss")}  # both names keep it
+    # The sentence of that change: Adam's state released, the old model kept alive, and by whom.
+    text = describe(after.diff(before).parts, before, after)
+    assert "Adam state (exp_avg, exp_avg_sq) in `optimizer` released" in text
+    size = words.format_bytes(params)
+    assert (f"the old `model` stays alive, its parameters ({size}) and gradients ({size}): `output` and `loss` "
+            "still hold the autograd graph of its last forward") in text and "`del output, loss` frees them" in text
+    assert "activations" not in text
+    # A frozen layer's weight saved for backward as ``weight.t()`` is a parameter too; the output a
+    # ReLU saved is the one activation; a user's leaf that requires grad is the user's tensor.
+    frozen = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    frozen[2].weight.requires_grad_(False)
+    out2 = frozen(x.requires_grad_(True))
+    snap = _take({"out2": out2})
+    assert snap.role_bytes("parameters") == _unique_bytes(list(frozen.parameters()))
+    assert snap.role_bytes("activations") == 64 * 1024 * 4  # ReLU's result, saved by the second Linear too
+    assert snap.role_bytes("other_tensors") == _unique_bytes([x, out2])
+    assert snap.role_bytes("gradients") == 0
+
+
 def test_a_list_of_losses_keeps_each_iterations_activations():
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
     x = torch.randn(16, 64)
@@ -223,7 +267,7 @@ def test_reasons_name_the_users_objects_and_the_mechanism():
     s2 = _take(ns)
     back = describe(s2.diff(s1).parts, s1, s2, seen={(r, o) for (_d, r, o) in s1.parts})
     assert back.startswith("+1.00 GiB") is False and "gradients for `model`'s" in back and "first backward" in back
-    assert "activations released" in back
+    assert "activations released (saved in the graph of `output`)" in back  # whose they were
     opt.step()
     s3 = _take(ns)
     why = why_of(s3.diff(s2).parts, s2, s3)
@@ -314,6 +358,13 @@ def test_seed_scenario_in_a_real_kernel():
         "params = sum(p.numel() * 4 for p in model.parameters())\n"
         "print('RESULT', json.dumps({'first': first, 'second': second, 'params': params}))",
         "big = torch.ones(64, 1024, 1024); out2 = model(inputs)",
+        # The issue's re-run notebook (issue 29): setup, step, the setup again with another model, the step.
+        # (every cell's line: on the CPU it follows RSS, which the heap may keep after a free)
+        "%config GpuMemMagics.threshold = 0\ndel big, out2, output, loss, inputs, targets",
+        RERUN_MLP,
+        RERUN_STEP.format(loss="mse_loss"),
+        RERUN_CNN,  # 10
+        RERUN_STEP.format(loss="cross_entropy"),
     ]
     nb = execute(cells)
     report = "\n".join(plain(nb.cells[2]))
@@ -326,6 +377,16 @@ def test_seed_scenario_in_a_real_kernel():
     shown = "\n".join(plain(nb.cells[6]))
     assert "+256.50 MiB tensors held by `big`, `out2`" in shown, shown  # 256 MiB + out2 (256x512 floats)
     assert "activations saved for backward, kept by `out2`" in shown
+    params = (512 * 1024 + 1024 + 1024 * 512 + 512) * 4
+    size = format_bytes(params)
+    rerun = "\n".join(plain(nb.cells[10]))
+    assert (f"-{format_bytes(2 * params + 16)} Adam state (exp_avg, exp_avg_sq) in `optimizer` released (`optimizer` "
+            f"is now SGD); the old `model` stays alive, its parameters ({size}) and gradients ({size}): `output` and "
+            "`loss` still hold the autograd graph of its last forward") in rerun, rerun
+    step = "\n".join(plain(nb.cells[11]))
+    assert (f"-{format_bytes(2 * params)} released: the parameters ({size}) and gradients ({size}) of a model no name "
+            "held, which the autograd graph of `output` and `loss` kept until now") in step, step
+    assert "activations released" not in step
 
 
 @pytest.fixture
@@ -379,6 +440,111 @@ def test_a_silent_del_is_not_blamed_on_the_next(_default_threshold, ip):
     assert rec.roles == {"cpu": {"other_tensors": 64 * MiB}}
     assert [part[2] for part in rec.why.parts] == ["z2"]
     assert "small" not in shown and "+64.00 MiB tensors held by `z2`" in shown
+
+
+RERUN_MLP = (
+    "import torch\n"
+    "torch.manual_seed(0)\n"
+    "model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))\n"
+    "optimizer = torch.optim.Adam(model.parameters())\n"
+    "x = torch.randn(256, 512)\n"
+    "y = torch.randn(256, 512)\n"
+)
+RERUN_CNN = (
+    "model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Flatten(),\n"
+    "                            torch.nn.Linear(16 * 30 * 30, 10))\n"
+    "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    "x = torch.randn(32, 3, 32, 32)\n"
+    "y = torch.randint(0, 10, (32,))\n"
+)
+RERUN_STEP = (
+    "output = model(x)\n"
+    "loss = torch.nn.functional.{loss}(output, y)\n"
+    "optimizer.zero_grad()\n"
+    "loss.backward()\n"
+    "optimizer.step()\n"
+)
+
+
+def test_rerunning_the_setup_names_what_was_released_and_what_a_graph_keeps_alive(_default_threshold, ip):
+    """The issue's notebook (issue 29): setup (an MLP and Adam), a step, the setup again with a CNN and
+    SGD, the step again. Re-running the setup releases Adam's state (Adam's, not SGD's) and allocates
+    nothing: the old model's parameters and gradients stay alive through `output` and `loss`, and the
+    next step releases them, as parameters and gradients, never as activations. (Every cell's line is
+    shown: on the CPU it follows RSS, which the heap may keep after a free.)"""
+    gpumem = _default_threshold
+    gpumem.threshold = 0
+    run(ip, RERUN_MLP)
+    params = sum(p.numel() * 4 for p in ip.user_ns["model"].parameters())
+    rec, _shown = _explained(gpumem, ip, RERUN_STEP.format(loss="mse_loss"))
+    assert rec.roles["cpu"]["optimizer_state"] == 2 * params + 4 * 4  # + four step counters
+    rec, shown = _explained(gpumem, ip, RERUN_CNN)
+    size = format_bytes(params)
+    adam = (f"-{format_bytes(2 * params + 16)} Adam state (exp_avg, exp_avg_sq) in `optimizer` released "
+            "(`optimizer` is now SGD)")
+    kept = (f"the old `model` stays alive, its parameters ({size}) and gradients ({size}): `output` and `loss` still "
+            "hold the autograd graph of its last forward, which keeps them (a common notebook leak; `del output, "
+            "loss` frees them)")
+    assert shown.splitlines()[1].startswith(f"  {adam}; {kept}"), shown  # the cell's second line: the two biggest
+    assert "activations" not in rec.reason and "SGD state" not in rec.reason
+    assert rec.roles["cpu"]["optimizer_state"] == -(2 * params + 16)
+    # Only the optimizer's state left memory; the old model was neither freed nor allocated.
+    assert rec.roles["cpu"].get("parameters", 0) == sum(p.numel() * 4 for p in ip.user_ns["model"].parameters())
+    assert rec.roles["cpu"].get("gradients", 0) == 0
+    rec, shown = _explained(gpumem, ip, RERUN_STEP.format(loss="cross_entropy"))
+    released = (f"-{format_bytes(2 * params)} released: the parameters ({size}) and gradients ({size}) of a model no "
+                "name held, which the autograd graph of `output` and `loss` kept until now")
+    assert released in shown, shown
+    assert rec.roles["cpu"]["parameters"] == -params and "activations released" not in rec.reason
+
+
+def test_an_evaluation_without_no_grad_says_that_it_kept_activations(_default_threshold, ip):
+    gpumem = _default_threshold
+    gpumem.threshold = 0  # every cell's line (on the CPU it follows RSS, which the heap may keep)
+    run(ip, "import torch\nnet = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), "
+            "torch.nn.Linear(1024, 10))\nbatches = [torch.randn(256, 256) for _ in range(4)]")
+    rec, shown = _explained(gpumem, ip, "net.eval()\nouts = [net(b) for b in batches]")
+    assert ("activations saved for backward, kept by `outs`; no backward used them: an evaluation under "
+            "`with torch.no_grad():` (or `torch.inference_mode()`) keeps none") in shown, shown
+    assert rec.roles["cpu"]["activations"] == 4 * 256 * 1024 * 4  # each batch's ReLU output
+    # Under no_grad nothing is saved, and nothing is said.
+    rec, shown = _explained(gpumem, ip, "with torch.no_grad():\n    outs = [net(b) for b in batches]")
+    assert rec.roles["cpu"]["activations"] == -4 * 256 * 1024 * 4
+    assert "activations released (saved in the graph of `outs`)" in shown, shown  # rebinding `outs` released them
+    assert "no backward used them" not in shown
+
+
+def test_memory_that_imports_took_is_said_with_the_modules(_default_threshold, ip, tmp_path, monkeypatch):
+    """A cell that imports many modules (creating the first optimizer imports some 800) gains host RSS no
+    tensor explains: the line says how many modules it imported, and from which packages. A real package
+    of 40 modules, each keeping 1 MiB of data, imported for real (in pages of their own: RSS grows by them
+    whatever the heap has free)."""
+    gpumem = _default_threshold
+    package = tmp_path / "gpumem_bulk_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("".join(f"from . import part{i}\n" for i in range(40)))
+    for i in range(40):
+        (package / f"part{i}.py").write_text(
+            f"import mmap\nDATA = mmap.mmap(-1, 1 << 20)\nDATA.write(b'{i % 10}' * (1 << 20))\n")
+    (tmp_path / "gpumem_one_module.py").write_text(
+        "import mmap\nDATA = mmap.mmap(-1, 32 << 20)\nDATA.write(bytes(32 << 20))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run(ip, "import mmap, torch\nsmall = torch.ones(4)")
+    try:
+        rec, shown = _explained(gpumem, ip, "import gpumem_bulk_pkg")
+        line = shown.splitlines()[1]
+        assert "host RSS that no tensor explains: this cell imported 41 modules (gpumem_bulk_pkg 41), whose code and " \
+               "data stay loaded" in line, shown
+        imports = rec.why.imports
+        assert imports.modules == 41 and imports.packages == (("gpumem_bulk_pkg", 41),)
+        assert imports.untensored >= 40 * MiB and rec.roles == {}
+        # One module is not where 32 MiB went: a cell that imports a few says nothing of imports.
+        rec, shown = _explained(gpumem, ip, "import gpumem_one_module")
+        assert rec.why.imports.modules == 1 and "imported" not in shown and rec.reason is None
+    finally:
+        sys.modules.pop("gpumem_one_module", None)
+        for name in [n for n in sys.modules if n.split(".")[0] == "gpumem_bulk_pkg"]:
+            del sys.modules[name]
 
 
 def test_an_incomplete_count_says_at_least_and_what_it_left_out(_default_threshold, ip, monkeypatch):
@@ -477,9 +643,15 @@ def test_phases_of_a_training_loop_called_as_a_function(gpumem, ip):
     # The loop's locals are gone with the function: what the cell kept is the gradients and Adam's state.
     assert rec["roles"]["cpu"]["optimizer_state"] == 2 * params + 4 * 4
     assert rec["layers"] and rec["layers"][0]["activations"] > 0
-    _, cap = run(ip, "%%gpumem\ntrain_one_epoch(model, optimizer, batches)")
+    _, cap = run(ip, "%%gpumem -o rec2\ntrain_one_epoch(model, optimizer, batches)")
     report = "\n".join(texts(cap))
     assert "Training phases" in report and "optimizer step" in report and "Heaviest activations" in report
+    # The model has stepped and holds gradients now: its weights and their gradients are no activations
+    # (issue 29): the heaviest layers are the same as on the fresh model, the ReLU's saved output alone.
+    layers = [(layer["module"], layer["activations"]) for layer in rec["layers"]]
+    assert layers == [("1", 64 * 2048 * 4)]
+    assert [(layer["module"], layer["activations"]) for layer in ip.user_ns["rec2"].to_dict()["layers"]] == layers
+    assert "Heaviest activations (first forward): `1` 512.00 KiB" in report.splitlines(), report
     # Every hook is gone after the cell.
     from torch.nn.modules import module as mod
     from torch.optim import optimizer as optim

@@ -243,6 +243,30 @@ def test_graphs_kept_read_from_typed_holders():
     assert "del output, loss" in graphs.snippet
 
 
+def test_a_graph_that_keeps_a_rebound_model_is_found_with_what_it_frees():
+    """The old model's parameters and gradients that the last forward's graph keeps after `model` was
+    rebound are parameters and gradients (issue 29), not retained graphs: the finding still fires, and
+    what it frees counts them."""
+    torch.manual_seed(0)
+    old = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))  # 8 MiB of weights
+    opt = torch.optim.Adam(old.parameters())
+    inputs = torch.randn(256, 1024)
+    output = old(inputs)
+    loss = output.pow(2).mean()
+    loss.backward()
+    opt.step()
+    ns = {"model": nn.Linear(4, 4), "inputs": inputs, "output": output, "loss": loss}
+    report = who(ns)
+    params = nbytes(*old.parameters())
+    assert report.categories["retained_graphs"] == 0
+    assert report.categories["parameters"] >= params and report.categories["gradients"] == params
+    f = training.graphs_kept(facts_for(SMALL, who_report=report, failing_source="output = model(inputs)"))
+    assert f is not None and f.confidence == "certain"
+    assert f"the parameters and gradients ({format_bytes(2 * params)}) of an earlier model" in f.detail
+    assert f.frees == 2 * params + nbytes(output, loss) and "del output, loss" in f.snippet
+    assert f"`output + loss (shared graph)` {format_bytes(2 * params)}" in f.detail  # one row per graph
+
+
 def test_graphs_kept_by_ipython_are_not_deleted_by_name():
     # A graph only Out[3] keeps: %gpumem free clears it; `del Out` would break IPython.
     report = WhoReport(categories={"retained_graphs": 8 * MiB, "ipython_caches": 4 * MiB},

@@ -34,7 +34,13 @@ RANK_MODULE = textwrap.dedent('''
     import torch.distributed as dist
 
     def work(rank, world, port, big, mode="ok"):
-        """A gloo step; rank ``big`` keeps 64 MiB more than the others, then fails as ``mode`` says."""
+        """A gloo step; rank ``big`` keeps 64 MiB more than the others, then fails as ``mode`` says
+        (``kill_now``: killed by SIGKILL at once, the others wait to be terminated)."""
+        if mode == "kill_now":
+            if rank == big:
+                os.kill(os.getpid(), 9)
+            import time
+            time.sleep(30)
         torch.set_num_threads(1)
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
@@ -153,6 +159,39 @@ def test_forked_ranks_record_themselves_and_the_launchers_exception_names_the_fa
             watch.close()
     finally:
         sys.path.remove(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_rank_that_ended_before_its_first_reading_still_gets_its_row(tmp_path):
+    """Spawned ranks are read from outside every POLL_S; one killed before its first reading, and
+    reaped by the launcher before the cell ends, was never seen (issue 29). The launcher's index for
+    each process it spawned, and its exception for the failing one, still give each its row. The
+    reading interval is set to a minute here, so that no reading happens while they live."""
+    import torch.multiprocessing as mp
+
+    (tmp_path / "rank_work_now.py").write_text(RANK_MODULE)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import rank_work_now
+
+        watch = RankWatch(poll_s=60)
+        try:
+            watch.cell_started()
+            with pytest.raises(Exception) as info:
+                mp.start_processes(rank_work_now.work, args=(2, 0, 1, "kill_now"), nprocs=2, start_method="spawn")
+            failure = launcher_failure(info.value)
+            ranks = watch.cell_finished(failure)
+        finally:
+            watch.close()
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert (failure.rank, failure.signal) == (1, "SIGKILL")
+    assert [(r.rank, r.end, r.readings, r.rank_from) for r in ranks] == [(0, "gone", 0, "launcher"),
+                                                                         (1, "gone", 0, "launcher")]
+    assert ranks[1].pid == failure.pid and ranks[1].signal == "SIGKILL"
+    assert "before its first reading: nothing of its memory is known" in ranks[1].note
+    assert "the kernel's OOM killer is the likely cause" in ranks[1].note
+    assert "read from outside" not in ranks[1].note  # it never was
 
 
 def test_history_frame_has_a_row_per_rank():
@@ -454,6 +493,8 @@ def nb(tmp_path_factory):
         "from ipy_gpumem.extension import current_magics\n_watch = current_magics().watcher.ranks\n"
         "_listed = _watch.listings\nos.environ.update(RANK='0', WORLD_SIZE='2')\n!sleep 0.5",                 # 15
         "print(json.dumps([ipy_gpumem.history()[-1].to_dict()['ranks'], _watch.listings - _listed]))",       # 16
+        "del os.environ['RANK'], os.environ['WORLD_SIZE']",                                                # 17
+        launch.format(world=2, port=0, big=1, mode="kill_now", how="fork"),                                # 18
     ]
     started = time.perf_counter()
     out = execute(cells, extensions=["ipy_gpumem"], cwd=str(folder), timeout=150)
@@ -538,6 +579,19 @@ def test_a_killed_rank_leaves_the_recording_intact_with_a_clear_note(nb, cell):
     assert "killed by SIGKILL" in _text(nb.cells[cell])
     # the kernel goes on recording: the cells after it have their records
     assert _data(nb)[0][13] is None and outputs(nb.cells[12], "error") == []
+
+
+@pytest.mark.slow
+def test_a_rank_killed_at_once_gets_its_line_and_the_oom_killer_is_named(nb):
+    """Forked ranks killed within their first moments moved nothing: the cell's line is still shown
+    (issue 29), each rank with what is known of it, and SIGKILL's likely cause."""
+    text = _text(nb.cells[18])
+    assert [e.ename for e in outputs(nb.cells[18], "error")] == ["ProcessExitedException"]
+    assert "2 processes launched" in text, text
+    assert re.search(r"^ +rank 1 +pid \d+ .*killed by SIGKILL", text, re.M), text
+    flat = " ".join(text.split())
+    assert "the kernel's OOM killer is the likely cause (`dmesg` or `journalctl -k` shows \"Out of memory: " \
+           "Killed process" in flat, text
 
 
 @pytest.mark.slow

@@ -126,6 +126,28 @@ def test_history_marks_reruns_and_their_growth(ip, gpumem):
     run(ip, "del rr_keep")
 
 
+def test_appending_a_tensor_with_its_graph_is_fixed_without_item_unless_it_is_a_scalar(ip, gpumem):
+    """``.item()`` raises on a tensor of more than one element (issue 29): `rr_outs.append(rr_out)` of a
+    1024 x 4096 output is told to append `rr_out.detach()`; a scalar loss may become a number. (Every
+    run is checked: on the CPU a run is looked at when RSS moved, and the heap may reuse freed memory.)"""
+    gpumem.threshold = 0
+    run(ip, "import torch\nrr_lin = torch.nn.Linear(1024, 4096)\nrr_x = torch.randn(1024, 1024)\n"
+            "rr_outs = []\nrr_losses = []")
+    cases = (("rr_out = rr_lin(rr_x).relu() * 2\nrr_outs.append(rr_out)", "append_detached",
+              "`rr_outs.append(rr_out)` keeps each run's graph (32.00 MiB): append `rr_out.detach()` (a tensor of "
+              "more than one element has no `.item()`)"),
+             ("rr_loss = (rr_lin(rr_x).relu() * 2).mean()\nrr_losses.append(rr_loss)", "append_item",
+              "`rr_losses.append(rr_loss)` keeps each run's graph (16.00 MiB): append `rr_loss.item()`"))
+    for cell, fix, words in cases:
+        shown = []
+        for _ in range(2):
+            _, cap = run(ip, cell)
+            shown.extend(_warnings(cap))
+        assert [(s.kind, s.fix) for s in _rec(gpumem).rerun.suspects] == [("appended_graph", fix)]
+        assert len(shown) == 1 and words in shown[0], shown
+        assert "rr_out.item()" not in shown[0]
+
+
 def test_quiet_says_nothing_but_records(ip, gpumem):
     run(ip, "import torch\nrr_q = []")
     ip.run_line_magic("config", "GpuMemMagics.quiet = True")

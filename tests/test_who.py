@@ -379,7 +379,11 @@ def test_orphan_leaf_kept_only_by_the_graph_is_retained():
         return w.sum()
 
     report = who({"loss": make()})
-    assert report.categories["retained_graphs"] == 4000  # AccumulateGrad keeps w alive
+    # AccumulateGrad keeps w alive. It is the user's tensor (what it is), not something autograd saved
+    # (issue 29: roles follow what a tensor is), held by the graph of `loss`.
+    assert report.categories["other_tensors"] == 4000 + 4 and report.categories["retained_graphs"] == 0
+    graphs = [(h.kind, h.category, h.bytes) for h in report.holders if h.kind == "graph"]
+    assert graphs == [("graph", "other_tensors", 4000)]
 
 
 # --------------------------------------------------------------------- dedupe/precedence

@@ -9,6 +9,10 @@ that reaches it:
 
     parameters > gradients > optimizer_state > other_tensors > retained_graphs > ipython_caches
 
+A category says what a tensor is, its holder who keeps it: the parameters and gradients of a model
+whose name was rebound, kept alive by the graph ``loss`` still holds, are parameters and gradients
+held by that graph; retained graphs are what the graphs' nodes saved for backward.
+
 A name is IPython's only when ``refs`` says IPython bound it (by identity, see
 :func:`~ipy_gpumem.attribution.holders.ipython_refs`); without ``refs`` every name is the user's. The walk
 has a time and a visit budget: when one runs out the report says so (``complete`` is False) and
@@ -38,8 +42,9 @@ from .holders import Holder, IPythonRefs
 __all__ = ["BUDGET_S", "CATEGORIES", "CATEGORY_LABELS", "MAX_VISITS", "WhoReport", "who", "holder", "category_of",
            "left_out"]
 
-#: The attributed categories, highest precedence first: the walk's roles (activations are the
-#: graphs the user's tensors keep: "retained graphs"), then everything only IPython keeps.
+#: The attributed categories, highest precedence first: the walk's roles (activations, what the
+#: graphs the user's tensors keep saved for backward, are "retained graphs"), then everything only
+#: IPython keeps.
 CATEGORIES = (
     "parameters",
     "gradients",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Mapping, NamedTuple, Optional, Tuple
 
-__all__ = ["Why", "OwnerInfo", "Suspect", "Rerun", "owner_module"]
+__all__ = ["Why", "OwnerInfo", "Moved", "Imports", "Suspect", "Rerun", "owner_module"]
 
 
 def owner_module(owner: str) -> str:
@@ -32,6 +32,36 @@ class OwnerInfo(NamedTuple):
         return {"kind": self.kind, "class": self.cls, "parameters": self.parameters, "state": list(self.state)}
 
 
+class Moved(NamedTuple):
+    """Storages that stayed alive through a change and went from a name to an autograd graph, in
+    one role: the old ``model``'s parameters, now kept by the graph ``output`` holds. Nothing was
+    allocated or freed: only who keeps them changed.
+
+    ``rebound``: the old owner's name still holds something else (``model`` was rebound, not deleted).
+    """
+
+    role: str
+    source: str
+    holder: str
+    bytes: int
+    rebound: bool = False
+
+    def to_dict(self) -> dict:
+        return self._asdict()
+
+
+class Imports(NamedTuple):
+    """The modules a cell imported (from ``sys.modules`` before and after it), and the host memory
+    its line has beyond what tensors explain (None where it cannot be told: a GPU's line)."""
+
+    modules: int
+    packages: Tuple[Tuple[str, int], ...] = ()  # the top-level packages with the most new modules, most first
+    untensored: Optional[int] = None
+
+    def to_dict(self) -> dict:
+        return {"modules": self.modules, "packages": [list(p) for p in self.packages], "untensored": self.untensored}
+
+
 @dataclass(frozen=True)
 class Why:
     """What one change (a cell, a line, lines counted together) is made of.
@@ -46,6 +76,17 @@ class Why:
             reaches (``other_tensors``), signed bytes summed over the devices.
         complete: both censuses examined everything; False: the parts are what they counted, and
             ``left_out`` says what they did not examine.
+        moved: :class:`Moved` entries: storages alive at both ends that went from a name to a graph
+            (their parts appear as a loss for one owner and a gain for the other, which is no
+            allocation).
+        graph_held: ``(role, owner)`` pairs, other than activations, that only an autograd graph
+            kept at either end (an old model's parameters and gradients held by ``loss``).
+        graphs: for the owners of those pairs, every variable that keeps the graph (owner first).
+        owners_before: what an owner was before the change where that differs from ``owners``
+            (``optimizer`` was an Adam and is now an SGD): a release is named by what it was.
+        whole_cell: this is a cell's change (not a line's): what it kept at its end is what it
+            leaves behind (activations no backward consumed, in an evaluation without no_grad).
+        imports: the modules the cell imported, when it imported some (:class:`Imports`).
     """
 
     parts: Tuple[Tuple[str, str, str, int], ...] = ()
@@ -55,6 +96,12 @@ class Why:
     extra: Mapping[str, int] = field(default_factory=dict)
     complete: bool = True
     left_out: Tuple[str, ...] = ()
+    moved: Tuple[Moved, ...] = ()
+    graph_held: FrozenSet[Tuple[str, str]] = frozenset()
+    graphs: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
+    owners_before: Mapping[str, OwnerInfo] = field(default_factory=dict)
+    whole_cell: bool = False
+    imports: Optional[Imports] = None
 
     def by_role(self) -> Dict[str, Dict[str, int]]:
         """``{role: {owner: signed bytes}}`` summed over devices."""
@@ -73,6 +120,12 @@ class Why:
             "extra": dict(self.extra),
             "complete": self.complete,
             "left_out": list(self.left_out),
+            "moved": [m.to_dict() for m in self.moved],
+            "graph_held": [list(pair) for pair in sorted(self.graph_held)],
+            "graphs": {owner: list(names) for owner, names in self.graphs.items()},
+            "owners_before": {name: info.to_dict() for name, info in self.owners_before.items()},
+            "whole_cell": self.whole_cell,
+            "imports": None if self.imports is None else self.imports.to_dict(),
         }
 
 
@@ -85,7 +138,7 @@ class Suspect(NamedTuple):
 
     name: str                   # who holds it, as the user knows it: `opt`, `Out[3]`, `traceback`, `lin hook`
     kind: str                   # output_cache, traceback, hook, optimizer, appended_graph, appended, graph, reassigned, class_attribute, module_global, default_argument, closure, variable
-    fix: str                    # free_or_semicolon, free, remove_handle, rerun_cell, recreate, append_item, clear_or_del, detach, del_before_rerun, clear, default_none, del
+    fix: str                    # what frees them: one of words.FIXES (append_item, append_detached, del...)
     bytes: int                  # what it gained since the previous run
     new: bool = True            # this run is the first to name it (a cell says so once per suspect)
     exprs: Tuple[str, ...] = ()  # the expressions that hold it (``Out[3]``, ``_``), or a traceback's locals

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Iterable, List, NamedTuple, Optional
 
-from .roles import ROLE_WORDS
+from .roles import ROLE_WORDS, ROLES
 from .text import clip
 from .units import format_bytes, format_delta
 from .why import Rerun, Suspect, Why, owner_module
@@ -30,8 +30,8 @@ MIN_BYTES = 64 * 1024
 KINDS = ("output_cache", "traceback", "hook", "optimizer", "appended_graph", "appended", "graph", "reassigned",
          "class_attribute", "module_global", "default_argument", "closure", "variable")
 #: What frees them (``Suspect.fix``).
-FIXES = ("free_or_semicolon", "free", "remove_handle", "rerun_cell", "recreate", "append_item", "clear_or_del",
-         "detach", "del_before_rerun", "clear", "default_none", "del")
+FIXES = ("free_or_semicolon", "free", "remove_handle", "rerun_cell", "recreate", "append_item", "append_detached",
+         "clear_or_del", "detach", "del_before_rerun", "clear", "default_none", "del")
 
 
 class Clause(NamedTuple):
@@ -53,14 +53,116 @@ def _names(owners, limit: int = 3) -> str:
     return ", ".join(shown)
 
 
+def _and(items: List[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _role_sizes(pairs) -> str:
+    """``parameters (32.06 MiB) and gradients (32.06 MiB)``, in the one role order."""
+    pairs = sorted(pairs, key=lambda p: ROLES.index(p[0]) if p[0] in ROLES else len(ROLES))
+    return _and([f"{ROLE_WORDS.get(role, role)} ({format_bytes(abs(size))})" for role, size in pairs])
+
+
+def _keepers(why: Why, owner: str) -> List[str]:
+    """The names that keep the graph ``owner`` holds (``owner`` first)."""
+    return [n for n in why.graphs.get(owner, (owner,)) if n] or [owner]
+
+
+def _ticked_and(names: List[str]) -> str:
+    return _and([f"`{n}`" for n in names])
+
+
+def _moved_clauses(why: Why, minimum: int) -> List[Clause]:
+    """A model (or optimizer) whose name was rebound or deleted and that stays alive because an
+    autograd graph keeps it: the common notebook leak, said with the names that keep it and the
+    ``del`` that frees it. Nothing was allocated or freed."""
+    groups: dict = {}
+    for m in why.moved:
+        groups.setdefault((m.source, m.holder, m.rebound), []).append((m.role, m.bytes))
+    out = []
+    for (source, holder, rebound), pairs in groups.items():
+        size = sum(b for _r, b in pairs)
+        if size < minimum:
+            continue
+        keepers = _keepers(why, holder)
+        which = f"the old `{source}`" if rebound else f"`{source}` (deleted)"
+        hold = "holds" if len(keepers) == 1 else "hold"
+        text = (f"{which} stays alive, its {_role_sizes(pairs)}: {_ticked_and(keepers)} still {hold} the "
+                f"autograd graph of its last forward, which keeps them (a common notebook leak; "
+                f"`del {', '.join(keepers)}` frees them)")
+        out.append(Clause(size, "kept_alive", text))
+    return out
+
+
+def _graph_held_clauses(why: Why, roles: dict, minimum: int) -> List[Clause]:
+    """Parameters and gradients that only a graph keeps (their model's name is gone), appearing or
+    released with that graph; taken out of ``roles`` so no other clause names them again."""
+    by_owner: dict = {}
+    for role, owners in roles.items():
+        for owner, value in list(owners.items()):
+            if (role, owner) in why.graph_held and value:
+                by_owner.setdefault(owner, []).append((role, value))
+                del owners[owner]
+    out = []
+    for owner, pairs in by_owner.items():
+        for sign in (1, -1):
+            mine = [(r, v) for r, v in pairs if v * sign > 0]
+            size = sum(v for _r, v in mine)
+            if abs(size) < minimum:
+                continue
+            keepers = _ticked_and(_keepers(why, owner))
+            if sign < 0:
+                text = (f"{format_delta(size)} released: the {_role_sizes(mine)} of a model no name held, which "
+                        f"the autograd graph of {keepers} kept until now")
+            else:
+                text = (f"{format_delta(size)} {_role_sizes(mine)} of a model no name holds, kept alive by the "
+                        f"autograd graph of {keepers} (`del {', '.join(_keepers(why, owner))}` frees them)")
+            out.append(Clause(size, mine[0][0], text))
+    return out
+
+
+#: A cell must import at least this many modules for its untensored host memory to be put down to them
+#: (one import of a small module is not where tens of MiB went).
+MIN_IMPORTED = 20
+#: ...and gain at least this much: a traceback's display importing a few dozen small modules is no news.
+MIN_IMPORTED_BYTES = 8 * 2**20
+
+
+def _imports_clause(why: Why, minimum: int) -> Optional[Clause]:
+    """Host memory no tensor explains, in a cell that imported many modules (the first optimizer
+    imports some 800: torch._dynamo, sympy...)."""
+    imports = why.imports
+    if imports is None or imports.untensored is None or imports.untensored < max(minimum, MIN_IMPORTED_BYTES) \
+            or imports.modules < MIN_IMPORTED:
+        return None
+    packages = ", ".join(f"{name} {count:,}" for name, count in imports.packages)
+    if packages and sum(c for _n, c in imports.packages) < imports.modules:
+        packages += ", …"
+    which = f" ({packages})" if packages else ""
+    return Clause(imports.untensored, "imports",
+                  f"{format_delta(imports.untensored)} host RSS that no tensor explains: this cell imported "
+                  f"{imports.modules:,} modules{which}, whose code and data stay loaded")
+
+
 def clauses(why: Optional[Why], minimum: int = MIN_BYTES) -> List[Clause]:
     """The clauses of ``why``, biggest |bytes| first (those under ``minimum`` left out)."""
     if why is None:
         return []
     info = why.owners
+    before = why.owners_before  # what a rebound name was: a release is named by it
     seen = why.seen
     roles = why.by_role()
     out: List[Clause] = []
+
+    # Storages that only changed hands were neither allocated nor freed: said once, and taken out
+    # of their old owner's loss and their new owner's gain.
+    for m in why.moved:
+        row = roles.setdefault(m.role, {})
+        row[m.source] = row.get(m.source, 0) + m.bytes
+        row[m.holder] = row.get(m.holder, 0) - m.bytes
+    out.extend(_moved_clauses(why, minimum))
+    out.extend(_graph_held_clauses(why, roles, minimum))
 
     grads = roles.get("gradients", {})
     made = {o: v for o, v in grads.items() if v >= minimum}
@@ -81,7 +183,7 @@ def clauses(why: Optional[Why], minimum: int = MIN_BYTES) -> List[Clause]:
     for owner, value in roles.get("optimizer_state", {}).items():
         if abs(value) < minimum:
             continue
-        data = info.get(owner)
+        data = before.get(owner) if value < 0 and owner in before else info.get(owner)
         cls = (data.cls if data is not None else None) or "optimizer"
         keys = [k for k in (data.state if data is not None else ()) if k != "step"]
         what = f"{cls} state ({', '.join(keys)})" if keys else f"{cls} state"
@@ -91,21 +193,32 @@ def clauses(why: Optional[Why], minimum: int = MIN_BYTES) -> List[Clause]:
             when = "" if ("optimizer_state", owner) in seen else ", created on the first step"
             out.append(Clause(value, "optimizer_state", f"{format_delta(value)} {what} in `{owner}`{of}{when}"))
         else:
-            out.append(Clause(value, "optimizer_state", f"{format_delta(value)} {what} in `{owner}` released"))
+            # A rebound name: the state released was the old optimizer's, not the one the name holds now.
+            now = info.get(owner) if owner in before else None
+            rebound = f" (`{owner}` is now {now.cls})" if now is not None and now.cls else ""
+            out.append(Clause(value, "optimizer_state", f"{format_delta(value)} {what} in `{owner}` released{rebound}"))
     acts = roles.get("activations", {})
     kept = {o: v for o, v in acts.items() if v >= minimum}
     gone = sum(v for v in acts.values() if v < 0)
     if kept:
         size = sum(kept.values())
-        out.append(Clause(size, "activations",
-                          f"{format_delta(size)} activations saved for backward, kept by {_names(kept)}"))
+        text = f"{format_delta(size)} activations saved for backward, kept by {_names(kept)}"
+        if why.whole_cell and not any(roles.get("gradients", {}).values()):
+            # What a cell keeps saved is what no backward consumed (backward frees it), and no gradient
+            # moved: the forwards of an evaluation, which need no graph at all.
+            text += ("; no backward used them: an evaluation under `with torch.no_grad():` (or "
+                     "`torch.inference_mode()`) keeps none")
+        out.append(Clause(size, "activations", text))
     if gone <= -minimum:
-        out.append(Clause(gone, "activations", f"{format_delta(gone)} activations released"))
+        # Whose: the variables whose graphs saved them (backward freed them, or the names were rebound).
+        owners = {o: v for o, v in acts.items() if v < 0}
+        out.append(Clause(gone, "activations", f"{format_delta(gone)} activations released (saved in the graph of "
+                                               f"{_names(owners)})"))
     for owner, value in roles.get("parameters", {}).items():
         if abs(value) < minimum:
             continue
         name = owner_module(owner)
-        data = info.get(name)
+        data = before.get(name) if value < 0 and name in before else info.get(name)
         cls = data.cls if data is not None and data.kind == "module" else None
         label = f"`{name}`" + (f" ({cls})" if cls else "")
         out.append(Clause(value, "parameters", f"{format_delta(value)} parameters of {label}"))
@@ -126,6 +239,9 @@ def clauses(why: Optional[Why], minimum: int = MIN_BYTES) -> List[Clause]:
         else:
             text = ROLE_WORDS.get(role, role)
         out.append(Clause(value, role, f"{format_delta(value)} {text}"))
+    imports = _imports_clause(why, minimum)
+    if imports is not None:
+        out.append(imports)
     if why.temporaries is not None and why.temporaries >= minimum:
         out.append(Clause(why.temporaries, "temporaries", f"{format_delta(why.temporaries)} temporaries at the peak"))
     out.sort(key=lambda c: -abs(c.bytes))
@@ -226,13 +342,18 @@ def cause(s: Suspect) -> str:
         fix = f"re-run [{s.cell}] after this cell" if s.fix == "rerun_cell" else f"re-create `{name}` after this cell"
         return f"`{name}`{where} still holds {what} ({size}): {fix}"
     if s.kind == "appended_graph":
-        return (f"`{name}.append({s.item})` keeps each run's graph ({size}): append `{s.item}.item()` "
-                f"(or `{s.item}.detach()`)")
+        if s.fix == "append_item":  # a one-element tensor: a number is all it needs
+            return (f"`{name}.append({s.item})` keeps each run's graph ({size}): append `{s.item}.item()` "
+                    f"(or `{s.item}.detach()`)")
+        return (f"`{name}.append({s.item})` keeps each run's graph ({size}): append `{s.item}.detach()` (a "
+                f"tensor of more than one element has no `.item()`), or `{s.item}.detach().cpu()` to keep it "
+                "off the device")
     if s.kind == "appended":
         return (f"`{name}` gains {size} on every run (`{name}.append({s.item})`): clear it at the top of the cell "
                 f"(`{name}.clear()`) or `del` what you no longer need")
     if s.kind == "graph":
-        return f"`{name}` keeps an earlier run's graph ({size}): keep `.item()` or `.detach()` instead of the tensor"
+        return (f"`{name}` keeps an earlier run's graph ({size}): keep `.detach()` (or the `.item()` of a one-element "
+                "tensor) instead of the tensor")
     if s.kind == "class_attribute":
         return (f"`{s.item}`, a class attribute, gains {size} on every run (it outlives the run and every "
                 f"instance): clear it at the top of the cell (`{s.item}.clear()`) or keep the tensors on an instance")
@@ -260,14 +381,27 @@ def rank_note(rank) -> Optional[str]:
     parts = []
     how = f"killed by {rank.signal}" if rank.signal else (
         f"exit code {rank.exit_code}" if rank.exit_code is not None else None)
+    unread = rank.end == "gone" and not rank.readings
+    never_read = unread and rank.seen == "outside" and rank.host.rss_before is None  # known from the launcher only
     if rank.end == "gone" and rank.seen == "inside":
-        parts.append(f"ended without recording its end ({how or 'killed or terminated'}): its numbers after its "
-                     "start are the last readings taken from outside")
+        if unread:
+            parts.append(f"ended without recording its end ({how or 'killed or terminated'}) before its first "
+                         "reading from outside: only its start is known")
+        else:
+            parts.append(f"ended without recording its end ({how or 'killed or terminated'}): its numbers after its "
+                         "start are the last readings taken from outside")
+    elif never_read:
+        parts.append(f"ended ({how or 'killed or terminated'}) before its first reading: nothing of its memory is "
+                     "known")
     elif rank.end == "gone" and how:
         parts.append(f"ended: {how}")
     elif rank.end == "running":
         parts.append("still running when the cell ended: its numbers are those of the cell's end")
-    if rank.seen == "outside":
+    if rank.signal == "SIGKILL":
+        # Nothing in the process could say why; the kernel's OOM killer sends SIGKILL when RAM runs out.
+        parts.append(f"nothing in Python can catch SIGKILL: the kernel's OOM killer is the likely cause (`dmesg` or "
+                     f"`journalctl -k` shows \"Out of memory: Killed process {rank.pid}\")")
+    if rank.seen == "outside" and not never_read:
         if rank.devices is None:
             parts.append("not a fork of this kernel, so read from outside: host RSS and its high-water mark from "
                          "/proc; device memory not visible (no NVML reading for its pid)")

@@ -17,6 +17,11 @@ the census's fingerprint (:class:`~ipy_gpumem.tensors.watch.CensusWatch`: the na
 holders' contents, a few sentinels, and the memory counters) whether anything it depended on
 moved, and a quiet cell keeps the baseline it has without walking anything.
 
+The same end of a cell notes how many modules ``sys.modules`` holds (one ``len``), so the next
+cell that moved memory can say how many it imported and from which packages (creating the first
+optimizer imports some 800 modules, +70 MiB of host RSS that no tensor explains): the new names
+are the last ones in ``sys.modules``, read only for a cell that is explained.
+
 The baseline of a cell is the state when it starts, which is the state when the previous one
 ended: nothing of the user's runs in between. So the refresh is deferred: a cell that did change
 something only marks the baseline stale and, where an event loop runs between cells (a Jupyter
@@ -27,10 +32,12 @@ never pays for the next one's baseline in a kernel; in a terminal the next cell 
 from __future__ import annotations
 
 import sys
+from collections import Counter
+from itertools import islice
 from typing import Any, Callable, Optional, Tuple
 
 
-__all__ = ["CellAnatomy", "BASELINE_BUDGET_S", "BASELINE_MAX_S"]
+__all__ = ["CellAnatomy", "BASELINE_BUDGET_S", "BASELINE_MAX_S", "imported_since"]
 
 #: Seconds the end-of-cell census may take: a few hundred microseconds with a small model in the
 #: namespace (benchmarks/RESULTS.md); past it the census stops and says what it left out.
@@ -61,6 +68,7 @@ class CellAnatomy:
         self._counters = None  # the reading (a Sample) when the baseline was marked stale
         #: Why the last cell's end took (or did not take) a new count: None for a quiet cell.
         self.recount_reason: Optional[str] = None
+        self._modules: Optional[int] = None  # len(sys.modules) when the last recorded cell ended
 
     @property
     def baseline(self):
@@ -98,6 +106,7 @@ class CellAnatomy:
         the fingerprint. ``recount``: count again whatever the fingerprint says (our own magics ran:
         ``%gpumem free`` frees the user's tensors through IPython's caches). Without torch nothing holds a tensor: the empty census is exact and costs nothing.
         """
+        self._modules = len(sys.modules)
         if "torch" not in sys.modules:
             from ..tensors.census import EMPTY
 
@@ -127,6 +136,7 @@ class CellAnatomy:
     def adopt(self, snapshot, sample=None) -> None:
         """Use ``snapshot`` (a census taken at the end of a cell, whose closing reading is ``sample``)
         as the baseline."""
+        self._modules = len(sys.modules)
         if snapshot is not None:
             self.baseline = snapshot
             self._after(not snapshot.stopped)
@@ -137,6 +147,7 @@ class CellAnatomy:
         starts from a fresh census."""
         self._stale = False
         self._baseline = None
+        self._modules = None
         if self._watch is not None:
             self._watch.forget()
 
@@ -205,9 +216,12 @@ class CellAnatomy:
         none was taken), within ``budget_s`` (None: the census's own). Never raises: the anatomy is
         an explanation, not the record."""
         try:
+            imported = imported_since(self._modules)  # first: before our own imports below
             from ..anatomy.account import gpu_extras, summed, with_extras
             from ..anatomy.reasons import why_of
             from ..core.records import DeviceRecord
+            from ..core.roles import table_total
+            from ..core.why import Imports
 
             tracer = frame.tracer
             if tracer is not None and tracer.census is not None and tracer.first_snapshot is not None:
@@ -237,16 +251,48 @@ class CellAnatomy:
                 peak = measurement._device_peak(dev, b)
                 if peak is not None:
                     temporaries = max(temporaries, peak - max(rec.allocated_before, dev.allocated))
+            untensored = None
             if not measurement.end.devices:
                 rss0, rss1, peak = measurement.start.host.rss, measurement.end.host.rss, measurement._host_peak()
                 if None not in (rss0, rss1, peak):
                     temporaries = max(0, peak - max(rss0, rss1))
+                if None not in (rss0, rss1):
+                    untensored = rss1 - rss0 - table_total(change.table)
+            imports = None
+            if imported is not None:
+                imports = Imports(imported[0], imported[1], untensored)
             measurement.roles = with_extras(change.table, extras)
             measurement.why = why_of(change.parts, before, after, temporaries=temporaries or None,
-                                     extra=summed(extras))
+                                     extra=summed(extras), whole_cell=True,
+                                     imports=imports)
             return after
         except Exception:  # noqa: BLE001
             return None
+
+
+#: Packages named in a cell's imports (the rest are in the count).
+MAX_PACKAGES = 3
+
+
+def imported_since(count: Optional[int]) -> Optional[Tuple[int, Tuple[Tuple[str, int], ...]]]:
+    """``(modules, ((top-level package, modules), ...))`` imported since ``sys.modules`` held
+    ``count`` modules (None: not known, or none imported), our own package left out. The new ones
+    are the last in ``sys.modules`` (a dict keeps insertion order), so only they are read."""
+    if count is None:
+        return None
+    new = len(sys.modules) - count
+    if new <= 0:
+        return None
+    try:
+        names = list(islice(reversed(sys.modules), new))
+    except RuntimeError:  # another thread imported meanwhile
+        return None
+    packages = Counter(name.partition(".")[0] for name in names if type(name) is str)
+    packages.pop(__name__.partition(".")[0], None)
+    total = sum(packages.values())
+    if not total:
+        return None
+    return total, tuple(packages.most_common(MAX_PACKAGES))
 
 
 def _counters(sample):

@@ -456,7 +456,7 @@ class RankWatch:
                     self._before = self._known(tree)  # what still runs is no later cell's
                     self._quiet = None
             files = cell.folder.read(self._eligible(cell)) if cell.folder is not None else {}
-            return _ranks(cell.seen, files, failure, self._kernel_variables())
+            return _ranks(cell.seen, files, failure, self._kernel_variables(), cell.indices if cell.launched else {})
         except Exception:  # noqa: BLE001 - ranks are a nicety: the cell's own record stands
             return None
         finally:
@@ -603,9 +603,13 @@ class RankWatch:
 
 
 def _ranks(seen: Dict[int, _Seen], files: Dict[int, dict], failure: Optional[RankFailure],
-           kernel: tuple) -> Optional[tuple]:
+           kernel: tuple, launched: Optional[Dict[int, Optional[int]]] = None) -> Optional[tuple]:
     """The cell's ranks: the processes a launcher, torch.distributed or their environment says are
-    ranks (see the module's docstring), from what they recorded inside and what was read outside."""
+    ranks (see the module's docstring), from what they recorded inside and what was read outside.
+
+    ``launched`` (pid -> torch.multiprocessing's index, from the processes pickled to be spawned)
+    and the launcher's ``failure`` also name ranks that ended before any reading (the first is
+    :data:`POLL_S` after the launch): they get their row, with nothing of their memory known."""
     from ..core.records import DeviceRecord, HostRecord, RankRecord  # noqa: PLC0415 - loaded with the first launch
 
     how: Dict[int, str] = {pid: "inside" for pid in files}
@@ -619,6 +623,13 @@ def _ranks(seen: Dict[int, _Seen], files: Dict[int, dict], failure: Optional[Ran
             how[pid] = "env"
     # A rank's own children (its DataLoader workers inherit its RANK) are not ranks.
     how = {pid: h for pid, h in how.items() if pid not in seen or seen[pid].info.ppid not in how}
+    unread: Dict[int, int] = {pid: index for pid, index in (launched or {}).items()
+                              if index is not None and pid not in how and pid not in seen}
+    if failure is not None and type(failure.pid) is int and failure.rank is not None and failure.pid not in how \
+            and failure.pid not in seen:
+        unread.setdefault(failure.pid, failure.rank)
+    for pid in unread:
+        how[pid] = "launcher"
     if not how:
         return None
     out: List[RankRecord] = []
@@ -648,6 +659,8 @@ def _ranks(seen: Dict[int, _Seen], files: Dict[int, dict], failure: Optional[Ran
             local = world = None
             if start is not None:
                 number, rank_from = start["index"], "launcher"
+            elif s is None:  # ended before any reading: the launcher's index is all there is
+                number, rank_from = unread[pid], "launcher"
             elif source == "launcher":
                 number, rank_from = s.index, "launcher"
             else:

@@ -29,6 +29,9 @@ def _spans(rank: RankRecord) -> List[Span]:
                 spans.append(Span(f" (peak {format_delta(dev.peak_increase)})", "up"))
         spans.append(Span(" │ ", "dim"))
     host = rank.host
+    if host.rss_after is None and host.rss_peak is None:
+        spans.append(Span("host not read", "dim"))  # it ended before its first reading (its note says so)
+        return spans
     spans.append(Span("host "))
     spans.append(Span(f"{format_delta(host.rss_delta)} RSS", delta_class(host.rss_delta)))
     if host.rss_peak_increase is not None:

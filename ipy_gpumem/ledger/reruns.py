@@ -309,6 +309,29 @@ class _Classifier:
                 return "module_global", f"{root}.{attr}", None
         return None
 
+    def one_element(self, container: str, item: Optional[str]) -> bool:
+        """Whether what the cell appends is a one-element tensor (its ``.item()`` is a number): read
+        from the variable ``item`` names, else the container's last entry; only an exact
+        ``torch.Tensor`` or ``Parameter`` is asked its shape (a subclass's ``shape`` could run code),
+        and unknown is False."""
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        exact = (torch.Tensor, torch.nn.Parameter)
+        value = self.namespace.get(item) if item and "." not in item else None
+        if type(value) not in exact:
+            held = self.namespace.get(container)
+            value = list.__getitem__(held, -1) if type(held) is list and held else None
+        if type(value) not in exact:
+            return False
+        try:
+            count = 1
+            for size in value.shape:
+                count *= int(size)
+            return count == 1
+        except Exception:  # noqa: BLE001 - a meta or broken tensor: unknown
+            return False
+
     def module_name(self) -> Optional[str]:
         module_type = getattr(sys.modules.get("torch.nn.modules.module"), "Module", None)
         for name in self.assigned:
@@ -344,7 +367,9 @@ class _Classifier:
         append = re.search(_APPEND.format(name=re.escape(name)), self.source)
         item = append.group(1) if append else None
         if kinds & {"graph", "shared_graph"} and append:
-            return Suspect(name, "appended_graph", "append_item", gain, new, item=item)
+            # ``.item()`` raises on a tensor of more than one element: offered only for a scalar.
+            fix = "append_item" if self.one_element(name, item) else "append_detached"
+            return Suspect(name, "appended_graph", fix, gain, new, item=item)
         if hooks and name not in self.assigned and not append:
             return Suspect(name, "hook", "remove_handle", gain, new, hook=tuple(hooks[0][:3]))
         if append:

@@ -130,7 +130,9 @@ def _duration(measurement) -> Optional[float]:
 
 
 def _ranks_moved(ranks, threshold: int) -> bool:
-    return any(r.rise is not None and r.rise >= threshold for r in ranks or ())
+    """A rank rose by the threshold, or one was killed or failed: its line is shown whatever it
+    moved (a rank killed in its first moments has no numbers at all)."""
+    return any((r.rise is not None and r.rise >= threshold) or r.signal or r.exit_code for r in ranks or ())
 
 
 class CellWatcher:

@@ -4,18 +4,22 @@ A census is a snapshot of plain numbers: each storage (counted once) has one rol
 of :mod:`.claims` (parameters, gradients, optimizer state, other tensors, activations: MemTracker's
 categories, found by reachability at a moment instead of by intercepting every allocation), and
 one owner, the top-level name whose holder won the claim (``model``, ``optimizer``, ``losses``,
-``Out``, a module of the user's, ``last error: f() local x``). It holds no tensor after
-:func:`take` returns. When the walk's budget stops it, ``complete`` is False and ``left_out``
-says what it did not examine: its roles are then "at least" these.
+``Out``, a module of the user's, ``last error: f() local x``). The role is what the storage is and
+the owner who keeps it alive, two facts: the parameters and gradients of a model whose name was
+rebound, kept by the autograd graph ``loss`` still holds, are parameters and gradients owned by
+``loss`` (:attr:`Snapshot.graph_held` says that a graph keeps them, :attr:`Snapshot.graphs` which
+names keep that graph). It holds no tensor after :func:`take` returns. When the walk's budget
+stops it, ``complete`` is False and ``left_out`` says what it did not examine: its roles are then
+"at least" these.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Iterable, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, Mapping, NamedTuple, Optional, Set, Tuple
 
 from ..core.roles import clean_table
-from .claims import GRAPH, OPT_PARAMS, ROLE_ORDER
-from .graphs import MORE
+from .claims import ACTIVATIONS, GRAPH, OPT_PARAMS, ROLE_ORDER
+from .graphs import MORE, sharing
 from .torch_api import api as torch_api
 from .walk import MAX_DEPTH
 
@@ -31,24 +35,32 @@ Part = Tuple[str, str, str]  # (device, role, owner)
 
 class Snapshot:
     """What a census found: ``parts`` ``{(device, role, owner): bytes}``, per-storage ``keys``
-    ``{(device, data pointer): (role, owner, bytes)}``, ``info`` about owners (a module's class
-    and parameter bytes, an optimizer's class and state names), and whether it is complete.
+    ``{(device, data pointer): (role, owner, bytes, kept by a graph)}``, ``info`` about owners (a
+    module's class and parameter bytes, an optimizer's class and state names), and whether it is
+    complete.
+
+    ``graph_held`` is the ``(role, owner)`` pairs, other than activations, that only an autograd
+    graph keeps (an old model's parameters and gradients held by ``loss``); ``graphs`` names, for
+    each owner of such a pair, every variable that keeps its graph (``{"output": ("output",
+    "loss")}``, the owner first).
 
     ``stopped`` says that a budget stopped it (more time would count more); a census can also be
     incomplete for good (nesting deeper than the walk goes, something it cannot read).
     """
 
-    __slots__ = ("parts", "keys", "info", "complete", "left_out", "elapsed_s", "stopped")
+    __slots__ = ("parts", "keys", "info", "complete", "left_out", "elapsed_s", "stopped", "graph_held", "graphs")
 
     def __init__(self, parts=None, keys=None, info=None, complete=True, left_out=(), elapsed_s=0.0,
-                 stopped=False):
+                 stopped=False, graph_held=frozenset(), graphs=None):
         self.parts: Dict[Part, int] = parts if parts is not None else {}
-        self.keys: Dict[Tuple[str, int], Tuple[str, str, int]] = keys if keys is not None else {}
+        self.keys: Dict[Tuple[str, int], Tuple[str, str, int, bool]] = keys if keys is not None else {}
         self.info: Dict[str, dict] = info if info is not None else {}
         self.complete = complete
         self.left_out: Tuple[str, ...] = tuple(left_out)
         self.elapsed_s = elapsed_s
         self.stopped = stopped
+        self.graph_held: FrozenSet[Tuple[str, str]] = frozenset(graph_held)
+        self.graphs: Dict[str, Tuple[str, ...]] = graphs if graphs is not None else {}
 
     @property
     def truncated(self) -> bool:
@@ -136,16 +148,21 @@ def take(names: Optional[Mapping[str, Any]] = None, *, extra: Iterable[Tuple[str
 def snapshot_of(walk: Any, start: float) -> Snapshot:
     """The census view of a finished walk."""
     parts: Dict[Part, int] = {}
-    keys: Dict[Tuple[str, int], Tuple[str, str, int]] = {}
+    keys: Dict[Tuple[str, int], Tuple[str, str, int, bool]] = {}
     owner_of_path: Dict[int, str] = {}
     graph_owner: Dict[tuple, str] = {}
+    graph_first: Dict[str, Tuple[int, int]] = {}  # owner of what a graph keeps -> (tier, its first root)
+    graph_held: Set[Tuple[str, str]] = set()
     for (_dev_id, ptr), (level, role, _p, _d, _w, _o, relation, ref, nbytes, dev) in walk.claims.items():
-        if relation == GRAPH:
+        via_graph = relation == GRAPH
+        if via_graph:
             owner = graph_owner.get((level, ref))
             if owner is None:
                 roots = walk.tiers[level].roots
                 first = next((i for i in ref if i != MORE), None)
                 owner = graph_owner[(level, ref)] = walk.owner(roots[first].path) if first is not None else "?"
+                if first is not None:
+                    graph_first.setdefault(owner, (level, first))
         else:
             owner = owner_of_path.get(ref)
             if owner is None:
@@ -156,7 +173,22 @@ def snapshot_of(walk: Any, start: float) -> Snapshot:
         role_name = ROLE_ORDER[role]
         part = (label, role_name, owner)
         parts[part] = parts.get(part, 0) + nbytes
-        keys[(label, ptr)] = (role_name, owner, nbytes)
+        keys[(label, ptr)] = (role_name, owner, nbytes, via_graph)
+        if via_graph and role != ACTIVATIONS:
+            graph_held.add((role_name, owner))
+    graphs: Dict[str, Tuple[str, ...]] = {}
+    for owner in sorted({o for _r, o in graph_held}):
+        found = graph_first.get(owner)
+        if found is None:
+            continue
+        level, first = found
+        tier = walk.tiers[level]
+        names = [owner]
+        for index in sharing(tier.joined, first):
+            name = walk.owner(tier.roots[index].path)
+            if name not in names:
+                names.append(name)
+        graphs[owner] = tuple(names)
     left_out = list(walk.unexamined)
     if walk.stopped:
         left_out.insert(0, walk.stopped)
@@ -164,4 +196,4 @@ def snapshot_of(walk: Any, start: float) -> Snapshot:
         left_out.append(f"{walk.too_deep:,} container(s) nested deeper than {MAX_DEPTH} levels (e.g. "
                         f"{walk.label(walk.too_deep_path)})")
     return Snapshot(parts, keys, walk.info, walk.complete, left_out, time.perf_counter() - start,
-                    stopped=walk.stopped is not None)
+                    stopped=walk.stopped is not None, graph_held=frozenset(graph_held), graphs=graphs)

@@ -3,8 +3,22 @@
 A depth-first walk from each root's ``grad_fn`` over ``next_functions`` marks which roots reach
 each node (up to a few, then "many"), reads what every node keeps alive (:mod:`.saved`: saved
 tensors without running unpack hooks, pack-hook payloads, checkpointed inputs, an
-``AccumulateGrad``'s leaf, a custom Function's ``ctx`` tensors), and claims each storage as an
-activation of the roots that reach it: only deleting all of them frees it.
+``AccumulateGrad``'s leaf, a custom Function's ``ctx`` tensors), and claims each storage for the
+roots that reach it: only deleting all of them frees it.
+
+What a storage *is* comes from the tensor, not from the graph that keeps it: an
+``AccumulateGrad``'s leaf is a parameter (an ``nn.Parameter``; another leaf is the user's tensor)
+and its ``.grad`` a gradient; a saved tensor that is a parameter or a view of one (``weight.t()``)
+is a parameter; the rest of what nodes save are activations. So when a graph outlives its model
+(``model`` rebound while ``loss`` still holds the last forward's graph), the old model's
+parameters and gradients stay parameters and gradients, held by ``loss``. A graph's claim never
+takes a storage from a holder of the same tier that is not a graph: a name that holds a tensor
+holds it, whatever graph also reaches it.
+
+With ``shared_owners`` off (the census) a node records the first root that reaches it; a later
+root that meets it is noted as *joining* that root's graph (the tier's ``joined``), which is
+how a census names every variable that keeps a graph alive (``output`` and ``loss``) at no more
+cost than one set insertion per meeting.
 
 :class:`GraphWalk` is a part of :class:`~ipy_gpumem.tensors.walk.Walk` and uses the walk's tiers
 (``roots``, ``spread``, ``nodes``, ``owners_of``), claims, storages, saved-tensor reader, budget
@@ -12,11 +26,13 @@ and notes.
 """
 from __future__ import annotations
 
+from itertools import compress
+from operator import or_
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-from .claims import ACTIVATIONS, GRAPH
+from .claims import ACTIVATIONS, GRADIENTS, GRAPH, OTHER, PARAMETERS
 
-__all__ = ["GraphNode", "GraphRoot", "GraphWalk", "MAX_NODES", "MORE"]
+__all__ = ["GraphNode", "GraphRoot", "GraphWalk", "MAX_NODES", "MORE", "sharing"]
 
 MAX_NODES = 1_000_000  # autograd nodes per tier
 _SHARED_NAMES = 4  # variables named in a shared-graph row before "+ more"
@@ -66,6 +82,8 @@ class GraphWalk:
     """
 
     shared_owners = True
+    #: storage key -> the role it plays when only a graph keeps it (absent: activations); set by the walk.
+    graph_roles: Dict[Tuple[int, int], int]
 
     def graphs(self) -> None:
         """Spread from the graph roots found since the last call, then read what new nodes save."""
@@ -108,8 +126,14 @@ class GraphWalk:
                 rec = nodes[id(node)] = GraphNode(node, (index,), children)
             else:
                 owners = rec.owners
-                if owners[-1] == MORE or index in owners or not self.shared_owners:
-                    continue  # (a census names one owner per storage: the first root that reaches it)
+                if not self.shared_owners:
+                    # A census names one owner per storage (the first root that reaches it) and
+                    # notes that this root keeps that root's graph alive too.
+                    if owners[0] != index:
+                        tier.joined.setdefault(index, set()).add(owners[0])
+                    continue
+                if owners[-1] == MORE or index in owners:
+                    continue
                 rec.owners = owners + ((index,) if len(owners) < _SHARED_NAMES else (MORE,))
             stack.extend(rec.children)
         return True
@@ -136,7 +160,9 @@ class GraphWalk:
                     rec.saved = []  # a node that keeps nothing alive
                 else:
                     try:
-                        pending.append((rec, list(saved.tensors(rec.node))))
+                        tensors = list(saved.tensors(rec.node))
+                        leaf, grad = saved.leaf(rec.node) if is_accumulate else (None, None)
+                        pending.append((rec, tensors, leaf, grad))
                     except Exception as exc:  # noqa: BLE001
                         self.errors.append(f"autograd node {type(rec.node).__name__}: {type(exc).__name__}")
                         self.error_count += 1
@@ -151,37 +177,95 @@ class GraphWalk:
                 owners_of[key] = _union(owners_of.get(key), owners)
             rec.collected = owners
 
-    def _read_saved(self, pending: List[Tuple[Any, List[Any]]]) -> None:
-        """The storage keys of the tensors the pending nodes keep, read in bulk where they are plain."""
-        sizes, store = self.sizes, self.store
-        flat = [t for _rec, tensors in pending for t in tensors]
+    def _read_saved(self, pending: List[Tuple[Any, List[Any], Any, Any]]) -> None:
+        """The storage keys of the tensors the pending nodes keep, read in bulk where they are
+        plain, and the role of those that are no activation (:attr:`graph_roles`: what a tensor
+        is, see the module's docstring)."""
+        sizes, store, roles = self.sizes, self.store, self.graph_roles
+        parameter = self.types.parameter_type
+        flat: List[Any] = []
+        special: Dict[int, int] = {}  # position in ``flat`` -> the role of a tensor that is no activation
+        for _rec, tensors, leaf, grad in pending:
+            flat.extend(tensors)
+            if leaf is not None:
+                is_param = parameter is not None and issubclass(type(leaf), parameter)
+                special[len(flat)] = PARAMETERS if is_param else OTHER  # a user's tensor that requires grad
+                flat.append(leaf)
+            if grad is not None:
+                special[len(flat)] = GRADIENTS
+                flat.append(grad)
+        for position in self._parameters_among(flat, parameter):
+            special.setdefault(position, PARAMETERS)
         entries = store.bulk(flat)
         if entries is None:
             entries = [store.entries(t) for t in flat]
         else:
             entries = [[e] for e in entries]
         position = 0
-        for rec, tensors in pending:
+        for rec, tensors, leaf, grad in pending:
             keys = []
-            for found in entries[position:position + len(tensors)]:
-                for key, nbytes, dev in found:
+            for _ in range(len(tensors) + (leaf is not None) + (grad is not None)):
+                role = special.get(position)
+                for key, nbytes, dev in entries[position]:
                     if key not in sizes:
                         sizes[key] = (nbytes, dev)
+                    if role is not None and roles.get(key, ACTIVATIONS) > role:
+                        roles[key] = role
                     keys.append(key)
-            position += len(tensors)
+                position += 1
             rec.saved = keys
 
+    def _parameters_among(self, tensors: List[Any], parameter: Any) -> List[int]:
+        """The positions of the tensors that are a parameter or a view of one (a frozen layer's
+        ``weight.t()`` saved for backward), by type: types and ``_base`` read in C over the whole
+        list, ``issubclass`` asked once per distinct type."""
+        if parameter is None or not tensors:
+            return []
+        types_ = list(map(type, tensors))
+        try:
+            base_types = list(map(type, map(self.store.get_base, tensors)))
+        except Exception:  # noqa: BLE001 - an odd tensor: its base is not looked at
+            base_types = [type(None)] * len(tensors)
+        found = {tp for tp in set(types_).union(base_types) if tp is not type(None) and issubclass(tp, parameter)}
+        if not found:
+            return []
+        is_param = found.__contains__
+        return list(compress(range(len(tensors)), map(or_, map(is_param, types_), map(is_param, base_types))))
+
     def claim_graphs(self) -> None:
-        """Claim each saved storage as an activation of its owners, in the tier of those owners."""
-        claims, sizes = self.claims, self.sizes
+        """Claim each storage a graph keeps for its owners, in the tier of those owners, in the role
+        it plays (:attr:`graph_roles`; activations by default). A storage some other holder of the
+        same tier (or a better one) already claimed stays that holder's."""
+        claims, sizes, roles = self.claims, self.sizes, self.graph_roles
         for tier in self.tiers:
             roots, level = tier.roots, tier.level
             orders: Dict[tuple, int] = {}
             for key, owners in tier.owners_of.items():
+                old = claims.get(key)
+                if old is not None and old[0] <= level:
+                    continue  # a name (or an earlier tier's graph) holds it: it stays theirs
                 order = orders.get(owners)
                 if order is None:
                     order = orders[owners] = min(roots[i].order for i in owners if i != MORE)
-                claim = (level, ACTIVATIONS, 0, 0, 0, order, GRAPH, owners) + sizes[key]
-                old = claims.get(key)
-                if old is None or claim < old:
-                    claims[key] = claim
+                claims[key] = (level, roles.get(key, ACTIVATIONS), 0, 0, 0, order, GRAPH, owners) + sizes[key]
+
+
+def sharing(joined: Dict[int, set], first: int, limit: int = 8) -> List[int]:
+    """Root ``first`` and the roots that met its graph (directly, or by meeting the graph of one
+    that did), in root order, at most ``limit``: the variables that keep what only ``first``'s
+    graph holds alive. ``joined`` is a tier's ``joined`` (root -> the earlier roots
+    whose graph it met)."""
+    if not joined:
+        return [first]
+    into: Dict[int, List[int]] = {}
+    for later, earlier in joined.items():
+        for root in earlier:
+            into.setdefault(root, []).append(later)
+    seen = {first}
+    stack = [first]
+    while stack and len(seen) < 4 * limit:
+        for other in into.get(stack.pop(), ()):
+            if other not in seen:
+                seen.add(other)
+                stack.append(other)
+    return sorted(seen)[:limit]

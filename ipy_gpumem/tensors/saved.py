@@ -12,7 +12,10 @@ checkpointed region is recomputed and no CPU-offloaded tensor is copied back):
   unpack hook's closure reaches (``SavedTensor.unpack_hook.__closure__`` -> ``_CheckpointFrame``
   -> ``saved_args``). The closure's objects are read one attribute level deep, each frame once.
   (Reentrant checkpointing is a custom Function that saves its inputs as ordinary saved tensors.)
-* **AccumulateGrad** keeps its leaf (and the leaf's ``.grad``) alive as long as the graph.
+* **AccumulateGrad** keeps its leaf (and the leaf's ``.grad``) alive as long as the graph. That
+  leaf is a parameter (or another tensor autograd accumulates into), never an activation, so it
+  is read apart (:meth:`SavedReader.leaf`): a graph that outlives its model keeps the model's
+  parameters and gradients, and they stay parameters and gradients.
 * **Custom Functions** keep whatever their ``ctx`` was given as an attribute (``ctx.x = t``),
   even after backward.
 
@@ -67,9 +70,21 @@ class SavedReader:
                                          is_custom)
         return info
 
+    def leaf(self, node: Any) -> Tuple[Any, Any]:
+        """``(leaf, leaf.grad)`` that an ``AccumulateGrad`` node keeps alive as long as its graph
+        (either may be None); ``(None, None)`` for any other node."""
+        if not self.describe(type(node))[1]:
+            return None, None
+        leaf = getattr(node, "variable", None)
+        if leaf is None or not self.is_tensor(leaf):
+            return None, None
+        return leaf, self.grad_of(leaf)
+
     def tensors(self, node: Any) -> Iterator[Any]:
-        """Every tensor ``node`` keeps alive (may repeat one; the caller counts storages once)."""
-        raw_names, is_accumulate, is_custom = self.describe(type(node))
+        """Every tensor ``node`` keeps for backward: saved tensors, pack-hook payloads, a custom
+        Function's ``ctx`` tensors (may repeat one; the caller counts storages once). An
+        ``AccumulateGrad``'s leaf is not among them: see :meth:`leaf`."""
+        raw_names, _is_accumulate, is_custom = self.describe(type(node))
         for attr in raw_names:
             try:
                 value = getattr(node, attr)
@@ -80,14 +95,6 @@ class SavedReader:
                     yield from self.saved(item, node, attr)
             else:
                 yield from self.saved(value, node, attr)
-        if is_accumulate:
-            # The leaf an AccumulateGrad node accumulates into lives as long as the graph.
-            leaf = getattr(node, "variable", None)
-            if leaf is not None and self.is_tensor(leaf):
-                yield leaf
-                grad = self.grad_of(leaf)
-                if grad is not None:
-                    yield grad
         if is_custom:
             # ``ctx.x = tensor`` in a custom Function keeps ``tensor`` alive with the graph.
             attrs = self.instance_dict(node)

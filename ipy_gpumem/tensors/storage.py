@@ -78,6 +78,10 @@ class Storages:
         self.get_is_cuda = base.is_cuda.__get__
         self.get_is_quantized = base.is_quantized.__get__
         self.get_device = base.get_device
+        try:  # what a view was made from (None for a tensor that is not a view)
+            self.get_base = base.__dict__["_base"].__get__
+        except Exception:  # noqa: BLE001 - another torch: no view is traced back to its parameter
+            self.get_base = lambda t: None
         storage_base = api.storage_base
         try:  # the C descriptors behind UntypedStorage's device, nbytes() and data_ptr()
             self.storage_device = storage_base.__dict__["device"].__get__

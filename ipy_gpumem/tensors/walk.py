@@ -162,6 +162,7 @@ class _Tier:
         self.spread = 0  # roots[:spread] are in ``nodes``
         self.nodes: Dict[int, GraphNode] = {}  # by id(node)
         self.owners_of: Dict[Any, tuple] = {}
+        self.joined: Dict[int, set] = {}  # root -> earlier roots whose graph it met (census mode)
 
 
 class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
@@ -211,6 +212,7 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
         # storages that autograd graphs keep, until their claims are made.
         self.claims: Dict[Tuple[int, int], tuple] = {}
         self.sizes: Dict[Tuple[int, int], Tuple[int, Device]] = {}
+        self.graph_roles: Dict[Tuple[int, int], int] = {}  # what a storage only a graph keeps is (see .graphs)
         self.info: Dict[str, dict] = {}
         self.p_parent: List[int] = []
         self.p_step: List[int] = []

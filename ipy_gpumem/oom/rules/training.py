@@ -115,7 +115,12 @@ def graphs_kept(x: Facts) -> Optional[Finding]:
     # IPython's caches are cleared with %gpumem free, never with ``del Out``.
     cached = {r for h in x.holders_of("out_cache", "underscore") for r in h.roots}
     names = list(dict.fromkeys(r for h in graphs for r in h.roots if r not in cached))  # first-seen order
-    graph_bytes = x.cat("retained_graphs")
+    # A graph keeps what its nodes saved (retained graphs) and the leaves it accumulates into, which
+    # keep their roles: an earlier model's parameters and gradients once its name was rebound, a
+    # user's tensor that requires grad. All of it goes with the graph.
+    model_bytes = sum(h.bytes for h in graphs if h.category in ("parameters", "gradients"))
+    leaf_bytes = sum(h.bytes for h in graphs if h.category == "other_tensors")
+    graph_bytes = x.cat("retained_graphs") + model_bytes + leaf_bytes
     name_rx = "|".join([re.escape(n) for n in names if re.fullmatch(r"\w+", n)] + [_LOSSISH])
     accum = _accumulation(x, name_rx)
     if not (graph_bytes > 0 and graphs) and accum is None:
@@ -126,10 +131,17 @@ def graphs_kept(x: Facts) -> Optional[Finding]:
         return None  # real, but too small to be this failure's fix
     parts = []
     if graphs:
-        shown = ", ".join(f"`{h.name}` {b(h.bytes)}" for h in graphs[:3])
+        by_name: dict = {}
+        for h in graphs:  # one row per graph: its saved activations, and a model's parameters and gradients
+            by_name[h.name] = by_name.get(h.name, 0) + h.bytes
+        shown = ", ".join(f"`{name}` {b(size)}" for name, size in list(by_name.items())[:3])
         room = x.room(frees)
+        freed = (["the saved activations"] if x.cat("retained_graphs") else []) + (
+            [f"the parameters and gradients ({b(model_bytes)}) of an earlier model that no name holds any more"]
+            if model_bytes else []) + ([f"tensors that require grad ({b(leaf_bytes)}) no name holds"]
+                                       if leaf_bytes else [])
         parts.append(f"Tensors from an earlier forward pass still hold their autograd graphs: {shown}. "
-                     "Deleting them frees the saved activations"
+                     f"Deleting them frees {' and '.join(freed) or 'what the graphs keep'}"
                      + (f" (plus {b(own)} of their own data)" if own else "") + (f", {room}." if room else "."))
     if accum is not None:
         label, line = accum
