@@ -347,6 +347,7 @@ def test_seed_scenario_roles_in_a_shell(gpumem, ip):
     json.dumps(first)
 
 
+@pytest.mark.slow
 def test_seed_scenario_in_a_real_kernel():
     cells = [
         "%load_ext ipy_gpumem",
@@ -661,6 +662,7 @@ def test_phases_of_a_training_loop_called_as_a_function(gpumem, ip):
 
 
 
+@pytest.mark.slow
 def test_the_count_asks_which_ipython_names_hold_outputs_without_reading_its_input_history(gpumem, ip):
     """IPython adds an input-history name per cell (`_i7`, a string): leaving them out keeps the
     count's cost from growing with the session, and changes nothing it can find."""

@@ -491,6 +491,7 @@ def test_the_oom_panel_reads_each_backends_real_message(ip, gpumem, restore_user
         assert "PYTORCH_MPS_HIGH_WATERMARK_RATIO" in panel and "max allowed" in panel
 
 
+@pytest.mark.slow
 def test_estimate_names_non_nvidia_devices():
     """MI300X, an Intel Max 1550 and an M3 Max 36GB as ``gpu=``: their usable memory from the
     recordings (MI300X's 191.98 GiB messages, the Max 1550's 65,520 MiB), the M3 Max's assumed."""

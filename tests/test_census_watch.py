@@ -67,6 +67,7 @@ def _ops(rng, count):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(6))
 def test_a_quiet_cell_keeps_the_count_a_walk_from_scratch_gives(ip, gpumem, seed):
     """After each cell the baseline (kept by quiet cells, counted again otherwise) equals a fresh count."""
@@ -177,6 +178,7 @@ def _added(ip, gpumem_loaded):
     return min(sides[True]) - min(sides[False])
 
 
+@pytest.mark.slow
 def test_a_quiet_cell_costs_the_same_with_ten_names_or_ten_thousand(ip, gpumem):
     """Nothing per quiet cell grows with the namespace: 10,000 more names (scalars and small lists), a list
     of a million ints and a 4096 x 4096 list of lists add nothing to what the extension costs a trivial
@@ -203,6 +205,7 @@ def test_a_quiet_cell_costs_the_same_with_ten_names_or_ten_thousand(ip, gpumem):
     assert large < small + 500e-6, (small, large)
 
 
+@pytest.mark.slow
 def test_a_cell_that_keeps_memory_beside_a_dataset_of_records_is_bounded(ip, gpumem):
     """A dataset kept as 100,000 records of tensors: a cell that keeps 32 MiB takes the re-run snapshot and the
     census at its end, within one budget shared by both (before: the snapshot's grouping scanned a list per
@@ -221,6 +224,7 @@ def test_a_cell_that_keeps_memory_beside_a_dataset_of_records_is_bounded(ip, gpu
     _return_freed_memory()
 
 
+@pytest.mark.slow
 def test_the_snapshot_of_many_holders_is_linear_in_them():
     """Grouping a walk's holders is one dict operation each: 50,000 records of tensors group in about four
     times what 12,500 take (a list scanned per holder made it sixteen times), keeping the heaviest names."""

@@ -51,6 +51,7 @@ def _state(ip):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_load_unload_reload_add_and_remove_exactly_one_set(ip):
     before = _state(ip)
     ip.run_line_magic("load_ext", "ipy_gpumem")
@@ -66,6 +67,7 @@ def test_load_unload_reload_add_and_remove_exactly_one_set(ip):
     assert ipy_gpumem.history() == []
 
 
+@pytest.mark.slow
 def test_config_reaches_the_magics_through_the_shell_config(ip):
     from traitlets.config import Config
 
@@ -85,6 +87,7 @@ def test_config_reaches_the_magics_through_the_shell_config(ip):
         ip.config = old
 
 
+@pytest.mark.slow
 def test_bad_config_values_are_refused(gpumem):
     from traitlets import TraitError
 
@@ -101,6 +104,7 @@ def test_bad_config_values_are_refused(gpumem):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @linux
 def test_every_cell_is_recorded_with_exact_host_deltas(ip, gpumem):
     run(ip, "import torch")
@@ -122,12 +126,14 @@ def test_every_cell_is_recorded_with_exact_host_deltas(ip, gpumem):
     run(ip, "del x")
 
 
+@pytest.mark.slow
 def test_quiet_cells_print_nothing(ip, gpumem):
     res, cap = run(ip, "a = 1")
     assert cap.outputs == [] and cap.stdout == "" and cap.stderr == ""
     assert ipy_gpumem.last().execution_count == res.execution_count
 
 
+@pytest.mark.slow
 def test_threshold_and_quiet_are_read_when_used(ip, gpumem):
     ip.run_line_magic("config", "GpuMemMagics.threshold = '1 GiB'")
     _, cap = run(ip, "b = bytearray(64 * 2**20); del b")
@@ -435,6 +441,7 @@ def test_internal_error_warns_once_and_the_cells_still_run(ip, gpumem):
     assert len(ipy_gpumem.history()) == n + 1
 
 
+@pytest.mark.slow
 def test_the_extension_never_imports_torch_itself():
     code = (
         "import sys\n"

@@ -296,6 +296,7 @@ def test_history_figure_has_a_column_per_cell_with_its_peak_and_reserved():
     go.Figure(data=figure["data"], layout=figure["layout"])
 
 
+@pytest.mark.slow
 def test_estimate_figure_draws_the_predicted_lines_against_the_gpu():
     torch = pytest.importorskip("torch")
     from ipy_gpumem.chart.figures.estimate import estimate_figure

@@ -84,6 +84,7 @@ def shell(ip):
 
 
 # ---------------------------------------------------------------------- through a real shell
+@pytest.mark.slow
 def test_the_underscore_idiom_is_the_users(shell):
     run(shell, "t = torch.randn(100, 100)\nvalues, _ = torch.max(t, 0)")
     kept = shell.user_ns["_"]
@@ -161,6 +162,7 @@ def test_a_rebound_out_is_the_users(shell):
     assert probe() is None
 
 
+@pytest.mark.slow
 def test_an_unformattable_last_error_is_released(shell):
     """An error whose ``__str__``, ``__repr__`` and ``__bool__`` raise: IPython's own formatter fails
     on it (and keeps its failure as the last error, the original chained inside); the plan reads
@@ -296,6 +298,7 @@ def test_plan_is_plain_data():
     assert [h.to_dict() for h in the_plan.holders] == []
 
 
+@pytest.mark.slow
 def test_without_torch_free_says_nothing_holds_tensors_not_that_who_stopped():
     """A shell where torch cannot be imported: who() answers "torch is not imported" at once, and
     the plan says no tensor exists rather than that the walk was cut short."""

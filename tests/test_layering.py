@@ -120,6 +120,7 @@ def test_logic_never_imports_drawing(module):
             assert not _draws(target), f"{module} computes but imports {target}, which draws"
 
 
+@pytest.mark.slow
 def test_importing_any_room_imports_nothing_heavy():
     code = (
         "import sys, importlib\n"
@@ -138,6 +139,7 @@ def test_no_room_names_a_heavy_package_at_module_level(module):
             assert name.split(".")[0] not in HEAVY, f"{module} imports {name} at module level"
 
 
+@pytest.mark.slow
 def test_load_ext_imports_only_the_per_cell_path():
     """%load_ext must stay fast: the chart, the OOM panel and who() load when first used."""
     code = (

@@ -56,6 +56,7 @@ def test_scripted_device_lines_loop_hits_and_sums(fake_gpu):
     assert by[3].source == "    fake.advance()"
 
 
+@pytest.mark.slow
 @linux
 def test_real_host_memory_per_line():
     probe = MemoryProbe()

@@ -106,6 +106,7 @@ def test_the_registry_imports_nothing_heavy_and_nothing_above_it():
 # ================================================================================ nothing runs, and it is quick
 
 
+@pytest.mark.slow
 def test_the_panel_runs_none_of_the_cells_code(ip, gpumem, tmp_path):
     """A cell that logs, saves a checkpoint, counts and sleeps before its OOM: after the panel, all of it
     is exactly as the one real run left it, and the panel took less than a second."""
@@ -142,6 +143,7 @@ def test_the_panel_runs_none_of_the_cells_code(ip, gpumem, tmp_path):
     assert "not even a batch of 1" not in flat.lower()
 
 
+@pytest.mark.slow
 def test_the_panel_costs_under_a_second_whatever_the_namespace_holds(ip, gpumem):
     """The seed scenario (a model, Adam after a step, the next forward's graph kept) next to a 5M-item
     list and a 1 GiB numpy array: analyse + oom_panel, as the extension calls them, in under a second of the

@@ -66,6 +66,7 @@ def test_a_plain_error_gets_no_panel(ip, gpumem):
     assert result.error_in_exec is not None and panels(cap) == []
 
 
+@pytest.mark.slow
 def test_swallowed_by_time_still_explained(ip, gpumem):
     _, cap = run(ip, f"%%time\n{CPU_OOM}")
     assert len(panels(cap)) == 1
@@ -86,6 +87,7 @@ def test_user_text_is_escaped_in_the_panel(ip, gpumem):
     run(ip, "del stash")
 
 
+@pytest.mark.slow
 def test_seed_scenario_who_in_the_shell(ip, gpumem):
     """The seed at CPU scale: a model, Adam, one step, then the next forward keeping output and loss."""
     setup = (
@@ -131,6 +133,7 @@ def test_seed_scenario_who_in_the_shell(ip, gpumem):
     run(ip, "del model, optimizer, inputs, targets")
 
 
+@pytest.mark.slow
 def test_free_releases_the_last_traceback_and_cached_outputs(ip, gpumem):
     keep = "keep = torch.ones(2**22)"  # 16 MiB held by a variable: must survive
     fail = ("def step():\n"

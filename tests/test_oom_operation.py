@@ -146,6 +146,7 @@ def analysed(exc, ns=None):
     return a, oom_panel(a).text
 
 
+@pytest.mark.slow
 def test_attention_scores_in_sdpas_math_fallback_are_sized():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

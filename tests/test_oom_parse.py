@@ -694,6 +694,7 @@ def test_last_message_of_richest_family_wins():
     assert report.requested == B("2.87 GiB") and report.other_processes == ()
 
 
+@pytest.mark.slow
 def test_message_at_end_of_huge_text_is_found():
     alphabet = "abcdefghij klmnop0123456789.;:()[]\n"
     junk = "".join(random.Random(1234).choices(alphabet, k=5_000_000))
@@ -948,6 +949,7 @@ def test_megabyte_of_one_fragment(piece, kind):
             assert_report(report, "cuda_allocator", **V5_PROCS_EXPECTED)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sample=st.sampled_from(SAMPLES),
@@ -1005,6 +1007,7 @@ _MARKUP = ["&gt;", "&amp;gt;", "&amp;", "&#10;", "&nbsp;", "&", "&x", "&lt;br&gt
            "\x85", "\u2028", "\x01", "\u200b", ">", "> ", ">>", "a", "Z", "0", ";", "İ"]
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.one_of(st.sampled_from(_MARKUP), st.text(max_size=4)), max_size=50))
 def test_property_clean_up_matches_per_line_reference(pieces):
@@ -1114,6 +1117,7 @@ ANCHOR_PIECES = [
 ]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(st.text(), st.binary(), st.none(), st.integers(), st.floats(), st.lists(st.text(max_size=5))))
 def test_property_never_raises(value):
@@ -1121,6 +1125,7 @@ def test_property_never_raises(value):
     assert result is None or isinstance(result, OomReport)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.one_of(st.sampled_from(ANCHOR_PIECES), st.text(max_size=6)), max_size=40))
 def test_property_fragments_never_raise(pieces):
@@ -1137,6 +1142,7 @@ _JUNK = st.text(st.characters(blacklist_characters="\x1b", blacklist_categories=
 _GAPS = st.sampled_from([" ", "  ", "\t", "\n", " \n", "\xa0", "\u3000", ""])
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(
     sample=st.sampled_from(SAMPLES),

@@ -91,6 +91,7 @@ def sdist(tmp_path_factory):
     return unpacked, pkg_info, build.stdout + build.stderr
 
 
+@pytest.mark.slow
 def test_the_build_prints_no_warning(sdist):
     _, _, printed = sdist
     assert "License classifiers are deprecated" not in printed

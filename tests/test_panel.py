@@ -245,6 +245,7 @@ def test_a_process_that_may_be_this_kernel_is_never_offered_for_kill_in_the_pane
 sizes = st.one_of(st.none(), st.integers(min_value=0, max_value=2 * 80 * GiB))
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(device=st.sampled_from([cuda(0), HOST, Device("mps"), Device("cuda"), None]), total=sizes, allocated=sizes,
        reserved=sizes, used=sizes, process_used=sizes, requested=sizes)

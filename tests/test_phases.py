@@ -372,6 +372,7 @@ def test_an_internal_error_never_reaches_the_user_and_stops_watching():
     assert [p["phase"] for p in w.phases] == ["forward"]
 
 
+@pytest.mark.slow
 def test_no_tensor_or_graph_is_kept_alive():
     model = mlp()
     opt = torch.optim.Adam(model.parameters())

@@ -56,6 +56,7 @@ def _error_without_the_extension(ip, source):
         ip.run_line_magic("load_ext", "ipy_gpumem")
 
 
+@pytest.mark.slow
 def test_a_cell_whose_exception_cannot_be_formatted_leaves_no_frame_behind(ip, gpumem):
     run(ip, "class Unprintable(Exception):\n    def __str__(self):\n        raise RuntimeError('no str')\n")
     res, _ = run(ip, "raise Unprintable()")
@@ -118,6 +119,7 @@ def test_an_indented_body_runs_as_it_would_without_the_magic(ip, gpumem):
     assert ip.user_ns["z"] == 2 and ip.user_ns["rec"].detailed
 
 
+@pytest.mark.slow
 def test_a_lines_cell_that_resets_the_namespace_runs_to_its_end(ip, gpumem):
     res, cap = run(ip, "%%gpumem --lines\nx = 1\n%reset -f\ny = 2\n")
     assert res.success, res.error_in_exec
@@ -199,6 +201,7 @@ def test_ctrl_c_while_the_oom_panel_is_built_is_one_quiet_line(ip, gpumem, monke
     assert recorded
 
 
+@pytest.mark.slow
 def test_system_exit_from_a_users_str_stays_out_of_run_cell(ip, gpumem):
     run(ip, "class Exiting(Exception):\n    def __str__(self):\n        raise SystemExit('from __str__')\n")
     res, _ = run(ip, "raise Exiting()")  # must return, not exit the shell
@@ -284,6 +287,7 @@ def test_one_fork_handler_however_often_it_is_loaded(ip, monkeypatch):
     assert len(registered) <= 1  # at most the first HostProbe of the process registers
 
 
+@pytest.mark.slow
 @linux
 def test_loading_with_track_peaks_off_leaves_the_peak_rss_alone(ip):
     from traitlets.config import Config

@@ -288,6 +288,7 @@ def test_records_read_from_the_folder_are_plausible_values_only():
     assert clean_record([good], 7, "end") is None and clean_record("{}", 7, "end") is None
 
 
+@pytest.mark.slow
 def test_planted_files_change_nothing_and_hang_nothing(ip, gpumem, tmp_path, restore_user_ns):
     """Another user's folder at the old predictable names, links to a user's file, a FIFO, a file
     claiming 1 TiB for a pid that is not the cell's, and an oversized record: the user's file is

@@ -97,6 +97,7 @@ def _loss(model, kind, x, y, dtype):
         return model(x, labels=y).loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_roles_match_what_backward_and_the_optimizer_really_do(case):
     model, kind, dtype = CASES[case]()
@@ -136,6 +137,7 @@ def lm_step(model, opt, x):
     return loss.detach()
 
 
+@pytest.mark.slow
 def test_the_estimate_of_a_real_models_step_matches_a_real_run():
     import ipy_gpumem
 
@@ -162,6 +164,7 @@ STEP = (
 )
 
 
+@pytest.mark.slow
 def test_per_line_roles_match_an_independent_per_line_truth(ip, gpumem, restore_user_ns):
     model = gpt2(checkpointing=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -255,6 +255,7 @@ def test_survives_keyboard_interrupt_in_the_main_thread(stop_all):
     assert not sampler.running
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("probe, call_stop", [(MemoryProbe, True), (ExplodingProbe, True), (ExplodingProbe, False)])
 def test_nothing_keeps_a_stopped_sampler_alive(probe, call_stop):
     # atexit holds the sampler while it runs; stop() (or the error that ended the thread)
@@ -272,6 +273,7 @@ def test_nothing_keeps_a_stopped_sampler_alive(probe, call_stop):
     assert ref() is None
 
 
+@pytest.mark.slow
 def test_cpu_share_is_measured_in_the_thread_and_small(stop_all):
     timeline = Timeline()
     sampler = Sampler(MemoryProbe(), interval=0.05, on_sample=timeline.add)  # 20 Hz

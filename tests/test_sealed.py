@@ -562,6 +562,7 @@ def test_refusals_are_deduplicated_and_capped(tmp_path):
 # --- how the child ends ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_deadline_kills_the_child_and_leaves_no_zombie():
     started = time.monotonic()
     outcome = run_sealed(time.sleep, 30, deadline_s=1)
@@ -570,6 +571,7 @@ def test_the_deadline_kills_the_child_and_leaves_no_zombie():
     _reaped(outcome.pid)
 
 
+@pytest.mark.slow
 def test_a_run_killed_at_its_deadline_still_reports_what_it_tried(tmp_path):
     def step():
         os.remove(tmp_path / "x")
@@ -608,6 +610,7 @@ def test_keyboard_interrupt_kills_and_reaps_the_child_then_propagates():
     assert _children() == before  # the child is gone, not even a zombie
 
 
+@pytest.mark.slow
 def test_a_child_waiting_forever_on_a_lock_held_at_the_fork_is_ended_early():
     lock, release = threading.Lock(), threading.Event()
 
@@ -635,6 +638,7 @@ def test_a_child_waiting_forever_on_a_lock_held_at_the_fork_is_ended_early():
     assert "the-holder" in outcome.threads
 
 
+@pytest.mark.slow
 def test_a_child_that_waits_with_a_timeout_or_sleeps_is_not_stuck():
     lock, release = threading.Lock(), threading.Event()
 
@@ -839,6 +843,7 @@ def test_refusals_of_the_zygote_and_of_its_trials_are_each_counted_once(tmp_path
     assert (tmp_path / "x").exists() and (tmp_path / "y").exists()
 
 
+@pytest.mark.slow
 def test_a_trials_deadline_in_a_zygote_kills_the_trial_and_the_zygote_goes_on():
     def zygote():
         started = time.monotonic()
@@ -856,6 +861,7 @@ def test_a_trials_deadline_in_a_zygote_kills_the_trial_and_the_zygote_goes_on():
     assert took < 15
 
 
+@pytest.mark.slow
 def test_the_deadline_kills_a_zygote_its_trials_and_what_c_code_forked():
     before = _children()
     seen, stop = {}, threading.Event()

@@ -28,6 +28,7 @@ def plain_report(data, source):
     return SnapshotReport(parse(data), source).to_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CAPTURES)
 def test_every_capture_reads_as_plain_unpickling_does(name):
     data = raw(name)
@@ -40,6 +41,7 @@ def test_every_capture_reads_as_plain_unpickling_does(name):
         assert streamed["segments"] == data["segments"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", [2, 3, 4, 5])
 def test_protocols_2_to_5(protocol):
     data = raw("Constructor-Sun_memory_snapshot.pickle.gz")  # three devices, an OOM, expandable segments
@@ -67,6 +69,7 @@ def reframed(blob, seed):
     return bytes(out)
 
 
+@pytest.mark.slow
 def test_frames_and_buffers_split_anywhere(monkeypatch):
     data = raw("bcrafton.pickle.gz")
     want = plain_report(data, "snapshot bytes")
@@ -114,6 +117,7 @@ def test_a_class_reference_runs_nothing(tmp_path, protocol, where):
     assert "\n" not in str(err.value) and not marker.exists()
 
 
+@pytest.mark.slow
 def test_a_truncated_file_gives_one_line(tmp_path):
     blob = (gzip.open(os.path.join(HERE, "ZidongLiu_memory.pickle.gz")).read())
     for cut in (3, 11, 5000, len(blob) // 2, len(blob) - 1):
@@ -139,6 +143,7 @@ def test_garbage_gives_one_line(tmp_path, content):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_the_limit_counts_uncompressed_bytes(tmp_path):
     gz = os.path.join(HERE, "ZidongLiu_memory.pickle.gz")
     unpacked = len(gzip.open(gz).read())
@@ -171,6 +176,7 @@ def test_protocols_0_and_1_are_read_by_the_same_bounded_reader(protocol):
     assert got == want
 
 
+@pytest.mark.slow
 def test_json_snapshots_read_as_their_pickle(tmp_path):
     import json
 
@@ -231,6 +237,7 @@ def test_shared_stacks_are_counted_not_copied():
     assert report.to_dict()["sites"][0]["blocks"] == 20
 
 
+@pytest.mark.slow
 def test_trace_columns_widen_when_a_value_needs_it():
     events = [{"action": "alloc", "addr": i, "size": 512, "stream": i % 300, "frames": [{"line": i}]}
               for i in range(40_000)]

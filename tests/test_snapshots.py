@@ -34,12 +34,14 @@ def raw(name):
         return pickle.load(fh)  # our own fixture; the library's loader is tested below
 
 
+@pytest.mark.slow
 def test_every_generation_is_here():
     assert len(CAPTURES) == 13
     generations = {read_snapshot(os.path.join(HERE, f)).generation.split()[0] for f in CAPTURES}
     assert {"2023", "2024", "2025", "2026", "segments"} <= generations
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c[: -len(".pickle.gz")] for c in CAPTURES])
 def test_replay_lands_on_the_recorded_end_state(name):
     report = read_snapshot(path(name))
@@ -88,6 +90,7 @@ def test_an_oom_on_an_expandable_segment_device():
     assert report.to_dict()["devices"][0]["oom"] is None
 
 
+@pytest.mark.slow
 def test_the_state_when_recording_began():
     report = read_snapshot(path("JasperSolt_snapshot"))
     start = report.to_dict()["start"]
@@ -100,6 +103,7 @@ def test_the_state_when_recording_began():
     assert delta == (0 if first["action"] != "alloc" else replay.allocations[start["blocks"]].size)
 
 
+@pytest.mark.slow
 def test_sites_name_notebook_cells():
     report = read_snapshot(path("cranberrii_memory_snapshot"))
     sites = report.to_dict()["sites"]
@@ -128,6 +132,7 @@ def test_fragmentation_over_time():
     assert frag["at_end"]["free_in_reserved"] > 10 * GiB
 
 
+@pytest.mark.slow
 def test_older_formats():
     segments_only = read_snapshot(path("Muduard_memory_snapshot"))
     assert segments_only.generation.startswith("segments only")
@@ -183,6 +188,7 @@ def test_missing_and_oversized(tmp_path):
         read_snapshot(path("sil_mem_snapshot"), max_bytes=100)
 
 
+@pytest.mark.slow
 def test_views_text_html_and_zoom():
     report = open_snapshot(path("Constructor-Sun_memory_snapshot"))
     text = str(report)
@@ -199,6 +205,7 @@ def test_views_text_html_and_zoom():
     assert open_snapshot(path("JasperSolt_snapshot")).oom_panel() is None
 
 
+@pytest.mark.slow
 def test_public_api_and_magic(ip, gpumem):
     report = ipy_gpumem.snapshot(path("magma27"))
     assert report.to_dict()["peak_allocated"] == read_snapshot(path("magma27")).to_dict()["peak_allocated"]
@@ -258,6 +265,7 @@ class RecorderReplay:
         return raw("bcrafton")
 
 
+@pytest.mark.slow
 def test_trace_starts_and_stops_its_own_recording(tmp_path):
     from ipy_gpumem.ledger.allocator_trace import CellTrace
 
@@ -331,6 +339,7 @@ def _oom_message(rec, total="79.15 GiB"):
             "to avoid fragmentation.")
 
 
+@pytest.mark.slow
 def test_a_traced_cell_that_runs_out_of_memory_gets_one_panel_from_the_recording(ip, gpumem, monkeypatch):
     """The live path of ``%%gpumem --trace`` at a CUDA out-of-memory, which this CPU machine cannot
     cause. Two stand-ins, labelled: torch's recorder (``RecorderReplay``) hands back a real capture
@@ -418,6 +427,7 @@ def test_the_largest_free_block_makes_fragmentation_certain():
     assert "the largest free block 512.00 MiB (too small for the 2.00 GiB request)" in text
 
 
+@pytest.mark.slow
 def test_the_timeline_as_a_plotly_figure():
     go = pytest.importorskip("plotly.graph_objects")
     report = open_snapshot(path("bcrafton"))  # timed, with optimizer annotations
@@ -440,6 +450,7 @@ def test_the_timeline_as_a_plotly_figure():
     assert max(xs) <= t_peak / 2 and not any(n == "peak allocated 3.60 GiB" for n in (t.get("name") for t in early["data"]))
 
 
+@pytest.mark.slow
 def test_a_capture_without_times_is_drawn_over_events():
     go = pytest.importorskip("plotly.graph_objects")
     report = open_snapshot(path("cranberrii_memory_snapshot"))
@@ -522,6 +533,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS is reset through /proc (Linux)")
 def test_hostile_files_fail_within_2_s_and_256_mib_through_the_public_function(hostile):
     import subprocess
@@ -540,6 +552,7 @@ def test_hostile_files_fail_within_2_s_and_256_mib_through_the_public_function(h
         assert grew < 256 * MiB, (name, grew)
 
 
+@pytest.mark.slow
 def test_hostile_files_in_a_real_shell(ip, gpumem, hostile):
     from IPython.utils.capture import capture_output
 

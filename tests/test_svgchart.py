@@ -159,6 +159,7 @@ def test_long_sessions_get_minute_and_hour_ticks():
     assert "0 min" in words and any(w.endswith(" min") and w != "0 min" for w in words)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(st.floats(min_value=0, max_value=2.0**50, allow_nan=False))
 def test_byte_ticks_are_three_to_five_round_values(top):
@@ -176,6 +177,7 @@ def test_time_ticks_are_round_and_inside():
     assert len({round(b - a, 6) for a, b in zip(ticks, ticks[1:])}) == 1
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
     steps=st.lists(
@@ -340,6 +342,7 @@ def test_cell_chart_never_raises_on_missing_data(rec, samples):
 maybe_bytes = st.one_of(st.none(), st.integers(0, 2**42))
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None)
 @given(
     values=st.lists(maybe_bytes, min_size=7, max_size=7),
@@ -569,6 +572,7 @@ def test_host_rss_chart_scales_exact_role_bytes_to_the_rss_change_and_says_so():
     assert {"grew", "shrank", "released"} <= set(texts(root))
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(roles=st.lists(st.dictionaries(st.sampled_from(ROLES + ("made_up <role>",)), st.integers(-2**40, 2**40),
                                       max_size=4), min_size=1, max_size=12),
@@ -587,6 +591,7 @@ def test_any_role_table_renders_valid_xml(roles, deltas, on_device, width):
         assert attrs["fill"] == ROLE_COLORS.get(role, "#999999") and title.endswith("<why>")
 
 
+@pytest.mark.slow
 @linux
 def test_a_real_training_cell_is_stacked_by_role(ip, gpumem):
     """A real ``%%gpumem --lines`` cell on CPU tensors: an MLP, a backward and an Adam step.

@@ -215,6 +215,7 @@ def _held_out_namespace(helper_module):
     return ns, nbytes(*tensors), handle
 
 
+@pytest.mark.slow
 def test_a_namespace_holding_tensors_through_every_kind_of_holder_is_counted_exactly(helper_module):
     ns, exact, handle = _held_out_namespace(helper_module)
     try:
@@ -253,6 +254,7 @@ def test_a_budget_that_runs_out_says_what_it_left_out():
     assert sum(snap.parts.values()) < 200 * 200 * 16
 
 
+@pytest.mark.slow
 def test_a_million_ints_are_proven_once_then_rechecked_a_slice_at_a_time():
     big = list(range(1_000_000))
     ns = {"big": big, "x": torch.zeros(10)}
@@ -282,6 +284,7 @@ def test_every_private_torch_name_is_in_the_adapter_and_exists_in_this_torch():
     assert len(DEPENDENCIES) >= 15 and all(d.fallback for d in DEPENDENCIES)
 
 
+@pytest.mark.slow
 def test_no_module_outside_the_room_names_a_private_torch_attribute():
     """Private torch names (``torch._C``, ``_raw_saved_*``, ``torch.utils._pytree``...) live in ``tensors/`` only."""
     import ast
@@ -315,6 +318,7 @@ def test_no_module_outside_the_room_names_a_private_torch_attribute():
     assert not offenders, offenders
 
 
+@pytest.mark.slow
 def test_a_proof_a_budget_stops_is_taken_up_by_the_next_walk():
     """A structure larger than one budget (300,000 small records) is proven over a few counts, never
     from scratch each time: every count is marked incomplete until the proof is done, then they are complete."""
@@ -331,6 +335,7 @@ def test_a_proof_a_budget_stops_is_taken_up_by_the_next_walk():
     assert census.take(ns, budget_s=0.02, caches=False, user_modules=False).complete  # remembered
 
 
+@pytest.mark.slow
 def test_many_instances_of_a_class_that_holds_nothing_are_proven_together():
     """A million instances of a notebook's class: proven by their own attributes in C, not one by one (a class
     with a method that closes over a tensor is still walked, and found)."""

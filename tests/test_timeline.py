@@ -198,6 +198,7 @@ def test_times_are_relative_and_kept_in_order():
     assert tl.snapshot().t == (0.0, 0.5, 0.5)
 
 
+@pytest.mark.slow
 def test_a_single_spike_among_100k_flat_points_survives():
     tl = Timeline(max_points=2000)
     spike_at = 12_345
@@ -342,6 +343,7 @@ def test_snapshot_is_immutable():
     assert isinstance(snap.series[HOST_RSS], tuple)
 
 
+@pytest.mark.slow
 def test_a_thread_adding_while_the_main_thread_snapshots():
     tl = Timeline(max_points=256, max_spans=16)
     done = threading.Event()
@@ -391,6 +393,7 @@ def _walk(root):
         stack.extend(gc.get_referents(obj))
 
 
+@pytest.mark.slow
 def test_holds_only_numbers_and_strings_never_samples_or_records():
     tl = Timeline(max_points=16, max_spans=4)
     record = device_record()

@@ -168,6 +168,7 @@ def _measure(page, html):
     }""")
 
 
+@pytest.mark.slow
 @pytest.mark.browser
 @pytest.mark.parametrize("untrusted", [False, True], ids=["trusted", "untrusted"])
 @pytest.mark.parametrize("name", list(views()))

@@ -270,6 +270,7 @@ def test_small_model_adam_exact_categories():
         adam_state(optimizer)) + 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer", "custom", "view"])
 def test_seed_scenario_matches_what_del_really_frees(kind):
     ns = seed_namespace(kind)
@@ -295,6 +296,7 @@ def test_seed_scenario_matches_what_del_really_frees(kind):
     assert holder_bytes(report, "output", "loss") + retained == pytest.approx(freed, rel=0.01)
 
 
+@pytest.mark.slow
 def test_seed_scenario_is_in_megabytes_and_exact_for_the_mlp():
     ns = seed_namespace("mlp", batch=512)
     report = who(ns)
@@ -305,6 +307,7 @@ def test_seed_scenario_is_in_megabytes_and_exact_for_the_mlp():
     assert holder_bytes(report, "output", "loss") + report.categories["retained_graphs"] == freed
 
 
+@pytest.mark.slow
 def test_deleting_only_loss_frees_its_own_graph_row():
     ns = seed_namespace("mlp")
     report = who(ns)
@@ -587,6 +590,7 @@ def test_chained_exceptions_and_odd_exception_classes(restore_last_exception):
                      "last traceback: inner() local 'first'": 40}
 
 
+@pytest.mark.slow
 def test_real_ipython_shell(ip, restore_last_exception):
     """IPython's own output cache and last-traceback bookkeeping, read from ``user_ns``."""
     try:
@@ -921,6 +925,7 @@ def test_non_dict_namespace():
     assert who(["not", "a", "dict"]).reason == "namespace is not a dict"
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_any_nesting_counts_each_reachable_storage_once(data):
@@ -964,6 +969,7 @@ def _walk_referents(obj, seen, found):
         _walk_referents(ref, seen, found)
 
 
+@pytest.mark.slow
 def test_report_holds_no_tensor_references():
     ns = seed_namespace("mlp", batch=32)
     ns.pop("__tracker__")
@@ -1109,6 +1115,7 @@ def test_a_time_budget_stops_the_walk():
     assert holder(report, "loss").bytes == 4  # the names were still examined
 
 
+@pytest.mark.slow
 def test_many_small_objects_are_cheap_and_complete():
     """1.5 million small objects (the issue's case) are walked completely, in C, well within the budget."""
     ns = {f"v{i}": (i if i % 3 else [i, str(i)] if i % 2 else {"a": i, "b": (i, None)}) for i in range(300_000)}
@@ -1119,6 +1126,7 @@ def test_many_small_objects_are_cheap_and_complete():
     assert report.elapsed_s < 5.0  # generous: a loaded CI machine; bench_who.py has the real numbers
 
 
+@pytest.mark.slow
 def test_a_giant_container_does_not_run_past_the_budget():
     ns = {"big": [0] * 3_000_000 + [torch.ones(4)], "x": torch.ones(2)}
     assert holder(who(ns, budget_s=10.0), "big[3000000]").bytes == 16  # found when there is time (a loaded machine)
@@ -1126,6 +1134,7 @@ def test_a_giant_container_does_not_run_past_the_budget():
     assert not report.complete and "(big)" in report.notes[0] and holder(report, "x").bytes == 8
 
 
+@pytest.mark.slow
 def test_the_public_who_is_a_function_after_every_room_is_imported():
     """The room is not named ``who``: importing it can never replace ``ipy_gpumem.who()``."""
     code = ("import ipy_gpumem, torch, inspect\n"
