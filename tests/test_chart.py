@@ -50,6 +50,10 @@ def _fake_ipykernel():
 
 
 def test_tier_follows_the_front_end(monkeypatch):
+    # Whatever earlier tests of this worker left: no Colab module, no VS Code environment.
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    for name in ("VSCODE_PID", "VSCODE_CWD", "VSCODE_IPC_HOOK_CLI"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
     assert choose_tier(None) == ("text", None)
     tier, note = choose_tier(None, prefer="widget")
@@ -59,7 +63,8 @@ def test_tier_follows_the_front_end(monkeypatch):
     # In a kernel the live plotly figure is the default where it can be shown (plotly, anywidget).
     from ipy_gpumem.chart.views import plotly_widget_status
 
-    assert choose_tier(zmq_shell) == ("plotly" if plotly_widget_status() is None else "html", None)
+    live = widgets_status() is None and plotly_widget_status() is None
+    assert choose_tier(zmq_shell) == ("plotly" if live else "html", None), (widgets_status(), plotly_widget_status())
     assert choose_tier(zmq_shell, prefer="html") == ("html", None)
     if widgets_status() is None:
         assert choose_tier(zmq_shell, prefer="widget") == ("widget", None)
