@@ -343,7 +343,7 @@ def test_who_and_the_cell_line_name_hostile_holders(ip, gpumem, restore_user_ns)
     run(ip, "import torch")
     _result, cap = run(ip, f"held = {{{LINK!r}: torch.ones(2**16), {BREAKOUT!r}: torch.ones(2**16)}}\n"
                            f"Evil = type({TAG!r}, (torch.nn.Linear,), {{}})\n"
-                           "evil = Evil(2048, 2048)")
+                           "evil = Evil(4096, 4096)")  # 64 MiB: new pages (above glibc's mmap threshold), so RSS moves
     line = html_reads(bundles(cap, "text/html")[-1]["text/html"])
     assert_shows(line, TAG)  # the module's class, named on the cell's line
     view = gpumem.run_mode("who")
