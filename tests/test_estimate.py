@@ -166,13 +166,13 @@ def test_gpu_names_resolve():
             resolve_gpu("this GPU")
 
 
-def _wide_mlp():
+def wide_mlp():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def _train(model, opt, x):
+def wide_step(model, opt, x):
     opt.zero_grad()
     model(x).pow(2).mean().backward()
     opt.step()
@@ -182,16 +182,16 @@ def test_max_batch_size_lands_on_the_boundary():
     """A batch here adds 30 KiB, and the allocator reserves in 2 MiB steps: the least room a size fits in
     is a staircase on which a secant creeps (the search took 15 estimates). Each allocation grows
     linearly, so two estimates say where the step stops fitting, and two more confirm it."""
-    model, opt = _wide_mlp()
+    model, opt = wide_mlp()
     x = torch.randn(8, 1024)
     cap = 900 * MiB
-    best = ipy_gpumem.max_batch_size(_train, model, opt, x, gpu=cap)
+    best = ipy_gpumem.max_batch_size(wide_step, model, opt, x, gpu=cap)
     assert isinstance(best, int) and best > 8
     assert best.tried[int(best)][0] and not best.tried[int(best) + 1][0]
     assert len(best.tried) == 4, sorted(best.tried)  # 8, 16, the boundary and the size above it
     assert x.shape == (8, 1024)
     # From a batch that does not fit, the same: two sizes down, then the boundary's two.
-    again = ipy_gpumem.max_batch_size(_train, model, opt, torch.randn(60000, 1024), gpu=cap)
+    again = ipy_gpumem.max_batch_size(wide_step, model, opt, torch.randn(60000, 1024), gpu=cap)
     assert int(again) == int(best) and len(again.tried) == 4, sorted(again.tried)
 
 
@@ -201,10 +201,8 @@ def test_each_allocation_grows_linearly_with_the_batch():
     from ipy_gpumem.preflight.allocator import replay
     from ipy_gpumem.preflight.batch import Growth, least_room
 
-    model, opt = _wide_mlp()
-    x = torch.randn(8, 1024)
-    runs = {n: ipy_gpumem.estimate(_train, model, opt, x, gpu="T4", _batch={id(x): (n, 1024)}).events
-            for n in (8, 16, 40)}
+    model, opt = wide_mlp()
+    runs = {n: ipy_gpumem.estimate(wide_step, model, opt, torch.randn(n, 1024), gpu="T4").events for n in (8, 16, 40)}
     growth = Growth.of(8, runs[8], 16, runs[16])
     assert growth is not None and growth.events(40) == runs[40]
     assert Growth.of(8, runs[8], 16, runs[16][:-1]) is None  # not the same allocations: no growth
@@ -218,7 +216,7 @@ def test_a_step_that_allocates_otherwise_at_larger_batches_still_lands_on_the_bo
     allocations (as a kernel that picks another algorithm at another size): the search falls back to a
     secant through the least room each size fits in, and still ends on a size that fits beside one that
     does not."""
-    model, opt = _wide_mlp()
+    model, opt = wide_mlp()
 
     def chunked(model, opt, x):
         opt.zero_grad()
