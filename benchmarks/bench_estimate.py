@@ -9,9 +9,11 @@ then the largest batch that fits an A100-80 (the search starts at batch 8). Real
 (tests/fixtures/sil_captures.json: allocator snapshots recorded on a GPU by a public project)
 against the estimate of the same step with ``device="cuda"``. The usual training loop: a
 ``DataLoader`` with two workers (read in the sealed copy as with none) beside the same loop without
-workers, side by side, times and peaks. Prints markdown tables.
+workers, side by side, times and peaks. The max-batch searches of the tests, with the estimates each
+took (in the order tried) and the CPU time of the sealed copies. Prints markdown tables.
 
-    python benchmarks/bench_estimate.py [--skip-zoo] [--skip-gpt2] [--skip-captures] [--skip-loop] [--gpu A100-80]
+    python benchmarks/bench_estimate.py [--skip-zoo] [--skip-gpt2] [--skip-captures] [--skip-loop] [--skip-max-batch]
+                                        [--max-batch-against OLD/batch.py] [--max-batch-gpt2-small] [--gpu A100-80]
 """
 from __future__ import annotations
 
@@ -92,11 +94,76 @@ def gpt2_table(gpu):
     del small
     print(f"| real CPU step, batch 1 x 1024 | {real_s:.2f} s |")
     print(f"| its estimate (sealed copy included) | {est_s:.2f} s ({est_s / real_s:.2f}x the real step) |")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), children_cpu()
     best = ipy_gpumem.max_batch_size(lm_step, model, opt, idx, targets, gpu=gpu)
-    took = time.perf_counter() - t0
-    print(f"| max batch on {gpu} | {int(best)} ({len(best.tried)} estimates) |")
-    print(f"| max-batch search time | {took:.2f} s |")
+    took, cpu = time.perf_counter() - t0, children_cpu() - c0
+    print(f"| max batch on {gpu} | {int(best)} ({len(best.tried)} estimates: {sorted(best.tried)}) |")
+    print(f"| max-batch search time | {took:.2f} s ({cpu:.2f} s of CPU in its sealed copies) |\n")
+
+
+def children_cpu() -> float:
+    """CPU seconds of the reaped child processes (the sealed copies): steadier than wall time on a busy machine."""
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def max_batch_table(against=None, gpt2_small=False):
+    """The searches of the tests (tests/test_estimate.py, test_estimate_attention.py): how many estimates each
+    takes. With ``against`` (the path of another version of ipy_gpumem/preflight/batch.py, loaded beside this
+    one), each search runs with both, one after the other, in this process."""
+    import torch
+
+    import ipy_gpumem
+    from test_estimate import wide_mlp, wide_step
+    from test_estimate_attention import BATCH, SEQ, gpt2 as small_gpt2, lm_step
+
+    searches_with = {"this": ipy_gpumem.max_batch_size}
+    if against:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("ipy_gpumem.preflight.batch_against", against)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        searches_with["against"] = module.max_batch_size
+    model = small_gpt2(layers=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 8000, (BATCH, SEQ))
+    wide, sgd = wide_mlp()
+    searches = [
+        ("GPT-2 (2 layers) 8 x 1024, fp16 autocast, T4", lambda search: search(
+            lm_step, model, opt, x, torch.float16, gpu="T4")),
+        ("the same, math attention only (reserved passes the card before it stops fitting)", lambda search: _math_only(
+            lambda: search(lm_step, model, opt, x, torch.float16, gpu="T4"))),
+        ("MLP 1024-4096-1024 from batch 8, 900 MiB (30 KiB a batch: 2 MiB steps)", lambda search: search(
+            wide_step, wide, sgd, torch.randn(8, 1024), gpu=900 * 2 ** 20)),
+        ("the same from batch 60000 (does not fit)", lambda search: search(
+            wide_step, wide, sgd, torch.randn(60000, 1024), gpu=900 * 2 ** 20)),
+    ]
+    if gpt2_small:
+        from test_estimate_zoo import lm_step as zoo_step
+
+        big = gpt2()
+        searches.append(("GPT-2-small-sized 8 x 1024, A100-80", lambda search: search(zoo_step, *big, gpu="A100-80")))
+    print("| max_batch_size | search | answer | estimates | time | CPU of the sealed copies |")
+    print("|---|---|---:|---|---:|---:|")
+    for label, search in searches:
+        for version, function in searches_with.items():
+            t0, c0 = time.perf_counter(), children_cpu()
+            best = search(function)
+            took, cpu = time.perf_counter() - t0, children_cpu() - c0
+            print(f"| {label} | {version} | {int(best)} | {len(best.tried)}: {', '.join(map(str, best.tried))} "
+                  f"| {took:.2f} s | {cpu:.2f} s |", flush=True)
+    print()
+
+
+def _math_only(run):
+    import torch
+
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        return run()
 
 
 def captures_table():
@@ -167,6 +234,10 @@ def main():
     parser.add_argument("--skip-gpt2", action="store_true")
     parser.add_argument("--skip-captures", action="store_true")
     parser.add_argument("--skip-loop", action="store_true")
+    parser.add_argument("--skip-max-batch", action="store_true")
+    parser.add_argument("--max-batch-against", metavar="BATCH_PY",
+                        help="another version of ipy_gpumem/preflight/batch.py, each search run with both")
+    parser.add_argument("--max-batch-gpt2-small", action="store_true", help="the GPT-2-small search in that table too")
     parser.add_argument("--gpu", default="A100-80")
     args = parser.parse_args()
     if not args.skip_zoo:
@@ -175,6 +246,8 @@ def main():
         captures_table()
     if not args.skip_loop:
         loop_table()
+    if not args.skip_max_batch:
+        max_batch_table(args.max_batch_against, args.max_batch_gpt2_small)
     if not args.skip_gpt2:
         gpt2_table(args.gpu)
 

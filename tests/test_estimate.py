@@ -166,22 +166,69 @@ def test_gpu_names_resolve():
             resolve_gpu("this GPU")
 
 
-def test_max_batch_size_lands_on_the_boundary():
+def wide_mlp():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x = torch.randn(8, 1024)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
-    def train(model, opt, x):
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        opt.step()
+
+def wide_step(model, opt, x):
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+@pytest.mark.slow
+def test_max_batch_size_lands_on_the_boundary():
+    """A batch here adds 30 KiB, and the allocator reserves in 2 MiB steps: the least room a size fits in
+    is a staircase on which a secant creeps (the search took 15 estimates). Each allocation grows
+    linearly, so two estimates say where the step stops fitting, and two more confirm it."""
+    model, opt = wide_mlp()
+    x = torch.randn(8, 1024)
     cap = 900 * MiB
-    best = ipy_gpumem.max_batch_size(train, model, opt, x, gpu=cap)
+    best = ipy_gpumem.max_batch_size(wide_step, model, opt, x, gpu=cap)
     assert isinstance(best, int) and best > 8
     assert best.tried[int(best)][0] and not best.tried[int(best) + 1][0]
-    assert len(best.tried) <= 16
+    assert len(best.tried) == 4, sorted(best.tried)  # 8, 16, the boundary and the size above it
     assert x.shape == (8, 1024)
+    # From a batch that does not fit, the same: two sizes down, then the boundary's two.
+    again = ipy_gpumem.max_batch_size(wide_step, model, opt, torch.randn(60000, 1024), gpu=cap)
+    assert int(again) == int(best) and len(again.tried) == 4, sorted(again.tried)
+
+
+@pytest.mark.slow
+def test_each_allocation_grows_linearly_with_the_batch():
+    """What the search stands on: the events of two estimates give a third size's events exactly, and
+    the least room a run fits in is what the allocator model fits it in, to its precision."""
+    from ipy_gpumem.preflight.allocator import replay
+    from ipy_gpumem.preflight.batch import Growth, least_room
+
+    model, opt = wide_mlp()
+    runs = {n: ipy_gpumem.estimate(wide_step, model, opt, torch.randn(n, 1024), gpu="T4").events for n in (8, 16, 40)}
+    growth = Growth.of(8, runs[8], 16, runs[16])
+    assert growth is not None and growth.events(40) == runs[40]
+    assert Growth.of(8, runs[8], 16, runs[16][:-1]) is None  # not the same allocations: no growth
+    room, close = least_room(runs[40])
+    assert replay(runs[40], capacity=room, series=False).oom_at is None
+    assert replay(runs[40], capacity=room - close, series=False).oom_at is not None
+
+
+@pytest.mark.slow
+def test_a_step_that_allocates_otherwise_at_larger_batches_still_lands_on_the_boundary():
+    """Above 4096 rows the step runs in chunks, so the estimates above and below do not make the same
+    allocations (as a kernel that picks another algorithm at another size): the growth of batches 8 and 16
+    names a size that is chunked, a secant through the least room each size fits in moves on from there,
+    and the search still ends on a size that fits beside one that does not."""
+    model, opt = wide_mlp()
+
+    def chunked(model, opt, x):
+        opt.zero_grad()
+        out = torch.cat([model(part) for part in x.split(4096)]) if x.shape[0] > 4096 else model(x)
+        out.pow(2).mean().backward()
+        opt.step()
+    best = ipy_gpumem.max_batch_size(chunked, model, opt, torch.randn(8, 1024), gpu=900 * MiB)
+    assert best > 4096 and best.tried[int(best)][0] and not best.tried[int(best) + 1][0]
+    assert len(best.tried) <= 16, sorted(best.tried)
 
 
 def test_importing_the_room_leaves_the_public_function_a_function():

@@ -1,4 +1,4 @@
-"""The estimate at every batch size: its error against real runs across batch sizes and precisions, and the two things that made it right at batch 1 and under at larger ones.
+"""The estimate at small and large batches: its error against real runs across batch sizes and precisions, and the two things that made it right at batch 1 and under at larger ones.
 
 1. The caching allocator does not settle after two steps. With larger tensors, the blocks a step
    frees and takes again land in a different layout of cached segments for a few more steps, and
@@ -109,12 +109,17 @@ def profiled_peak(step, args) -> int:
     return start + peak
 
 
-CASES = [(name, precision, batch) for name in MODELS for precision in ("fp32", "bf16") for batch in (1, 2, 4, 8)]
+#: Each model and precision at 1x and 8x the batch, the two ends: a kernel's scratch that grows with the batch
+#: is missed most at 8x (the bf16 GEMM's: nothing at 1x, 18% of the MLP's peak at 8x), one that does not is
+#: largest beside the peak at 1x (oneDNN's convolution scratchpad). 2x and 4x were dropped for the suite's
+#: time (issue 30).
+CASES = [(name, precision, batch) for name in MODELS for precision in ("fp32", "bf16") for batch in (1, 8)]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not applies(api()), reason="the bf16 GEMM scratch was measured on x86-64 builds with MKL")
 @pytest.mark.parametrize("name, precision, batch", CASES, ids=[f"{n.split()[0]}-{p}-b{b}" for n, p, b in CASES])
-def test_the_cpu_estimate_meets_what_the_process_allocated_at_every_batch_size(name, precision, batch):
+def test_the_cpu_estimate_meets_what_the_process_allocated_at_1x_and_8x_the_batch(name, precision, batch):
     build, inputs = MODELS[name]
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -160,6 +165,7 @@ def _bert_base_like(batch):
     return model, opt, torch.randint(0, 8000, (batch, 512)), torch.randint(0, 2, (batch,))
 
 
+@pytest.mark.slow
 def test_the_steady_state_from_two_calls_is_what_five_calls_reach():
     """A 6-layer BERT-base fine-tune at batch 2 x 512 (fp32, on an A100): two calls reserve 25 MiB less
     than the steady state, which the third call reaches. The copies of the last call replayed through
@@ -188,6 +194,7 @@ def test_the_steady_state_from_two_calls_is_what_five_calls_reach():
     assert replay(two.run.events, capacity=two_calls.peak_reserved, series=False).num_releases == 0
 
 
+@pytest.mark.slow
 def test_the_estimate_reports_the_steady_state():
     args = _bert_base_like(2)
     est = ipy_gpumem.estimate(bert_step, *args, gpu="A100-80")

@@ -154,49 +154,66 @@ def test_an_estimate_that_fails_says_so_in_one_line(ip, gpumem):
     assert "idx" not in ip.user_ns
 
 
-def test_estimate_in_a_real_kernel():
-    from kernel_helpers import execute, plain
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    """One real kernel for the module's kernel tests: their cells in one notebook, run once
+    (``(notebook, the first cell of each test's part, the files the second part's cell tries to write)``)."""
+    from kernel_helpers import execute
 
-    nb = execute(["%load_ext ipy_gpumem", SETUP,
-                  "%%gpumem --estimate T4 -o est\n" + STEP,
-                  "print('RESULT', counter, len(losses), all(p.grad is None for p in model.parameters()), "
-                  "len(optimizer.state), type(est).__name__, est.fits('T4').fits)",
-                  "%%gpumem --estimate NoSuchGPU\nx = 1"])
-    report = "\n".join(plain(nb.cells[2]))
-    printed = "".join(o.text for o in nb.cells[2].outputs if o.output_type == "stream")
-    assert "THIS MUST NOT APPEAR" not in printed and "THIS MUST NOT APPEAR" in report  # shown as source only
-    assert "Verdict: fits with " in report and "on T4" in report and "Δallocated" in report
-    line = next(t for t in plain(nb.cells[3]) if t.startswith("RESULT"))
-    assert line.split() == ["RESULT", "0", "0", "True", "0", "Estimate", "True"]
-    # IPython shows a UsageError as one line on stderr, never a traceback
-    streams = [o for o in nb.cells[4].outputs if o.output_type == "stream"]
-    assert len(streams) == 1 and streams[0].name == "stderr"
-    assert streams[0].text.startswith("UsageError: --estimate NoSuchGPU: unknown GPU; name one of K80")
-    assert streams[0].text.strip().count("\n") == 0
-
-
-def test_an_estimated_cell_changes_nothing_in_a_real_kernel(tmp_path):
-    """Files, the environment, torch's settings and the namespace stay as they were; what the cell tried is listed."""
-    from kernel_helpers import execute, plain
-
-    ckpt, log, opened, touched = (tmp_path / n for n in ("ckpt.pt", "log.txt", "open.log", "touched"))
+    tmp_path = tmp_path_factory.mktemp("estimated_cell")
+    files = ckpt, log, opened, touched = tuple(tmp_path / n for n in ("ckpt.pt", "log.txt", "open.log", "touched"))
     side_effects = (f"torch.save(model.state_dict(), {str(ckpt)!r})\n"
                     f"with open({str(log)!r}, 'a') as fh:\n    fh.write('x')\n"
                     "logf.write('y' * 100_000)\nlogf.flush()\n"
                     f"os.system('touch {touched}')\n"
                     "os.environ['IPG_ESTIMATE'] = '1'\ntorch.set_grad_enabled(False)\n")
-    nb = execute(["%load_ext ipy_gpumem",
-                  SETUP + f"import os\nlogf = open({str(opened)!r}, 'a')\n",
-                  "%%gpumem --estimate T4\ntorch.set_grad_enabled(True)\n" + STEP + side_effects,
-                  "logf.close()\nprint('RESULT', counter, len(losses), os.environ.get('IPG_ESTIMATE'), torch.is_grad_enabled())",
-                  "%%gpumem --estimate T4\nimport asyncio\nawait asyncio.sleep(0)\n"])
-    report = " ".join(" ".join(plain(nb.cells[2])).split())
+    in_a_kernel = [SETUP,
+                   "%%gpumem --estimate T4 -o est\n" + STEP,
+                   "print('RESULT', counter, len(losses), all(p.grad is None for p in model.parameters()), "
+                   "len(optimizer.state), type(est).__name__, est.fits('T4').fits)",
+                   "%%gpumem --estimate NoSuchGPU\nx = 1"]
+    changes_nothing = [SETUP + f"import os\nlogf = open({str(opened)!r}, 'a')\n",
+                       "%%gpumem --estimate T4\ntorch.set_grad_enabled(True)\n" + STEP + side_effects,
+                       "logf.close()\nprint('RESULT', counter, len(losses), os.environ.get('IPG_ESTIMATE'), "
+                       "torch.is_grad_enabled())",
+                       "%%gpumem --estimate T4\nimport asyncio\nawait asyncio.sleep(0)\n"]
+    nb = execute(["%load_ext ipy_gpumem"] + in_a_kernel + changes_nothing)
+    return nb, {"in_a_kernel": 1, "changes_nothing": 1 + len(in_a_kernel)}, files
+
+
+@pytest.mark.slow
+def test_estimate_in_a_real_kernel(kernel):
+    from kernel_helpers import plain
+
+    nb, first, _files = kernel
+    cells = nb.cells[first["in_a_kernel"]:]
+    report = "\n".join(plain(cells[1]))
+    printed = "".join(o.text for o in cells[1].outputs if o.output_type == "stream")
+    assert "THIS MUST NOT APPEAR" not in printed and "THIS MUST NOT APPEAR" in report  # shown as source only
+    assert "Verdict: fits with " in report and "on T4" in report and "Δallocated" in report
+    line = next(t for t in plain(cells[2]) if t.startswith("RESULT"))
+    assert line.split() == ["RESULT", "0", "0", "True", "0", "Estimate", "True"]
+    # IPython shows a UsageError as one line on stderr, never a traceback
+    streams = [o for o in cells[3].outputs if o.output_type == "stream"]
+    assert len(streams) == 1 and streams[0].name == "stderr"
+    assert streams[0].text.startswith("UsageError: --estimate NoSuchGPU: unknown GPU; name one of K80")
+    assert streams[0].text.strip().count("\n") == 0
+
+
+@pytest.mark.slow
+def test_an_estimated_cell_changes_nothing_in_a_real_kernel(kernel):
+    """Files, the environment, torch's settings and the namespace stay as they were; what the cell tried is listed."""
+    from kernel_helpers import plain
+
+    nb, first, (ckpt, log, opened, touched) = kernel
+    cells = nb.cells[first["changes_nothing"]:]
+    report = " ".join(" ".join(plain(cells[1])).split())
     assert "Verdict: fits with " in report
     for tried in ("ckpt.pt", "log.txt", "touch", "open.log"):
         assert tried in report, (tried, report[-2000:])
-    line = next(t for t in plain(nb.cells[3]) if t.startswith("RESULT"))
+    line = next(t for t in plain(cells[2]) if t.startswith("RESULT"))
     assert line.split() == ["RESULT", "0", "0", "None", "True"]
     assert not ckpt.exists() and not log.exists() and not touched.exists() and opened.read_text() == ""
-    streams = [o for o in nb.cells[4].outputs if o.output_type == "stream"]
+    streams = [o for o in cells[3].outputs if o.output_type == "stream"]
     text = " ".join(o.text for o in streams)
     assert "awaits at the top level" in text and "Traceback" not in text

@@ -2,14 +2,20 @@
 
 The batch arguments are the input tensors (not parameters, gradients or optimizer state) whose size
 along ``batch_dim`` equals the first such tensor's: each estimate fakes them at the trial size.
-Memory grows almost linearly with the batch, so two estimates give a line, the line a guess, and a
-few more estimates (a secant search between a size that fits and one that does not) pin it down.
+Memory grows almost linearly with the batch, and so does each allocation the step makes: two
+estimates at two sizes with the same allocations (one per tensor, in the same order) give each
+one's size at any batch, and replaying those through the allocator model says where the step stops
+fitting without estimating it there. Two more estimates confirm the answer: the size that fits and
+the one above it. Where the allocations do not line up (a kernel that picks another algorithm at
+another size), a line through the least room each size fits in (the allocator model replayed at
+smaller capacities) guides a secant search, with a bisection where the secant does not halve the
+bracket. The answer is always one estimated size that fits and the next that does not.
 """
 from __future__ import annotations
 
 from typing import Dict, Optional
 
-__all__ = ["MaxBatch", "max_batch_size", "batch_tensors"]
+__all__ = ["MaxBatch", "max_batch_size", "batch_tensors", "Growth", "least_room"]
 
 
 class MaxBatch(int):
@@ -127,7 +133,10 @@ def _search(step, args, kwargs, card, costs, base, shapes, batch_dim, limit, nam
         # touches on the way, torch's compiler config, is torch's doing and not reported).
         (api().torch.ones(2, 2) @ api().torch.ones(2, 2)).sum()
     tried: Dict[int, tuple] = {}
+    events: Dict[int, list] = {}  # the allocations of each size tried
+    needs: Dict[int, tuple] = {}  # the least room each fits in, where asked (least_room)
     estimates: Dict[int, object] = {}
+    room = card.capacity - sum(costs.values())  # what fits() gives the allocator model
 
     def at(n: int):
         if n not in tried:
@@ -150,46 +159,137 @@ def _search(step, args, kwargs, card, costs, base, shapes, batch_dim, limit, nam
             est, _marks, _names = answer_of(outcome.value, [])
             fit = est.fits(card)
             tried[n] = (bool(fit), est.total_needed)
+            events[n] = est.events
             estimates[n] = est.to_plain() if fit else None
         return tried[n]
 
     good: Optional[int] = None
     bad: Optional[int] = None
     first = max(1, min(base, limit))
-    ok, need = at(first)
-    if ok:
+    if at(first)[0]:
         good = first
     else:
         bad = first
-    # A second point for the line.
-    second = min(limit, first * 2) if ok else max(1, first // 2)
+    # A second size, for each allocation's growth.
+    second = min(limit, first * 2) if good else max(1, first // 2)
     if second != first:
-        ok2, need2 = at(second)
-        if ok2:
+        if at(second)[0]:
             good = max(good or 0, second)
         else:
             bad = second if bad is None else min(bad, second)
-    for turn in range(40):
+    stride = 1  # the least move past the known end: doubled each time a move of that size was not enough
+    widths = []
+    for _turn in range(40):
         if good is not None and bad is not None and bad - good <= 1:
             break
         if (good is None and bad == 1) or good == limit:
             break
-        if bad is None:  # no size fails yet: extrapolate along the line through the two largest
-            (n1, (_f1, y1)), (n2, (_f2, y2)) = sorted(tried.items())[-2:]
-            slope = (y2 - y1) / (n2 - n1) if n2 != n1 else 0
-            guess = int(n2 + (card.capacity - y2) / slope * 1.05) if slope > 0 else 2 * good
-            guess = min(limit, max(guess, good + 1))
-        elif good is None:  # not even the given size fits: halve
-            guess = max(1, bad // 2)
-        elif turn % 2 == 0:  # secant between the bracket's ends, kept inside it
-            y_good, y_bad = tried[good][1], tried[bad][1]
-            slope = (y_bad - y_good) / (bad - good)
-            guess = int(good + (card.capacity - y_good) / slope) if slope > 0 else (good + bad) // 2
-            guess = max(good + 1, min(bad - 1, guess))
-        else:  # bisection, so the bracket at least halves every second estimate
-            guess = (good + bad) // 2
+        low, high = good or 0, bad or limit + 1  # fits at low (0: nothing known), fails at high
+        near = sorted(tried, key=lambda n: (abs(n - low) if good else abs(n - high)))
+        a, b = sorted(((good, bad) if good and bad else near[:2]))
+        growth = Growth.of(a, events[a], b, events[b])
+        guess = growth.largest_fit(low, high, room) if growth is not None else None
+        if guess is None:
+            for n in (a, b):
+                if n not in needs:
+                    needs[n] = least_room(events[n])
+            guess = secant(a, needs[a], b, needs[b], room, low, high)
+        if bad is None:
+            guess = min(limit, max(guess, good + stride))
+        elif good is None:
+            guess = max(1, min(guess, bad - stride))
+        else:
+            widths.append(bad - good)
+            if len(widths) >= 2 and widths[-1] * 2 > widths[-2]:  # the last estimate did not halve it
+                guess = (good + bad) // 2
+            # the size that fits at the boundary is confirmed by the one above it failing
+            guess = max(good + 1, min(bad - 1, guess if guess > good else good + 1))
         if at(guess)[0]:
+            stride = stride * 2 if bad is None and guess == good + stride else 1
             good = guess
         else:
+            stride = stride * 2 if good is None and guess == bad - stride else 1
             bad = guess
     return good or 0, tried, estimates.get(good) if good else None
+
+
+class Growth:
+    """Each allocation of a step as ``size = constant + slope * batch``, from its allocations at two batch sizes."""
+
+    def __init__(self, keys: list, constant: list, slope: list):
+        self.keys, self.constant, self.slope = keys, constant, slope  # a free: constant and slope None
+
+    @classmethod
+    def of(cls, a: int, at_a: list, b: int, at_b: list) -> Optional["Growth"]:
+        """None unless the two runs made the same allocations and frees in the same order, each allocation
+        growing by a whole number of bytes a batch (then it is that run at any other size)."""
+        if a == b or len(at_a) != len(at_b):
+            return None
+        keys, constant, slope = [], [], []
+        for (key, size_a), (other, size_b) in zip(at_a, at_b):
+            if key != other or (size_a < 0) != (size_b < 0):
+                return None
+            grows, rest = divmod(size_b - size_a, b - a) if size_a >= 0 else (None, 0)
+            if rest:
+                return None
+            keys.append(key)
+            slope.append(grows)
+            constant.append(size_a - grows * a if grows is not None else None)
+        return cls(keys, constant, slope)
+
+    def events(self, n: int) -> Optional[list]:
+        """The step's ``(key, size)`` events at batch size ``n`` (None where an allocation would be negative)."""
+        out = [(k, -1 if d is None else c + d * n) for k, c, d in zip(self.keys, self.constant, self.slope)]
+        if any(size < 0 and d is not None for (_k, size), d in zip(out, self.slope)):
+            return None
+        return out
+
+    def fits(self, n: int, room: int) -> Optional[bool]:
+        """Whether the allocations at batch size ``n`` replay within ``room`` (None: the growth cannot say)."""
+        from .allocator import replay
+
+        events = self.events(n)
+        return None if events is None else replay(events, capacity=room, series=False).oom_at is None
+
+    def largest_fit(self, low: int, high: int, room: int) -> Optional[int]:
+        """The largest size in ``[low, high)`` whose allocations fit ``room``, by bisection (``low`` taken
+        to fit, ``high`` to fail); None where the growth cannot say."""
+        while high - low > 1:
+            middle = (low + high) // 2
+            fit = self.fits(middle, room)
+            if fit is None:
+                return None
+            if fit:
+                low = middle
+            else:
+                high = middle
+        return low
+
+
+def secant(a: int, need_a: tuple, b: int, need_b: tuple, room: int, low: int, high: int) -> int:
+    """Where the line through the least rooms of sizes ``a`` and ``b`` (``least_room``'s) reaches ``room``;
+    where it does not rise by several times their precision (a staircase of 2 MiB segments, on which
+    a secant only creeps), twice ``low``, or the middle of ``(low, high)`` when that is nearer."""
+    (y_a, close_a), (y_b, close_b) = need_a, need_b
+    if y_b - y_a <= 4 * max(close_a, close_b):
+        return min(2 * low, (low + high) // 2) if low else high // 2
+    return int(a + (room - y_a) * (b - a) / (y_b - y_a))
+
+
+def least_room(events) -> tuple:
+    """``(bytes, precision)``: the least capacity (to 2 MiB, or 1/64 of the span between the peaks) in which
+    the allocator model replays ``events`` without running out of memory; between the peak allocated and
+    the peak reserved bytes, where emptying the cache before a new segment lets the step fit with less
+    than it reserves."""
+    from .allocator import ROUND_LARGE, replay
+
+    whole = replay(events, series=False)
+    low, high = whole.peak_allocated, whole.peak_reserved  # high always fits (nothing is released below it)
+    close = max(ROUND_LARGE, (high - low) // 64)
+    while high - low > close:
+        middle = (low + high) // 2
+        if replay(events, capacity=middle, series=False).oom_at is None:
+            high = middle
+        else:
+            low = middle
+    return high, close
