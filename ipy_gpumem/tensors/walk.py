@@ -79,19 +79,6 @@ _TYPE_DICT = type.__dict__["__dict__"]
 _READ_SLICE = 4096  # values read, and their types, in one go
 
 
-def _values_and_types(view: Any) -> Tuple[List[Any], List[type]]:
-    """``(list(view), their types)``, read a slice at a time so each object is fetched from memory once."""
-    values: List[Any] = []
-    tps: List[type] = []
-    iterator = iter(view)
-    while True:
-        part = list(islice(iterator, _READ_SLICE))
-        if not part:
-            return values, tps
-        tps.extend(map(type, part))
-        values.extend(part)
-
-
 def _names_at(ns: dict, positions: List[int], length: int) -> Optional["_Names"]:
     """The keys of ``ns`` at ``positions`` (``length`` keys when its values were read), read from
     its start up to the last of them in the first half and from its end down to the first of them
@@ -328,14 +315,29 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
     def top_variables(self, tier: _Tier) -> None:
         """The namespace's names: every one is the user's variable except those IPython bound."""
         ns = self.namespace
-        # The values and their types a slice at a time (the type is read while the object is still
-        # in the cache: one trip to memory per name, not two); the names only where a value may
-        # hold something. Each suspect is checked against the namespace below, so a name another
-        # thread rebinds in between is never mislabelled.
-        values, tps = _values_and_types(dict.values(ns))
-        self.visits += len(values)
-        # Values at depth 0 hold tensors at most MAX_DEPTH levels below them.
-        positions = self.suspects(values, MAX_DEPTH + 1, tps)
+        # The values a slice at a time, their types read and their containers proven while they are
+        # still in the cache (one trip to memory per name, not one per pass); the names only where a
+        # value may hold something. Each suspect is checked against the namespace below, so a name
+        # another thread rebinds in between is never mislabelled.
+        tps: List[type] = []
+        positions: List[int] = []
+        length = 0
+        iterator = iter(dict.values(ns))
+        while True:
+            try:
+                part = list(islice(iterator, _READ_SLICE))
+            except RuntimeError:  # another thread resized it while it was read: every name, as it is now
+                length = -1
+                break
+            if not part:
+                break
+            part_types = list(map(type, part))
+            # Values at depth 0 hold tensors at most MAX_DEPTH levels below them.
+            positions += map(length.__add__, self.suspects(part, MAX_DEPTH + 1, part_types))
+            tps += part_types
+            length += len(part)
+        part = []
+        self.visits += max(length, 0)
         owned = self.ipython_names
         kinds, classify, root = self.types.kinds, self.types.classify, self.root
         if len(positions) > 1024:
@@ -347,7 +349,7 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
         else:
             first_ones = 1024
         reached = positions if not self.stopped else positions[:first_ones]  # what this budget can still do
-        names: Any = _names_at(ns, reached, len(values))
+        names: Any = _names_at(ns, reached, length)
         if names is None:  # the namespace changed while read (another thread): every name, as it is now
             names = list(dict.keys(ns))
             positions = range(len(names))
