@@ -46,6 +46,7 @@ __all__ = ["SKIP", "TENSOR", "PARAM", "MODULE", "OPTIM", "DICT", "SEQ", "READ", 
 # opened a level at a time (their contents wait for the next level); DICT..OBJECT hold data
 # (proven scalar-only in C where they can be), kinds above OBJECT are the user's code.
 SKIP, TENSOR, PARAM, MODULE, OPTIM, DICT, SEQ, READ, OBJECT, FUNC, CLASS, MODOBJ = range(12)
+_UNSEEN = 255  # no kind yet (kinds fit in a byte)
 
 SCALAR_TYPES = (
     int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
@@ -326,6 +327,17 @@ class KindsMixin:
         """How ``value`` is walked, decided by its type (never by ``__class__``)."""
         kind = self.types.kinds.get(type(value))
         return self.types.classify(type(value)) if kind is None else kind
+
+    def kinds_of(self, tps: List[type]) -> bytes:
+        """The kinds of the types ``tps``, one byte each, in C (a type not seen yet is classified first;
+        bytes, so that ``translate`` sorts them by kind at memory speed)."""
+        kinds = self.types.kinds
+        found = bytes(map(kinds.get, tps, repeat(_UNSEEN)))
+        if _UNSEEN in found:
+            for tp in set(compress(tps, map(_UNSEEN.__eq__, found))):
+                self.types.classify(tp)
+            found = bytes(map(kinds.__getitem__, tps))
+        return found
 
     def is_tensor(self, value: Any) -> bool:
         """True for real tensors (by type, never by ``__class__``)."""
@@ -678,14 +690,13 @@ class KindsMixin:
         """:meth:`suspects` of one slice: its containers are touched while still in the cache."""
         cache = self.types
         kinds = cache.kinds
-        # The positions of what is not a scalar (or of a type not seen yet), then those handed to
-        # their type's list: two passes over the types, whatever the number of types.
-        positions = list(compress(_INDEX, map(kinds.get, tps, repeat(-1))))
+        # The positions of what is not a scalar, then those handed to their type's list: two passes
+        # over the types, whatever the number of types.
+        positions = list(compress(_INDEX, self.kinds_of(tps)))
+        if not positions or self.out_of_budget():
+            return positions  # nothing to prove, or no time to: the caller says what was not examined
         by_type: Dict[type, List[int]] = defaultdict(list)
         any(map(list.append, map(by_type.__getitem__, map(tps.__getitem__, positions)), positions))
-        for tp in [tp for tp in by_type if tp not in kinds]:
-            if not cache.classify(tp):
-                del by_type[tp]
         kept = []
         for tp, mine in by_type.items():
             kind = kinds[tp]
