@@ -617,14 +617,20 @@ class KindsMixin:
     def _scan(self, items: Iterator[Any], listed: bool,
               size: Optional[int]) -> Optional[Tuple[set, Optional[List[Any]], Optional[List[type]]]]:
         """``(types found, the items, their types)`` of one iterator of children (``size`` of them, when
-        known), or None when the budget ran out. A few items: their types in one pass (the caller lists
-        them only if they are looked into). Many: the first items tell which pass fits: scalars
-        there, types only for the rest (listing them, and dropping the list, would touch every object
-        twice more; the items are None then); records there and ``listed``, the items are listed as
-        their types are read (they are looked into next)."""
+        known), or None when the budget ran out. The first items tell which pass fits: scalars there,
+        types only for the rest (listing them, and dropping the list, would touch every object twice
+        more; the items are None then); records there and ``listed``, the items are listed with their
+        types (they are looked into next). A few items (``size`` at most a slice) go in one pass."""
         skip = self.types.skip_types
         if size is not None and size <= _SLICE:
-            return set(map(type, items)), None, None
+            values = list(islice(items, _HEAD))
+            found = set(map(type, values))
+            if not listed or found.issubset(skip):
+                found.update(map(type, items))
+                return found, None, None
+            values += items
+            tps = list(map(type, values))
+            return set(tps), values, tps
         values = list(islice(items, _HEAD))
         tps: Optional[List[type]] = list(map(type, values))
         found = set(tps)
