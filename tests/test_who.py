@@ -1134,6 +1134,18 @@ def test_a_giant_container_does_not_run_past_the_budget():
     assert not report.complete and "(big)" in report.notes[0] and holder(report, "x").bytes == 8
 
 
+def test_a_budget_that_stops_the_proofs_still_reads_every_name():
+    """Past the budget the rest of the names are only sorted by kind, in C: a tensor bound last still counts,
+    and the report says how many names that hold containers it did not examine."""
+    ns = {f"r{i}": [i, str(i)] for i in range(50_000)}
+    ns["last"] = torch.ones(3)
+    report = who(ns, budget_s=0.0)
+    assert holder(report, "last").bytes == 12 and not report.complete
+    assert "not examined: 48,976 of the namespace's names (those that hold containers, past the first 1,024)" \
+        in report.notes[0]
+    assert who(ns, budget_s=10.0).complete
+
+
 @pytest.mark.slow
 def test_the_public_who_is_a_function_after_every_room_is_imported():
     """The room is not named ``who``: importing it can never replace ``ipy_gpumem.who()``."""

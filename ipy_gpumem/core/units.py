@@ -10,7 +10,6 @@ can hold. c10 stops at GiB ("131072.00 GiB"); past 1 TiB we go on to TiB and PiB
 from __future__ import annotations
 
 import re
-from decimal import ROUND_HALF_UP, Context, Decimal, InvalidOperation
 from typing import Optional
 
 __all__ = ["KiB", "MiB", "GiB", "TiB", "PiB", "format_bytes", "format_delta", "format_seconds", "parse_bytes"]
@@ -34,8 +33,6 @@ _UNITS = {
 }
 # ASCII digits only: \d would also accept other scripts' digits ("٣ GiB").
 _QUANTITY = re.compile(r"^\s*([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))\s*([a-zA-Z]*)\s*$")
-# Enough precision that no size a message can print is rounded before we round it ourselves.
-_EXACT = Context(prec=200)
 
 
 def format_bytes(size: int | None) -> str:
@@ -82,7 +79,7 @@ def format_delta(delta: int | None) -> str:
 def parse_bytes(text: str | int) -> int:
     """Read a size such as ``"20.00 MiB"``, ``"0 bytes"``, ``"3.34GiB"``, ``"72GB"`` or ``"16M"``.
 
-    Decimals are rounded half up after exact decimal multiplication, so
+    Decimals are rounded half up after exact (integer) multiplication, so
     ``parse_bytes("2.32 GiB") == round(2.32 * 1024**3)`` without float error, and huge values
     such as torch's ``"17179869184.00 GiB"`` (2**64) stay exact.
 
@@ -106,11 +103,10 @@ def parse_bytes(text: str | int) -> int:
         raise ValueError(f"unknown unit {unit!r} in {text!r} (use bytes, KiB, MiB, GiB, TiB or PiB)")
     if len(number) > 60:
         raise ValueError(f"not a size: {text!r} (too many digits)")
-    try:
-        value = _EXACT.multiply(Decimal(number), Decimal(factor))
-        return int(value.quantize(Decimal(1), rounding=ROUND_HALF_UP, context=_EXACT))
-    except InvalidOperation:
-        raise ValueError(f"not a size: {text!r}") from None
+    whole, _, fraction = number.lstrip("+-").partition(".")
+    scale = 10 ** len(fraction)
+    quotient, rest = divmod(int(whole + fraction) * factor, scale)
+    return (-1 if number[0] == "-" else 1) * (quotient + (2 * rest >= scale))  # half up, away from zero
 
 
 def format_seconds(seconds: Optional[float]) -> str:

@@ -14,8 +14,7 @@ import keyword
 import os
 import re
 import shlex
-from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..core.devices import HOST, Device, parse_device
 
@@ -36,8 +35,7 @@ class HeaderError(ValueError):
     """A ``%%gpumem`` line that cannot be read; the message is one line and says the fix."""
 
 
-@dataclass(frozen=True)
-class CellPlan:
+class CellPlan(NamedTuple):
     """What one ``%%gpumem`` line asks for.
 
     Attributes:
@@ -69,8 +67,7 @@ class CellPlan:
         return () if self.device.is_host else (self.device.index,)
 
 
-@dataclass(frozen=True)
-class CellHeader:
+class CellHeader(NamedTuple):
     """Where ``%%gpumem`` sits in a cell.
 
     Attributes:
@@ -83,7 +80,10 @@ class CellHeader:
 
     plan: CellPlan
     offset: int
-    source_lines: Tuple[str, ...] = field(default=(), repr=False)
+    source_lines: Tuple[str, ...] = ()
+
+    def __repr__(self) -> str:  # the source lines are the cell itself: not repeated
+        return f"CellHeader(plan={self.plan!r}, offset={self.offset!r})"
 
 
 class _Parser(argparse.ArgumentParser):

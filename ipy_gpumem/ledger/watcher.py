@@ -27,7 +27,6 @@ from __future__ import annotations
 import re
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 from ..core.probes import Sample
@@ -61,15 +60,22 @@ def _only_our_magics(raw: str) -> bool:
     return all(_OURS.match(line) for line in lines) and any(line.strip() for line in lines)
 
 
-@dataclass
 class Settings:
     """What the watcher reads on every cell, as plain values (copied from the traitlets)."""
 
-    threshold: int = 16 * MiB
-    devices: Optional[Tuple[int, ...]] = None
-    track_peaks: bool = True
-    quiet: bool = False
-    oom_panel: bool = True
+    # A plain class, not a dataclass: a dataclass costs a millisecond to define, at every %load_ext.
+    __slots__ = ("threshold", "devices", "track_peaks", "quiet", "oom_panel")
+
+    def __init__(self, threshold: int = 16 * MiB, devices: Optional[Tuple[int, ...]] = None, track_peaks: bool = True,
+                 quiet: bool = False, oom_panel: bool = True):
+        self.threshold = threshold
+        self.devices = devices
+        self.track_peaks = track_peaks
+        self.quiet = quiet
+        self.oom_panel = oom_panel
+
+    def __repr__(self) -> str:
+        return "Settings(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__) + ")"
 
 
 class _End(NamedTuple):
@@ -80,8 +86,7 @@ class _End(NamedTuple):
     host_current: bool
 
 
-@dataclass(frozen=True)
-class CellOutcome:
+class CellOutcome(NamedTuple):
     """What a finished cell has to show.
 
     Attributes:

@@ -32,9 +32,9 @@ import site
 import sys
 import sysconfig
 import types
-from collections import deque
+from collections import defaultdict, deque
 from itertools import chain, compress, islice, repeat
-from operator import is_
+from operator import is_, not_
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from . import readers
@@ -46,6 +46,7 @@ __all__ = ["SKIP", "TENSOR", "PARAM", "MODULE", "OPTIM", "DICT", "SEQ", "READ", 
 # opened a level at a time (their contents wait for the next level); DICT..OBJECT hold data
 # (proven scalar-only in C where they can be), kinds above OBJECT are the user's code.
 SKIP, TENSOR, PARAM, MODULE, OPTIM, DICT, SEQ, READ, OBJECT, FUNC, CLASS, MODOBJ = range(12)
+_UNSEEN = 255  # no kind yet (kinds fit in a byte)
 
 SCALAR_TYPES = (
     int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
@@ -89,6 +90,10 @@ _CHUNK = 1 << 16
 _FIRST_PART = 256
 _SIZED = frozenset((list, tuple, dict, set, frozenset))
 _MEMO_SIZE = 256
+#: Values proven a slice at a time: every object of a slice is read from memory once, then looked at
+#: again (its type, its length, its items) while it is still in the cache.
+_SUB = 4096
+_INDEX = list(range(_SUB))  # positions in a slice, made once
 _ALL_LEVELS = 1 << 30  # a proof that found only scalars one level down holds at any depth
 _GONE = object()
 
@@ -322,6 +327,17 @@ class KindsMixin:
         """How ``value`` is walked, decided by its type (never by ``__class__``)."""
         kind = self.types.kinds.get(type(value))
         return self.types.classify(type(value)) if kind is None else kind
+
+    def kinds_of(self, tps: List[type]) -> bytes:
+        """The kinds of the types ``tps``, one byte each, in C (a type not seen yet is classified first;
+        bytes, so that ``translate`` sorts them by kind at memory speed)."""
+        kinds = self.types.kinds
+        found = bytes(map(kinds.get, tps, repeat(_UNSEEN)))
+        if _UNSEEN in found:
+            for tp in set(compress(tps, map(_UNSEEN.__eq__, found))):
+                self.types.classify(tp)
+            found = bytes(map(kinds.__getitem__, tps))
+        return found
 
     def is_tensor(self, value: Any) -> bool:
         """True for real tensors (by type, never by ``__class__``)."""
@@ -559,35 +575,16 @@ class KindsMixin:
         """``(verdict, levels looked into)``: 1 when the containers' own items were all scalars."""
         cache = self.types
         skip = cache.skip_types
-        values: Optional[List[Any]] = None
         try:
-            children = self.children(tp, group)
             self.visits += len(group)
-            # The first items tell which pass fits: scalars there, types only for the rest (listing
-            # them, and dropping the list, would touch every object twice more); records there,
-            # the items are listed as their types are read (they are looked into next).
-            head = list(islice(children, _HEAD))
-            found = set(map(type, head))
-            if not found.issubset(skip) and levels > 1:
-                values = head
-            # A slice at a time, with a look at the clock between slices: a list of fifty million
-            # ints must not stall the kernel either.
-            while True:
-                if values is None:
-                    found.update(map(type, islice(children, _SLICE)))
-                else:
-                    part = list(islice(children, _SLICE))
-                    values.extend(part)
-                    found.update(map(type, part))
-                following = next(children, _GONE)
-                if following is _GONE:
-                    break
-                found.add(type(following))
-                if values is not None:
-                    values.append(following)
-                self.visits += _SLICE
-                if self.out_of_budget():
+            parts = []
+            found: set = set()
+            for part_of, size in self.parts(tp, group):
+                scanned = self._scan(part_of(), levels > 1, size)
+                if scanned is None:
                     return False, levels  # not proven empty: the caller's walk reports it as not examined
+                parts.append((part_of,) + scanned)
+                found |= scanned[0]
             kinds = cache.kinds
             for other in found.difference(kinds):
                 cache.classify(other)
@@ -600,28 +597,83 @@ class KindsMixin:
                 kind = kinds[other]
                 if kind < DICT or kind > OBJECT or (kind == READ and other not in cache.group_empty):
                     return False, levels  # a tensor, a module, the user's code: no need to look closer
-            if values is None:
-                values = list(self.children(tp, group))  # containers are there after all: look closer
+            values: List[Any] = []
+            tps: List[type] = []
+            for part_of, part_found, part_values, part_tps in parts:
+                if part_found.issubset(skip):
+                    continue  # a dict's keys, nearly always: nothing in them to look into
+                if part_values is None:  # containers are there after all: look closer
+                    part_values = list(part_of())
+                    part_tps = list(map(type, part_values))
+                values += part_values
+                tps += part_tps
         except Exception:  # noqa: BLE001 - an odd instance: let the item-by-item path look at each one
             return False, levels
-        tps = list(map(type, values))
         for other in others:
             if not self.inert(other, list(compress(values, map(is_, tps, repeat(other)))), levels - 1):
                 return False, levels
         return True, levels
 
-    def children(self, tp: type, group: List[Any]) -> Iterator[Any]:
-        """What the containers in ``group`` (all of type ``tp``) hold, chained, through C iterators only
-        (dicts' values, then their keys)."""
+    def _scan(self, items: Iterator[Any], listed: bool,
+              size: Optional[int]) -> Optional[Tuple[set, Optional[List[Any]], Optional[List[type]]]]:
+        """``(types found, the items, their types)`` of one iterator of children (``size`` of them, when
+        known), or None when the budget ran out. The first items tell which pass fits: scalars there,
+        types only for the rest (listing them, and dropping the list, would touch every object twice
+        more; the items are None then); records there and ``listed``, the items are listed with their
+        types (they are looked into next). A few items (``size`` at most a slice) go in one pass."""
+        skip = self.types.skip_types
+        if size is not None and size <= _SLICE:
+            values = list(islice(items, _HEAD))
+            found = set(map(type, values))
+            if not listed or found.issubset(skip):
+                found.update(map(type, items))
+                return found, None, None
+            values += items
+            tps = list(map(type, values))
+            return set(tps), values, tps
+        values = list(islice(items, _HEAD))
+        tps: Optional[List[type]] = list(map(type, values))
+        found = set(tps)
+        if not listed or found.issubset(skip):
+            values = tps = None
+        # A slice at a time, with a look at the clock between slices: a list of fifty million ints
+        # must not stall the kernel either.
+        while True:
+            if values is None:
+                found.update(map(type, islice(items, _SLICE)))
+            else:
+                part = list(islice(items, _SLICE))
+                part_types = list(map(type, part))
+                found.update(part_types)
+                values += part
+                tps += part_types
+            following = next(items, _GONE)
+            if following is _GONE:
+                return found, values, tps
+            found.add(type(following))
+            if values is not None:
+                values.append(following)
+                tps.append(type(following))
+            self.visits += _SLICE
+            if self.out_of_budget():
+                return None
+
+    def parts(self, tp: type, group: List[Any]) -> Tuple[Tuple[Any, Optional[int]], ...]:
+        """What the containers in ``group`` (all of type ``tp``) hold, as functions that chain it anew
+        through C iterators only, each with how many items that is when the builtin types' own lengths
+        say: a dict's values, then its keys (apart: the keys are nearly always strings, read for their
+        types only whatever the values hold)."""
         cache = self.types
         kind = cache.kinds[tp]
+        size = sum(map(len, group)) if tp in _SIZED else None
         if kind == DICT:
-            return chain(chain.from_iterable(map(dict.values, group)), chain.from_iterable(map(dict.keys, group)))
+            return ((lambda: chain.from_iterable(map(dict.values, group)), size),
+                    (lambda: chain.from_iterable(map(dict.keys, group)), size))
         if kind == SEQ:
-            return chain.from_iterable(map(cache.seq_iter[tp], group))
+            return ((lambda: chain.from_iterable(map(cache.seq_iter[tp], group)), size),)
         if cache.slot_desc.get(tp):
-            return chain.from_iterable(dict.values(self.attributes(obj) or {}) for obj in group)
-        return chain.from_iterable(map(dict.values, map(cache.dict_desc[tp].__get__, group)))
+            return ((lambda: chain.from_iterable(dict.values(self.attributes(obj) or {}) for obj in group), None),)
+        return ((lambda: chain.from_iterable(map(dict.values, map(cache.dict_desc[tp].__get__, group))), None),)
 
     def suspects(self, values: List[Any], levels: int, tps: Optional[List[type]] = None) -> List[int]:
         """Positions of ``values`` that may hold a tensor within ``levels`` levels, in order.
@@ -633,41 +685,48 @@ class KindsMixin:
         """
         if tps is None:
             tps = list(map(type, values))
-        cache = self.types
-        kinds, classify = cache.kinds, cache.classify
-        for tp in set(tps):  # every type gets a kind first, so that kinds.get never answers None below
-            if tp not in kinds:
-                classify(tp)
-        # One pass keeps what is not a scalar; the per-type passes then run over that rest only.
-        positions = list(compress(range(len(values)), map(kinds.__getitem__, tps)))
-        rest = list(map(tps.__getitem__, positions))
+        if len(values) <= _SUB:
+            return self._suspects(values, levels, tps)
         kept: List[int] = []
-        for tp in set(rest):
-            mine = list(compress(positions, map(is_, rest, repeat(tp))))
+        for start in range(0, len(values), _SUB):
+            kept += map(start.__add__, self._suspects(values[start:start + _SUB], levels, tps[start:start + _SUB]))
+        return kept
+
+    def _suspects(self, values: List[Any], levels: int, tps: List[type]) -> List[int]:
+        """:meth:`suspects` of one slice: its containers are touched while still in the cache."""
+        cache = self.types
+        kinds = cache.kinds
+        # The positions of what is not a scalar, then those handed to their type's list: two passes
+        # over the types, whatever the number of types.
+        positions = list(compress(_INDEX, self.kinds_of(tps)))
+        if not positions or self.out_of_budget():
+            return positions  # nothing to prove, or no time to: the caller says what was not examined
+        by_type: Dict[type, List[int]] = defaultdict(list)
+        any(map(list.append, map(by_type.__getitem__, map(tps.__getitem__, positions)), positions))
+        kept = []
+        for tp, mine in by_type.items():
             kind = kinds[tp]
             if kind < DICT or kind > OBJECT or (kind == READ and tp not in cache.group_empty):
-                kept.extend(mine)
+                kept += mine
                 continue
             if self.out_of_budget():
-                kept.extend(mine)
+                kept += mine
                 continue
-            if tp in (list, tuple, dict):
+            group = list(map(values.__getitem__, mine))
+            if tp in (list, tuple, dict) and max(map(len, group)) > _ALONE:
                 # A large builtin container goes alone, through the memo of proven ones.
-                sizes = list(map(len, map(values.__getitem__, mine)))
-                large = [p for p, n in zip(mine, sizes) if n > _ALONE] if max(sizes, default=0) > _ALONE else []
-                for position in large:
-                    if not self.inert(tp, [values[position]], levels):
+                small = list(map(_ALONE.__ge__, map(len, group)))
+                for position, value in zip(compress(mine, map(not_, small)), compress(group, map(not_, small))):
+                    if not self.inert(tp, [value], levels):
                         kept.append(position)
-                if large:
-                    mine = [p for p, n in zip(mine, sizes) if n <= _ALONE]
-            if len(mine) > _GROUP and self.inert(tp, list(map(values.__getitem__, mine)), levels):
+                mine, group = list(compress(mine, small)), list(compress(group, small))
+            if len(mine) > _GROUP and self.inert(tp, group, levels):
                 continue  # the usual case, in one go: a million records of scalars
             for start in range(0, len(mine), _GROUP):
-                chunk = mine[start:start + _GROUP]
                 if self.out_of_budget():
-                    kept.extend(mine[start:])
+                    kept += mine[start:]
                     break
-                if not self.inert(tp, list(map(values.__getitem__, chunk)), levels):
-                    kept.extend(chunk)
+                if not self.inert(tp, group[start:start + _GROUP], levels):
+                    kept += mine[start:start + _GROUP]
         kept.sort()
         return kept
