@@ -71,6 +71,7 @@ def test_the_users_objects_are_bitwise_unchanged(capsys):
     assert any(".item()" in n for n in est.notes) and any("printed" in n for n in est.notes)
 
 
+@pytest.mark.slow
 def test_globals_and_closures_are_faked_not_used():
     model, opt, x, y = _mlp()
     g = {"model": model, "opt": opt, "x": x, "y": y, "F": F}

@@ -88,6 +88,7 @@ def test_capacity_releases_cached_segments_before_running_out():
 ops = st.lists(st.tuples(st.booleans(), sizes, st.integers(0, 1000)), max_size=120)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(ops)
 def test_invariants_hold_for_any_sequence(seq):

@@ -393,11 +393,13 @@ def _tracked_forward(precision):
     return [n if n >= 0 else -tracker.run.sizes[k] for k, n in tracker.run.events[start:]]
 
 
+@pytest.mark.slow
 def test_the_fp32_forward_allocates_the_captures_events_in_order():
     capture = _fixture()["captures"]["fp32"]
     assert _tracked_forward("fp32") == capture["trace"]
 
 
+@pytest.mark.slow
 def test_the_bf16_forward_under_emulated_cuda_autocast_allocates_the_captures_events():
     """Casts where CUDA casts (einsum's inputs, exp's to fp32), one bf16 copy of each weight kept until
     the region exits: the capture's events in order, up to the order of those copies' frees at the
@@ -409,6 +411,7 @@ def test_the_bf16_forward_under_emulated_cuda_autocast_allocates_the_captures_ev
     assert sorted(mine[exit_at:]) == sorted(trace[exit_at:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_estimate_is_within_3_percent_of_the_real_gpu_capture(precision):
     """``estimate()`` of the capture's step against torch's own counters on the GPU: peak allocated

@@ -47,6 +47,7 @@ def _estimate(ip, body, header="%%gpumem --estimate T4 -o est_loop"):
 # --- DataLoader workers ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_dataloader_with_workers_is_read_as_with_none_and_the_notes_say_so(ip, gpumem):
     run(ip, SETUP + "dl0 = DataLoader(ds, batch_size=16, shuffle=True)\n"
                     "dl2 = DataLoader(ds, batch_size=16, shuffle=True, num_workers=2)\n"
@@ -74,6 +75,7 @@ def test_a_dataloader_with_workers_is_read_as_with_none_and_the_notes_say_so(ip,
 # --- a lock held by another thread when the copy was made ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_lock_held_by_another_kernel_thread_is_found_before_the_deadline(ip, gpumem):
     run(ip, SETUP + "import threading, time\nheld = threading.Lock()\nrelease = threading.Event()\n"
                     "def hold():\n    with held:\n        release.wait(60)\n"

@@ -140,6 +140,7 @@ def test_no_side_effect_of_the_step_reaches_the_user(tmp_path, server):
         assert what in refused, (what, est.notes)
 
 
+@pytest.mark.slow
 def test_a_deadline_holds_whatever_the_step_does():
     def slow(x):
         time.sleep(30)
@@ -236,6 +237,7 @@ def test_a_helper_module_of_the_users_is_reached_and_left_alone(tmp_path, monkey
         sys.modules.pop("ipg_train_helpers", None)
 
 
+@pytest.mark.slow
 def test_a_large_namespace_costs_nothing_to_copy_and_leaves_no_memory_behind():
     import numpy as np
 

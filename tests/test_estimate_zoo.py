@@ -183,7 +183,12 @@ def real_peak(step, args):
 ZOO = zoo()
 
 
-@pytest.mark.parametrize("member", ZOO, ids=[z[0] + " / " + z[1] for z in ZOO])
+#: Each member with its marks: the MLP stays in the fast set (pytest -m "not slow"), the others take over a second.
+MEMBERS = [pytest.param(z, id=z[0] + " / " + z[1], marks=() if z[0] == "MLP + dropout" else pytest.mark.slow)
+           for z in ZOO]
+
+
+@pytest.mark.parametrize("member", MEMBERS)
 def test_estimate_matches_a_real_cpu_run_within_one_percent(member):
     name, _opt, step, args = member
     real = real_peak(step, args)
