@@ -172,7 +172,8 @@ def top_of(series: Sequence[int], lo: int = 0, hi: Optional[int] = None) -> Tupl
 
 
 class Times(Sequence):
-    """Seconds from the first event after each event, computed from the trace's ``time_us`` column (nothing copied)."""
+    """Seconds from the first event after each event, computed from the trace's time column (nothing copied;
+    ``first_us`` is the first event's value in that column)."""
 
     def __init__(self, column: Optional[array], first_us: int = 0, n: int = 0):
         self.column, self.first_us = column, first_us
@@ -593,19 +594,22 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
             check_blocks += 1
             exact += bsize[k] == size
     check = Check(check_blocks, exact, allocated_real, allocated, reserved_end, reserved, anomalies)
-    first_us = next((t for t in trace.time if t != NO_TIME), None)
+    # The time column holds offsets from ``trace.time_base`` (or absolute times, base 0).
+    none, base = trace.time_none, trace.time_base
+    first = next((t for t in trace.time if t != none), None)
+    first_us = None if first is None else first + base
     timed = first_us is not None
-    if timed and (trace.odd or NO_TIME in trace.time):  # some events without a time: carry the last one
+    if timed and (trace.odd or none in trace.time):  # some events without a time: carry the last one
         times: Sequence[float] = array("d")
         last_t = 0.0
         for i, t in enumerate(trace.time):
             if i in trace.odd:
                 t = trace.row(i)[3]
-                t = t if type(t) is int else NO_TIME
-            last_t = (t - first_us) / 1e6 if t != NO_TIME else last_t
+                t = t - base if type(t) is int and t != NO_TIME else none
+            last_t = (t - first) / 1e6 if t != none else last_t
             times.append(last_t)
     else:
-        times = Times(trace.time, first_us) if timed else Times(None, n=n)
+        times = Times(trace.time, first) if timed else Times(None, n=n)
     allocations = Allocations(trace, before, born, bsize, freed, gone, held)
     return DeviceReplay(device, times, series, Steps(initial_reserved, res_at, res_values, n), timed, first_us,
                         initial_allocated, initial_reserved, initial_blocks, allocations, tuple(frag), tuple(ooms),

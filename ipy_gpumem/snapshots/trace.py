@@ -9,6 +9,8 @@ __all__ = ["Trace", "NO_TIME", "COLUMNS"]
 
 #: ``time_us`` of an event that has none (2024 captures record no times).
 NO_TIME = -(1 << 63)
+#: The time column's "no time" while it holds offsets (4 bytes each) from the first time.
+_NO_OFFSET = (1 << 32) - 1
 #: The keys kept in their own columns; every other key goes into the event's interned ``extras``.
 COLUMNS = ("action", "addr", "size", "time_us", "frames")
 _LOW, _HIGH = -(1 << 63) + 1, (1 << 63) - 1
@@ -18,12 +20,15 @@ _WIDER = {"I": "q", "h": "iq", "i": "q", "B": "HIq", "H": "Iq", "q": ""}  # what
 class Trace(Sequence):
     """A device's events, oldest first: ``trace[i]`` builds event ``i``'s dict on demand.
 
-    Per event it keeps an action code (1 byte), ``addr`` and ``time_us`` (8 bytes each), ``size``
-    (4 bytes, 8 once one needs it), an index into the shared frames table (2 bytes, 4 past 32,767
-    stacks: equal stacks are stored once) and an index into a table of the event's other keys and
-    values (1 byte, wider past 255: ``stream``, ``compile_context``, ..., which repeat): 24 bytes.
-    A column widens the first time a value does not fit. An event that does not fit at all (a
-    value of another type, a huge int) is kept whole in ``odd``; nothing is dropped.
+    Per event it keeps an action code (1 byte), ``addr`` (8 bytes), ``time_us`` as microseconds
+    after the first event's (4 bytes: 71 minutes; the absolute 8 once one is not after it or
+    later), ``size`` (4 bytes, 8 once one needs it), an index into the shared frames table (2
+    bytes, 4 past 32,767 stacks: equal stacks are stored once) and an index into a table of the
+    event's other keys and values (1 byte, wider past 255: ``stream``, ``compile_context``, ...,
+    which repeat): 20 bytes. A column widens the first time a value does not fit. An event that
+    does not fit at all (a value of another type, a huge int) is kept whole in ``odd``; nothing is
+    dropped. ``time[i] + time_base`` is event ``i``'s ``time_us``, unless ``time[i] == time_none``
+    (:meth:`time_at` says so).
     """
 
     def __init__(self, frames: Optional[List[Any]] = None):
@@ -32,7 +37,10 @@ class Trace(Sequence):
         self.act = array("B")
         self.addr = array("q")
         self.size = array("I")  # widens to "q"
-        self.time = array("q")
+        self.time = array("I")  # offsets from ``time_base`` (widens to "q": absolute, base 0)
+        self.time_base = 0
+        self.time_none = _NO_OFFSET  # NO_TIME once widened
+        self._based = False  # time_base is the first time seen
         self.frame = array("h")  # index into ``frames``; -1: no ``frames`` key (widens to "i")
         self.extra = array("B")  # index into ``extras`` (widens to "H", then "I")
         self.frames: List[Any] = [] if frames is None else frames  # shared between a file's devices
@@ -81,7 +89,7 @@ class Trace(Sequence):
                 getattr(self, name).append(value)
             except OverflowError:
                 self._widen(name, [value])
-        self.time.append(time)
+        self._extend_time([time])
 
     def _widen(self, name: str, values: List[int]) -> None:
         """Append ``values`` to column ``name``, in a wider type where one of them does not fit its own."""
@@ -104,8 +112,11 @@ class Trace(Sequence):
         The values must fit (action codes from :meth:`action_code`, 64-bit ints): the streaming
         reader checks them before, so the columns never end up of different lengths."""
         self.act.frombytes(bytes(codes))
-        for name, values, absent in (("addr", addr, 0), ("size", size, 0), ("time", time, NO_TIME),
-                                     ("frame", frame, -1), ("extra", extra, 0)):
+        if time is None:
+            self._extend_time([NO_TIME] * n)
+        else:
+            self._extend_time(time if type(time) is list else time.tolist())
+        for name, values, absent in (("addr", addr, 0), ("size", size, 0), ("frame", frame, -1), ("extra", extra, 0)):
             column = getattr(self, name)
             if values is None:
                 values = [absent] * n
@@ -115,6 +126,37 @@ class Trace(Sequence):
                 column.fromlist(values)  # all or nothing, and several times faster than extend()
             except OverflowError:
                 self._widen(name, values)
+
+    def _extend_time(self, values: List[int]) -> None:
+        """Append times (``time_us``, or :data:`NO_TIME`) as offsets from the first one, or absolute once one does not fit."""
+        column = self.time
+        if column.typecode == "I":
+            untimed = values.count(NO_TIME)
+            if not self._based:
+                if untimed == len(values):  # no time yet (2024 captures have none at all)
+                    column.extend(array("I", [_NO_OFFSET]) * len(values))
+                    return
+                self.time_base, self._based = next(t for t in values if t != NO_TIME), True
+            offsets: Optional[List[int]] = list(map(self.time_base.__rsub__, values))  # ``t - base``, in C
+            if _NO_OFFSET in offsets:
+                offsets = None  # a real offset equal to "no time": absolute from here
+            elif untimed:
+                offsets = [_NO_OFFSET if t == NO_TIME else o for t, o in zip(values, offsets)]
+            if offsets is not None:
+                try:
+                    column.fromlist(offsets)  # all or nothing
+                    return
+                except OverflowError:  # before the first event, or 71 minutes after it
+                    pass
+            none, base = self.time_none, self.time_base
+            column = self.time = array("q", [NO_TIME if o == none else o + base for o in column])
+            self.time_base, self.time_none = 0, NO_TIME
+        column.fromlist(values)
+
+    def time_at(self, i: int) -> int:
+        """Event ``i``'s ``time_us`` from the column (:data:`NO_TIME`: none)."""
+        offset = self.time[i]
+        return NO_TIME if offset == self.time_none else offset + self.time_base
 
     def add(self, e: Mapping[str, Any]) -> None:
         """Append one event given as a dict (columns where it fits, whole in ``odd`` where not)."""
@@ -174,7 +216,7 @@ class Trace(Sequence):
             elif k == "size":
                 out[k] = self.size[i]
             elif k == "time_us":
-                out[k] = self.time[i]
+                out[k] = self.time_at(i)
             elif k == "frames":
                 out[k] = list(self.frames[self.frame[i]])
             else:
@@ -189,7 +231,7 @@ class Trace(Sequence):
                 return None, 0, 0, NO_TIME
             t = e.get("time_us")
             return e.get("action"), e.get("addr", 0), e.get("size", 0), NO_TIME if t is None else t
-        return self.actions[self.act[i]], self.addr[i], self.size[i], self.time[i]
+        return self.actions[self.act[i]], self.addr[i], self.size[i], self.time_at(i)
 
     def frames_at(self, i: int) -> Any:
         """Event ``i``'s ``frames`` (None without)."""
@@ -205,6 +247,9 @@ class Trace(Sequence):
         if reverse:
             columns = tuple(reversed(c) for c in columns)
         act, addr, size, time = columns
+        if self.time.typecode != "q":
+            none, base = self.time_none, self.time_base
+            time = (NO_TIME if t == none else t + base for t in time)
         rows = zip(map(self.actions.__getitem__, act), addr, size, time)
         if not self.odd:
             return rows
