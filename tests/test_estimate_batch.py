@@ -34,8 +34,8 @@ import ipy_gpumem  # noqa: E402
 from ipy_gpumem.preflight.allocator import replay  # noqa: E402
 from ipy_gpumem.preflight.cpulike import applies  # noqa: E402
 from ipy_gpumem.preflight.cudalike import cuda_emulation  # noqa: E402
-from ipy_gpumem.preflight.gpus import GPUS, cublas_workspace, fixed_costs  # noqa: E402
-from ipy_gpumem.preflight.run import analyse, run_steps, to_cpu  # noqa: E402
+from ipy_gpumem.preflight.gpus import GPUS, cublas_workspace  # noqa: E402
+from ipy_gpumem.preflight.run import run_steps, to_cpu  # noqa: E402
 from ipy_gpumem.preflight.steady import repeat  # noqa: E402
 from ipy_gpumem.preflight.world import FakeWorld  # noqa: E402
 from ipy_gpumem.tensors.torch_api import api  # noqa: E402
@@ -165,43 +165,62 @@ def _bert_base_like(batch):
     return model, opt, torch.randint(0, 8000, (batch, 512)), torch.randint(0, 2, (batch,))
 
 
+@pytest.fixture(scope="module")
+def bert_base():
+    """A 6-layer BERT-base fine-tune with AdamW, built once: its step's arguments at batch 2 (x 512 tokens)."""
+    return _bert_base_like(2)
+
+
+@pytest.fixture(scope="module")
+def five_calls(bert_base):
+    """The step run five times on fakes, as on an A100 (the truth the steady state is checked against)."""
+    return fake_run(bert_step, bert_base, 5, "A100-80")
+
+
+@pytest.fixture(scope="module")
+def estimated(bert_base):
+    """The estimate of the step (two calls, in its sealed copy) on an A100."""
+    return ipy_gpumem.estimate(bert_step, *bert_base, gpu="A100-80")
+
+
 @pytest.mark.slow
-def test_the_steady_state_from_two_calls_is_what_five_calls_reach():
-    """A 6-layer BERT-base fine-tune at batch 2 x 512 (fp32, on an A100): two calls reserve 25 MiB less
-    than the steady state, which the third call reaches. The copies of the last call replayed through
-    the allocator model give what running the step five times gives, to the byte."""
-    args = _bert_base_like(2)
-    two = fake_run(bert_step, args, 2, "A100-80")
-    five = fake_run(bert_step, args, 5, "A100-80")
-    end = [i for i, phase, _step in five.run.phase_marks if phase == "end"][-1]
+def test_the_steady_state_from_two_calls_is_what_five_calls_reach(five_calls, estimated):
+    """A 6-layer BERT-base fine-tune at batch 2 x 512 (fp32, on an A100): two calls reserve 24 MiB less
+    than the steady state, which the third call reaches. The copies of the last of two calls replayed
+    through the allocator model give what running the step five times gives, to the byte. The two calls
+    are the first two of the five-call run (what a run of two calls makes, event for event and mark for
+    mark), and the estimate, which runs two calls of its own, lands on the same steady state."""
+    five = five_calls
+    marks = list(five.run.phase_marks)
+    end = [i for i, phase, _step in marks if phase == "end"][-1]
     ran = replay(five.run.events[:end], series=False)
-    two_marks = list(two.run.phase_marks)
-    repeated = repeat(two.run.events, two_marks, limit=5)
+    third = next(i for i, _phase, step in marks if step == 3)  # where the third call starts
+    two_events, two_marks = five.run.events[:third], [m for m in marks if m[2] <= 2] + [(third, "end", 2)]
+    repeated = repeat(two_events, two_marks, limit=5)
     assert repeated is not None and repeated.calls == 5
     projected = replay(repeated.events, series=False)
     assert (projected.peak_allocated, projected.peak_reserved) == (ran.peak_allocated, ran.peak_reserved)
-    two_calls = replay(two.run.events[:two_marks[-1][0]], series=False)
+    two_calls = replay(two_events, series=False)
     assert ran.peak_reserved > two_calls.peak_reserved  # the growth the estimate missed
-    facts = analyse(two, "cuda:0", fixed_costs(GPUS["A100-80"]))
-    assert facts["peak_reserved"] == ran.peak_reserved and facts["steady_calls"] == repeated.settled == 3
-    assert facts["steady_extra"] == ran.peak_reserved - two_calls.peak_reserved
+    assert estimated.peak_reserved == ran.peak_reserved and estimated.steady_calls == repeated.settled == 3
+    assert estimated.steady_extra == ran.peak_reserved - two_calls.peak_reserved
     # The events kept for fits() are the steady state's: on a card with room for two calls' reserved bytes
     # only, the step fits because the allocator releases its cached segments and retries, as torch does
     # before it raises out-of-memory.
-    assert replay(facts["events"], series=False).peak_reserved == facts["peak_reserved"]
-    tight = replay(facts["events"], capacity=two_calls.peak_reserved, series=False)
+    assert replay(estimated.events, series=False).peak_reserved == estimated.peak_reserved
+    tight = replay(estimated.events, capacity=two_calls.peak_reserved, series=False)
     assert tight.oom_at is None and tight.num_releases >= 1
-    assert replay(two.run.events, capacity=two_calls.peak_reserved, series=False).num_releases == 0
+    assert replay(two_events, capacity=two_calls.peak_reserved, series=False).num_releases == 0
 
 
 @pytest.mark.slow
-def test_the_estimate_reports_the_steady_state():
-    args = _bert_base_like(2)
-    est = ipy_gpumem.estimate(bert_step, *args, gpu="A100-80")
+def test_the_estimate_reports_the_steady_state(bert_base, estimated):
+    est = estimated
     assert est.steady_calls == 3 and est.steady_extra > 0
     assert est.to_dict()["steady_calls"] == 3 and est.to_dict()["steady_extra"] == est.steady_extra
     assert any("keep growing after two steps" in n and "by step 3" in n for n in est.notes)
     assert est.fits(est.total_needed).fits and not est.fits(est.total_needed - est.peak_reserved // 2).fits
-    small = ipy_gpumem.estimate(bert_step, *_bert_base_like(1), gpu="A100-80")
+    model, opt, x, y = bert_base
+    small = ipy_gpumem.estimate(bert_step, model, opt, x[:1].clone(), y[:1].clone(), gpu="A100-80")
     assert small.steady_calls == 2 and small.steady_extra == 0  # batch 1: settled after two
     assert not any("after two steps" in n for n in small.notes)

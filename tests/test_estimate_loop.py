@@ -246,30 +246,5 @@ def test_a_forged_pickle_or_a_3_gib_header_from_the_step_runs_nothing_and_is_one
     assert not marker.exists()
 
 
-# --- in a real kernel (its own threads, its workers' processes) ----------------------------------------
-
-
-@pytest.mark.slow
-def test_the_usual_loop_and_a_held_lock_in_a_real_kernel():
-    pytest.importorskip("nbclient")
-    from kernel_helpers import execute
-
-    nb = execute(["%load_ext ipy_gpumem",
-                  SETUP + "dl = DataLoader(ds, batch_size=16, shuffle=True, num_workers=2, persistent_workers=True)\n"
-                          "batches = sum(1 for _ in dl)\n"
-                          "import threading\nheld, release = threading.Lock(), threading.Event()\n"
-                          "def hold():\n    with held:\n        release.wait(120)\n"
-                          "threading.Thread(target=hold, name='my-feeder', daemon=True).start()\n",
-                  "%%gpumem --estimate T4 -o est\n" + LOOP.format(loader="dl"),
-                  "print('RESULT', batches, sum(1 for _ in dl), dl.num_workers, "
-                  "any('num_workers=0' in n for n in est.notes))",
-                  "%%gpumem --estimate T4\nwith held:\n    y = model(torch.randn(2, 32))\n",
-                  "release.set()"], timeout=240)
-    report = "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in nb.cells[2].outputs)
-    assert "Verdict: fits" in report, report[-2000:]
-    printed = "".join(o.get("text", "") for o in nb.cells[3].outputs)
-    assert "RESULT 6 6 2 True" in printed, printed  # the kernel's loader and its workers go on
-    said = "".join(o.get("text", "") for o in nb.cells[4].outputs).strip()
-    assert said.count("\n") == 0 and said.startswith("%%gpumem --estimate: line 2 of the cell (`with held:`) waits "
-                                                     "for a lock"), said
-    assert "my-feeder" in said and "Traceback" not in said
+# The usual loop in a real kernel (its own threads, its workers' processes) is in test_preflight_cell.py, in the
+# one kernel that module starts.

@@ -1,4 +1,4 @@
-"""%%gpumem --estimate: a cell's code estimated on fake copies of the namespace's objects, never run for real; the table, the verdict, -o, bad GPU names; in a shell and in a real kernel."""
+"""%%gpumem --estimate: a cell's code estimated on fake copies of the namespace's objects, never run for real; the table, the verdict, -o, bad GPU names; in a shell and in a real kernel (one, for the module), the usual loop with its DataLoader's workers and a lock held by a thread of the kernel included."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -36,6 +36,24 @@ optimizer.step()
 losses.append(float(loss))
 counter += 1
 print("THIS MUST NOT APPEAR")
+"""
+
+
+#: The usual training loop (tests/test_estimate_loop.py has the same in the shared shell).
+LOOP_SETUP = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+ds = TensorDataset(torch.randn(96, 32), torch.randint(0, 4, (96,)))
+"""
+LOOP = """for x, y in dl:
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
 """
 
 
@@ -177,8 +195,21 @@ def kernel(tmp_path_factory):
                        "logf.close()\nprint('RESULT', counter, len(losses), os.environ.get('IPG_ESTIMATE'), "
                        "torch.is_grad_enabled())",
                        "%%gpumem --estimate T4\nimport asyncio\nawait asyncio.sleep(0)\n"]
-    nb = execute(["%load_ext ipy_gpumem"] + in_a_kernel + changes_nothing)
-    return nb, {"in_a_kernel": 1, "changes_nothing": 1 + len(in_a_kernel)}, files
+    # last: a DataLoader's persistent workers and a thread that holds a lock until the end
+    usual_loop = [LOOP_SETUP + "dl = DataLoader(ds, batch_size=16, shuffle=True, num_workers=2, persistent_workers=True)\n"
+                  "batches = sum(1 for _ in dl)\n"
+                  "import threading\nheld, release = threading.Lock(), threading.Event()\n"
+                  "def hold():\n    with held:\n        release.wait(120)\n"
+                  "threading.Thread(target=hold, name='my-feeder', daemon=True).start()\n",
+                  "%%gpumem --estimate T4 -o est\n" + LOOP,
+                  "print('RESULT', batches, sum(1 for _ in dl), dl.num_workers, "
+                  "any('num_workers=0' in n for n in est.notes))",
+                  "%%gpumem --estimate T4\nwith held:\n    y = model(torch.randn(2, 32))\n",
+                  "release.set()"]
+    nb = execute(["%load_ext ipy_gpumem"] + in_a_kernel + changes_nothing + usual_loop, timeout=240)
+    first = {"in_a_kernel": 1, "changes_nothing": 1 + len(in_a_kernel)}
+    first["usual_loop"] = first["changes_nothing"] + len(changes_nothing)
+    return nb, first, files
 
 
 @pytest.mark.slow
@@ -217,3 +248,19 @@ def test_an_estimated_cell_changes_nothing_in_a_real_kernel(kernel):
     streams = [o for o in cells[3].outputs if o.output_type == "stream"]
     text = " ".join(o.text for o in streams)
     assert "awaits at the top level" in text and "Traceback" not in text
+
+
+@pytest.mark.slow
+def test_the_usual_loop_and_a_held_lock_in_a_real_kernel(kernel):
+    """The kernel's DataLoader with persistent workers is read in the estimate's copy as without workers, and
+    goes on in the kernel; a step that takes a lock another thread of the kernel holds is ended in one line."""
+    nb, first, _files = kernel
+    cells = nb.cells[first["usual_loop"]:]
+    report = "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cells[1].outputs)
+    assert "Verdict: fits" in report, report[-2000:]
+    printed = "".join(o.get("text", "") for o in cells[2].outputs)
+    assert "RESULT 6 6 2 True" in printed, printed  # the kernel's loader and its workers go on
+    said = "".join(o.get("text", "") for o in cells[3].outputs).strip()
+    assert said.count("\n") == 0 and said.startswith("%%gpumem --estimate: line 2 of the cell (`with held:`) waits "
+                                                     "for a lock"), said
+    assert "my-feeder" in said and "Traceback" not in said
