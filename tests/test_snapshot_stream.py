@@ -247,3 +247,24 @@ def test_trace_columns_widen_when_a_value_needs_it():
     assert trace[-1] == events[-1] and trace[39_999] == events[39_999] and len(trace.extras) == 300
     small = Trace.from_events(events[:10])
     assert (small.size.typecode, small.frame.typecode, small.extra.typecode) == ("I", "h", "B")
+
+
+@pytest.mark.parametrize("late", [-1, 1 << 32, (1 << 32) - 1, 1 << 62])
+def test_event_times_are_offsets_until_one_does_not_fit(late):
+    """4 bytes an event while every time is 0 to 71 minutes after the first; one before it, later, or equal to
+    the column's "no time" mark turns the column into absolute times, in bulk or one event at a time."""
+    first = 1_763_324_225_835_213
+    events = [{"action": "alloc", "addr": i, "size": 512, "time_us": first + i} for i in range(3)]
+    events.insert(1, {"action": "alloc", "addr": 9, "size": 512})  # no time
+    timed = Trace.from_events(events)
+    assert timed.time.typecode == "I" and list(timed) == events
+    events.append({"action": "free_completed", "addr": 0, "size": 512, "time_us": first + late})
+    for trace in (Trace.from_events(events), Trace.from_events(events[:3])):
+        if len(trace) == 3:
+            trace.extend_columns([trace.action_code(e["action"]) for e in events[3:]], [e["addr"] for e in events[3:]],
+                                 [e["size"] for e in events[3:]], [e["time_us"] for e in events[3:]], None, [0, 0], 2)
+        assert trace.time.typecode == "q" and [trace.time_at(i) for i in range(5)][::2] == [first, first + 1,
+                                                                                              first + late]
+        assert trace[1] == events[1] and trace[4]["time_us"] == first + late
+    untimed = Trace.from_events([{"action": "alloc", "addr": 1, "size": 2}] * 3)
+    assert untimed.time.typecode == "I" and all("time_us" not in e for e in untimed)

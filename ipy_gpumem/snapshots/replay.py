@@ -104,10 +104,23 @@ class Allocations(Sequence):
 
     def live_at(self, index: int) -> List[Allocation]:
         out = [a for a in self.before if a.live_at(index)]
-        born = bisect.bisect_right(self.born, index)  # rows born up to ``index``
         offset = len(self.before)
-        out.extend(self[offset + row] for row in compress(range(born), map(index.__lt__, self.freed[:born])))
+        out.extend(self[offset + row] for row in self._live_rows(index))
         return out
+
+    def _live_rows(self, index: int) -> Iterator[int]:
+        born = bisect.bisect_right(self.born, index)  # rows born up to ``index``
+        return compress(range(born), map(index.__lt__, self.freed[:born]))
+
+    def live_stacks(self, index: int) -> Iterator[Tuple[Any, int, bool]]:
+        """``(frames, size, born before recording)`` of each block allocated just after event ``index``
+        (what :meth:`live_at` gives, without making an :class:`Allocation` of each row)."""
+        for a in self.before:
+            if a.live_at(index):
+                yield a.frames, a.size, True
+        born, size, frames_at = self.born, self.size, self.trace.frames_at
+        for row in self._live_rows(index):
+            yield frames_at(born[row]), size[row], False
 
 
 class Steps(Sequence):
@@ -473,6 +486,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
     if n and samples[-1] != n - 1:
         samples.append(n - 1)
     lo = 0
+    bisect_left, bisect_right, insort = bisect.bisect_left, bisect.bisect_right, bisect.insort  # locals: per event
     for sample in samples:  # events up to each sample, then the sample (no test per event)
         hi = sample + 1
         for i, c, addr, size in zip(range(lo, hi), acts[lo:hi], addrs[lo:hi], sizes[lo:hi]):
@@ -482,6 +496,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                     if len(seg_of) > 65536:  # addresses seen: a long capture has millions
                         seg_of.clear()
                     seg = seg_of[addr] = layout.find(addr)
+                j = -1  # where the block goes in its segment's list, when known
                 if size <= 0:
                     block = 0
                 else:
@@ -494,7 +509,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                         end, small = info[seg]
                         if not small:
                             starts = blocks[seg]
-                            j = bisect.bisect_right(starts, addr)
+                            j = bisect_right(starts, addr)
                             rest = (starts[j] if j < len(starts) else end) - addr - block
                             if rest > 0:
                                 if max_split is not None and block >= max_split:
@@ -506,6 +521,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                     anomalies += 1
                     gone_size, was = _gone(old, i, before, bsize, gone, held)
                     _unplace(layout, seg_of, addr)
+                    j = -1  # the list changed
                     if was:
                         allocated -= gone_size
                     active -= gone_size
@@ -514,7 +530,10 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                 live[addr] = row
                 row += 1
                 if seg is not None:
-                    bisect.insort(blocks[seg], addr)
+                    if j >= 0:
+                        starts.insert(j, addr)
+                    else:
+                        insort(blocks[seg], addr)
                     dirty.add(seg)
                 allocated += block
                 active += block
@@ -558,7 +577,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                         seg = layout.find(addr)  # a freed address: not remembered (allocations look it up first)
                     if seg is not None:
                         starts = blocks[seg]
-                        j = bisect.bisect_left(starts, addr)
+                        j = bisect_left(starts, addr)
                         if j < len(starts) and starts[j] == addr:
                             del starts[j]
                         dirty.add(seg)

@@ -103,15 +103,15 @@ class SnapshotReport:
         """What was allocated just after event ``index``, by site, largest first."""
         totals: Dict[Site, List[int]] = {}
         sites: Dict[int, Site] = {}  # by stack: blocks share their stacks (a file's may be long), each is read once
-        for a in self.replay(device).live_at(index):
-            if not a.frames and a.born < 0:
+        for frames, size, before in self.replay(device).allocations.live_stacks(index):
+            if not frames and before:
                 site = BEFORE
             else:
-                site = sites.get(id(a.frames))
+                site = sites.get(id(frames))
                 if site is None:
-                    site = sites[id(a.frames)] = site_of(a.frames, self.cells)
+                    site = sites[id(frames)] = site_of(frames, self.cells)
             row = totals.setdefault(site, [0, 0])
-            row[0] += a.size
+            row[0] += size
             row[1] += 1
         return sorted((SiteBytes(s, b, n) for s, (b, n) in totals.items()), key=lambda r: (-r.bytes, r.site.label))
 

@@ -820,10 +820,12 @@ class _Machine:
             # Frames, as indices into the stacks table (a reference resolved through the memo).
             if tpl.frames_run >= 0:
                 fids = run_ids
-                if _NO_RUN in run_ids:
-                    refs = self.frames_of_ref
-                    fids = [f if f != _NO_RUN else refs.get(t) or self.frame_ref(t) for t, f in
-                            zip(cols[tpl.frames_ref], run_ids)]
+                if _NO_RUN in run_ids:  # references to stacks (a free refers to its allocation's): merged in C
+                    refs = cols[tpl.frames_ref]
+                    fids = list(map(max, run_ids, map(self.frames_of_ref.get, refs, repeat(_NO_RUN))))
+                    if _NO_RUN in fids:  # a reference met for the first time
+                        for i in compress(range(n), map(_NO_RUN.__eq__, fids)):
+                            fids[i] = self.frame_ref(refs[i])
             else:
                 fids = None
             # The other keys, as an index into the trace's table of extras.
@@ -835,7 +837,7 @@ class _Machine:
                 if xid is None:
                     xid = per_trace[toks] = trace.extra_id(
                         tpl.keys, tuple((k, self.value(t)) for (k, _g), t in zip(tpl.others, toks)))
-                xids = array("I", [xid]) * n
+                xids = [xid] * n
             else:
                 xt = list(zip(*others))
                 xids = list(map(per_trace.get, xt))
