@@ -112,7 +112,7 @@ def profiled_peak(step, args) -> int:
 #: Each model and precision at 1x and 8x the batch, the two ends: a kernel's scratch that grows with the batch
 #: is missed most at 8x (the bf16 GEMM's: nothing at 1x, 18% of the MLP's peak at 8x), one that does not is
 #: largest beside the peak at 1x (oneDNN's convolution scratchpad). 2x and 4x were dropped for the suite's
-#: time (issue 30).
+#: time (issue 30); benchmarks/bench_estimate.py's batch table measures all four (RESULTS.md 8c).
 CASES = [(name, precision, batch) for name in MODELS for precision in ("fp32", "bf16") for batch in (1, 8)]
 
 

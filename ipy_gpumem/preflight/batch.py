@@ -133,7 +133,7 @@ def _search(step, args, kwargs, card, costs, base, shapes, batch_dim, limit, nam
         # touches on the way, torch's compiler config, is torch's doing and not reported).
         (api().torch.ones(2, 2) @ api().torch.ones(2, 2)).sum()
     tried: Dict[int, tuple] = {}
-    events: Dict[int, list] = {}  # the allocations of each size tried
+    events: Dict[int, list] = {}  # the allocations of the sizes the next turn may read
     needs: Dict[int, tuple] = {}  # the least room each fits in, where asked (least_room)
     estimates: Dict[int, object] = {}
     room = card.capacity - sum(costs.values())  # what fits() gives the allocator model
@@ -187,6 +187,10 @@ def _search(step, args, kwargs, card, costs, base, shapes, batch_dim, limit, nam
         low, high = good or 0, bad or limit + 1  # fits at low (0: nothing known), fails at high
         near = sorted(tried, key=lambda n: (abs(n - low) if good else abs(n - high)))
         a, b = sorted(((good, bad) if good and bad else near[:2]))
+        for n in [n for n in events if n not in (a, b)]:  # what a later turn reads is (a, b) or the new size
+            del events[n]
+        for n in [n for n in estimates if n != good]:
+            del estimates[n]
         growth = Growth.of(a, events[a], b, events[b])
         guess = growth.largest_fit(low, high, room) if growth is not None else None
         if guess is None:
