@@ -15,7 +15,7 @@ import operator
 import re
 from typing import Mapping, Optional, Tuple
 
-__all__ = ["literal_value", "literal_allocation", "ITEMSIZE"]
+__all__ = ["literal_value", "literal_allocation", "dotted", "ITEMSIZE"]
 
 #: Bytes per element of the dtypes a line may name (numpy's default is float64, torch's float32).
 ITEMSIZE = {"float64": 8, "double": 8, "float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2,
@@ -73,11 +73,12 @@ def _shape(node: ast.AST, names=None) -> Optional[Tuple[int, ...]]:
     return tuple(dims)
 
 
-def _dotted(node: ast.AST) -> str:
+def dotted(node: ast.AST) -> str:
+    """``torch.nn.functional.linear`` for the expression node that names it; "" for anything else."""
     if isinstance(node, ast.Name):
         return node.id
     if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
+        base = dotted(node.value)
         return f"{base}.{node.attr}" if base else ""
     return ""
 
@@ -101,7 +102,7 @@ def literal_allocation(line: str, names: Optional[Mapping[str, int]] = None) -> 
                 return 8 * n, ast.get_source_segment(line.strip(), node) or ""
         if not isinstance(node, ast.Call):
             continue
-        name = _dotted(node.func)
+        name = dotted(node.func)
         text = ast.get_source_segment(line.strip(), node) or name
         if name in _BYTES and len(node.args) == 1 and not node.keywords:
             n = literal_value(node.args[0], names)
@@ -128,7 +129,7 @@ def literal_allocation(line: str, names: Optional[Mapping[str, int]] = None) -> 
             size = 8
         for kw in node.keywords:
             if kw.arg == "dtype":
-                dtype = _dotted(kw.value).split(".")[-1] or (kw.value.value if isinstance(kw.value, ast.Constant)
+                dtype = dotted(kw.value).split(".")[-1] or (kw.value.value if isinstance(kw.value, ast.Constant)
                                                             and isinstance(kw.value.value, str) else "")
                 if dtype not in ITEMSIZE:
                     break

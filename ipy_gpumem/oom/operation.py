@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..core.units import format_bytes
 from ..preflight.allocator import round_size, segment_size
-from .literal import literal_allocation
+from .literal import dotted, literal_allocation
 from .operands import FrameOperands, TensorInfo
 from .stack import Frame, is_python, recorded_stack
 
@@ -219,18 +219,8 @@ def _base(node: Optional[ast.AST]) -> Tuple[str, bool]:
                 return "", False
             node = node.func.value
             continue
-        dotted = _dotted(node)
-        return dotted, to_fp32
+        return dotted(node), to_fp32
     return "", False
-
-
-def _dotted(node) -> str:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
-        return f"{base}.{node.attr}" if base else ""
-    return ""
 
 
 def _arg(args, kwargs, index: int, *names: str):
@@ -404,7 +394,7 @@ def _conv_out(x: TensorInfo, w: TensorInfo, ops: FrameOperands, args, kwargs) ->
         node = _arg(args, kwargs, index, name)
         if node is None:
             return default
-        value = ops.values.get(_dotted(node)) if _dotted(node) else None
+        value = ops.values.get(dotted(node)) if dotted(node) else None
         if value is None and isinstance(node, ast.Constant):
             value = node.value
         if value is None and isinstance(node, ast.Tuple):
@@ -520,7 +510,7 @@ def _foreach(py, native, requested, cuda) -> Optional[Operation]:
     frame, ops = pair
     lists = [v for v in ops.values.values() if isinstance(v, tuple) and v and isinstance(v[0], TensorInfo)]
     args, _kwargs = _call(_text(pair), _FOREACH_LINE) if _FOREACH_LINE.search(_text(pair)) else ([], {})
-    arg = ops.values.get(_dotted(args[0])) if args else None
+    arg = ops.values.get(dotted(args[0])) if args else None
     if isinstance(arg, tuple) and arg and isinstance(arg[0], TensorInfo):
         lists = [arg]
     fix = "Pass foreach=False (one parameter at a time) or fused=True (on CUDA: no temporaries) to the optimizer."
@@ -546,7 +536,7 @@ def _cat(py, native, requested, cuda) -> Optional[Operation]:
     verb = _CAT_LINE.search(_text(pair)).group(1)
     args, kwargs = _call(_text(pair), _CAT_LINE)
     node = _arg(args, kwargs, 0, "tensors")
-    parts = ops.values.get(_dotted(node)) if node is not None and _dotted(node) else None
+    parts = ops.values.get(dotted(node)) if node is not None and dotted(node) else None
     fix = ("Preallocate the result and write each piece into its slice as it is made (out[i:i + n] = piece), or reduce "
            "each piece to what you keep; the list and the result cannot both be alive at this size.")
     snippet = ("out = torch.empty(total_rows, *shape, dtype=dtype, device=device)   # once\n"
@@ -555,7 +545,7 @@ def _cat(py, native, requested, cuda) -> Optional[Operation]:
     if isinstance(parts, tuple) and parts and isinstance(parts[0], TensorInfo):
         total = sum(p.nbytes for p in parts)
         needs, ok = _check(requested, [total], cuda)
-        name = _dotted(node)
+        name = dotted(node)
         if ok is not False:
             return Operation("cat", f"torch.{verb} of {len(parts):,} tensors in `{name}`",
                              needs, ok, frame,
