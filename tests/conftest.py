@@ -5,8 +5,11 @@ fakes and used to drive the CUDA branches. Host memory is always real.
 """
 from __future__ import annotations
 
+import gc
+import inspect
 import os
 import sys
+import types
 
 import pytest
 
@@ -34,7 +37,10 @@ def pytest_collection_modifyitems(config, items):
     has_cuda = bool(torch is not None and torch.cuda.is_available())
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_browser = pytest.mark.skip(reason="browser tests run with IPY_GPUMEM_BROWSER=1")
+    pins = _PinsCheck()
     for item in items:
+        if pins(item):
+            item.add_marker(pytest.mark.pins)
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
         if "browser" in item.keywords and os.environ.get("IPY_GPUMEM_BROWSER") != "1":
@@ -53,6 +59,63 @@ def pytest_collection_modifyitems(config, items):
             return 0 if item.module is not None and item.module.__name__ in heavy else 1
 
         items.sort(key=order)
+
+
+def pytest_collection_finish(session):
+    # Everything imported so far (torch, IPython, the test modules: about a million objects) lives until the
+    # end: moved out of the collector's reach, so that the tests' own gc.collect() (teardowns that free a
+    # test's tensors before the next one reads RSS) scans what the tests made, not the whole of torch. Only the
+    # cyclic collector is affected: reference counting frees as always, and gc.get_referents still sees them.
+    gc.freeze()
+
+
+#: What the Colab-pinned venv pins (IPython, ipykernel, ipywidgets, plotly, traitlets) and what reaches them: a
+#: test that names one of these, in its module's imports or its own body, or that runs an IPython shell (the `ip`
+#: fixture, directly or through another fixture), is marked `pins`: CI runs it in that venv too. A test that
+#: reaches none (the OOM parser, snapshots, tensor accounting, the Python API's estimates) depends on Python and
+#: torch only, which both venvs share: it runs once, in the main venv.
+PINNED_NAMES = ("IPython", "ipykernel", "ipywidgets", "plotly", "traitlets", "anywidget", "nbformat", "nbclient",
+                "jupyter", "ipy_gpumem.chart", "ipy_gpumem.display", "ipy_gpumem.extension", "ipy_gpumem.ledger.commands",
+                "kernel_helpers", "browser_helpers", "get_ipython", "run_cell", "run_line_magic", "run_cell_magic")
+
+
+class _PinsCheck:
+    """Whether a collected test reaches what the Colab venv pins (see PINNED_NAMES); one read per module."""
+
+    def __init__(self):
+        self._modules = {}
+
+    def __call__(self, item) -> bool:
+        if "ip" in getattr(item, "fixturenames", ()) or "compat" in item.keywords:
+            return True
+        module = getattr(item, "module", None)
+        if module is None:
+            return True
+        if module.__name__ not in self._modules:
+            self._modules[module.__name__] = self._module_reaches(module)
+        if self._modules[module.__name__]:
+            return True
+        try:
+            source = inspect.getsource(item.function)
+        except (OSError, TypeError, AttributeError):
+            return True
+        return any(name in source for name in PINNED_NAMES)
+
+    @staticmethod
+    def _module_reaches(module) -> bool:
+        for value in vars(module).values():
+            # type() only: test modules hold hostile objects (a __getattribute__ that raises) on purpose
+            kind = type(value)
+            if issubclass(kind, types.ModuleType):
+                name = types.ModuleType.__getattribute__(value, "__name__")
+            elif kind in (types.FunctionType, types.BuiltinFunctionType) or issubclass(kind, type):
+                name = (type.__getattribute__(value, "__module__") if issubclass(kind, type)
+                        else value.__module__)
+            else:
+                continue
+            if isinstance(name, str) and any(name == n or name.startswith(n + ".") for n in PINNED_NAMES):
+                return True
+        return False
 
 
 #: Test files whose tests each set up all they use (a kernel or a notebook of their own), spread test by
@@ -88,6 +151,7 @@ def ip():
         from IPython.testing.globalipapp import get_ipython
 
         shell = get_ipython()
+    gc.freeze()  # the shell's own objects too (see pytest_collection_finish)
     return shell
 
 
