@@ -4,6 +4,9 @@
 
 Importing this package imports neither IPython, torch nor plotly: the extension's work starts
 in ``load_ipython_extension`` and every heavy import happens inside the function that needs it.
+The public types (``CellRecord``, ``OomReport``, ``WhoReport``, ``Estimate``, ``SnapshotReport``)
+and the errors you may catch (``EstimateError``, ``SnapshotError``) are importable from here and
+load from their rooms when first named.
 """
 from __future__ import annotations
 
@@ -26,12 +29,47 @@ __all__ = [
     "snapshot",
     "format_bytes",
     "parse_bytes",
+    "CellRecord",
+    "OomReport",
+    "WhoReport",
+    "Estimate",
+    "EstimateError",
+    "SnapshotReport",
+    "SnapshotError",
 ]
 
 
 # Defined in a submodule: %reload_ext re-executes this module only, and a class defined here would
 # be a new class after each reload (the user's warning filters would stop matching).
 from .core.errors import GpuMemWarning  # noqa: E402
+
+#: The public types and where each is defined. They load when first named (PEP 562's module
+#: ``__getattr__``), so ``import ipy_gpumem`` and ``%load_ext`` import none of these modules; as
+#: the warning above, each is a submodule's class, the same object after ``%reload_ext``.
+_TYPES = {
+    "CellRecord": ".core.records",
+    "OomReport": ".oom.parse.report",
+    "WhoReport": ".attribution.who",
+    "Estimate": ".preflight.result",
+    "EstimateError": ".preflight.result",
+    "SnapshotReport": ".snapshots.report",
+    "SnapshotError": ".snapshots.stream",
+}
+
+
+def __getattr__(name):
+    module = _TYPES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value  # found here from now on, without this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
 
 
 def load_ipython_extension(ipython):

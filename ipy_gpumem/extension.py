@@ -121,7 +121,9 @@ class GpuMemMagics(Magics):
     ).tag(config=True)
     quiet = Bool(False, help="Record every cell but never print the per-cell line.").tag(config=True)
     devices = Unicode(
-        "all", help="CUDA devices to watch: 'all' (every device your code initialized) or indices like '0,1'."
+        "all", help=("CUDA devices to watch: 'all' (every device your code initialized) or indices like '0,1' (each "
+                     "once; an index past the devices this process sees is refused). A listed device your code never "
+                     "used is not read: reading it would create a CUDA context there."),
     ).tag(config=True)
     history_size = Int(10_000, help=f"How many cell records to keep (1 to {MAX_HISTORY:,}); the oldest are dropped.").tag(config=True)
     oom_panel = Bool(

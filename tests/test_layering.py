@@ -1,6 +1,6 @@
 """The rooms of the package import only downward, nothing heavy at import time, and IPython only in extension.py.
 
-The package is a stack of rooms, one folder each (see the README's Develop section):
+The package is a stack of rooms, one folder each (docs/architecture.md says what each room does):
 
     extension.py                 the IPython adapter (the only module that imports IPython at module level)
     ledger/                      per-cell records, %%gpumem (header, lines, watcher) and their views

@@ -463,12 +463,15 @@ def test_layers_look_inside_a_single_wrapper():
 
 def test_start_without_torch_modules_and_stop_twice_are_harmless():
     w = PhaseWatcher(lambda: (0.0, {}))
+    before = sum(map(len, global_hooks()))
     w.stop()
     w.start()
+    once = sum(map(len, global_hooks()))
     w.start()  # idempotent: one set of hooks
-    assert w.watching
+    assert once > before and sum(map(len, global_hooks())) == once
     w.stop()
     w.stop()
+    assert sum(map(len, global_hooks())) == before
     assert w.phases == [] and w.summary() == {} and w.layers == []
 
 

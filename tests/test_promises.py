@@ -1,4 +1,4 @@
-"""Every promise of the README, kept: one regression test per class of defect, through a real IPython shell.
+"""Every promise the docs make, kept: one regression test per class of defect, through a real IPython shell.
 
 The classes (issue "Keep every promise"): recording never stops silently; a magic never breaks a
 cell that runs without it; interrupts and exits stay ours; typed cells continue in a terminal;

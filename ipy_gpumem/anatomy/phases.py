@@ -134,11 +134,6 @@ class PhaseWatcher:
         self._bw_node = None
         self._lay: Optional[LayerTracker] = None
 
-    @property
-    def watching(self) -> bool:
-        """Whether the hooks are registered and live."""
-        return self._on
-
     # -- start / stop ------------------------------------------------------------------------------
     def start(self) -> None:
         """Register the global hooks for this cell; a no-op without torch or when already watching."""

@@ -18,7 +18,7 @@ from ..core.devices import HOST, Device, cuda, parse_device
 from ..core.roles import ROLES, TENSOR_ROLES
 from . import words
 from .scale import ByteUnit, byte_ticks, byte_unit
-from .session import CAPACITY_ON_SCALE, LegendItem, SessionLayout, session_layout
+from .session import CAPACITY_ON_SCALE, LegendItem, session_layout
 from .style import DOWN_COLOR, FAILED_COLOR, INK, PEAK_COLOR, UP_COLOR, device_color, role_color
 from .timeline import HOST_RSS, SeriesKey, Timeline
 

@@ -74,7 +74,6 @@ class RedrawBudget:
         self._tokens = burst
         self._at = clock()
         self._lock = threading.Lock()
-        self.spent = 0.0
 
     def _refill(self) -> None:
         now = self.clock()
@@ -90,7 +89,6 @@ class RedrawBudget:
         with self._lock:
             self._refill()
             self._tokens -= max(0.0, seconds)
-            self.spent += max(0.0, seconds)
 
 
 def make_view(tier: str, timeline, note: Optional[str] = None):
@@ -143,10 +141,6 @@ class LiveChart:
         self._error_shown = False
 
     # -- what the hooks report -------------------------------------------------------------------
-
-    @property
-    def active(self) -> bool:
-        return self.timeline is not None
 
     def cell_started(self, sample, source: str) -> None:
         # "[*]" like Jupyter's prompt: IPython 7 and 8+ disagree on the count at this point; the

@@ -125,11 +125,6 @@ class Sampler:
         thread = self._thread
         return thread is not None and thread.is_alive()
 
-    @property
-    def cpu_share(self) -> float:
-        """The thread's CPU time as a fraction of one core over its wall time so far."""
-        return self.cpu_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
-
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:

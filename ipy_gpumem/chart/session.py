@@ -112,13 +112,6 @@ class SessionLayout:
     empty: str = ""
     end: float = 0.0
 
-    @property
-    def data_max(self) -> int:
-        """The highest value drawn (series, peaks, ranks, exact peak), 0 when none."""
-        values = [_max(plan.values) for plan in self.series] + [mark.peak for mark in self.peaks]
-        values += [v for rank in self.ranks for v in rank.ys if v is not None] + [self.exact_peak or 0]
-        return max(values, default=0)
-
 
 def _max(values) -> int:
     try:

@@ -38,7 +38,7 @@ class Counter(NamedTuple):
             (NVML, amdsmi) or where nothing exists.
         stand_in: what is shown when ``source`` is None: ``"sampled"`` (the highest value read) or
             None (the figure is left out and :meth:`Backend.missing` says why).
-        note: why, in a few words (shown in the README's table and by :meth:`Backend.missing`).
+        note: why, in a few words (shown in docs/usage.md's table and by :meth:`Backend.missing`).
     """
 
     figure: str
@@ -53,7 +53,7 @@ class Backend(NamedTuple):
 
     Attributes:
         key: ``"cuda"``, ``"rocm"``, ``"mps"``, ``"xpu"`` or ``"accelerator"``.
-        title: how the README and the views name it ("Apple MPS").
+        title: how docs/usage.md and the views name it ("Apple MPS").
         device_type: torch's device type (``"cuda"`` on ROCm too: a HIP build keeps torch.cuda's
             names); ``""`` for ``torch.accelerator``, which stands for whichever torch was built for.
         module: the torch module of its own calls (``"torch.mps"``).

@@ -364,7 +364,6 @@ class NvmlProbe:
         self._state = "new"  # new | ok | failed
         self.reason = None
         self._handles: dict = {}
-        self._nvml_indices: dict = {}
 
     def _init(self) -> bool:
         if self._state == "ok":

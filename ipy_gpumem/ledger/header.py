@@ -56,10 +56,6 @@ class CellPlan(NamedTuple):
     trace: Optional[str] = None
 
     @property
-    def host_only(self) -> bool:
-        return self.device is not None and self.device.is_host
-
-    @property
     def cuda_indices(self) -> Optional[Tuple[int, ...]]:
         """The CUDA devices to measure: ``()`` for host only, ``(n,)``, or None (configured/all)."""
         if self.device is None or self.device.index is None and not self.device.is_host:

@@ -61,7 +61,7 @@ from ..core import children as _children
 from .rankfolder import RankFolder
 
 if TYPE_CHECKING:  # the records load with the first launch or failing cell, not with the extension
-    from ..core.records import RankFailure, RankRecord
+    from ..core.records import RankFailure
 
 __all__ = ["RankWatch", "launcher_failure", "POLL_S", "NVML_EVERY_S"]
 

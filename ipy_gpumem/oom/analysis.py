@@ -151,11 +151,6 @@ class OomAnalysis:
     #: failing line's literals (a ``MemoryError``); None when unknown.
     requested: Optional[int] = None
 
-    @property
-    def impossible(self) -> bool:
-        """True when the request alone is larger than the device: nothing freed can make it fit."""
-        return bool(self.findings) and self.findings[0].key == "request_exceeds_device"
-
 
 def analyse(oom, record, *, namespace: Optional[dict], records: Sequence[Any] = (), probe=None,
             capture=None, tb=None, refs=None, env: Optional[Mapping[str, str]] = None,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 __all__ = ["FLASH", "EFFICIENT", "CUDNN", "MATH", "KERNEL_NAMES", "Settings", "settings", "choose", "Call",
            "GpuAttention", "backward_scratch", "summary", "words"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import bisect
 import os
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from ..oom.analysis import RecordedOom
 from ..preflight.allocator import segment_size

@@ -15,7 +15,7 @@ already, without a dict per event ever made.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Sequence, Tuple
 
 from .load import SnapshotError
 from .trace import Trace

@@ -32,11 +32,11 @@ import struct
 import sys
 import time
 from array import array
-from itertools import chain, compress, repeat
+from itertools import compress, repeat
 from operator import itemgetter, not_
 from typing import Any, Dict, List, Optional
 
-from .trace import NO_TIME, Trace
+from .trace import Trace
 
 
 __all__ = ["read_stream", "Fallback", "CHUNK", "MARGIN", "SnapshotError", "COST_PER_BYTE", "EXPAND_PER_BYTE",

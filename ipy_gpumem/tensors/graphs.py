@@ -146,7 +146,7 @@ class GraphWalk:
         (``Storages.bulk``: C descriptors over the whole list), and node types that keep nothing
         (``TBackward0``, ``ViewBackward0``...) are passed over without reading them.
         """
-        owners_of, sizes, saved = tier.owners_of, self.sizes, self.saved
+        owners_of, saved = tier.owners_of, self.saved
         pending = []  # (node record, its tensors) of the nodes read for the first time
         for count, rec in enumerate(list(tier.nodes.values())):
             if rec.collected is rec.owners:

@@ -54,7 +54,6 @@ class SavedReader:
         self.grad_of = api.tensor_base.grad.__get__
         self.node_info = _NODE_INFO  # shared by every count: node types are few and live long
         self.closures_seen: set = set()  # ids of objects an unpack hook's closure led to (a frame once)
-        self.placeholders = 0  # saved payloads that held no tensor (checkpoint placeholders)
 
     def describe(self, tp: type) -> Tuple[Tuple[str, ...], bool, bool]:
         """``(_raw_saved_* names, is AccumulateGrad, is a custom Function)`` of a node type, cached."""
@@ -120,12 +119,7 @@ class SavedReader:
         if self.is_tensor(data):
             yield data
             return
-        found = False
-        for t in self.within(data, 2):
-            found = True
-            yield t
-        if not found:
-            self.placeholders += 1
+        yield from self.within(data, 2)
         if self.hooks_readable:
             yield from self.closure(raw)
 

@@ -71,7 +71,6 @@ class Storages:
         self.untyped_storage = base.untyped_storage
         self.get_grad_fn = base.grad_fn.__get__
         self.get_grad = base.grad.__get__
-        self.get_is_leaf = base.is_leaf.__get__
         self.get_retains_grad = base.retains_grad.__get__
         self.get_layout = base.layout.__get__
         self.get_is_cpu = base.is_cpu.__get__

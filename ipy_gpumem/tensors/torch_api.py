@@ -11,7 +11,7 @@ to an error.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 __all__ = ["Api", "api", "Dependency", "DEPENDENCIES", "CHECKED_ON"]
 

@@ -172,7 +172,6 @@ class StorageTracker:
         self._step = 0
         self._phase = None
         self._saved_hooks = None
-        self._tensor_cls = None
         self._tensor_type = _tensor_type()
         self._workspace_sizes: Dict[str, int] = {}
         #: called as ``after_op(func, out)`` once each operator has run and its outputs are counted (a
@@ -391,9 +390,6 @@ class StorageTracker:
             row["activations"] += saved
             row["calls"] += 1
             row["peak"] = max(row["peak"], peak - start)
-
-    def _backward_hook(self, *args):
-        self.mark("backward")
 
     def __enter__(self):
         import torch
