@@ -227,39 +227,18 @@ def test_every_table_fits_a_716_px_output(page, name, untrusted):
     assert all(t["sourceRight"] <= 716 for t in m["tables"]), (name, m)
 
 
-#: The identifiers each table cell breaks across lines: an identifier laid out on more than one line (a Range
-#: over its characters has boxes on two rows). Words are identifiers and dotted names of three characters or
-#: more ("opt.zero_grad", "backward"); sizes and signs are not.
-_BROKEN_WORDS_JS = r"""() => {
-  const broken = [];
-  let words = 0;
-  document.querySelectorAll('.out td, .out th').forEach((td) => {
-    const walker = document.createTreeWalker(td, NodeFilter.SHOW_TEXT);
-    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
-      for (const m of node.textContent.matchAll(/[A-Za-z_][A-Za-z0-9_.]{2,}/g)) {
-        words += 1;
-        const range = document.createRange();
-        range.setStart(node, m.index);
-        range.setEnd(node, m.index + m[0].length);
-        const rows = new Set([...range.getClientRects()].filter((r) => r.width > 0).map((r) => Math.round(r.top)));
-        if (rows.size > 1) broken.push(m[0]);
-      }
-    }
-  });
-  return {broken, words};
-}"""
-
-
 @pytest.mark.slow
 @pytest.mark.browser
 def test_no_table_breaks_an_identifier_in_a_596_px_output(page):
     """Issue 31: at a 1280 px window with the sidebar open an output is 596 px wide, and the ``--lines`` table
     broke code mid-identifier ("opt.zero_grad(set_t|o_none=True)"), the estimate's phases mid-word
     ("backwar|d"). Words wrap at spaces; a table that cannot fit scrolls in its own box."""
+    from browser_helpers import BROKEN_WORDS_JS
+
     for name, view in views().items():
         for html in (view.html, _untrusted(view.html)):
             m = _measure(page, html, width=596)
-            words = page.evaluate(_BROKEN_WORDS_JS)
+            words = page.evaluate(BROKEN_WORDS_JS, ".out")
             assert words["words"] > 20 and words["broken"] == [], (name, words)
             assert m["outer"] <= 596, (name, m)  # the output never widens: a wide table scrolls in its box
             assert all(t["sourceRight"] <= 596 for t in m["tables"]), (name, m)  # with its source in sight
