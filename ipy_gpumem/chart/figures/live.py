@@ -51,7 +51,8 @@ from functools import lru_cache
 from typing import Callable, Optional
 
 from ..session import session_layout
-from ..views import CHART_SIZE, SIDEBAR_SIZE, ChartView, chart_html, chart_title, close_widgets, timeline_text
+from ..views import (CHART_SIZE, SIDEBAR_SIZE, ChartView, chart_html, chart_title, close_widgets, in_vscode,
+                     timeline_text)
 from .timeline import PLOTLY_MIME, session_figure
 
 __all__ = ["PlotlyChartView", "link_classes", "HEIGHT", "SIDEBAR_HEIGHT", "MIN_INTERVAL", "FIGURE_AFTER", "LINK_ESM"]
@@ -304,7 +305,10 @@ class PlotlyChartView(ChartView):
             print(f"ipy_gpumem: {self.note}")
         snapshot = self.timeline.snapshot()
         figure = self.figure(snapshot)
-        later = self.figure_after > 0
+        # VS Code draws outputs its own way (none of JupyterLab's output classes for the rule that hides the
+        # picture): the figure alone there, as before.
+        first = not in_vscode()
+        later = first and self.figure_after > 0
         if target is not None:
             # The link first, so its front end is watching when the copies are drawn.
             self._make_link(snapshot, figure)
@@ -315,8 +319,9 @@ class PlotlyChartView(ChartView):
             target.outputs = (self._side_picture,) + (() if later else (self._side_figure(snapshot, figure),))
         if before is not None:
             before()
-        self.picture = display(self.first_picture(snapshot), raw=True, display_id=True)
-        self._picture_held = True
+        if first:
+            self.picture = display(self.first_picture(snapshot), raw=True, display_id=True)
+            self._picture_held = True
         self.handle = display({"text/plain": ""} if later else self.bundle(snapshot, figure), raw=True,
                               display_id=True)
         self.drawn = snapshot.version
