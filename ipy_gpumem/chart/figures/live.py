@@ -1,8 +1,8 @@
 """The live chart as plotly's own output, moved by two small widgets with no view: fast to show, and a figure wherever it is reopened.
 
 The chart is displayed as a plotly figure (``application/vnd.plotly.v1+json``) under a display id,
-with its SVG picture and a line of text beside it. The front end's plotly draws it at once (its
-renderer is loaded with the page; no widget bundle travels), and a notebook saved at any moment
+with its SVG picture and a line of text beside it, after its picture (below). The front end's plotly draws
+it (its renderer comes with the page; no widget bundle travels), and a notebook saved at any moment
 holds a figure that any front end draws without the kernel: never "Error displaying widget: model
 not found". What moves it is a pair of widget models that are never displayed (:func:`link_classes`):
 
@@ -24,12 +24,13 @@ put in a CSS selector, and its ``uirevision`` never changes, so a legend click, 
 every update. The link also says what the front end did with the chart, as comm messages
 (``placement``): whether the sidebar drew it, whether an inline copy is shown, or whether the front end
 drew the picture instead of the figure. For ``%gpumem sidebar`` the inline copy is the chart a reopened
-notebook shows; in JupyterLab the link hides it as soon as the sidebar holds the chart, and in Notebook
-7, which has no sidebar for it, it stays: the front end decides from what it has drawn, with no timer.
-The kernel hears the report when it is next idle and words the line above the chart from it.
+notebook shows; in JupyterLab it is hidden while the sidebar shows the chart (a rule of the sidebar's
+picture, below; the link hides it too, where a browser lacks CSS ``:has()``), and in Notebook 7, which has
+no sidebar for it, it stays: the front end decides from what it has drawn, with no timer. The kernel hears
+the report when it is next idle and words the line above the chart from it.
 
 The chart's picture comes first (:meth:`PlotlyChartView.display`): a page's first plotly figure makes
-plotly.js evaluate, which holds the page's main thread for seconds on a busy machine (2.5-6 s measured on
+plotly.js evaluate, which holds the page's main thread for seconds on a busy machine (2.5-7 s measured on
 two busy cores, in JupyterLab 4.6 and Notebook 7.6), and a picture sent with the figure waited for it too.
 So the output first holds the SVG picture (an ``<img>``, drawn at once) and a placeholder; the figure
 replaces the placeholder at the sampler's next tick (:data:`FIGURE_AFTER`), once the page has drawn the
