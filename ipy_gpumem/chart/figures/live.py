@@ -241,7 +241,7 @@ class PlotlyChartView(ChartView):
         self.figure_after = FIGURE_AFTER
         self.picture = None
         self._due: Optional[float] = None  # when the figure is to replace its placeholder; None once sent
-        self._target = None  # the sidebar (an Output-like widget) and the picture its outputs start with
+        self._target = None  # the sidebar (an Output-like widget), and the picture its outputs start with
         self._side_picture: Optional[dict] = None
         self._picture_held = False  # the picture still shows a chart (not emptied yet)
 
@@ -347,8 +347,8 @@ class PlotlyChartView(ChartView):
         self.drawn = snapshot.version
 
     def drop_picture(self) -> None:
-        """Empty the picture once the figure was drawn (or is about to be kept): a saved notebook then holds
-        the chart once. Its mark stays, for the rules that find the copies."""
+        """Empty the picture once the figure was drawn: a saved notebook then holds the chart once. Its
+        ``<style>`` and mark stay, for the rules that find the copies."""
         with self.lock:
             if self._picture_held and self._due is None and self.picture is not None:
                 self._picture_held = False
