@@ -184,12 +184,15 @@ ANYWIDGET_DEADLINE_PASSED_JS = """(() => {
 })();"""
 
 #: The page as a user sees it: per cell its prompt and the plotly figures ipy_gpumem names
-#: (``layout.meta``): drawn, their points (the longest series), the x range, whether their output is hidden;
-#: the figures in JupyterLab's sidebar; each output's text (not a figure's); error outputs; stderr.
+#: (``layout.meta``): drawn, their points (the longest series), their traces (name, uid, legend visibility),
+#: the x range, their width and their output's, whether plotly's renderer shows a cached PNG instead, whether
+#: their output is hidden; the pictures shown until a live figure is drawn; the figures in JupyterLab's
+#: sidebar; each output's text (not a figure's); error outputs, stderr and widget errors ("Error displaying
+#: widget: model not found").
 CHARTS_JS = r"""(path) => {
   const app = window.jupyterapp;
   const panel = app && app.shell ? app.shell.currentWidget : null;
-  const out = {prompts: [], errors: [], figures: [], sidebar: [], outputs: [], kernel: null};
+  const out = {prompts: [], errors: [], figures: [], pictures: [], sidebar: [], outputs: [], kernel: null};
   if (!panel || !panel.content || (path && (!panel.context || panel.context.path !== path))) return out;
   const session = panel.sessionContext && panel.sessionContext.session;
   if (session && session.kernel) out.kernel = session.kernel.status;
@@ -198,10 +201,15 @@ CHARTS_JS = r"""(path) => {
     const output = gd.closest('.jp-OutputArea-child');
     const full = gd._fullLayout || {};
     const series = (gd.data || []).filter((t) => String(t.uid || '').startsWith('series-'));
+    const png = gd.parentElement && gd.parentElement.querySelector('img.plot-img');
     return {cell, meta: gd.layout ? String(gd.layout.meta || '') : '', drawn: !!gd.querySelector('.main-svg'),
             points: series.reduce((n, t) => Math.max(n, (t.x || []).length), 0),
+            traces: (gd.data || []).map((t) => ({name: String(t.name || ''), uid: String(t.uid || ''),
+                                                 visible: t.visible === undefined ? true : t.visible})),
             range: full.xaxis && full.xaxis.range ? [...full.xaxis.range] : null,
             autorange: full.xaxis ? full.xaxis.autorange : null, width: Math.round(box.width),
+            outputWidth: gd.closest('.jp-OutputArea-output') ? Math.round(gd.closest('.jp-OutputArea-output').getBoundingClientRect().width) : 0,
+            png: !!(png && png.getBoundingClientRect().width > 0),
             hidden: !!(output && output.style.display === 'none') || box.width === 0,
             inSidebar: !!gd.closest('.jupyterlab-sidecar'), inRight: !!gd.closest('#jp-right-stack')};
   };
@@ -216,7 +224,11 @@ CHARTS_JS = r"""(path) => {
       if (o.output_type === 'stream' && o.name === 'stderr') out.errors.push({cell: i, text: strip(o.text)});
     });
     cell.node.querySelectorAll('.js-plotly-plot').forEach((gd) => { if (ours(gd)) out.figures.push(figure(gd, i)); });
+    cell.node.querySelectorAll('div[class^="ipy-gpumem-"][class*="-picture"] img').forEach((img) => {
+      out.pictures.push({cell: i, visible: img.getBoundingClientRect().width > 0});
+    });
     cell.node.querySelectorAll('.jp-OutputArea-output').forEach((o) => {
+      if (/Error displaying widget|model not found/.test(o.textContent)) out.errors.push({cell: i, text: o.textContent.slice(0, 300)});
       if (!o.querySelector('.js-plotly-plot')) out.outputs.push({cell: i, text: o.textContent.slice(0, 400)});
     });
   });
@@ -232,3 +244,69 @@ CHARTS_JS = r"""(path) => {
 def run_command_js(command: str) -> str:
     """A page function that starts a JupyterLab command without awaiting it (run-all resolves when cells end)."""
     return f"() => {{ window.jupyterapp.commands.execute({command!r}); return true; }}"
+
+
+#: Starts a watch of the page at every animation frame, read back with ``TIMES_JS``: per cell (by index) when
+#: a chart of ipy_gpumem was first visible in its outputs (its picture or its figure, ``shown``; its width and
+#: the output's then), when its figure was first drawn and visible (``figure``); the same for JupyterLab's
+#: sidebar (``side``, ``sideFigure``, with the sidebar's width); and the kernel's own time of each
+#: ``execute_reply`` by execution count (``replies``: the cell's end, before the page had the time to show
+#: anything). Times are ``Date.now()`` milliseconds, the kernel's clock on the same machine.
+WATCH_JS = r"""() => {
+  const T = window.__gpumemTimes = {shown: {}, figure: {}, side: null, sideFigure: null, replies: {}};
+  const visible = (el) => el.getBoundingClientRect().width > 0;
+  const ours = (gd) => gd.layout && String(gd.layout.meta || '').startsWith('ipy-gpumem-') && gd.querySelector('.main-svg');
+  const chart = (root) => {
+    const picture = [...root.querySelectorAll('div[class^="ipy-gpumem-"][class*="-picture"] img')].find(
+      (img) => img.complete && img.naturalWidth > 0 && visible(img));
+    const gd = [...root.querySelectorAll('.js-plotly-plot')].find((g) => ours(g) && visible(g));
+    return {el: gd || picture || null, figure: gd || null};
+  };
+  const width = (el) => Math.round(el.getBoundingClientRect().width);
+  const tick = () => {
+    const panel = window.jupyterapp.shell.currentWidget;
+    if (panel && panel.content) panel.content.widgets.forEach((cell, i) => {
+      const seen = chart(cell.node);
+      const area = cell.node.querySelector('.jp-OutputArea-output');
+      if (seen.el && !(i in T.shown)) T.shown[i] = {at: Date.now(), width: width(seen.el), output: area ? width(area) : 0};
+      if (seen.figure && !(i in T.figure)) T.figure[i] = {at: Date.now(), width: width(seen.figure)};
+    });
+    const sidecar = document.querySelector('.jupyterlab-sidecar');
+    if (sidecar) {
+      const seen = chart(sidecar);
+      if (seen.el && !T.side) T.side = {at: Date.now(), width: width(seen.el), sidebar: width(sidecar)};
+      if (seen.figure && !T.sideFigure) T.sideFigure = {at: Date.now(), width: width(seen.figure), sidebar: width(sidecar)};
+    }
+    requestAnimationFrame(tick);
+  };
+  const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+  kernel.anyMessage.connect((_, args) => {
+    const msg = args.msg;
+    if (msg.header.msg_type === 'execute_reply') T.replies[msg.content.execution_count] = Date.parse(msg.header.date.slice(0, 23) + 'Z');
+  });
+  tick();
+  return true;
+}"""
+TIMES_JS = "() => window.__gpumemTimes"
+
+#: The words the tables under ``selector`` break across lines: an identifier or dotted name of three
+#: characters or more ("opt.zero_grad", "backward") laid out on more than one line (a Range over its
+#: characters has boxes on two rows); ``words`` counts those looked at.
+BROKEN_WORDS_JS = r"""(selector) => {
+  const broken = [];
+  let words = 0;
+  document.querySelectorAll(selector).forEach((root) => root.querySelectorAll('td, th').forEach((td) => {
+    const walker = document.createTreeWalker(td, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      for (const m of node.textContent.matchAll(/[A-Za-z_][A-Za-z0-9_.]{2,}/g)) {
+        words += 1;
+        const range = document.createRange();
+        range.setStart(node, m.index);
+        range.setEnd(node, m.index + m[0].length);
+        const rows = new Set([...range.getClientRects()].filter((r) => r.width > 0).map((r) => Math.round(r.top)));
+        if (rows.size > 1) broken.push(m[0]);
+      }
+    }
+  }));
+  return {broken, words};
+}"""

@@ -226,6 +226,115 @@ def test_the_links_script_reports_and_hides_only_what_the_front_end_drew():
     assert "manager.get_model(model.get('state'))" in LINK_ESM and "model.on(" not in LINK_ESM
 
 
+class _Outputs:
+    """A stand-in for IPython's ``display`` (labelled as such: no front end here): each output's bundles, the
+    first as shown and then each update by its display id."""
+
+    def __init__(self):
+        self.shown = []
+
+    def display(self, bundle, raw=True, display_id=False):
+        self.shown.append([bundle])
+        shown = self.shown[-1]
+        return type("Handle", (), {"update": lambda _self, new, raw=True: shown.append(new)})()
+
+
+def _until_sent(view, timeout=30.0):
+    """Redraw as the sampler does until the figure replaced its placeholder (a condition, not a pause)."""
+    deadline = time.monotonic() + timeout
+    while not view.refresh():
+        assert time.monotonic() < deadline, "the figure was never sent"
+        time.sleep(0.01)
+
+
+def test_the_picture_comes_first_and_the_figure_after_it(monkeypatch):
+    """Issue 31, Do 5: a page's first plotly figure makes plotly.js evaluate, which held the page for 2.5-6 s on
+    a busy machine, the picture sent with it too. The output shows the picture at once, the figure follows it
+    (the sampler's first tick after FIGURE_AFTER), a rule hides the picture once the figure beside it is drawn,
+    and the picture is emptied once the figure was drawn: a saved notebook holds the chart once."""
+    pytest.importorskip("anywidget")
+    import IPython.display
+
+    from ipy_gpumem.chart.figures.live import PlotlyChartView
+
+    out = _Outputs()
+    monkeypatch.setattr(IPython.display, "display", out.display)
+    view = PlotlyChartView(session())
+    view.figure_after = 0.05
+    try:
+        view.display()
+        (picture,), (placeholder,) = out.shown
+        mark = f"{view.chart}-picture"
+        assert PLOTLY_MIME not in picture and "data:image/svg+xml," in picture["text/html"] and mark in picture["text/html"]
+        assert f".jp-OutputArea-child:has(.{mark}):has(+ .jp-OutputArea-child .js-plotly-plot .main-svg)" in picture["text/html"]
+        assert placeholder == {"text/plain": ""} and view.owes  # the sampler's next tick owes the figure
+        assert view.state is not None and view.state.figure["layout"]["meta"] == view.chart
+        view.finalize()  # the chart's own cell ends at once: the figure is not due yet, nothing more is sent
+        assert [len(shown) for shown in out.shown] == [1, 1]
+        _until_sent(view)
+        figure = out.shown[1][-1]
+        assert figure[PLOTLY_MIME]["layout"]["meta"] == view.chart and view.state.figure == figure[PLOTLY_MIME]
+        assert len(out.shown[0]) == 1 and not view.owes  # the picture shows until the figure is drawn
+        view.finalize()  # the next cell's end: the page drew the figure since, the picture goes
+        emptied = out.shown[0][-1]["text/html"]
+        assert "<img" not in emptied and mark in emptied and "<style>" in emptied
+    finally:
+        view.freeze()
+    assert PLOTLY_MIME in out.shown[1][-1] and len(out.shown[0]) == 2  # left: the figure once, the picture empty
+
+
+def test_the_sidebars_picture_hides_the_inline_copy_while_the_sidebar_shows_it(monkeypatch):
+    """The sidebar's outputs are its picture, then its figure; its picture's rule hides the inline copy (the
+    picture marked ``-inline`` and the figure after it) for as long as the sidebar shows it, so JupyterLab
+    never shows that copy; the front end's report empties the inline picture."""
+    pytest.importorskip("anywidget")
+    import types
+
+    import IPython.display
+
+    from ipy_gpumem.chart.figures.live import SIDEBAR_HEIGHT, PlotlyChartView
+
+    out = _Outputs()
+    monkeypatch.setattr(IPython.display, "display", out.display)
+    sidebar = types.SimpleNamespace(outputs=())  # a stand-in for the Sidecar widget (its ``outputs`` trait)
+    view = PlotlyChartView(session(), sidebar=True)
+    view.figure_after = 0.05
+    try:
+        view.display(target=sidebar, before=lambda: out.display({"text/plain": "the line"}))
+        (side,) = sidebar.outputs
+        inline = f".jp-OutputArea-child:has(.{view.chart}-inline)"
+        assert f"{inline},{inline} + .jp-OutputArea-child{{display:none}}" in side["data"]["text/html"]
+        assert f'class="{view.chart}-picture {view.chart}-side"' in side["data"]["text/html"]
+        line, picture, placeholder = out.shown
+        assert line == [{"text/plain": "the line"}] and placeholder == [{"text/plain": ""}]
+        assert f'class="{view.chart}-picture {view.chart}-inline"' in picture[0]["text/html"]
+        assert f"{inline}," not in picture[0]["text/html"]  # only the sidebar's copy hides the inline one
+        _until_sent(view)
+        assert sidebar.outputs[0] is side and sidebar.outputs[1]["data"][PLOTLY_MIME]["layout"]["height"] == SIDEBAR_HEIGHT
+        assert PLOTLY_MIME in out.shown[2][-1]
+        view.state._handle_custom_msg({"placement": {"sidebar": True, "inline": 0, "picture": False, "width": 250}}, [])
+        assert "<img" not in out.shown[1][-1]["text/html"] and f"{view.chart}-inline" in out.shown[1][-1]["text/html"]
+    finally:
+        view.freeze()
+
+
+def test_without_a_sampler_the_figure_comes_with_its_picture(monkeypatch):
+    pytest.importorskip("anywidget")
+    import IPython.display
+
+    from ipy_gpumem.chart.figures.live import PlotlyChartView
+
+    out = _Outputs()
+    monkeypatch.setattr(IPython.display, "display", out.display)
+    view = PlotlyChartView(session())
+    view.figure_after = 0  # what LiveChart sets when no sampler runs (rate 0): nobody would send it later
+    try:
+        view.display()
+        assert PLOTLY_MIME in out.shown[1][0] and not view.owes
+    finally:
+        view.freeze()
+
+
 def test_plotly_stays_off_the_figure_path():
     import subprocess
     import sys
@@ -380,46 +489,3 @@ def test_history_lists_each_rank_under_the_cell_that_launched_it():
     assert lines[at + 1].lstrip().startswith("rank 0") and "pid 101" in lines[at + 1]
     assert lines[at + 2].lstrip().startswith("rank 1") and "+700.00 MiB" in lines[at + 2] and "gone" in lines[at + 2]
     assert lines[at + 3].lstrip().startswith("[5]")
-
-
-# ---------------------------------------------------------------------------------------------
-# One layout, two renderers: neither imports the other
-# ---------------------------------------------------------------------------------------------
-
-
-def _chart_imports():
-    """``(module, imported module, names)`` for every import inside ``ipy_gpumem.chart``, read from the source."""
-    import ast
-    import pathlib
-
-    root = pathlib.Path(__file__).resolve().parents[1] / "ipy_gpumem"
-    for path in sorted((root / "chart").rglob("*.py")):
-        module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
-        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-        if path.name == "__init__.py":
-            module = module[: -len(".__init__")]
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom):
-                base = package[: len(package) - (node.level - 1)] if node.level else []
-                target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
-                yield module, target, [alias.name for alias in node.names]
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    yield module, alias.name, []
-
-
-def test_the_svg_and_plotly_renderers_share_the_layout_and_import_nothing_of_each_other():
-    """Issue 31: chart/figures/ imported eight private helpers of chart/svg/. Both now draw the layouts
-    (``chart.session``, ``chart.columns``) with the words of ``chart.words``: neither package imports the
-    other, and no module of the chart imports another's underscore name."""
-    seen = list(_chart_imports())
-    assert seen
-    for module, target, names in seen:
-        for one, other in (("ipy_gpumem.chart.figures", "ipy_gpumem.chart.svg"),
-                           ("ipy_gpumem.chart.svg", "ipy_gpumem.chart.figures")):
-            if module.startswith(one):
-                assert not (target or "").startswith(other) and not any(
-                    f"{target}.{name}".startswith(other) for name in names), (module, target, names)
-        if (target or "").startswith("ipy_gpumem"):
-            private = [name for name in names if name.startswith("_")]
-            assert not private, f"{module} imports {private} from {target}"

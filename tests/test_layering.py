@@ -154,3 +154,45 @@ def test_load_ext_imports_only_the_per_cell_path():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# One layout, two renderers: neither imports the other
+# ---------------------------------------------------------------------------------------------
+
+
+def _chart_imports():
+    """``(module, imported module, names)`` for every import inside ``ipy_gpumem.chart``, read from the source."""
+    import pathlib
+
+    root = pathlib.Path(PKG)
+    for path in sorted((root / "chart").rglob("*.py")):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        if path.name == "__init__.py":
+            module = module[: -len(".__init__")]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - (node.level - 1)] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+                yield module, target, [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    yield module, alias.name, []
+
+
+def test_the_svg_and_plotly_renderers_share_the_layout_and_import_nothing_of_each_other():
+    """Issue 31: chart/figures/ imported eight private helpers of chart/svg/. Both now draw the layouts
+    (``chart.session``, ``chart.columns``) with the words of ``chart.words``: neither package imports the
+    other, and no module of the chart imports another's underscore name."""
+    seen = list(_chart_imports())
+    assert seen
+    for module, target, names in seen:
+        for one, other in (("ipy_gpumem.chart.figures", "ipy_gpumem.chart.svg"),
+                           ("ipy_gpumem.chart.svg", "ipy_gpumem.chart.figures")):
+            if module.startswith(one):
+                assert not (target or "").startswith(other) and not any(
+                    f"{target}.{name}".startswith(other) for name in names), (module, target, names)
+        if (target or "").startswith("ipy_gpumem"):
+            private = [name for name in names if name.startswith("_")]
+            assert not private, f"{module} imports {private} from {target}"

@@ -83,9 +83,19 @@ def test_report_lists_every_source_line_and_the_devices():
     assert "cuda:0 (Tesla P100-PCIE-16GB) allocated" in text
     assert "cuda:0: 9.53 GiB reserved of 15.78 GiB total" in text
     rows = [r for r in text.splitlines() if r.strip().startswith(("1 ", "2 ", "3 ", "4 "))]
-    assert len(rows) == 4  # every line of the cell, hit or not
-    assert "+1024.00 MiB" in rows[1] and "a = f()" in rows[1]
-    assert rows[3].split()[1] == "3" and "-1024.00 MiB" in rows[3]
+    # every line of the cell's code, hit or not; the %%gpumem header line runs nothing: no row (issue 31)
+    assert [r.split()[0] for r in rows] == ["2", "3", "4"] and "%%gpumem --lines" not in "".join(rows)
+    assert "+1024.00 MiB" in rows[0] and "a = f()" in rows[0]
+    assert rows[1].split()[1:] == ["for", "i", "in", "range(3):"]  # a line that did not run: its source only
+    assert rows[2].split()[1] == "3" and "-1024.00 MiB" in rows[2]
+
+
+def test_history_names_a_magic_cell_by_its_code():
+    """Issue 31: the history showed a ``%%gpumem --lines`` cell as its magic line."""
+    view = history_view([gpu_record(source="%%gpumem --lines\n\nloss = model(x).sum()\nloss.backward()"),
+                         gpu_record(execution_count=8, source="%%time")])
+    assert "loss = model(x).sum()" in view.text and "%%gpumem" not in view.text
+    assert "%%time" in view.text  # a magic line with nothing after it is all the cell says
 
 
 def test_history_and_status_tables():

@@ -197,6 +197,8 @@ class LiveChart:
             self._retire(old)
         self._close_sidecar()
         self._line = None
+        if isinstance(view, PlotlyChartView) and not (run and self._rate > 0):
+            view.figure_after = 0  # no sampler to send the figure after its picture: both at once
         view.display()
         if view.live:  # a text chart is printed once: nothing to keep moving
             self.views.append(view)
@@ -209,8 +211,8 @@ class LiveChart:
 
         The chart is also shown inline, under the line: it is what a reopened notebook shows, and what a
         front end without a right sidebar (Notebook 7) shows live. The front end decides (``figures.live``):
-        where the sidebar drew the chart it hides the inline copy. When it says so, the line says where
-        the chart is.
+        while the sidebar shows the chart, a rule the sidebar's copy carries hides the inline copy. When the
+        front end says where it drew the chart, the line says it.
         """
         from sidecar import Sidecar
 
@@ -231,6 +233,8 @@ class LiveChart:
         if view is not None:
             view.inline = False
             view.on_placement = self._placed
+            if not (run and self._rate > 0):
+                view.figure_after = 0  # no sampler to send the figure after its picture: both at once
             view.display(target=self.sidecar, before=line.display)
         else:  # no plotly here: the picture in an HTML widget, which says nothing back
             view = WidgetChartView(timeline, size=SIDEBAR_SIZE)

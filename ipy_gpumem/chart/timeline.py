@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import Mapping, NamedTuple, Optional, Tuple
 
 from ..core.devices import HOST, Device, device
-from ..core.text import first_line
+from ..core.text import cell_name
 
 __all__ = ["SeriesKey", "QUANTITIES", "HOST_RSS", "Change", "Span", "MissedPeak", "TimelineSnapshot", "Timeline",
            "missed_peaks", "seed_timeline"]
@@ -238,18 +238,8 @@ def _rank_changes(record) -> Tuple[RankChange, ...]:
 
 
 def _first(source: str) -> str:
-    """The line that names a cell: its first non-blank line, or the one after a ``%%magic`` line
-    (``%%gpumem --lines`` says nothing about what the cell does)."""
-    head = source[:4096]  # a cell of thousands of lines runs this on every start: its head is enough
-    lines = head.splitlines()
-    for i, line in enumerate(lines):
-        if line.strip():
-            if line.lstrip().startswith("%%"):
-                body = first_line("\n".join(lines[i + 1:]), FIRST_LINE_CHARS)
-                if body:
-                    return body
-            break
-    return first_line(head, FIRST_LINE_CHARS) or first_line(source, FIRST_LINE_CHARS)
+    """The line that names a cell (past a ``%%magic`` header line), at the chart's width."""
+    return cell_name(source, FIRST_LINE_CHARS)
 
 
 # --------------------------------------------------------------------------------------------

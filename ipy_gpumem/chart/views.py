@@ -155,12 +155,14 @@ def choose_tier(shell=None, prefer: Optional[str] = None):
         # VS Code loads a third-party widget's front end from a CDN only where the user allowed it;
         # its HTML outputs update in place everywhere. `%gpumem chart plotly` asks for the figure.
         return "html", None
-    why_not = widgets_status()
     if prefer == "widget":
+        why_not = widgets_status()
         if why_not is not None:
             return "html", f"widget chart unavailable ({why_not}): showing an HTML chart updated in place"
         return "widget", None
-    why_not = why_not or plotly_widget_status()
+    # Found, not imported: the plotly chart shows its picture before ipywidgets is imported for its link
+    # (0.2 s of a busy machine's cell), and a broken install leaves the figure as first drawn (``link_error``).
+    why_not = plotly_widget_status()
     if why_not is not None:
         return "html", (None if prefer is None else f"plotly chart unavailable ({why_not}): showing an HTML "
                                                      "chart updated in place")

@@ -12,7 +12,7 @@ from functools import lru_cache
 from typing import Optional, Sequence
 
 from ..core.roles import ROLE_WORDS
-from ..core.text import clip, first_line
+from ..core.text import cell_name, clip
 from ..core.units import format_bytes, format_delta, format_seconds
 from .timeline import HOST_RSS, Change, SeriesKey, Span, TimelineSnapshot
 
@@ -82,18 +82,7 @@ def span_hover(span: Span) -> str:
 
 def record_title(record, width: int = 60) -> str:
     """``[5] loss.backward()``: a cell by its label and the line that names it (past a ``%%`` header)."""
-    return f"{record.label} {first_line(_body(record.source), width)}".rstrip()
-
-
-def _body(source: str) -> str:
-    """A cell's source past its ``%%magic`` header line (``%%gpumem --lines`` says nothing about the cell)."""
-    lines = (source or "").splitlines()
-    for i, line in enumerate(lines):
-        if line.strip():
-            if line.lstrip().startswith("%%") and any(rest.strip() for rest in lines[i + 1:]):
-                return "\n".join(lines[i + 1:])
-            break
-    return source or ""
+    return f"{record.label} {cell_name(record.source, width)}".rstrip()
 
 
 def _last(values) -> Optional[int]:
@@ -216,7 +205,7 @@ def fit_text(fit) -> str:
 
 
 def _cell_hover(rec, name: str, before, after, peak, reserved=None) -> str:
-    text = (f"{rec.label} {clip(first_line(_body(rec.source)), 80)}\n{name} {format_delta(after - before)} "
+    text = (f"{rec.label} {cell_name(rec.source, 80)}\n{name} {format_delta(after - before)} "
             f"→ {format_bytes(after)}" + ("" if peak is None else f", peak {format_bytes(peak)}"))
     if reserved is not None:
         text += f"\nreserved {format_bytes(reserved)}"

@@ -18,7 +18,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Tuple, Union
 
-from .view import View, esc, html_table, text_table, wrap_html
+from .view import CELL_CSS, View, esc, html_table, text_table, wrap_html
 
 __all__ = ["Span", "Line", "Para", "Heading", "Table", "Details", "Code", "Numbered", "Raw", "Blank", "Block",
            "render", "TEXT_WIDTH"]
@@ -27,7 +27,7 @@ __all__ = ["Span", "Line", "Para", "Heading", "Table", "Details", "Code", "Numbe
 TEXT_WIDTH = 100
 #: Inline styles per span style; colours are mid-tones that read on light and dark themes.
 _SPAN_CSS = {
-    "": "", "dim": "opacity:0.75", "up": "color:#c0392b", "down": "color:#27864a", "err": "color:#c0392b;font-weight:600",
+    "": "", "dim": "opacity:0.75", "up": CELL_CSS["up"], "down": CELL_CSS["down"], "err": CELL_CSS["err"],
     "bold": "font-weight:700", "code": "font-family:monospace;font-family:var(--jp-code-font-family,monospace)",
 }
 

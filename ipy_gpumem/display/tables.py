@@ -71,11 +71,15 @@ def line_table(source_lines: Sequence[str], lines: Sequence, columns: Sequence[C
     """``line | hits | columns... | source`` for every source line from ``first``, hit or not.
 
     ``lines`` are objects with ``lineno`` and ``hits`` (a measured ``LineRecord`` or a predicted
-    ``LineEstimate``); a line that did not run shows its source only.
+    ``LineEstimate``); a line that did not run shows its source only. The table starts at the code: the
+    blank lines and the ``%%magic`` header line (``%%gpumem --lines``) before it ran nothing to show.
     """
     by_line = {line.lineno: line for line in lines}
     headers = ["line", "hits"] + [c.header for c in columns] + ["source"]
     count = max([len(source_lines)] + list(by_line))
+    while first <= len(source_lines) and first not in by_line and (
+            not source_lines[first - 1].strip() or source_lines[first - 1].lstrip().startswith("%%")):
+        first += 1
     rows, classes = [], []
     for lineno in range(first, count + 1):
         text = source_lines[lineno - 1] if lineno <= len(source_lines) else ""

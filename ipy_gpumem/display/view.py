@@ -12,14 +12,14 @@ from typing import Iterable, Optional, Sequence
 from ..core.units import format_bytes
 from .escape import esc  # every view's HTML escaping, kept importable from here
 
-__all__ = ["View", "esc", "format_of", "delta_class", "text_table", "html_table", "wrap_html"]
+__all__ = ["View", "esc", "format_of", "delta_class", "text_table", "html_table", "wrap_html", "CELL_CSS"]
 
 # Every style is inline, on the element it styles: an untrusted notebook (a copy someone sent,
 # one opened fresh from disk) drops <style> elements and keeps style attributes, filtered by
 # JupyterLab's sanitizer, which keeps a declaration only when its value is in CSS's own grammar
 # (keywords, lengths, #hex colours). So each value here is plain; where a better value is not
-# in that grammar (a var(), overflow-wrap:anywhere) it follows a plain one for the same property,
-# which is what an untrusted copy keeps.
+# in that grammar (a var()) it follows a plain one for the same property, which is what an untrusted
+# copy keeps.
 #: The container: monospace at a code cell's size, and a scroll bar rather than a cut edge for a
 #: table wider than the output area.
 _BOX = ("font-family:monospace;font-family:var(--jp-code-font-family,monospace);font-size:12px;line-height:1.4;"
@@ -28,15 +28,19 @@ _TABLE = "border-collapse:collapse;margin:2px 0;font-size:12px"  # the frontend 
 _PAD = "padding:1px 5px"
 #: Headers wrap at their spaces ("host peak / in line"), so no header makes its column wide.
 _HEAD = f"{_PAD};vertical-align:bottom;border-bottom:1px solid #999999;font-weight:600;white-space:normal"
-#: Numbers stay whole and right-aligned; words and source wrap when the table would not fit.
+#: Numbers stay whole and right-aligned; words and source wrap at their spaces when the table would not
+#: fit, never inside a word or an identifier (``overflow-wrap:anywhere`` let a narrow output squeeze a column
+#: to "backwar|d" and "set_t|o_none"): a table that cannot fit scrolls in its box (``_BOX``).
 _NUMBER = f"{_PAD};vertical-align:top;text-align:right;white-space:nowrap"
-_WORDS = (f"{_PAD};vertical-align:top;text-align:left;white-space:normal;overflow-wrap:break-word;"
-          "overflow-wrap:anywhere")
-_SOURCE = (f"{_PAD};vertical-align:top;text-align:left;white-space:pre-wrap;overflow-wrap:break-word;"
-           "overflow-wrap:anywhere")
-#: A cell's style name (``classes[r][c]``) as its colour.
-CELL_CSS = {"up": "color:#c0392b", "down": "color:#27864a", "dim": "color:#888888",
-            "err": "color:#c0392b;font-weight:600"}
+_WORDS = f"{_PAD};vertical-align:top;text-align:left;white-space:normal;overflow-wrap:break-word"
+_SOURCE = f"{_PAD};vertical-align:top;text-align:left;white-space:pre-wrap;overflow-wrap:break-word"
+#: A cell's style name (``classes[r][c]``) as its colour: a growth red and a "fits" green that read on white
+#: (4.6:1 and more) and, through the front end's own theme colours where it has them (JupyterLab's and
+#: Notebook 7's error and success colours), on a dark theme too (4.6:1 and more against #111, where the plain
+#: green read 4.1:1); the plain value first, for an untrusted copy.
+CELL_CSS = {"up": "color:#c0392b;color:var(--jp-error-color1,#c0392b)",
+            "down": "color:#27864a;color:var(--jp-success-color0,#27864a)", "dim": "color:#888888",
+            "err": "color:#c0392b;color:var(--jp-error-color1,#c0392b);font-weight:600"}
 
 
 @dataclass(frozen=True)
@@ -117,9 +121,9 @@ def _html_order(count: int, src_col: Optional[int]) -> list:
 STACK_FROM = 6
 #: A word column whose longest value is longer than this goes under its row, full width.
 LONG_WORDS = 24
-#: Text across a stacked table wraps within this width (JupyterLab's narrowest output area is 716 px,
-#: less the line column), so it stays in sight when a wide table scrolls sideways.
-ACROSS_PX = 660
+#: Text across a stacked table wraps within this width (an output area is 596 px wide in a 1280 px window with
+#: JupyterLab's sidebar open, less the line column), so it stays in sight when a wide table scrolls sideways.
+ACROSS_PX = 530
 #: The first row of a stacked row: a light rule above it keeps its rows together as one.
 _GROUP = "border-top:1px solid rgba(128,128,128,0.3)"
 

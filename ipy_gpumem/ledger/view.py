@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 from ..core import words
 from ..core.devices import cuda
 from ..core.records import CellRecord, DeviceRecord, LineRecord
-from ..core.text import clip
+from ..core.text import cell_name
 from ..core.units import format_bytes, format_delta, format_seconds
 from ..display.parts import Blank, Line, Para, Raw, Span, Table, render
 from ..display.tables import (Column, as_modules, bytes_table, delta_cell, heaviest, line_table, peak_cell, phase_table,
@@ -361,7 +361,7 @@ def history_view(records: Sequence[CellRecord], limit: Optional[int] = None) -> 
     cuda = any(rec.devices for rec in records)
     rows, classes = [], []
     for rec in records:
-        source, error = clip(rec.first_line, 60), rec.error or ""
+        source, error = cell_name(rec.source, 60), rec.error or ""
         host = rec.host
         if not cuda:
             rows.append([_history_label(rec), format_delta(host.rss_delta), format_delta(host.rss_peak_increase),

@@ -1,8 +1,8 @@
 """The live chart as plotly's own output, moved by two small widgets with no view: fast to show, and a figure wherever it is reopened.
 
 The chart is displayed as a plotly figure (``application/vnd.plotly.v1+json``) under a display id,
-with its SVG picture and a line of text beside it. The front end's plotly draws it at once (its
-renderer is loaded with the page; no widget bundle travels), and a notebook saved at any moment
+with its SVG picture and a line of text beside it, after its picture (below). The front end's plotly draws
+it (its renderer comes with the page; no widget bundle travels), and a notebook saved at any moment
 holds a figure that any front end draws without the kernel: never "Error displaying widget: model
 not found". What moves it is a pair of widget models that are never displayed (:func:`link_classes`):
 
@@ -24,12 +24,25 @@ put in a CSS selector, and its ``uirevision`` never changes, so a legend click, 
 every update. The link also says what the front end did with the chart, as comm messages
 (``placement``): whether the sidebar drew it, whether an inline copy is shown, or whether the front end
 drew the picture instead of the figure. For ``%gpumem sidebar`` the inline copy is the chart a reopened
-notebook shows; in JupyterLab the link hides it as soon as the sidebar holds the chart, and in Notebook
-7, which has no sidebar for it, it stays: the front end decides from what it has drawn, with no timer.
-The kernel hears the report when it is next idle and words the line above the chart from it.
+notebook shows; in JupyterLab it is hidden while the sidebar shows the chart (a rule of the sidebar's
+picture, below; the link hides it too, where a browser lacks CSS ``:has()``), and in Notebook 7, which has
+no sidebar for it, it stays: the front end decides from what it has drawn, with no timer. The kernel hears
+the report when it is next idle and words the line above the chart from it.
+
+The chart's picture comes first (:meth:`PlotlyChartView.display`): a page's first plotly figure makes
+plotly.js evaluate, which holds the page's main thread for seconds on a busy machine (2.5-7 s measured on
+two busy cores, in JupyterLab 4.6 and Notebook 7.6), and a picture sent with the figure waited for it too.
+So the output first holds the SVG picture (an ``<img>``, drawn at once) and a placeholder; the figure
+replaces the placeholder at the sampler's next tick (:data:`FIGURE_AFTER`), once the page has drawn the
+picture, and a rule in the picture's own ``<style>`` hides the picture as soon as the figure beside it is
+drawn. Once the figure was drawn (the front end said so, or a later cell ended), the picture is emptied:
+a saved notebook holds the figure once. In the sidebar the same happens, and the sidebar's picture carries
+the rule that hides the inline copy: JupyterLab never shows it (no flash before the link could hide it),
+Notebook 7, which draws no sidebar, never loads the rule, and a reopened notebook, whose sidebar is gone,
+shows the inline copy.
 
 plotly itself is never imported here: the figure is a dict. anywidget is imported when the link is
-made, after the figure was sent, so the first draw does not wait for it.
+made, after the picture was sent, so the first draw does not wait for it.
 """
 from __future__ import annotations
 
@@ -39,10 +52,11 @@ from functools import lru_cache
 from typing import Callable, Optional
 
 from ..session import session_layout
-from ..views import ChartView, chart_html, chart_title, close_widgets, timeline_text
+from ..views import (CHART_SIZE, SIDEBAR_SIZE, ChartView, chart_html, chart_title, close_widgets, in_vscode,
+                     timeline_text)
 from .timeline import PLOTLY_MIME, session_figure
 
-__all__ = ["PlotlyChartView", "link_classes", "HEIGHT", "SIDEBAR_HEIGHT", "MIN_INTERVAL", "LINK_ESM"]
+__all__ = ["PlotlyChartView", "link_classes", "HEIGHT", "SIDEBAR_HEIGHT", "MIN_INTERVAL", "FIGURE_AFTER", "LINK_ESM"]
 
 #: Seconds between two redraws of a live figure (cell ends included; a held-back one is made later).
 MIN_INTERVAL = 0.9  # the sampler ticks once a second: one redraw a tick, never more
@@ -50,6 +64,9 @@ MIN_INTERVAL = 0.9  # the sampler ticks once a second: one redraw a tick, never 
 HEIGHT = 330
 #: The sidebar's figure: drawn at the sidebar's own width (plotly sizes it to its box from the first draw).
 SIDEBAR_HEIGHT = 360
+#: Seconds between the picture and the figure that replaces it (sent at the sampler's first tick after): the
+#: page draws the picture before plotly.js, evaluated for a page's first figure, holds its main thread.
+FIGURE_AFTER = 0.3
 
 #: The link's front end: find the chart's figures by name, hand them each new figure, keep a hover, hide
 #: the inline copy where the sidebar holds the chart, and report what was drawn where.
@@ -199,6 +216,9 @@ class PlotlyChartView(ChartView):
         on_placement: called with the view when a report arrives (main thread).
         state: the ChartState widget the front end draws from, or None (none made, or closed).
         link_error: why no link could be made (the figure then stays as first drawn), or None.
+        figure_after: seconds from the picture to the figure (:data:`FIGURE_AFTER`; 0: both at once, for a
+            chart no sampler redraws).
+        picture: the display handle of the picture shown until the figure is drawn, once shown.
     """
 
     tier = "plotly"
@@ -218,6 +238,12 @@ class PlotlyChartView(ChartView):
         self._kept: dict = {}
         self._drawn_at = float("-inf")
         self._figure: Optional[dict] = None  # the figure last handed to the front end
+        self.figure_after = FIGURE_AFTER
+        self.picture = None
+        self._due: Optional[float] = None  # when the figure is to replace its placeholder; None once sent
+        self._target = None  # the sidebar (an Output-like widget), and the picture its outputs start with
+        self._side_picture: Optional[dict] = None
+        self._picture_held = False  # the picture still shows a chart (not emptied yet)
 
     # -- what is drawn --------------------------------------------------------------------------
 
@@ -234,6 +260,29 @@ class PlotlyChartView(ChartView):
         return {PLOTLY_MIME: figure, "text/html": chart_html(snapshot, chart=self.chart),
                 "text/plain": timeline_text(snapshot)}
 
+    def first_picture(self, snapshot, side: bool = False) -> dict:
+        """The picture shown until the figure beside it is drawn (see the module docstring), or once drawn
+        (``snapshot`` None) only its ``<style>`` and an empty mark.
+
+        Its rule hides its own output as soon as the next output holds a drawn plotly figure; the sidebar's
+        picture (``side``) also hides the inline copy of a sidebar chart (marked ``-inline``), for as long as
+        the sidebar shows it.
+        """
+        mark = f"{self.chart}-picture"
+        rules = f".jp-OutputArea-child:has(.{mark}):has(+ .jp-OutputArea-child .js-plotly-plot .main-svg){{display:none}}"
+        if side:
+            inline = f".jp-OutputArea-child:has(.{self.chart}-inline)"
+            rules += f"{inline},{inline} + .jp-OutputArea-child{{display:none}}"
+        classes = mark + (" " + self.chart + ("-side" if side else "-inline") if self.sidebar else "")
+        width, height = SIDEBAR_SIZE if side else CHART_SIZE
+        body = "" if snapshot is None else chart_html(snapshot, width, (SIDEBAR_HEIGHT if side else HEIGHT) - 30)
+        return {"text/html": f'<style>{rules}</style><div class="{classes}">{body}</div>', "text/plain": ""}
+
+    def _side_figure(self, snapshot, figure: dict) -> dict:
+        """The sidebar's copy: the figure at the sidebar's height, its title one number a line."""
+        side = dict(figure, layout=dict(figure["layout"], **_side_layout(chart_title(snapshot))))
+        return _output({PLOTLY_MIME: side, "text/plain": timeline_text(snapshot)})
+
     @property
     def widgets(self) -> tuple:
         """The widget models this view made: its state, its link, and the ``Layout`` model an ipywidgets
@@ -245,28 +294,65 @@ class PlotlyChartView(ChartView):
     # -- showing it -----------------------------------------------------------------------------
 
     def display(self, target=None, before: Optional[Callable] = None) -> None:
-        """Show the figure inline, and inside ``target`` (an Output-like widget: the sidebar) when given;
-        ``before`` runs just before the inline copy is shown (the sidebar's line of numbers)."""
+        """Show the chart inline, and inside ``target`` (an Output-like widget: the sidebar) when given;
+        ``before`` runs just before the inline copy is shown (the sidebar's line of numbers).
+
+        Each copy is its picture, then the figure: at once when :attr:`figure_after` is 0, else at the
+        sampler's first tick after that many seconds (:meth:`refresh`), once the page drew the picture.
+        """
         from IPython.display import display
 
         if self.note:
             print(f"ipy_gpumem: {self.note}")
         snapshot = self.timeline.snapshot()
         figure = self.figure(snapshot)
+        # VS Code draws outputs its own way (none of JupyterLab's output classes for the rule that hides the
+        # picture): the figure alone there, as before.
+        first = not in_vscode()
+        later = first and self.figure_after > 0
         if target is not None:
-            # The link first, so its front end is watching when the copies are drawn: JupyterLab hides the
-            # inline one as soon as the sidebar's appears.
+            # The link first, so its front end is watching when the copies are drawn.
             self._make_link(snapshot, figure)
-            side = dict(figure, layout=dict(figure["layout"], **_side_layout(chart_title(snapshot))))
-            with target:
-                display({PLOTLY_MIME: side, "text/plain": timeline_text(snapshot)}, raw=True)
+            self._target = target
+            self._side_picture = _output(self.first_picture(snapshot, side=True))
+            # The sidebar's outputs are set from here (not captured with ``with target:``), so a later
+            # thread can add the figure after the picture.
+            target.outputs = (self._side_picture,) + (() if later else (self._side_figure(snapshot, figure),))
         if before is not None:
             before()
-        self.handle = display(self.bundle(snapshot, figure), raw=True, display_id=True)
-        self.drawn = self.bundled = snapshot.version
+        if first:
+            self.picture = display(self.first_picture(snapshot), raw=True, display_id=True)
+            self._picture_held = True
+        self.handle = display({"text/plain": ""} if later else self.bundle(snapshot, figure), raw=True,
+                              display_id=True)
+        self.drawn = snapshot.version
+        self.bundled = -1 if later else snapshot.version
         self._drawn_at = time.monotonic()
+        self._due = self._drawn_at + self.figure_after if later else None
+        self.owes = later
         if target is None:
-            self._make_link(snapshot, figure)  # after the figure: its first draw does not wait for anywidget
+            self._make_link(snapshot, figure)  # after the picture: its first draw does not wait for anywidget
+
+    def _send_figure(self) -> None:
+        """The figure replaces its placeholder (and joins the sidebar's picture): any thread, under the lock."""
+        snapshot = self.timeline.snapshot()
+        figure = self.figure(snapshot)
+        self._due = None
+        if self._target is not None:
+            self._target.outputs = (self._side_picture, self._side_figure(snapshot, figure))
+        if self.handle is not None:
+            self.handle.update(self.bundle(snapshot, figure), raw=True)
+        self.bundled = snapshot.version
+        self._push(snapshot, figure)
+        self.drawn = snapshot.version
+
+    def drop_picture(self) -> None:
+        """Empty the picture once the figure was drawn: a saved notebook then holds the chart once. Its
+        ``<style>`` and mark stay, for the rules that find the copies."""
+        with self.lock:
+            if self._picture_held and self._due is None and self.picture is not None:
+                self._picture_held = False
+                self.picture.update(self.first_picture(None), raw=True)
 
     def _make_link(self, snapshot, figure: dict) -> None:
         state = None
@@ -289,6 +375,8 @@ class PlotlyChartView(ChartView):
         if not isinstance(placement, dict):
             return
         self.placement = {key: placement.get(key) for key in ("sidebar", "inline", "picture", "width")}
+        if self.live and (placement.get("sidebar") or placement.get("inline") or placement.get("picture")):
+            self.drop_picture()  # the figure (or its own picture) is drawn: the first picture is done
         callback = self.on_placement
         if callback is not None:
             try:
@@ -304,7 +392,10 @@ class PlotlyChartView(ChartView):
                 self.handle.update({"text/html": chart_html(snapshot, chart=self.chart),
                                     "text/plain": timeline_text(snapshot)}, raw=True)
             return
-        figure = self.figure(snapshot)
+        self._push(snapshot, self.figure(snapshot))
+
+    def _push(self, snapshot, figure: dict) -> None:
+        """Hand ``figure`` to the front end through the state (nothing is sent when it did not change)."""
         state = self.state
         if state is not None and figure != self._figure:
             with state.hold_sync():
@@ -318,6 +409,16 @@ class PlotlyChartView(ChartView):
         of JSON with a long session). A redraw held back is owed (:attr:`owes`); the live chart's next
         tick makes it. A cell's end (:meth:`finalize`) is drawn at once, within the redraw budget."""
         now = time.monotonic()
+        if self._due is not None:  # the picture is showing: the figure replaces its placeholder when due
+            if now < self._due:
+                self.owes = True
+                return False
+            with self.lock:
+                if not self.live or self._due is None:
+                    return False
+                self._send_figure()
+            self._drawn_at, self.owes = now, False
+            return True
         if not (force or final) and now - self._drawn_at < MIN_INTERVAL:
             self.owes = self.live and self.timeline.snapshot().version != self.drawn
             return False
@@ -330,9 +431,13 @@ class PlotlyChartView(ChartView):
         return drew
 
     def finalize(self) -> bool:
-        """At a cell's end: redraw, and write the figure into the output (what a saved notebook keeps)."""
+        """At a cell's end: redraw, and write the figure into the output (what a saved notebook keeps); the
+        picture goes once a cell ended after the figure was sent (the page drew it since)."""
+        sent = self._due is None
         drew = self.refresh(final=True)
         self.write_output()
+        if sent:
+            self.drop_picture()
         return drew
 
     def write_output(self) -> None:
@@ -340,15 +445,25 @@ class PlotlyChartView(ChartView):
         (the update also drops the PNG plotly's renderer cached at the window's width)."""
         with self.lock:
             snapshot = self.timeline.snapshot()
-            if self.live and self.handle is not None and snapshot.version != self.bundled:
+            if self.live and self.handle is not None and self._due is None and snapshot.version != self.bundled:
                 figure = self._figure if self._figure is not None and self.drawn == snapshot.version else \
                     self.figure(snapshot)
                 self.handle.update(self.bundle(snapshot, figure), raw=True)
                 self.bundled = snapshot.version
 
     def leave(self, snapshot) -> None:
+        self._due = None
         if self.handle is not None:
             # The output keeps the figure as it is now, with every series shown, and its picture.
             self.handle.update(self.bundle(snapshot, self.figure(snapshot)), raw=True)
+        if self._picture_held and self.picture is not None:
+            self._picture_held = False
+            self.picture.update(self.first_picture(None), raw=True)
         close_widgets(self.widgets)
         self.state = self.link = None
+        self._target = None
+
+
+def _output(bundle: dict) -> dict:
+    """``bundle`` as an output of an Output widget's ``outputs``."""
+    return {"output_type": "display_data", "data": bundle, "metadata": {}}
