@@ -80,7 +80,7 @@ def test_real_host_memory_per_line():
     assert -98 * MiB <= by[3].host.rss_delta <= -94 * MiB
     assert abs(by[4].host.rss_delta) < 2 * MiB
     if probe.host.can_reset_peak:
-        assert by[2].host.rss_peak_increase >= 96 * MiB
+        assert by[2].host.rss_peak_increase >= 95 * MiB  # the same lag as the deltas above (CI: 95.875 MiB)
         assert by[4].host.rss_peak_increase < 4 * MiB  # each line's peak is its own
 
 
