@@ -5,6 +5,7 @@
     saved.py       what an autograd node keeps alive (saved tensors, pack-hook payloads, checkpointed inputs)
     claims.py      the one role order, tiers and holder relations of a walk's claims
     kinds.py       how each type is walked, and the cheap proof that a container holds only scalars
+    userfiles.py   whose code a file holds: the user's, or Python's, a package's or ours
     readers.py     holders read their own way (lru_cache, generators' frames, object arrays, data frames, futures...)
     paths.py       how a walk names what it reached (``batch[0]``, ``type(trainer).history``)
     graphs.py      the autograd half of the walk
