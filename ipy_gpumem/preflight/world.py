@@ -24,7 +24,8 @@ import functools
 import types
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..tensors.kinds import CLASS, DICT, FUNC, MODOBJ, MODULE, OBJECT, OPTIM, PARAM, SEQ, TENSOR, is_user_file
+from ..tensors.kinds import CLASS, DICT, FUNC, MODOBJ, MODULE, OBJECT, OPTIM, PARAM, SEQ, TENSOR
+from ..tensors.userfiles import is_user_file
 from ..tensors.walk import Walk
 
 __all__ = ["FakeWorld", "SubstitutionError"]
