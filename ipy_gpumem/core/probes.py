@@ -522,17 +522,17 @@ class CudaProbe:
         self._reader_for = None
         #: ``internals(torch)`` -> torch's private fast paths (``tensors.torch_api.api``: the one
         #: adapter to torch's private names, which this foundation may not import); None: public APIs only.
-        self._internals = internals
+        self.internals = internals
         self._props: dict = {}
         self._stats_fn = None
         self._cpu_only = None  # the torch module found to be a CPU-only build
 
     def _api(self):
         torch = self._torch()
-        if self._internals is None or torch is None:
+        if self.internals is None or torch is None:
             return None
         try:
-            return self._internals(torch)
+            return self.internals(torch)
         except Exception:  # noqa: BLE001
             return None
 

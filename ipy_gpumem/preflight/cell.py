@@ -178,7 +178,7 @@ def _marker(program: CellProgram):
             found.append(current_tracker())
         tracker = found[0]
         if tracker is not None:
-            program.marks.append((len(tracker.run.events), lineno, tracker._step))
+            program.marks.append((len(tracker.run.events), lineno, tracker.current_step))
 
     return mark
 
