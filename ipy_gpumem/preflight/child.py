@@ -15,11 +15,11 @@ import sys
 import time
 from typing import Any, Dict, Optional, Tuple
 
+from ..tensors.loaders import notes as loader_notes, read_without_workers
 from ..tensors.torch_api import api as torch_api
 from ..tensors.tracker import StorageTracker
 from .attention import summary, words as attention_words
 from .cpulike import cpu_emulation
-from .loaders import notes as loader_notes, read_without_workers
 from .result import Estimate, EstimateError
 from .steady import words as steady_words
 from .steps import analyse, explain_error, line_words, run_steps, to_cpu, warnings_quiet

@@ -14,8 +14,11 @@
     watch.py       whether a cell changed what the last census depended on, answered without a walk
     hooks.py       the global hooks that mark training phases (forward, backward, optimizer step)
     tracker.py     live storages of a run as it executes (the estimate's accounting), by dispatch
+    loaders.py     the estimate's sealed child reads a DataLoader with workers in its own thread
+    module_tables.py  an nn.Module's parameters, buffers, submodules and hooks, from its instance dict
+    spawn.py       the index torch.multiprocessing gave a process it started
 
 The census, ``who()``, re-runs, phases, the estimate and the OOM analysis count through this room
-and nowhere else; no other module names a private torch attribute (``tests/test_tensors.py`` checks it).
+and nowhere else; no other module names a private torch attribute (``tests/test_layering.py`` checks it).
 Importing it imports nothing heavy: torch is read from ``sys.modules`` when the user imported it.
 """
