@@ -184,9 +184,9 @@ def snapshot(source, *, max_bytes=None):
 
     cells = None
     if "IPython" in sys.modules:
-        from .extension import _running_shell, cell_files
+        from .extension import cell_files, running_shell
 
-        shell = _running_shell()
+        shell = running_shell()
         cells = cell_files(shell) if shell is not None else None
     return open_snapshot(source, cells=cells, max_bytes=MAX_BYTES if max_bytes is None else max_bytes)
 

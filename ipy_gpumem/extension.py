@@ -674,7 +674,8 @@ def _remove_hook_after_the_cell(shell) -> None:
     shell.events.register("post_run_cell", remove_when_done)
 
 
-def _running_shell():
+def running_shell():
+    """The IPython shell this code runs in, or None (IPython not imported, or no shell running)."""
     if "IPython" not in sys.modules:
         return None
     from IPython import get_ipython
@@ -683,7 +684,7 @@ def _running_shell():
 
 
 def current_magics() -> Optional[GpuMemMagics]:
-    shell = _running_shell()
+    shell = running_shell()
     state = getattr(shell, _ATTR, None) if shell is not None else None
     return None if state is None else state["magics"]
 
@@ -696,7 +697,7 @@ def current_ledger() -> Optional[Ledger]:
 
 def user_namespace():
     """``(namespace, refs)`` of the running shell: its user namespace and IPython's own names in it."""
-    shell = _running_shell()
+    shell = running_shell()
     if shell is None:
         raise RuntimeError("no IPython shell is running: pass the namespace, e.g. who(globals())")
     return shell.user_ns, _ipython_refs(shell)

@@ -35,7 +35,7 @@ from ipy_gpumem.preflight.allocator import replay  # noqa: E402
 from ipy_gpumem.preflight.cpulike import applies  # noqa: E402
 from ipy_gpumem.preflight.cudalike import cuda_emulation  # noqa: E402
 from ipy_gpumem.preflight.gpus import GPUS, cublas_workspace  # noqa: E402
-from ipy_gpumem.preflight.run import run_steps, to_cpu  # noqa: E402
+from ipy_gpumem.preflight.steps import run_steps, to_cpu  # noqa: E402
 from ipy_gpumem.preflight.steady import repeat  # noqa: E402
 from ipy_gpumem.preflight.world import FakeWorld  # noqa: E402
 from ipy_gpumem.tensors.torch_api import api  # noqa: E402

@@ -16,7 +16,7 @@ F = torch.nn.functional
 
 import ipy_gpumem  # noqa: E402
 from ipy_gpumem.preflight.result import EstimateError  # noqa: E402
-from ipy_gpumem.preflight.run import run_steps  # noqa: E402
+from ipy_gpumem.preflight.steps import run_steps  # noqa: E402
 from ipy_gpumem.preflight.world import FakeWorld  # noqa: E402
 from ipy_gpumem.tensors.torch_api import api  # noqa: E402
 from ipy_gpumem.tensors.tracker import StorageTracker  # noqa: E402

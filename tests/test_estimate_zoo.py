@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 F = torch.nn.functional
 
-from ipy_gpumem.preflight.run import estimate, run_steps  # noqa: E402
+from ipy_gpumem.preflight.run import estimate  # noqa: E402
+from ipy_gpumem.preflight.steps import run_steps  # noqa: E402
 from ipy_gpumem.preflight.world import FakeWorld  # noqa: E402
 from ipy_gpumem.tensors.torch_api import api  # noqa: E402
 from ipy_gpumem.tensors.tracker import StorageTracker  # noqa: E402

@@ -16,9 +16,16 @@ The package is a stack of rooms, one folder each (docs/architecture.md says what
 A room may import itself and the rooms below it, never one beside or above it. Inside a room,
 the modules that compute never import the ones that draw (``view``, ``panel``, ``svg``,
 ``views``, ``live``), so every room's logic can be used and tested without its display.
+
+Private means private: no module imports or reads another module's underscore name (what is
+shared is public), no two modules import each other however indirectly (lazy imports count), and
+torch's private names are spelled in ``tensors/`` only: outside it, a ``._name`` or a ``"_name"``
+that is not the module's own fails unless :data:`FOREIGN_PRIVATE` lists it with its reason.
 """
 import ast
+import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -54,9 +61,14 @@ def _path(module):
     return base + ".py" if os.path.exists(base + ".py") else os.path.join(base, "__init__.py")
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(module):
+    return ast.parse(open(_path(module), encoding="utf-8").read())
+
+
 def _imports(module, top_level_only):
     """(absolute module name inside the package or outside it, level) for each import in ``module``."""
-    tree = ast.parse(open(_path(module), encoding="utf-8").read())
+    tree = _tree(module)
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     package = module.split(".") if _path(module).endswith("__init__.py") else module.split(".")[:-1]
     for node in nodes:
@@ -88,7 +100,7 @@ def test_the_rooms_are_where_the_file_tree_says():
 
 @pytest.mark.parametrize("module", MODULES)
 def test_every_module_says_what_it_is_for(module):
-    assert ast.get_docstring(ast.parse(open(_path(module), encoding="utf-8").read())), module
+    assert ast.get_docstring(_tree(module)), module
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -196,3 +208,359 @@ def test_the_svg_and_plotly_renderers_share_the_layout_and_import_nothing_of_eac
         if (target or "").startswith("ipy_gpumem"):
             private = [name for name in names if name.startswith("_")]
             assert not private, f"{module} imports {private} from {target}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Private means private
+# ---------------------------------------------------------------------------------------------
+
+_NAME = re.compile(r"_[A-Za-z0-9_]*[A-Za-z0-9]_?")  # _x, _x_ (a protocol's), __x; never __x__
+#: Names of other libraries that are public API despite the underscore, allowed anywhere.
+PUBLIC_UNDERSCORED = {
+    "_asdict": "namedtuple's API (underscored so as not to clash with a field)",
+    "_replace": "namedtuple's API",
+    "_make": "namedtuple's API",
+    "_fields": "namedtuple's API",
+}
+#: IPython's display protocol (``_repr_mimebundle_``, ``_repr_html_``...): public methods by design.
+_PROTOCOL = re.compile(r"_repr_[a-z]+_|_ipython_[a-z_]+_")
+#: Python's own private names read through their module, allowed anywhere.
+STDLIB_PRIVATE = {
+    "sys._getframe": "the caller's frame (CPython's documented way; inspect.currentframe() calls it)",
+    "sys._current_frames": "the frames of other threads (what faulthandler and py-spy read)",
+    "os._exit": "a forked child ends without running the parent's cleanup (the documented use)",
+}
+_OPS = ("aten op names as data (autocast's CUDA lists transcribed from autocast_mode.cpp, the ops a GEMM or a "
+        "convolution reaches), compared with the name of the op the dispatcher runs or looked up in torch.ops; "
+        "never an attribute of a torch object")
+_ATTENTION = ("the name of the attention backward op the dispatcher runs, compared to pick its scratch size "
+              "(the ops are called through tensors/torch_api.py's attention_kernels())")
+_TRACEBACK = ("torch's function names as a traceback prints them: text read from the user's error, never an "
+              "attribute")
+_IPYTHON = "IPython's history names in the user's namespace (In/Out and their shorthands): a key, not an attribute"
+
+
+def _each(names, reason):
+    return dict.fromkeys(names.split(), reason)
+
+
+#: Private names of other libraries (torch's above all) spelled outside ``tensors/``, with the reason each
+#: may be, as ``{module: {name: reason}}``; any other outside ``tensors/`` fails.
+FOREIGN_PRIVATE = {
+    "preflight.cudalike": _each("_convolution _thnn_fused_lstm_cell _thnn_fused_gru_cell "
+                                "_scaled_dot_product_flash_attention _upsample_nearest_exact1d _upsample_nearest_exact2d "
+                                "_upsample_nearest_exact3d _upsample_bilinear2d_aa _upsample_bicubic2d_aa "
+                                "_addmm_activation _scaled_mm _int_mm _attention_backward", _OPS),
+    "preflight.attention": _each("_scaled_dot_product_flash_attention_backward "
+                                 "_scaled_dot_product_efficient_attention_backward", _ATTENTION),
+    "oom.operation": _each("_scaled_dot_product_attention_math _scaled_dot_product_cudnn_attention",
+                           "an attention kernel's op name in the failing traceback or allocation record (a regex "
+                           "over text)"),
+    "oom.stack": _each("_call_impl _wrapped_call_impl _engine_run_backward", _TRACEBACK),
+    "oom.rules.training": _each("_fused_ _multi_tensor_ _foreach_ _single_tensor_",
+                                "parts of torch.optim's function names in the failing traceback, which tell the "
+                                "optimizer's implementation (text)"),
+    "ledger.header": {**_each("_ih _oh _dh _i _ii _iii", _IPYTHON),
+                      "_actions": "argparse keeps no public list of a parser's options (the magic's help is "
+                                  "built from it)"},
+    "free.release": _each("_oh", _IPYTHON),
+    "ledger.ranks": _each("_popen", "multiprocessing's Process keeps its Popen (and so the pid of a spawned "
+                                    "process) only there, in Python 3.9 to 3.13; read through vars(), no "
+                                    "property runs"),
+    "sealed.shims": _each("_posixsubprocess", "CPython's C module behind subprocess, whose fork_exec the seal "
+                                              "refuses (found in sys.modules, never imported)"),
+    "chart.figures.live": _each("_trait_values", "traitlets keeps a widget's trait values there: the Layout "
+                                                 "model ipywidgets made, read without creating one"),
+}
+
+
+def _is_private(name):
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None and not (
+        name.startswith("__") and name.endswith("__"))
+
+
+class _Names(ast.NodeVisitor):
+    """One pass over a module: the private names it defines where code could reach them as an
+    attribute (``defined``: module and class level names, attributes it assigns, ``__slots__``, dict
+    keys it stores, names it gives ``setattr``; a function's local variables are no attributes), the
+    private names it uses (``uses``: ``(line, kind, name, base)``), its ``import`` statements' names
+    (``imports``) and its import statements (``statements``)."""
+
+    def __init__(self, tree):
+        self.defined, self.uses, self.imports = set(), [], []
+        self.statements = []  # (import statement, under ``if TYPE_CHECKING:``)
+        self.depth = 0  # functions we are inside
+        self.typing_only = False
+        self.skip = set()  # strings that name no attribute: annotations, docstrings, f-string pieces
+        self.visit(tree)
+        self.defined = frozenset(n for n in self.defined if _is_private(n))
+
+    def _docstring(self, node):
+        if node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+            self.skip.add(id(node.body[0].value))
+
+    def _no_strings(self, part):
+        if part is not None:
+            self.skip.update(id(c) for c in ast.walk(part) if isinstance(c, ast.Constant))
+
+    def visit_Module(self, node):
+        self._docstring(node)
+        self.generic_visit(node)
+
+    def visit_ClassDef(self, node):
+        if not self.depth:
+            self.defined.add(node.name)
+        self._docstring(node)
+        self.generic_visit(node)
+
+    def visit_FunctionDef(self, node):
+        if not self.depth:
+            self.defined.add(node.name)
+        self._docstring(node)
+        args = node.args
+        for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg]:
+            if a is not None:
+                self._no_strings(a.annotation)
+        self._no_strings(node.returns)
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Lambda(self, node):
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    def visit_AnnAssign(self, node):
+        self._no_strings(node.annotation)
+        self.generic_visit(node)
+
+    def visit_JoinedStr(self, node):
+        self._no_strings(node)
+
+    def visit_Name(self, node):
+        if isinstance(node.ctx, ast.Store) and not self.depth:
+            self.defined.add(node.id)
+
+    def visit_Attribute(self, node):
+        if isinstance(node.ctx, (ast.Store, ast.Del)):
+            self.defined.add(node.attr)
+        elif _is_private(node.attr):
+            base = node.value.id if isinstance(node.value, ast.Name) else None
+            if base not in ("self", "cls"):
+                self.uses.append((node.lineno, "attr", node.attr, base))
+        self.generic_visit(node)
+
+    def visit_Subscript(self, node):
+        if isinstance(node.ctx, ast.Store) and isinstance(node.slice, ast.Constant):
+            self.defined.add(node.slice.value)
+        self.generic_visit(node)
+
+    def visit_Call(self, node):
+        if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and (
+                getattr(node.func, "id", None) == "setattr" or getattr(node.func, "attr", None) == "__setattr__"):
+            self.defined.add(node.args[1].value)
+        self.generic_visit(node)
+
+    def visit_Assign(self, node):
+        if any(getattr(t, "id", None) == "__slots__" for t in node.targets):
+            self.defined.update(c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant))
+        self.generic_visit(node)
+
+    def visit_Constant(self, node):
+        if _is_private(node.value) and id(node) not in self.skip:
+            self.uses.append((node.lineno, "string", node.value, None))
+
+    def visit_If(self, node):
+        if getattr(node.test, "id", None) == "TYPE_CHECKING":
+            self.typing_only = True
+            self.generic_visit(node)
+            self.typing_only = False
+        else:
+            self.generic_visit(node)
+
+    def visit_Import(self, node):
+        self.statements.append((node, self.typing_only))
+        self.imports.extend(node.names)
+        for alias in node.names:
+            if any(_is_private(part) for part in alias.name.split(".")):
+                self.uses.append((node.lineno, "import", alias.name, None))
+
+    def visit_ImportFrom(self, node):
+        self.statements.append((node, self.typing_only))
+        self.uses.append((node.lineno, "from", node, None))
+
+
+@functools.lru_cache(maxsize=None)
+def _names(module):
+    return _Names(_tree(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _defined_by():
+    """private name -> a module that defines it where another module could reach it."""
+    found = {}
+    for module in MODULES:
+        for name in _names(module).defined:
+            found.setdefault(name, module)
+    return found
+
+
+def _bindings(module):
+    """``(ours, theirs)``: local names bound to a module of the package (name -> module), and names
+    bound by an import of anything else."""
+    ours, theirs = {}, set()
+    package = module.split(".") if _path(module).endswith("__init__.py") else module.split(".")[:-1]
+    for _line, kind, node, _base in _names(module).uses:
+        if kind != "from":
+            continue
+        if node.level == 0 and not (node.module or "").startswith("ipy_gpumem"):
+            theirs.update(alias.asname or alias.name for alias in node.names)
+            continue
+        base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+        target = (".".join(base + ([node.module] if node.module else [])) if node.level
+                  else node.module[len("ipy_gpumem."):] if node.module != "ipy_gpumem" else "")
+        for alias in node.names:
+            sub = f"{target}.{alias.name}" if target else alias.name
+            if sub in MODULES:
+                ours[alias.asname or alias.name] = sub
+    for alias in _names(module).imports:
+        inside = alias.name.startswith("ipy_gpumem.") and alias.name[len("ipy_gpumem."):] in MODULES
+        if inside and alias.asname:
+            ours[alias.asname] = alias.name[len("ipy_gpumem."):]
+        elif not inside:
+            theirs.add(alias.asname or alias.name.split(".")[0])
+    return ours, theirs
+
+
+def _private_uses(module):
+    """``(line, what, verdict)`` for every private name ``module`` uses that is not its own: verdict
+    ``"ours"`` (another module's), ``"foreign"`` (another library's), or None (allowed anywhere)."""
+    names = _names(module)
+    own = names.defined
+    ours, theirs = _bindings(module)
+    # A name defined elsewhere in the package, read on an object here, is another module's private;
+    # in tensors/ it is as likely torch's own (``_modules``, ``_snapshot``), which that room may read.
+    others = _defined_by() if module.split(".")[0] != "tensors" else {}
+    package = module.split(".") if _path(module).endswith("__init__.py") else module.split(".")[:-1]
+    for line, kind, name, base in names.uses:
+        if kind == "from":
+            node = name
+            inside = node.level > 0 or (node.module or "").startswith("ipy_gpumem")
+            if inside:
+                up = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                target = ".".join(up + ([node.module] if node.module else [])) if node.level else node.module
+                for alias in node.names:
+                    if _is_private(alias.name) and target not in (module, f"ipy_gpumem.{module}"):
+                        yield line, f"from {target} import {alias.name}", "ours"
+            elif any(_is_private(part) for part in (node.module or "").split(".")) or any(
+                    _is_private(alias.name) for alias in node.names):
+                yield line, f"from {node.module} import {', '.join(a.name for a in node.names)}", "foreign"
+        elif kind == "import":
+            yield line, f"import {name}", "foreign"
+        elif kind == "attr":
+            if base in ours:
+                yield line, f"{base}.{name} ({ours[base]})", "ours"
+            elif name in own:
+                continue
+            elif base in theirs:
+                dotted = f"{base}.{name}"
+                yield line, dotted, None if dotted in STDLIB_PRIVATE else "foreign"
+            elif name in PUBLIC_UNDERSCORED or _PROTOCOL.fullmatch(name):
+                continue
+            elif name in others:
+                yield line, f".{name} (defined in {others[name]})", "ours"
+            else:
+                yield line, f".{name}", "foreign"
+        elif kind == "string":  # a dict's key, getattr's name: whose, no one can tell; outside tensors/, listed
+            if name in own or name in PUBLIC_UNDERSCORED or name.startswith("_ipy_gpumem"):
+                continue
+            yield line, f'"{name}"', "foreign"
+
+
+def test_no_module_uses_another_modules_private_names():
+    """An underscore name is its module's own: imported from another module, read as another module's
+    attribute (``other._name``, ``obj._method`` of a class defined elsewhere) or spelled as a string,
+    it fails. What is shared is public."""
+    found = [f"{module}:{line}: {what}" for module in MODULES for line, what, verdict in _private_uses(module)
+             if verdict == "ours"]
+    assert not found, "\n".join(found)
+
+
+def test_torch_private_names_are_spelled_in_tensors_only():
+    """``tensors/`` is the one room that names torch's internals. Elsewhere, a private name of another
+    library (an attribute, a string for getattr or a dict's key, a private module) fails unless
+    :data:`FOREIGN_PRIVATE` lists it for that module with its reason."""
+    found = []
+    for module in MODULES:
+        if module.split(".")[0] == "tensors":
+            continue
+        allowed = FOREIGN_PRIVATE.get(module, {})
+        for line, what, verdict in _private_uses(module):
+            name = re.sub(r"^\.|^\"|\"$|^\w+\.", "", what)
+            if verdict == "foreign" and name not in allowed:
+                found.append(f"{module}:{line}: {what}")
+    assert not found, "\n".join(found)
+
+
+def test_every_allowed_private_name_is_still_used():
+    """An allowance whose use went away goes too (the list says what is spelled, not what once was)."""
+    stale = []
+    for module, names in FOREIGN_PRIVATE.items():
+        assert module in MODULES, module
+        used = {re.sub(r"^\.|^\"|\"$|^\w+\.", "", what) for _, what, verdict in _private_uses(module)
+                if verdict == "foreign"}
+        stale.extend(f"{module}: {name}" for name in names if name not in used)
+    assert not stale, stale
+
+
+def _graph():
+    """module -> the modules of the package it imports (lazy imports too; ``if TYPE_CHECKING:`` ones not)."""
+    graph = {}
+    for module in MODULES:
+        edges = set()
+        package = module.split(".") if _path(module).endswith("__init__.py") else module.split(".")[:-1]
+        for node, typing_only in _names(module).statements:
+            if typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name[len("ipy_gpumem."):] for a in node.names if a.name.startswith("ipy_gpumem.")]
+            elif node.level == 0:
+                if not (node.module or "").startswith("ipy_gpumem."):
+                    continue
+                base = node.module[len("ipy_gpumem."):]
+                targets = [f"{base}.{a.name}" for a in node.names]
+            else:
+                base = ".".join(package[: len(package) - (node.level - 1)] + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if base else a.name for a in node.names]
+            for target in targets:
+                while target and target not in MODULES:  # a name inside a module: the module
+                    target = target.rpartition(".")[0]
+                if target and target != module:
+                    edges.add(target)
+        graph[module] = edges
+    return graph
+
+
+def test_no_import_circle():
+    """No module imports one that imports it back, directly or through others (a lazy import inside a
+    function counts: it hides a circle, it does not remove it)."""
+    graph = _graph()
+    circles = []
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                circles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in MODULES:
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "\n".join(circles)

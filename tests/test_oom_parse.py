@@ -1011,10 +1011,10 @@ _MARKUP = ["&gt;", "&amp;gt;", "&amp;", "&#10;", "&nbsp;", "&", "&x", "&lt;br&gt
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.one_of(st.sampled_from(_MARKUP), st.text(max_size=4)), max_size=50))
 def test_property_clean_up_matches_per_line_reference(pieces):
-    from ipy_gpumem.oom.parse import _normalise
+    from ipy_gpumem.oom.parse.clean import normalise
 
     text = "".join(pieces)
-    assert _normalise(text) == _reference_normalise(text)
+    assert normalise(text) == _reference_normalise(text)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from ipy_gpumem.core.probes import (
-    CudaProbe, HostProbe, MemoryProbe, NvmlProbe, counters_from_stats, parse_visible_devices,
-)
+from ipy_gpumem.core.counters import counters_from_stats
+from ipy_gpumem.core.devices import parse_visible_devices
+from ipy_gpumem.core.probes import CudaProbe, HostProbe, MemoryProbe, NvmlProbe
 from ipy_gpumem.core.units import MiB
 from ipy_gpumem.tensors.torch_api import api as torch_api  # the adapter the extension wires in
 

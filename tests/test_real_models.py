@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 nn = torch.nn
 
-from ipy_gpumem.preflight.run import run_steps  # noqa: E402
+from ipy_gpumem.preflight.steps import run_steps  # noqa: E402
 from ipy_gpumem.preflight.world import FakeWorld  # noqa: E402
 from ipy_gpumem.tensors import census  # noqa: E402
 from ipy_gpumem.tensors.torch_api import api  # noqa: E402

@@ -3,7 +3,6 @@ import dataclasses
 import functools
 import gc
 import importlib
-import os
 import sys
 import textwrap
 import types
@@ -282,40 +281,6 @@ def test_every_private_torch_name_is_in_the_adapter_and_exists_in_this_torch():
     assert a.saved_has_data and a.saved_has_unpack_hook and a.dispatch_mode is not None
     assert a.graph_task_id() == -1 and not a.in_backward()
     assert len(DEPENDENCIES) >= 15 and all(d.fallback for d in DEPENDENCIES)
-
-
-@pytest.mark.slow
-def test_no_module_outside_the_room_names_a_private_torch_attribute():
-    """Private torch names (``torch._C``, ``_raw_saved_*``, ``torch.utils._pytree``...) live in ``tensors/`` only."""
-    import ast
-
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ipy_gpumem")
-    private_attrs = {"_C", "_execution_engine", "_lazy_call", "_indices", "_values", "_cdata", "_has_cuda",
-                     "_get_current_dispatch_mode_stack", "_disable_current_modes", "_subclasses", "_python_dispatch",
-                     "_pytree", "_decomp", "_dynamo", "_inductor", "_TensorBase", "_SavedTensor"}
-    offenders = []
-    for dirpath, _dirs, files in os.walk(root):
-        if os.sep + "tensors" in dirpath:
-            continue
-        for name in files:
-            if not name.endswith(".py"):
-                continue
-            path = os.path.join(dirpath, name)
-            tree = ast.parse(open(path, encoding="utf-8").read())
-            for node in ast.walk(tree):
-                bad = None
-                if isinstance(node, ast.Attribute) and (node.attr in private_attrs or node.attr.startswith(
-                        ("_raw_saved_", "_cuda_"))):
-                    bad = node.attr
-                elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch") and any(
-                        part.startswith("_") for part in (node.module or "").split(".")):
-                    bad = node.module
-                elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (
-                        node.value in private_attrs or node.value.startswith(("_raw_saved_", "_cuda_"))):
-                    bad = node.value
-                if bad:
-                    offenders.append(f"{os.path.relpath(path, root)}:{node.lineno}: {bad}")
-    assert not offenders, offenders
 
 
 @pytest.mark.slow

@@ -339,8 +339,7 @@ class PhaseWatcher:
 
     def _tensor_reads(self):
         """``TensorBase``'s C getters of ``.grad`` and ``._version``: a subclass's properties never run."""
-        base = self._api.tensor_base
-        return base.grad.__get__, base._version.__get__
+        return self._api.tensor_base.grad.__get__, self._api.version_counter()
 
     def _zeroed(self, before: list, after: list) -> bool:
         if before == after:

@@ -18,22 +18,10 @@ import sys
 from typing import Any, List, Optional, Tuple
 
 from . import backends as _backends
-from .devices import seen as _seen
-from .probes import counters_from_stats, parse_visible_devices
+from .counters import counters_from_flat, counters_from_stats
+from .devices import parse_visible_devices, seen as _seen
 
-__all__ = ["Reader", "MpsReader", "XpuReader", "GenericReader", "AmdsmiProbe", "reader_for", "mps_limit",
-           "counters_from_flat"]
-
-
-def counters_from_flat(stats: dict) -> tuple:
-    """``(allocated, reserved, peak_allocated, peak_reserved)`` from a flat ``memory_stats()`` dict
-    (torch.accelerator's and torch.xpu's); Nones for an empty one (allocator not started)."""
-    def get(key: str):
-        value = stats.get(key)
-        return None if value is None else int(value)
-
-    return (get("allocated_bytes.all.current"), get("reserved_bytes.all.current"),
-            get("allocated_bytes.all.peak"), get("reserved_bytes.all.peak"))
+__all__ = ["Reader", "MpsReader", "XpuReader", "GenericReader", "AmdsmiProbe", "reader_for", "mps_limit"]
 
 
 class Reader:

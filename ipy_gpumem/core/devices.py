@@ -10,7 +10,7 @@ import re
 from typing import NamedTuple, Optional, Tuple
 
 __all__ = ["Device", "HOST", "ALL_CUDA", "SINGLE_DEVICE_TYPES", "cuda", "device", "note_seen", "seen",
-           "parse_device", "parse_device_list"]
+           "parse_device", "parse_device_list", "parse_visible_devices"]
 
 #: Device types torch names without an index: one device per machine (``mps``, where a tensor's
 #: device reads ``mps:0``).
@@ -175,3 +175,42 @@ def parse_device_list(text) -> Optional[Tuple[int, ...]]:
     if not out:
         raise ValueError(f"{text!r} names no device: use 'all' or indices like '0,1'")
     return tuple(out)
+
+
+def parse_visible_devices(value: str | None) -> list | None:
+    """Read ``CUDA_VISIBLE_DEVICES`` as CUDA does: ints, or ``GPU-``/``MIG-`` UUID prefixes.
+
+    Returns None when the variable is unset (all devices visible, torch index == NVML index).
+
+    Examples:
+        >>> parse_visible_devices("2,0"), parse_visible_devices("GPU-8d1,GPU-77"), parse_visible_devices(None)
+        ([2, 0], ['GPU-8d1', 'GPU-77'], None)
+        >>> parse_visible_devices("1,-1,3")  # a negative index ends the list, as in CUDA
+        [1]
+    """
+    if value is None:
+        return None
+    items = [item.strip() for item in value.split(",")]
+    if items and (items[0].startswith("GPU-") or items[0].startswith("MIG-")):
+        prefix = items[0][:4]
+        out = []
+        for item in items:
+            if not item.startswith(prefix) or item in out:
+                break
+            out.append(item)
+        return out
+    indices: list = []
+    for item in items:
+        digits = ""
+        for ch in item:
+            if ch.isdigit():
+                digits += ch
+            else:
+                break
+        if not digits:
+            break
+        index = int(digits)
+        if index in indices:  # a repeated ordinal makes CUDA see no device at all
+            return []
+        indices.append(index)
+    return indices

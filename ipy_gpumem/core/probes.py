@@ -21,7 +21,8 @@ import time
 import weakref
 from typing import NamedTuple, Optional, Sequence
 
-from .devices import device as _device
+from .counters import counters_from_stats
+from .devices import device as _device, parse_visible_devices
 
 __all__ = [
     "HostSample",
@@ -31,7 +32,6 @@ __all__ = [
     "CudaProbe",
     "NvmlProbe",
     "MemoryProbe",
-    "parse_visible_devices",
 ]
 
 
@@ -311,45 +311,6 @@ def _reopen_after_fork() -> None:
 CPU_ONLY = "this torch build has no CUDA (a CPU-only build)"
 
 
-def parse_visible_devices(value: str | None) -> list | None:
-    """Read ``CUDA_VISIBLE_DEVICES`` as CUDA does: ints, or ``GPU-``/``MIG-`` UUID prefixes.
-
-    Returns None when the variable is unset (all devices visible, torch index == NVML index).
-
-    Examples:
-        >>> parse_visible_devices("2,0"), parse_visible_devices("GPU-8d1,GPU-77"), parse_visible_devices(None)
-        ([2, 0], ['GPU-8d1', 'GPU-77'], None)
-        >>> parse_visible_devices("1,-1,3")  # a negative index ends the list, as in CUDA
-        [1]
-    """
-    if value is None:
-        return None
-    items = [item.strip() for item in value.split(",")]
-    if items and (items[0].startswith("GPU-") or items[0].startswith("MIG-")):
-        prefix = items[0][:4]
-        out = []
-        for item in items:
-            if not item.startswith(prefix) or item in out:
-                break
-            out.append(item)
-        return out
-    indices: list = []
-    for item in items:
-        digits = ""
-        for ch in item:
-            if ch.isdigit():
-                digits += ch
-            else:
-                break
-        if not digits:
-            break
-        index = int(digits)
-        if index in indices:  # a repeated ordinal makes CUDA see no device at all
-            return []
-        indices.append(index)
-    return indices
-
-
 class NvmlProbe:
     """Device-wide used/total memory and the process list through NVML (``nvidia-ml-py``).
 
@@ -560,17 +521,17 @@ class CudaProbe:
         self._reader_for = None
         #: ``internals(torch)`` -> torch's private fast paths (``tensors.torch_api.api``: the one
         #: adapter to torch's private names, which this foundation may not import); None: public APIs only.
-        self._internals = internals
+        self.internals = internals
         self._props: dict = {}
         self._stats_fn = None
         self._cpu_only = None  # the torch module found to be a CPU-only build
 
     def _api(self):
         torch = self._torch()
-        if self._internals is None or torch is None:
+        if self.internals is None or torch is None:
             return None
         try:
-            return self._internals(torch)
+            return self.internals(torch)
         except Exception:  # noqa: BLE001
             return None
 
@@ -817,29 +778,6 @@ class CudaProbe:
                        if cuda is not self.reader else
                        DeviceSample(i, allocated, reserved, peak_a, peak_r, used, total, self.reader.device_type))
         return tuple(out), reason
-
-
-def counters_from_stats(stats: dict) -> tuple:
-    """``(allocated, reserved, peak_allocated, peak_reserved)`` from a nested or flat stats dict.
-
-    Accepts both shapes torch produces: ``_cuda_memoryStats``' nested
-    ``{"allocated_bytes": {"all": {"current": ...}}}`` and ``memory_stats()``' flat
-    ``{"allocated_bytes.all.current": ...}``. An empty dict (allocator not initialized) gives Nones.
-    """
-    def get(stat: str, key: str):
-        nested = stats.get(stat)
-        if isinstance(nested, dict):
-            value = nested.get("all", {}).get(key)
-        else:
-            value = stats.get(f"{stat}.all.{key}")
-        return None if value is None else int(value)
-
-    return (
-        get("allocated_bytes", "current"),
-        get("reserved_bytes", "current"),
-        get("allocated_bytes", "peak"),
-        get("reserved_bytes", "peak"),
-    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+from ..tensors.module_tables import HOOK_ATTRS, hook_tables, submodules
+
 __all__ = ["Snapshot", "take_snapshot", "MAX_STORAGES", "MAX_MODULES", "MAX_EXPRS"]
 
 #: Storages whose identities a snapshot keeps; past this it keeps only byte counts (no suspects).
@@ -22,10 +24,6 @@ MAX_STORAGES = 200_000
 MAX_MODULES = 10_000
 #: Expressions (and traceback frames) a group keeps, the heaviest first: a suspect names a few.
 MAX_EXPRS = 64
-
-_HOOK_DICTS = (("_forward_hooks", "forward hook"), ("_forward_pre_hooks", "forward pre-hook"),
-               ("_backward_hooks", "backward hook"), ("_backward_pre_hooks", "backward pre-hook"))
-_HOOK_ATTRS = frozenset(attr for attr, _label in _HOOK_DICTS)
 
 
 class _Group:
@@ -175,7 +173,7 @@ def _hook_module(walk, pid: int) -> Optional[str]:
         key = walk.p_key[node]
         if walk.p_step[node] == ATTR and type(key) is str:
             prefix, _, attr = key.rpartition(".")
-            if attr in _HOOK_ATTRS:
+            if attr in HOOK_ATTRS:
                 _, text = walk.expr(walk.p_parent[node])
                 return f"{text}.{prefix}" if prefix else text
         node = walk.p_parent[node]
@@ -199,10 +197,7 @@ def _scan_hooks(namespace: dict, snap: Snapshot) -> None:
         attrs = getattr(mod, "__dict__", None)
         if not isinstance(attrs, dict):
             continue
-        for attr, label in _HOOK_DICTS:
-            hooks = attrs.get(attr)
-            if not isinstance(hooks, dict) or not hooks:
-                continue
+        for label, hooks in hook_tables(attrs):
             same: Dict[tuple, int] = {}
             names: Dict[tuple, frozenset] = {}
             for fn in list(hooks.values()):
@@ -214,8 +209,8 @@ def _scan_hooks(namespace: dict, snap: Snapshot) -> None:
             for sig, count in same.items():
                 if count >= 2:  # one function registered again on every run
                     snap.hooks.append((expr, label, count, names[sig]))
-        children = attrs.get("_modules")
-        if isinstance(children, dict):
+        children = submodules(attrs)
+        if children is not None:
             stack.extend((f"{expr}.{name}", child) for name, child in list(children.items())
                          if isinstance(child, module_type))
 

@@ -52,12 +52,12 @@ import re
 import sys
 import threading
 import time
-import types
 import weakref
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
 
 from ..core import children as _children
+from ..tensors.spawn import spawn_index
 from .rankfolder import RankFolder
 
 if TYPE_CHECKING:  # the records load with the first launch or failing cell, not with the extension
@@ -185,8 +185,7 @@ def _pickling_process(proc):
         cell = _kernel_cell()
         if cell is not None:
             cell.launch()
-            fields = vars(proc)
-            cell.pickled.append((weakref.ref(proc), _wrap_index(fields.get("_target"), fields.get("_args"))))
+            cell.pickled.append((weakref.ref(proc), _launch_index(vars(proc))))
             cell.watch.wake()
     except Exception:  # noqa: BLE001 - never cost the user's launch anything
         pass
@@ -221,14 +220,10 @@ def _ensure_hooks() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _wrap_index(target, args) -> Optional[int]:
-    """The process index when ``target`` is torch.multiprocessing's ``_wrap(fn, i, args, error_file)``."""
-    if type(target) is not types.FunctionType:  # a plain function: its names are read, no user code runs
-        return None
-    if target.__name__ != "_wrap" or target.__module__ != "torch.multiprocessing.spawn":
-        return None
-    index = args[1] if isinstance(args, tuple) and len(args) > 1 else None
-    return index if type(index) is int and 0 <= index < _children.MAX_WORLD_SIZE else None
+def _launch_index(fields: dict) -> Optional[int]:
+    """The process index torch.multiprocessing gave the process with instance dict ``fields``, if a rank's."""
+    index = spawn_index(fields)
+    return index if index is not None and index < _children.MAX_WORLD_SIZE else None
 
 
 def _launcher_index() -> Optional[int]:
@@ -236,8 +231,7 @@ def _launcher_index() -> Optional[int]:
     not one of its ranks (a DataLoader worker, a pool)."""
     import multiprocessing
 
-    fields = vars(multiprocessing.current_process())
-    return _wrap_index(fields.get("_target"), fields.get("_args"))
+    return _launch_index(vars(multiprocessing.current_process()))
 
 
 def _in_forked_child(_token) -> None:

@@ -168,28 +168,32 @@ class Measurement:
                 return False
             if rss1 - rss0 >= threshold or rss0 - rss1 >= threshold:
                 return True
-            peak = self._host_peak()
+            peak = self.host_peak()
             return peak is not None and peak - rss0 >= threshold
         before = {d.index: d for d in start.devices}
         changes = []
         for dev in end.devices:
             b = before.get(dev.index)
             a0, r0 = (0, 0) if b is None else (b.allocated, b.reserved)
-            peak = self._device_peak(dev, b)
+            peak = self.device_peak(dev, b)
             changes.append((_sub(dev.allocated, a0), _sub(dev.reserved, r0), _sub(peak, a0)))
         rss0 = start.host.rss
         from ..core.records import largest_change  # noqa: PLC0415 - records load with the first GPU cell, not at load
 
-        return largest_change(changes, _sub(end.host.rss, rss0), _sub(self._host_peak(), rss0)) >= threshold
+        return largest_change(changes, _sub(end.host.rss, rss0), _sub(self.host_peak(), rss0)) >= threshold
 
-    def _host_peak(self):
+    def host_peak(self):
+        """The host's peak RSS during the cell: the highest of the readings, what was sampled, and the
+        kernel's high-water mark when it was reset at the start."""
         peak = self.start.host.rss
         for value in (self.end.host.rss, self._seen_host, self.end.host.peak_rss if self.host_peak_reset else None):
             if value is not None and (peak is None or value > peak):
                 peak = value
         return peak
 
-    def _device_peak(self, dev, before):
+    def device_peak(self, dev, before):
+        """Device ``dev``'s peak allocated bytes during the cell (``before``: its reading at the start, None
+        for a device CUDA initialized during the cell)."""
         # A device that CUDA initialized during the cell started at zero: torch had allocated
         # nothing on it, and its peak counters start with it.
         fresh = before is None
@@ -209,7 +213,7 @@ class Measurement:
 
         start, end = self.start, self.end
         if self.include_host:
-            host = HostRecord(start.host.rss, end.host.rss, self._host_peak())
+            host = HostRecord(start.host.rss, end.host.rss, self.host_peak())
         else:
             host = HostRecord()
         before = {d.index: d for d in start.devices}
@@ -229,7 +233,7 @@ class Measurement:
                 pass
             devices.append(DeviceRecord(
                 index=dev.index, name=name, type=dev.type,
-                allocated_before=alloc_before, allocated_after=dev.allocated, allocated_peak=self._device_peak(dev, b),
+                allocated_before=alloc_before, allocated_after=dev.allocated, allocated_peak=self.device_peak(dev, b),
                 reserved_before=reserved_before, reserved_after=dev.reserved, reserved_peak=reserved_peak,
                 used_before=None if fresh else b.used, used_after=dev.used, total=dev.total,
             ))

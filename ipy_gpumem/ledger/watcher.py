@@ -177,7 +177,7 @@ class CellWatcher:
         self.anatomy = CellAnatomy(names, schedule)
         self.oom = OomWatch()
         cuda = getattr(probe, "cuda", None)
-        self.ranks = ranks if ranks is not None else RankWatch(getattr(cuda, "_internals", None),
+        self.ranks = ranks if ranks is not None else RankWatch(getattr(cuda, "internals", None),
                                                                getattr(cuda, "nvml", None))
         self._check_plan = check_plan
         self._listener = listener or (lambda: None)

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Callable, NamedTuple, Optional
 
-from ..core.probes import counters_from_stats
+from ..core.counters import counters_from_stats
 from ..tensors.torch_api import api as torch_api
 
 __all__ = ["OomCapture", "watch", "unwatch", "attached", "state", "describe"]

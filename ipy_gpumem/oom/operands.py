@@ -14,6 +14,8 @@ import re
 import sys
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
+from ..tensors.module_tables import member_tables
+
 __all__ = ["TensorInfo", "Operands", "FrameOperands", "operands_of", "statement_at", "MAX_FRAMES", "MAX_ITEMS"]
 
 #: Innermost frames read: the failing line, the library frames around it, the user's line that called them.
@@ -144,9 +146,8 @@ def _resolve(local, parts):
         if attr in own:
             value = own[attr]
             continue
-        for table in ("_parameters", "_buffers", "_modules"):  # an nn.Module's own tables
-            inner = own.get(table)
-            if isinstance(inner, dict) and attr in inner:
+        for inner in member_tables(own):  # an nn.Module's own tables
+            if attr in inner:
                 value = inner[attr]
                 break
         else:

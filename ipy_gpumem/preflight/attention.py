@@ -290,24 +290,21 @@ class GpuAttention:
         return self.torch.nn.functional.pad(t, (0, extra)) if extra else t
 
     def _run(self, kernel, q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, lse):
-        aten = self.torch.ops.aten
+        op = self.api.attention_kernel(kernel)
         if kernel == FLASH:
             size = q.size(-1)
             scale = scale if scale is not None else 1.0 / math.sqrt(size)
-            out = aten._scaled_dot_product_flash_attention(self._pad8(q), self._pad8(k), self._pad8(v), dropout_p,
-                                                           is_causal, False, scale=scale)[0]
+            out = op(self._pad8(q), self._pad8(k), self._pad8(v), dropout_p, is_causal, False, scale=scale)[0]
             return out[..., :size] if out.size(-1) != size else out
         if kernel == EFFICIENT:
             mask = self._mask_as_float(mask, q.dtype)
             if mask is not None:
                 mask = self._preprocess_mask(mask, q, k)
-            return aten._scaled_dot_product_efficient_attention(q, k, v, mask, lse, dropout_p, is_causal,
-                                                                scale=scale)[0]
+            return op(q, k, v, mask, lse, dropout_p, is_causal, scale=scale)[0]
         if kernel == CUDNN:
-            return aten._scaled_dot_product_cudnn_attention(q, k, v, self._mask_as_float(mask, q.dtype), lse,
-                                                            dropout_p, is_causal, False, scale=scale)[0]
-        return aten._scaled_dot_product_attention_math(q, k, v, self._mask_as_float(mask, q.dtype), dropout_p,
-                                                       is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+            return op(q, k, v, self._mask_as_float(mask, q.dtype), lse, dropout_p, is_causal, False, scale=scale)[0]
+        return op(q, k, v, self._mask_as_float(mask, q.dtype), dropout_p, is_causal, None, scale=scale,
+                  enable_gqa=enable_gqa)[0]
 
     def kernel(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                enable_gqa=False):

@@ -88,7 +88,7 @@ def max_batch_size(step, *args, gpu="this GPU", batch_dim: int = 0, limit: int =
 
     from .gpus import fixed_costs, resolve_gpu
     from .result import Estimate, EstimateError
-    from .run import _globals_of, check_step, check_timeout, sealed
+    from .run import check_step, check_timeout, sealed, user_globals_of
 
     began = time.perf_counter()
     timeout_s = check_timeout(timeout_s)
@@ -99,7 +99,7 @@ def max_batch_size(step, *args, gpu="this GPU", batch_dim: int = 0, limit: int =
         raise EstimateError(f"no tensor argument has a dimension {batch_dim} to resize; pass the batch as an argument")
     shapes = [(id(t), tuple(t.shape)) for t in tensors]
     value, notes = sealed(_search, step, args, kwargs, card, fixed_costs(card), base, shapes, batch_dim, limit,
-                          _globals_of(step), began + timeout_s, timeout_s=timeout_s, allow_fork=True)
+                          user_globals_of(step), began + timeout_s, timeout_s=timeout_s, allow_fork=True)
     try:  # plain data from the sealed zygote, checked as it is rebuilt
         size, tried, plain_estimate = value
         if type(size) is not int or type(tried) is not dict:

@@ -20,6 +20,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .child import RUNNERS, estimate_here
 from .result import Estimate, EstimateError, Fit
 
 __all__ = ["CellProgram", "CellEstimate", "LineEstimate", "cell_program", "run_cell", "estimate_cell",
@@ -125,14 +126,6 @@ def cell_program(source: str, first_line: int = 1) -> CellProgram:
     return CellProgram(code, lines)
 
 
-#: The shell's methods that run magics, shell commands or other cells: ``get_ipython().<one of these>``
-#: is refused; what only reads (``get_ipython().user_ns``, ``.config``) is allowed.
-RUNNERS = frozenset(("run_line_magic", "run_cell_magic", "magic", "system", "system_piped", "system_raw",
-                     "getoutput", "run_cell", "run_cell_async", "run_code", "run_ast_nodes", "safe_execfile",
-                     "safe_execfile_ipy", "safe_run_module", "ex", "ev", "push", "del_var", "reset",
-                     "enable_gui", "enable_matplotlib", "enable_pylab", "extension_manager", "magics_manager"))
-
-
 def _runs_ipython(node) -> bool:
     """``get_ipython().run_line_magic(...)`` (what IPython makes of ``%time``, ``!ls``, ``x = !ls``) and the like."""
     return (isinstance(node, ast.Attribute) and node.attr in RUNNERS and isinstance(node.value, ast.Call)
@@ -185,7 +178,7 @@ def _marker(program: CellProgram):
             found.append(current_tracker())
         tracker = found[0]
         if tracker is not None:
-            program.marks.append((len(tracker.run.events), lineno, tracker._step))
+            program.marks.append((len(tracker.run.events), lineno, tracker.current_step))
 
     return mark
 
@@ -291,7 +284,6 @@ def estimate_cell(source: str, namespace: Dict[str, Any], gpu: Any = None, first
         EstimateError: the cell cannot be estimated; the message names the line.
         ValueError: ``gpu`` names no known card.
     """
-    from .child import estimate_here
     from .gpus import fixed_costs
     from .run import TIMEOUT_S, answer_of, check_timeout, device_label, sealed
 

@@ -15,17 +15,17 @@ import sys
 import time
 from typing import Any, Dict, Optional, Tuple
 
+from ..tensors.loaders import notes as loader_notes, read_without_workers
 from ..tensors.torch_api import api as torch_api
 from ..tensors.tracker import StorageTracker
 from .attention import summary, words as attention_words
 from .cpulike import cpu_emulation
-from .loaders import notes as loader_notes, read_without_workers
 from .result import Estimate, EstimateError
-from .run import analyse, explain_error, line_words, run_steps, to_cpu, warnings_quiet
 from .steady import words as steady_words
+from .steps import analyse, explain_error, line_words, run_steps, to_cpu, warnings_quiet
 from .world import FakeWorld, SubstitutionError
 
-__all__ = ["estimate_here"]
+__all__ = ["estimate_here", "RUNNERS"]
 
 
 def estimate_here(step: Any, args: tuple, kwargs: dict, *, label: str, costs: Dict[str, int], gpu: Optional[str],
@@ -132,15 +132,21 @@ def _journals_in_memory(namespace: Optional[dict]) -> None:
                 continue
 
 
+#: The shell's methods that run magics, shell commands or other cells: ``get_ipython().<one of these>``
+#: is refused; what only reads (``get_ipython().user_ns``, ``.config``) is allowed.
+RUNNERS = frozenset(("run_line_magic", "run_cell_magic", "magic", "system", "system_piped", "system_raw",
+                     "getoutput", "run_cell", "run_cell_async", "run_code", "run_ast_nodes", "safe_execfile",
+                     "safe_execfile_ipy", "safe_run_module", "ex", "ev", "push", "del_var", "reset",
+                     "enable_gui", "enable_matplotlib", "enable_pylab", "extension_manager", "magics_manager"))
+
+
 def no_magics() -> None:
     """In the child: the shell's methods that run magics, shell commands or cells raise an
-    EstimateError naming the user's line (``cell.RUNNERS``; the cell's source is checked first, this
+    EstimateError naming the user's line (:data:`RUNNERS`; a cell's source is checked first, this
     catches the ones reached some other way, such as ``ip = get_ipython(); ip.system(...)``)."""
     shell_module = sys.modules.get("IPython.core.interactiveshell")
     if shell_module is None:
         return
-    from .cell import RUNNERS
-
     shell = shell_module.InteractiveShell
     for name in RUNNERS:
         if callable(getattr(shell, name, None)):
@@ -149,7 +155,7 @@ def no_magics() -> None:
 
 def _refuse_magic(name: str):
     def refused(self, *args, **kwargs):
-        from ..tensors.kinds import is_user_file
+        from ..tensors.userfiles import is_user_file
 
         frame = sys._getframe(1)
         while frame is not None and not is_user_file(frame.f_code.co_filename):

@@ -24,7 +24,9 @@ import functools
 import types
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..tensors.kinds import CLASS, DICT, FUNC, MODOBJ, MODULE, OBJECT, OPTIM, PARAM, SEQ, TENSOR, is_user_file
+from ..tensors.kinds import CLASS, DICT, FUNC, MODOBJ, MODULE, OBJECT, OPTIM, PARAM, SEQ, TENSOR
+from ..tensors.module_tables import hook_tables, submodules, tensor_tables
+from ..tensors.userfiles import is_user_file
 from ..tensors.walk import Walk
 
 __all__ = ["FakeWorld", "SubstitutionError"]
@@ -34,8 +36,6 @@ __all__ = ["FakeWorld", "SubstitutionError"]
 MAX_DEPTH = 7
 _SAME = object()
 _MODULE_DICT = types.ModuleType.__dict__["__dict__"]
-# A module's hooks are functions whose closures may hold tensors the forward uses.
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _TYPE_DICT = type.__dict__["__dict__"]
 
 
@@ -214,16 +214,15 @@ class FakeWorld:
             attrs = self.walk.instance_dict(mod)
             if attrs is None:
                 continue
-            for slot in ("_parameters", "_buffers") + _HOOK_DICTS:
-                held = dict.get(attrs, slot)
-                if isinstance(held, dict) and held:
-                    self._dict(held, depth, None)
+            # A module's hooks are functions whose closures may hold tensors the forward uses.
+            for held in tensor_tables(attrs) + [hooks for _what, hooks in hook_tables(attrs)]:
+                self._dict(held, depth, None)
             for name in list(dict.keys(attrs) - internals):
                 new = self._replace(dict.get(attrs, name), depth + 1)
                 if new is not _SAME:
                     dict.__setitem__(attrs, name, new)
-            children = dict.get(attrs, "_modules")
-            if isinstance(children, dict):
+            children = submodules(attrs)
+            if children is not None:
                 for child in list(dict.values(children)):
                     if child is not None and id(child) not in seen and self.kinds.kinds.get(type(child)) == MODULE:
                         seen.add(id(child))
@@ -361,7 +360,7 @@ class FakeWorld:
             if real.numel() <= 1 and not real.requires_grad and not isinstance(real, torch.nn.Parameter):
                 # A scalar (an optimizer's step count) keeps its value, so .item() on it is exact. A
                 # clone: fake in-place ops (step += 1) update the constant itself.
-                return mode.fake_tensor_converter.from_real_tensor(mode, real.detach().clone(), make_constant=True)
+                return self.api.fake_constant(mode, real.detach().clone())
             return mode.from_tensor(real)
         # Another device (a CUDA run is computed on the CPU), another batch size, or a tensor
         # without plain strided storage: a new CPU fake of the same kind; views of one storage

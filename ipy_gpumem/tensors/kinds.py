@@ -27,10 +27,7 @@ Type decisions are kept across walks (per torch), so a census at every line pays
 from __future__ import annotations
 
 import functools
-import os
-import site
 import sys
-import sysconfig
 import types
 from collections import defaultdict, deque
 from itertools import chain, compress, islice, repeat
@@ -38,9 +35,10 @@ from operator import is_, not_
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from . import readers
+from .userfiles import is_user_file
 
 __all__ = ["SKIP", "TENSOR", "PARAM", "MODULE", "OPTIM", "DICT", "SEQ", "READ", "OBJECT", "FUNC", "CLASS", "MODOBJ",
-           "TypeCache", "type_cache", "KindsMixin", "is_user_file", "SKIP_PACKAGES", "LARGE", "RECHECK"]
+           "TypeCache", "type_cache", "KindsMixin", "SKIP_PACKAGES", "LARGE", "RECHECK"]
 
 # How an object is walked. SKIP is 0 so that "kind" reads as a truth value; kinds >= DICT are
 # opened a level at a time (their contents wait for the next level); DICT..OBJECT hold data
@@ -96,53 +94,6 @@ _SUB = 4096
 _INDEX = list(range(_SUB))  # positions in a slice, made once
 _ALL_LEVELS = 1 << 30  # a proof that found only scalars one level down holds at any depth
 _GONE = object()
-
-
-def _library_prefixes() -> Tuple[str, ...]:
-    paths = set()
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        try:
-            paths.add(sysconfig.get_paths()[key])
-        except Exception:  # noqa: BLE001
-            pass
-    try:
-        paths.update(site.getsitepackages())
-    except Exception:  # noqa: BLE001 - some virtualenvs' site module lacks it
-        pass
-    try:
-        paths.add(site.getusersitepackages())
-    except Exception:  # noqa: BLE001
-        pass
-    for prefix in (sys.prefix, sys.base_prefix, sys.exec_prefix):
-        paths.add(os.path.join(prefix, "lib"))
-    return tuple(sorted(os.path.realpath(p) + os.sep for p in paths if p))
-
-
-_PREFIXES: Optional[Tuple[str, ...]] = None
-_USER_FILES: Dict[str, bool] = {}
-
-
-def is_user_file(filename: Any) -> bool:
-    """Whether code from ``filename`` is the user's: a notebook cell, a script, a module of theirs,
-    not the standard library or an installed package (and never ipy_gpumem)."""
-    global _PREFIXES
-    if not isinstance(filename, str) or not filename:
-        return False
-    known = _USER_FILES.get(filename)
-    if known is not None:
-        return known
-    if filename.startswith("<"):
-        # "<ipython-input-3-...>", "<cell>", "<string>"; "<frozen ...>" is Python's own.
-        verdict = not filename.startswith(("<frozen", "<built"))
-    else:
-        if _PREFIXES is None:
-            _PREFIXES = _library_prefixes()
-        real = os.path.realpath(filename)
-        verdict = not real.startswith(_PREFIXES) and f"{os.sep}ipy_gpumem{os.sep}" not in real
-    if len(_USER_FILES) > 10_000:
-        _USER_FILES.clear()
-    _USER_FILES[filename] = verdict
-    return verdict
 
 
 class _Inert:

@@ -30,6 +30,7 @@ import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
 from .paths import ATTR, ITEM, VIA
+from .userfiles import is_user_file
 
 __all__ = ["reader_for", "read_referents", "read_frame_locals", "frame_reads_safely", "live_frames", "Triple",
            "class_attr", "getter_of", "info_parts"]
@@ -84,8 +85,6 @@ def getter_of(tp: type, name: str) -> Optional[Callable[[Any], Any]]:
 
 
 def _library_type(tp: type) -> bool:
-    from .kinds import is_user_file  # noqa: PLC0415 - kinds imports this module
-
     module = sys.modules.get(type.__dict__["__module__"].__get__(tp))
     if module is None or module.__name__ == "__main__":
         return False

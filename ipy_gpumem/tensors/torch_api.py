@@ -59,6 +59,15 @@ DEPENDENCIES: Tuple[Dependency, ...] = (
                "outputs (tuples, dicts, ModelOutput)", "plain tuples, lists and dicts only"),
     Dependency("torch._subclasses.fake_tensor.FakeTensorMode", "tensors with shapes and no memory for the estimate",
                "no estimate"),
+    Dependency("FakeTensorMode.fake_tensor_converter.from_real_tensor(make_constant=True)", "a scalar (an "
+               "optimizer's step count) faked with its value, so .item() on it is exact", "no estimate"),
+    Dependency("TensorBase._version", "a tensor's version counter, which every in-place write bumps: whether "
+               "zero_grad(set_to_none=False) rewrote the gradients (a cell's phases)", "required (every torch "
+               "since 0.4 has it)"),
+    Dependency("aten::_scaled_dot_product_flash_attention, _scaled_dot_product_efficient_attention, "
+               "_scaled_dot_product_cudnn_attention, _scaled_dot_product_attention_math",
+               "the attention kernel a named GPU picks, run on the estimate's CPU fakes", "the estimate fails on a "
+               "CUDA step that calls scaled_dot_product_attention, naming the line"),
     Dependency("Tensor._indices(), Tensor._values() (sparse COO)", "the storages of an uncoalesced sparse tensor "
                "(the public indices() requires a coalesced one)", "coalesced tensors only, through indices()"),
     Dependency("torch._C._has_cuda", "a CPU-only build (public: torch.backends.cuda.is_built())", "the public call"),
@@ -217,6 +226,10 @@ class Api:
         """The loggers FakeTensorMode writes to (silenced while an estimate runs)."""
         return ("torch._subclasses.fake_tensor", "torch._subclasses.meta_utils", "torch.fx.experimental.symbolic_shapes")
 
+    def fake_constant(self, mode: Any, t: Any) -> Any:
+        """A fake of ``t`` under FakeTensorMode ``mode`` that keeps its value (``.item()`` on it is exact)."""
+        return mode.fake_tensor_converter.from_real_tensor(mode, t, make_constant=True)
+
     def is_wrapper_subclass(self, t: Any) -> bool:
         """True for a traceable wrapper subclass (NJT, DTensor, float8), decided by its class's own
         dicts: nothing of the subclass (``__getattr__``, a property) runs."""
@@ -280,6 +293,11 @@ class Api:
         if layout in (getattr(torch, "sparse_csc", None), getattr(torch, "sparse_bsc", None)):
             return (base.ccol_indices(t), base.row_indices(t), base.values(t))
         return ()
+
+    def version_counter(self) -> Callable[[Any], int]:
+        """``f(t)`` -> ``t._version`` (bumped by every in-place write), through ``TensorBase``'s C getter:
+        a subclass's property never runs."""
+        return self.tensor_base._version.__get__
 
     def quantizer_tensors(self, t: Any) -> tuple:
         """A per-channel quantized tensor's scales and zero points (stored beside its data), else ()."""
@@ -350,6 +368,11 @@ class Api:
         except Exception:  # noqa: BLE001
             return ()
 
+    def attention_kernel(self, kernel: str) -> Any:
+        """The aten op of one of scaled_dot_product_attention's kernels: ``"flash"``, ``"efficient"``,
+        ``"cudnn"`` or ``"math"`` (AttributeError from torch when this torch has no such op)."""
+        return getattr(self.torch.ops.aten, _ATTENTION_OPS[kernel])
+
     def is_view(self, t: Any) -> bool:
         try:
             return bool(t._is_view())
@@ -401,6 +424,10 @@ class Api:
     def allocator_snapshot(self) -> Any:
         """``torch.cuda.memory._snapshot()``: segments, blocks and the recorded events, as plain data."""
         return self.torch.cuda.memory._snapshot()
+
+
+_ATTENTION_OPS = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_scaled_dot_product_efficient_attention",
+                  "cudnn": "_scaled_dot_product_cudnn_attention", "math": "_scaled_dot_product_attention_math"}
 
 
 class _Null:

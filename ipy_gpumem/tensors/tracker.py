@@ -169,7 +169,7 @@ class StorageTracker:
         self._stack: List[list] = []        # module forward frames: [name, saved bytes, start live, peak]
         self._handles: List[Any] = []
         self._module_names: Dict[int, str] = {}
-        self._step = 0
+        self.current_step = 0  # the call of the step running now (1, 2): a cell's line markers read it
         self._phase = None
         self._saved_hooks = None
         self._tensor_type = _tensor_type()
@@ -318,10 +318,10 @@ class StorageTracker:
         """Start ``phase`` at the current event (a repeated phase is one phase)."""
         if phase != self._phase:
             self._phase = phase
-            self.run.phase_marks.append((len(self.run.events), phase, self._step))
+            self.run.phase_marks.append((len(self.run.events), phase, self.current_step))
 
     def start_step(self, step: int) -> None:
-        self._step = step
+        self.current_step = step
         self._phase = None
         self.mark("other")
 
@@ -384,8 +384,8 @@ class StorageTracker:
             self._stack[-1][3] = peak
         row = self.run.modules.setdefault(name, {"type": type(module).__name__, "activations": 0,
                                                  "calls": 0, "peak": 0})
-        if self._step == 2 or not row.get("_seen2"):
-            if self._step == 2 and not row.get("_seen2"):
+        if self.current_step == 2 or not row.get("_seen2"):
+            if self.current_step == 2 and not row.get("_seen2"):
                 row.update(activations=0, calls=0, peak=0, _seen2=True)
             row["activations"] += saved
             row["calls"] += 1

@@ -46,13 +46,13 @@ from .claims import IPYTHON, USER
 from .graphs import GraphNode, GraphRoot, GraphWalk
 from .holding import MAX_ITEMS, HoldingMixin
 from .kinds import (CLASS, DICT, FUNC, MODOBJ, MODULE as K_MODULE, OBJECT, OPTIM as K_OPTIM, PARAM, READ, SKIP,
-                    KindsMixin,
-                    is_user_file, type_cache)
+                    KindsMixin, type_cache)
 from .paths import (ATTR, CELL, CLASSOF, EXTRA, ITEM, KEY, LOCAL, MODROOT, NAME, OUT, THREAD, UNDER, VIA, Local,
                     PathsMixin, clip, key_text)
 from .readers import class_attr, frame_reads_safely, getter_of, info_parts, live_frames, read_frame_locals
 from .saved import SavedReader
 from .storage import Storages
+from .userfiles import is_user_file
 
 __all__ = ["Walk", "GraphHandle", "MAX_DEPTH", "MAX_VISITS", "MAX_ITEMS"]
 

@@ -18,7 +18,6 @@ One module per step, so that each can be read (and timed) on its own; in the ord
     numbers     the regex building blocks for sizes and integers, and the window they are read from
     report      :class:`OomReport` and the names its fields take
 """
-from .clean import _normalise  # noqa: F401  (the clean-up is tested on its own, under this name)
 from .report import CONFIDENCES, KINDS, SIZE_FIELDS, OomReport
 from .search import parse_oom
 

@@ -51,7 +51,7 @@ def _strip_lines(text: str) -> str:
     return text.replace(" \n", "\n").replace("\n ", "\n").strip(" ")
 
 
-def _normalise(text: str) -> str:
+def normalise(text: str) -> str:
     """Undo what renderers and terminals did; keep line breaks, collapse every other whitespace run."""
     if "&" in text:
         for _ in range(2):  # twice: issue trackers sometimes escape "&gt;" again as "&amp;gt;"
@@ -83,7 +83,7 @@ def _normalise(text: str) -> str:
     return text
 
 
-def _lower(text: str) -> str:
+def lower_same_length(text: str) -> str:
     """A lower-cased copy of the same length, for the finders and screens.
 
     The anchors fold case for ASCII letters only. Two other characters need care: the Kelvin sign

@@ -17,9 +17,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .formats import (_parse_allocator, _parse_async, _parse_cpu, _parse_cuda_error, _parse_mps, _parse_nothing,
-                      _parse_other, _parse_tensorflow)
-from .numbers import _rx, _Window
+from .formats import (parse_allocator, parse_async, parse_cpu, parse_cuda_error, parse_mps, parse_nothing,
+                     parse_other, parse_tensorflow)
+from .numbers import MessageWindow, regex
 
 
 def _lowered(pattern: str) -> str:
@@ -38,11 +38,11 @@ def _lowered(pattern: str) -> str:
 
 
 @dataclass(frozen=True)
-class _Detector:
+class Detector:
     kind: str
     rank: int
     anchor: re.Pattern[str]
-    parse: Callable[[_Window, re.Match[str], str], Dict[str, Any]]
+    parse: Callable[[MessageWindow, re.Match[str], str], Dict[str, Any]]
     device_type: Optional[str] = None
     lead: Optional[re.Pattern[str]] = None
     cuts: bool = True  # a later match of this anchor ends the current message
@@ -60,145 +60,145 @@ class _Detector:
 
 
 def _lead(template: str) -> re.Pattern[str]:
-    return _rx(f"(?:{template}) $")
+    return regex(f"(?:{template}) $")
 
 
 # Some frameworks re-wrap a message with blank lines between its sentences (SGLang's "Capture cuda
 # graph failed: CUDA out of memory.\nTried to allocate ...\n\nGPU 0 has ..."); a blank line followed
 # by one of the family's own clauses does not end the message.
-_ALLOC_RESUMES = _rx(
+_ALLOC_RESUMES = regex(
     r"(?:Tried to allocate|(?:GPU|NPU|XPU) [0-9]+ has|\((?:GPU|NPU) [0-9]+ ;|Process [0-9]+ has"
     r"|Including non-PyTorch|Of the allocated memory|with [0-9.]+ [A-Za-z]+ allocated in"
     r"|and [0-9.]+ [A-Za-z]+ is reserved|[0-9.]+ [A-Za-z]+ allowed|If reserved|Please use)"
 )
-_ASYNC_RESUMES = _rx(r"(?:Currently allocated|Requested :|Device limit|Free \(|PyTorch limit|: [0-9])")
-_MPS_RESUMES = _rx(r"(?:Tried to allocate|Use PYTORCH_MPS)")
-_ERROR_RESUMES = _rx(r"(?:Search for|(?:CUDA|HIP) kernel errors|For debugging|Compile with|For more detailed)")
+_ASYNC_RESUMES = regex(r"(?:Currently allocated|Requested :|Device limit|Free \(|PyTorch limit|: [0-9])")
+_MPS_RESUMES = regex(r"(?:Tried to allocate|Use PYTORCH_MPS)")
+_ERROR_RESUMES = regex(r"(?:Search for|(?:CUDA|HIP) kernel errors|For debugging|Compile with|For more detailed)")
 _ENFORCE_LEAD = r"\[enforce fail at [^\]\n]{1,300}\][^\n]{0,80}?"
 _TRIED_LEAD = r"Tried to allocate [0-9]+(?:\.[0-9]*)? (?:bytes|[KMGTPE]i?B|B)"
-_DETECTORS: Tuple[_Detector, ...] = tuple(sorted((  # stable: the order below breaks ties within a rank
+DETECTORS: Tuple[Detector, ...] = tuple(sorted((  # stable: the order below breaks ties within a rank
     # ---- rank 0: messages with numbers
-    _Detector("cuda_allocator", 0, _rx(r"(?<![A-Za-z])(?P<msg>(?P<dev>CUDA|HIP|XPU|NPU|MLU|MUSA) out of memory)"),
-              _parse_allocator, resumes=_ALLOC_RESUMES,
-              # A finder must start with a literal: this one starts at "out" and checks the device
-              # word before it with lookbehinds.
-              finder_source=r"out(?:(?<=[apu]out)|(?<=[apu]\sout))(?:" + "|".join(
-                  rf"(?<={dev}out)(?<![a-z]{dev}out)|(?<={dev}\sout)(?<![a-z]{dev}\sout)"
-                  for dev in ("cuda", "hip", "xpu", "npu", "mlu", "musa")) + r")\s?of\s?memory",
-              back=len("musa ")),
-    _Detector("cuda_allocator", 0, _rx(r"(?P<msg>Allocation on device (?:[0-9]+ )?would exceed allowed memory)"),
-              _parse_async, "cuda", resumes=_ASYNC_RESUMES),
-    _Detector("mps", 0, _rx(r"(?P<msg>MPS backend out of memory)"), _parse_mps, "mps", resumes=_MPS_RESUMES),
-    _Detector("cpu", 0, _rx(r"(?P<msg>DefaultCPUAllocator : (?:can.?t allocate memory|not enough memory))"),
-              _parse_cpu, "cpu", _lead(_ENFORCE_LEAD)),
-    _Detector("cpu", 0, _rx(r"(?P<msg>Torch : not enough memory)"), _parse_cpu, "cpu", _lead(r"\$")),
-    _Detector("cpu", 0, _rx(r"(?P<msg>Unable to allocate (?:{SIZE} for an )?array)"), _parse_cpu, "cpu"),
+    Detector("cuda_allocator", 0, regex(r"(?<![A-Za-z])(?P<msg>(?P<dev>CUDA|HIP|XPU|NPU|MLU|MUSA) out of memory)"),
+             parse_allocator, resumes=_ALLOC_RESUMES,
+             # A finder must start with a literal: this one starts at "out" and checks the device
+             # word before it with lookbehinds.
+             finder_source=r"out(?:(?<=[apu]out)|(?<=[apu]\sout))(?:" + "|".join(
+                 rf"(?<={dev}out)(?<![a-z]{dev}out)|(?<={dev}\sout)(?<![a-z]{dev}\sout)"
+                 for dev in ("cuda", "hip", "xpu", "npu", "mlu", "musa")) + r")\s?of\s?memory",
+             back=len("musa ")),
+    Detector("cuda_allocator", 0, regex(r"(?P<msg>Allocation on device (?:[0-9]+ )?would exceed allowed memory)"),
+             parse_async, "cuda", resumes=_ASYNC_RESUMES),
+    Detector("mps", 0, regex(r"(?P<msg>MPS backend out of memory)"), parse_mps, "mps", resumes=_MPS_RESUMES),
+    Detector("cpu", 0, regex(r"(?P<msg>DefaultCPUAllocator : (?:can.?t allocate memory|not enough memory))"),
+             parse_cpu, "cpu", _lead(_ENFORCE_LEAD)),
+    Detector("cpu", 0, regex(r"(?P<msg>Torch : not enough memory)"), parse_cpu, "cpu", _lead(r"\$")),
+    Detector("cpu", 0, regex(r"(?P<msg>Unable to allocate (?:{SIZE} for an )?array)"), parse_cpu, "cpu"),
     # torch's MapAllocator (shared memory, DataLoader workers, mmap'd checkpoints); only errno 12, ENOMEM.
-    _Detector("cpu", 0, _rx(r"(?P<msg>unable to mmap [0-9]+ bytes from file <[^\n<>]{0,1000}> : "
-                            r"Cannot allocate memory)"),
-              _parse_cpu, "cpu"),
-    _Detector("tensorflow", 0, _rx(r"(?P<msg>OOM when allocating)"), _parse_tensorflow, None,
-              _lead(r"Resource exhausted :|RESOURCE_EXHAUSTED :")),
-    _Detector("tensorflow", 0, _rx(r"(?P<msg>(?:Resource exhausted|RESOURCE_EXHAUSTED) : (?:OOM|Out of memory))"),
-              _parse_tensorflow),
-    _Detector("tensorflow", 0, _rx(r"(?P<msg>Allocator \([^)]{1,40}\) ran out of memory)"), _parse_tensorflow),
-    _Detector("tensorflow", 0, _rx(r"(?P<msg>failed to alloc {SIZE} on (?:host|device)[\s\S]{0,40}?"
-                                   r"(?:CUDA_ERROR_OUT_OF_MEMORY|out of memory))"), _parse_tensorflow),
-    _Detector("tensorflow", 0, _rx(r"(?P<msg>failed to allocate [0-9.]+ [KMGTPE]?i?B? \([0-9]+ bytes\) from device)"),
-              _parse_tensorflow),
-    _Detector("tensorflow", 0, _rx(r"ResourceExhaustedError[^:]{0,40}: (?P<msg>failed to allocate memory)"),
-              _parse_tensorflow),
-    _Detector("tensorflow", 0, _rx(r"(?P<msg>Failed to allocate request for)"), _parse_tensorflow),
-    _Detector("other", 0, _rx(r"(?P<msg>NCCL WARN (?:Cuda failure (?:[0-9]+ )?'out of memory'|Failed to CUDA calloc))"),
-              _parse_other, "cuda"),
-    _Detector("other", 0, _rx(r"(?P<msg>CUDA error 2 at [^\s]{1,200}? : out of memory)"), _parse_other, "cuda"),
-    _Detector("other", 0, _rx(r"(?P<msg>allocating {SIZE} on device [0-9]+ : cudaMalloc failed : out of memory)"),
-              _parse_other, "cuda"),
-    _Detector("other", 0, _rx(r"(?P<msg>cuda failed with error 2 :? out of memory)"), _parse_other, "cuda"),
-    _Detector("other", 0, _rx(r"(?P<msg>Could not allocate tensor with {SIZE})"), _parse_other),
-    _Detector("other", 0, _rx(r"(?P<msg>Failed to allocate memory for requested buffer of size)"), _parse_other),
-    _Detector("other", 0, _rx(r"(?P<msg>CUDA failure 2 : out of memory)"), _parse_other, "cuda"),
-    _Detector("other", 0, _rx(r"(?P<msg>Out of memory allocating [0-9][0-9,]* bytes)"), _parse_other, "cuda"),
-    _Detector("other", 0, _rx(r"(?P<msg>cuMem[A-Za-z_0-9]{0,20} failed : out of memory)"), _parse_other, "cuda"),
-    _Detector("other", 0, _rx(r"(?P<msg>CUresult error(?: result =| :) 2)(?![0-9])"), _parse_other, "cuda"),
+    Detector("cpu", 0, regex(r"(?P<msg>unable to mmap [0-9]+ bytes from file <[^\n<>]{0,1000}> : "
+                             r"Cannot allocate memory)"),
+             parse_cpu, "cpu"),
+    Detector("tensorflow", 0, regex(r"(?P<msg>OOM when allocating)"), parse_tensorflow, None,
+             _lead(r"Resource exhausted :|RESOURCE_EXHAUSTED :")),
+    Detector("tensorflow", 0, regex(r"(?P<msg>(?:Resource exhausted|RESOURCE_EXHAUSTED) : (?:OOM|Out of memory))"),
+             parse_tensorflow),
+    Detector("tensorflow", 0, regex(r"(?P<msg>Allocator \([^)]{1,40}\) ran out of memory)"), parse_tensorflow),
+    Detector("tensorflow", 0, regex(r"(?P<msg>failed to alloc {SIZE} on (?:host|device)[\s\S]{0,40}?"
+                                    r"(?:CUDA_ERROR_OUT_OF_MEMORY|out of memory))"), parse_tensorflow),
+    Detector("tensorflow", 0, regex(r"(?P<msg>failed to allocate [0-9.]+ [KMGTPE]?i?B? \([0-9]+ bytes\) from device)"),
+             parse_tensorflow),
+    Detector("tensorflow", 0, regex(r"ResourceExhaustedError[^:]{0,40}: (?P<msg>failed to allocate memory)"),
+             parse_tensorflow),
+    Detector("tensorflow", 0, regex(r"(?P<msg>Failed to allocate request for)"), parse_tensorflow),
+    Detector("other", 0, regex(r"(?P<msg>NCCL WARN (?:Cuda failure (?:[0-9]+ )?'out of memory'|Failed to CUDA calloc))"),
+             parse_other, "cuda"),
+    Detector("other", 0, regex(r"(?P<msg>CUDA error 2 at [^\s]{1,200}? : out of memory)"), parse_other, "cuda"),
+    Detector("other", 0, regex(r"(?P<msg>allocating {SIZE} on device [0-9]+ : cudaMalloc failed : out of memory)"),
+             parse_other, "cuda"),
+    Detector("other", 0, regex(r"(?P<msg>cuda failed with error 2 :? out of memory)"), parse_other, "cuda"),
+    Detector("other", 0, regex(r"(?P<msg>Could not allocate tensor with {SIZE})"), parse_other),
+    Detector("other", 0, regex(r"(?P<msg>Failed to allocate memory for requested buffer of size)"), parse_other),
+    Detector("other", 0, regex(r"(?P<msg>CUDA failure 2 : out of memory)"), parse_other, "cuda"),
+    Detector("other", 0, regex(r"(?P<msg>Out of memory allocating [0-9][0-9,]* bytes)"), parse_other, "cuda"),
+    Detector("other", 0, regex(r"(?P<msg>cuMem[A-Za-z_0-9]{0,20} failed : out of memory)"), parse_other, "cuda"),
+    Detector("other", 0, regex(r"(?P<msg>CUresult error(?: result =| :) 2)(?![0-9])"), parse_other, "cuda"),
     # ---- rank 1: status errors without numbers
     # Allocator messages pasted without their first words: anchored on the device clause, which is
     # also inside every full message (where the rank-0 anchor wins), extended back over "Tried to ...".
-    _Detector("cuda_allocator", 1, _rx(r"(?P<msg>\((?P<dev>GPU|NPU) [0-9]+ ; {SIZE} total capacity)"),
-              _parse_allocator, lead=_lead(_TRIED_LEAD), cuts=False, resumes=_ALLOC_RESUMES),
-    _Detector("cuda_allocator", 1, _rx(r"(?P<msg>(?P<dev>GPU|NPU) [0-9]+ has a total capaci?ty of {SIZE} of which)"),
-              _parse_allocator, lead=_lead(_TRIED_LEAD + r"\."), cuts=False, resumes=_ALLOC_RESUMES,
-              finder_source=r"has\s?a\s?total\s?capaci?ty\s?of", back=32),
-    _Detector("cuda_error", 1, _rx(r"(?P<msg>CUDA [Ee]rror : out of memory)"), _parse_cuda_error, "cuda",
-              resumes=_ERROR_RESUMES),
-    _Detector("cuda_error", 1, _rx(r"(?P<msg>cuda runtime error \(2\) : out of memory)"), _parse_cuda_error, "cuda"),
+    Detector("cuda_allocator", 1, regex(r"(?P<msg>\((?P<dev>GPU|NPU) [0-9]+ ; {SIZE} total capacity)"),
+             parse_allocator, lead=_lead(_TRIED_LEAD), cuts=False, resumes=_ALLOC_RESUMES),
+    Detector("cuda_allocator", 1, regex(r"(?P<msg>(?P<dev>GPU|NPU) [0-9]+ has a total capaci?ty of {SIZE} of which)"),
+             parse_allocator, lead=_lead(_TRIED_LEAD + r"\."), cuts=False, resumes=_ALLOC_RESUMES,
+             finder_source=r"has\s?a\s?total\s?capaci?ty\s?of", back=32),
+    Detector("cuda_error", 1, regex(r"(?P<msg>CUDA [Ee]rror : out of memory)"), parse_cuda_error, "cuda",
+             resumes=_ERROR_RESUMES),
+    Detector("cuda_error", 1, regex(r"(?P<msg>cuda runtime error \(2\) : out of memory)"), parse_cuda_error, "cuda"),
     # The gap may not run over another "THCudaCheck": without that, every "THCudaCheck FAIL" in a long
     # log made the lazy gap scan 400 characters, and a message never starts one THC line too early.
-    _Detector("cuda_error", 1, _rx(r"(?P<msg>THCudaCheck FAIL(?:(?!THCudaCheck)[\s\S]){0,400}?"
-                                   r"error = 2 : out of memory)"),
-              _parse_cuda_error, "cuda"),
-    _Detector("cuda_error", 1, _rx(r"(?P<msg>CUDA driver error : out of memory)"), _parse_cuda_error, "cuda"),
-    _Detector("cublas", 1, _rx(r"(?P<msg>(?:CUBLAS|HIPBLAS)_STATUS_ALLOC_FAILED)"), _parse_nothing, "cuda",
-              _lead(r"CUDA error :"),
-              finder_source=r"blas_status_alloc_failed(?:(?<=cublas_status_alloc_failed)"
-                            r"|(?<=hipblas_status_alloc_failed))", back=len("hip")),
-    _Detector("cudnn", 1, _rx(r"(?P<msg>CUDNN_STATUS_(?:ALLOC_FAILED|NOT_ENOUGH_MEMORY)|miopenStatusAllocFailed)"),
-              _parse_nothing, "cuda", _lead(r"(?:cuDNN|MIOpen) error :"),
-              finder_source=r"status(?:(?<=cudnn_status)_(?:alloc_failed|not_enough_memory)"
-                            r"|(?<=miopenstatus)allocfailed)", back=len("miopen")),
-    _Detector("other", 1, _rx(r"(?P<msg>(?:CUSOLVER|CUSPARSE|CURAND)_STATUS_ALLOC_FAILED|CUFFT_ALLOC_FAILED)"),
-              _parse_nothing, "cuda", _lead(r"(?:cuSOLVER|cuSPARSE|cuRAND|cuFFT) error :")),
-    _Detector("hip", 1, _rx(r"(?P<msg>HIP error : out of memory)"), _parse_cuda_error, "cuda",
-              resumes=_ERROR_RESUMES),
-    _Detector("xpu", 1, _rx(r"(?P<msg>UR_RESULT_ERROR_OUT_OF_(?:DEVICE|HOST)_MEMORY)"),
-              _parse_nothing, "xpu", _lead(r"UR backend failed\.[^\n]{0,60}?")),
-    _Detector("xpu", 1, _rx(r"(?P<msg>PI_ERROR_OUT_OF_HOST_MEMORY)"), _parse_nothing, "xpu",
-              _lead(r"Native API failed\.[^\n]{0,60}?")),
-    _Detector("xpu", 1, _rx(r"(?P<msg>ZE_RESULT_ERROR_OUT_OF_(?:DEVICE|HOST)_MEMORY)"), _parse_nothing, "xpu"),
-    _Detector("cpu", 1, _rx(r"(?P<msg>posix_memalign\(&data, gAlignment, nbytes\) == 0\. 12 vs 0)"),
-              _parse_nothing, "cpu", _lead(_ENFORCE_LEAD)),  # before torch 1.2; 12 is ENOMEM
-    _Detector("cpu", 1, _rx(r"(?P<msg>\[Errno 12\] Cannot allocate memory)"), _parse_nothing, "cpu"),
-    _Detector("cpu", 1, _rx(r"(?P<msg>Out of memory : Kill(?:ed)? process [0-9]+)"), _parse_nothing, "cpu"),
+    Detector("cuda_error", 1, regex(r"(?P<msg>THCudaCheck FAIL(?:(?!THCudaCheck)[\s\S]){0,400}?"
+                                    r"error = 2 : out of memory)"),
+             parse_cuda_error, "cuda"),
+    Detector("cuda_error", 1, regex(r"(?P<msg>CUDA driver error : out of memory)"), parse_cuda_error, "cuda"),
+    Detector("cublas", 1, regex(r"(?P<msg>(?:CUBLAS|HIPBLAS)_STATUS_ALLOC_FAILED)"), parse_nothing, "cuda",
+             _lead(r"CUDA error :"),
+             finder_source=r"blas_status_alloc_failed(?:(?<=cublas_status_alloc_failed)"
+                           r"|(?<=hipblas_status_alloc_failed))", back=len("hip")),
+    Detector("cudnn", 1, regex(r"(?P<msg>CUDNN_STATUS_(?:ALLOC_FAILED|NOT_ENOUGH_MEMORY)|miopenStatusAllocFailed)"),
+             parse_nothing, "cuda", _lead(r"(?:cuDNN|MIOpen) error :"),
+             finder_source=r"status(?:(?<=cudnn_status)_(?:alloc_failed|not_enough_memory)"
+                           r"|(?<=miopenstatus)allocfailed)", back=len("miopen")),
+    Detector("other", 1, regex(r"(?P<msg>(?:CUSOLVER|CUSPARSE|CURAND)_STATUS_ALLOC_FAILED|CUFFT_ALLOC_FAILED)"),
+             parse_nothing, "cuda", _lead(r"(?:cuSOLVER|cuSPARSE|cuRAND|cuFFT) error :")),
+    Detector("hip", 1, regex(r"(?P<msg>HIP error : out of memory)"), parse_cuda_error, "cuda",
+             resumes=_ERROR_RESUMES),
+    Detector("xpu", 1, regex(r"(?P<msg>UR_RESULT_ERROR_OUT_OF_(?:DEVICE|HOST)_MEMORY)"),
+             parse_nothing, "xpu", _lead(r"UR backend failed\.[^\n]{0,60}?")),
+    Detector("xpu", 1, regex(r"(?P<msg>PI_ERROR_OUT_OF_HOST_MEMORY)"), parse_nothing, "xpu",
+             _lead(r"Native API failed\.[^\n]{0,60}?")),
+    Detector("xpu", 1, regex(r"(?P<msg>ZE_RESULT_ERROR_OUT_OF_(?:DEVICE|HOST)_MEMORY)"), parse_nothing, "xpu"),
+    Detector("cpu", 1, regex(r"(?P<msg>posix_memalign\(&data, gAlignment, nbytes\) == 0\. 12 vs 0)"),
+             parse_nothing, "cpu", _lead(_ENFORCE_LEAD)),  # before torch 1.2; 12 is ENOMEM
+    Detector("cpu", 1, regex(r"(?P<msg>\[Errno 12\] Cannot allocate memory)"), parse_nothing, "cpu"),
+    Detector("cpu", 1, regex(r"(?P<msg>Out of memory : Kill(?:ed)? process [0-9]+)"), parse_nothing, "cpu"),
     # ---- rank 2: bare error names, also printed as the tail of richer messages
-    _Detector("cuda_error", 2, _rx(r"(?P<msg>cudaErrorMemoryAllocation)"), _parse_cuda_error, "cuda", cuts=False),
-    _Detector("hip", 2, _rx(r"(?P<msg>hipErrorOutOfMemory)"), _parse_cuda_error, "cuda", cuts=False),
-    _Detector("other", 2, _rx(r"(?P<msg>CUDA_ERROR_OUT_OF_MEMORY)"), _parse_nothing, "cuda",
-              _lead(r"Call to [A-Za-z_0-9]{1,40} results in"), cuts=False),
-    _Detector("cpu", 2, _rx(r"(?P<msg>std::bad_alloc)"), _parse_nothing, "cpu", cuts=False),
+    Detector("cuda_error", 2, regex(r"(?P<msg>cudaErrorMemoryAllocation)"), parse_cuda_error, "cuda", cuts=False),
+    Detector("hip", 2, regex(r"(?P<msg>hipErrorOutOfMemory)"), parse_cuda_error, "cuda", cuts=False),
+    Detector("other", 2, regex(r"(?P<msg>CUDA_ERROR_OUT_OF_MEMORY)"), parse_nothing, "cuda",
+             _lead(r"Call to [A-Za-z_0-9]{1,40} results in"), cuts=False),
+    Detector("cpu", 2, regex(r"(?P<msg>std::bad_alloc)"), parse_nothing, "cpu", cuts=False),
     # Python's own MemoryError only as a traceback's exception line (or its repr, "MemoryError()", which
     # is what an empty MemoryError such as bytearray(2**46)'s prints as), never in prose or source code.
-    _Detector("cpu", 2, _rx(r"^(?P<etype>(?:builtins\.)?MemoryError)(?:\(\)|(?: : (?P<msg>[^\n]*)))?$", re.MULTILINE),
-              _parse_nothing, "cpu", cuts=False,
-              finder_source=r"memoryerror(?:(?<![^\n]memoryerror)|(?<![^\n]builtins\.memoryerror)"
-                            r"(?<=builtins\.memoryerror))(?=\s?:|\(\)|\n|\Z)", back=len("builtins.")),
+    Detector("cpu", 2, regex(r"^(?P<etype>(?:builtins\.)?MemoryError)(?:\(\)|(?: : (?P<msg>[^\n]*)))?$", re.MULTILINE),
+             parse_nothing, "cpu", cuts=False,
+             finder_source=r"memoryerror(?:(?<![^\n]memoryerror)|(?<![^\n]builtins\.memoryerror)"
+                           r"(?<=builtins\.memoryerror))(?=\s?:|\(\)|\n|\Z)", back=len("builtins.")),
     # ---- rank 3: out-of-memory errors in disguise. Their confidence is what the public reports say.
     # The kernel's OOM killer sends SIGKILL ("Killed"); in the reports found (pytorch/pytorch#8976,
     # open-mmlab/mmrotate#501, hezhangsprinter/DCPDN#12, mittagessen/kraken#266...) the fix was more RAM,
     # fewer workers or a smaller batch. Other signals (Segmentation fault, Aborted, Bus error) are not
     # out of memory and are not matched.
-    _Detector("cpu", 3, _rx(r"(?P<msg>DataLoader worker (?:\(pid [0-9]+\) )?is killed by signal : Killed)"),
-              _parse_nothing, "cpu", confidence="likely"),
+    Detector("cpu", 3, regex(r"(?P<msg>DataLoader worker (?:\(pid [0-9]+\) )?is killed by signal : Killed)"),
+             parse_nothing, "cpu", confidence="likely"),
     # cuDNN's try_all raises this once every candidate algorithm failed, and it swallows both
     # CUDAOutOfMemoryError (the workspace did not fit) and CuDNNError on the way. The reports split:
     # a smaller batch fixed marqo-ai/marqo#101, XPixelGroup/DiffBIR#59, TQTQliu/MVSGaussian#18 and
     # ultralytics/yolov5#11250; a cuDNN that does not support the GPU (cuDNN 7 on RTX 30xx) caused
     # gml16/rl-medical#13, CGCL-codes/pFedSD#2 and deepakn97/relationPrediction#37, where a smaller
     # batch did not help. Hence "possible".
-    _Detector("cudnn", 3, _rx(r"(?P<msg>Unable to find a valid cuDNN algorithm to run convolution)"),
-              _parse_nothing, "cuda", confidence="possible"),
+    Detector("cudnn", 3, regex(r"(?P<msg>Unable to find a valid cuDNN algorithm to run convolution)"),
+             parse_nothing, "cuda", confidence="possible"),
     # Intel's runtimes say "out of resources", not memory; on XPU that is how a device allocation that
     # does not fit surfaces in the IPEX and torch-xpu-ops reports, but the words do not say so.
-    _Detector("xpu", 3, _rx(r"(?P<msg>UR_RESULT_ERROR_OUT_OF_RESOURCES)"), _parse_nothing, "xpu",
-              _lead(r"UR backend failed\.[^\n]{0,60}?"), confidence="likely"),
-    _Detector("xpu", 3, _rx(r"(?P<msg>PI_ERROR_OUT_OF_RESOURCES)"), _parse_nothing, "xpu",
-              _lead(r"Native API failed\.[^\n]{0,60}?"), confidence="likely"),
+    Detector("xpu", 3, regex(r"(?P<msg>UR_RESULT_ERROR_OUT_OF_RESOURCES)"), parse_nothing, "xpu",
+             _lead(r"UR backend failed\.[^\n]{0,60}?"), confidence="likely"),
+    Detector("xpu", 3, regex(r"(?P<msg>PI_ERROR_OUT_OF_RESOURCES)"), parse_nothing, "xpu",
+             _lead(r"Native API failed\.[^\n]{0,60}?"), confidence="likely"),
     # cublasCreate allocates the handle's workspace on the device; when that fails cuBLAS reports
     # NOT_INITIALIZED rather than ALLOC_FAILED. Most reports (tensorflow/tensorflow#9489,
     # EleutherAI/lm-evaluation-harness#1689, IBM/aihwkit#479, awslabs/sockeye#897, OpenBMB/VisCPM#3)
     # end in "not enough GPU memory"; a minority are an embedding index out of range
     # (SkyworkAI/Skywork#38) or a CUDA/driver mismatch (mlcommons/algorithmic-efficiency#185).
-    _Detector("cublas", 3, _rx(r"(?P<msg>(?:CUBLAS|HIPBLAS)_STATUS_NOT_INITIALIZED)"), _parse_nothing, "cuda",
-              _lead(r"CUDA error :"), confidence="likely",
-              finder_source=r"blas_status_not_initialized(?:(?<=cublas_status_not_initialized)"
-                            r"|(?<=hipblas_status_not_initialized))", back=len("hip")),
+    Detector("cublas", 3, regex(r"(?P<msg>(?:CUBLAS|HIPBLAS)_STATUS_NOT_INITIALIZED)"), parse_nothing, "cuda",
+             _lead(r"CUDA error :"), confidence="likely",
+             finder_source=r"blas_status_not_initialized(?:(?<=cublas_status_not_initialized)"
+                           r"|(?<=hipblas_status_not_initialized))", back=len("hip")),
 ), key=lambda det: det.rank))

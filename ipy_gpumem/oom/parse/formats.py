@@ -9,35 +9,35 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, Optional, Tuple
 
-from .numbers import _bytes_of, _rx, _Window
+from .numbers import bytes_of, regex, MessageWindow
 
-_REQ_TRIED = _rx(r"Tried to allocate {SIZE}")
-_ALLOC_GPU = _rx(r"(?:GPU|NPU|MLU|MUSA|XPU) {INT}(?= (?:;|has|\(|,))")
-_TOTAL_NEW = _rx(r"total capaci?ty of {SIZE}")  # torch 2.1 printed "capacty"
-_TOTAL_OLD = _rx(r"{SIZE} total capacity")
-_FREE_NEW = _rx(r"of which {SIZE} is free")
-_FREE_OLD = _rx(r"{SIZE} free(?!d)")
-_ALLOCATED_NEW = _rx(r"allocated memory {SIZE} is allocated")
-_ALLOCATED_OLD = _rx(r"{SIZE} already allocated")
-_RESERVED_OLD = _rx(r"{SIZE} reserved in total")
-_UNALLOCATED_NEW = _rx(r"{SIZE} is reserved by")
-_CACHED_OLD = _rx(r"{SIZE} cached")  # 0.4-1.3: cached = reserved - allocated
-_THIS_PROCESS = _rx(r"this process has {SIZE}")
-_OTHER_PROCESS = _rx(r"(?<![A-Za-z])Process (?P<pid>[0-9]+) has {SIZE}")
-_ALLOWED = _rx(r"{SIZE} allowed")
-_PRIVATE_POOLS = _rx(r"{SIZE} allocated in private")
+_REQ_TRIED = regex(r"Tried to allocate {SIZE}")
+_ALLOC_GPU = regex(r"(?:GPU|NPU|MLU|MUSA|XPU) {INT}(?= (?:;|has|\(|,))")
+_TOTAL_NEW = regex(r"total capaci?ty of {SIZE}")  # torch 2.1 printed "capacty"
+_TOTAL_OLD = regex(r"{SIZE} total capacity")
+_FREE_NEW = regex(r"of which {SIZE} is free")
+_FREE_OLD = regex(r"{SIZE} free(?!d)")
+_ALLOCATED_NEW = regex(r"allocated memory {SIZE} is allocated")
+_ALLOCATED_OLD = regex(r"{SIZE} already allocated")
+_RESERVED_OLD = regex(r"{SIZE} reserved in total")
+_UNALLOCATED_NEW = regex(r"{SIZE} is reserved by")
+_CACHED_OLD = regex(r"{SIZE} cached")  # 0.4-1.3: cached = reserved - allocated
+_THIS_PROCESS = regex(r"this process has {SIZE}")
+_OTHER_PROCESS = regex(r"(?<![A-Za-z])Process (?P<pid>[0-9]+) has {SIZE}")
+_ALLOWED = regex(r"{SIZE} allowed")
+_PRIVATE_POOLS = regex(r"{SIZE} allocated in private")
 _ALLOC_TAILS = (
-    _rx(r"environment-(?:\s)?variables\)\.?"),
-    _rx(r"PYTORCH_[A-Z]+_ALLOC_CONF(?![=\w])\.?"),
-    _rx(r"cached memory\.?"),
+    regex(r"environment-(?:\s)?variables\)\.?"),
+    regex(r"PYTORCH_[A-Z]+_ALLOC_CONF(?![=\w])\.?"),
+    regex(r"cached memory\.?"),
     # v1/v2 end at the parenthesis; v3 goes on with its hint, which a truncation may have cut.
-    _rx(r"(?:reserved in total by PyTorch|cached|inactive)\)\.?(?! If)"),
+    regex(r"(?:reserved in total by PyTorch|cached|inactive)\)\.?(?! If)"),
 )
 _DEVICE_TYPES = {"CUDA": "cuda", "HIP": "cuda", "XPU": "xpu", "NPU": "npu", "MLU": "mlu", "MUSA": "musa"}
 _ALLOC_KINDS = {"CUDA": "cuda_allocator", "GPU": "cuda_allocator", "HIP": "hip", "XPU": "xpu"}
 
 
-def _parse_allocator(w: _Window, m: re.Match[str], prefix: str) -> Dict[str, Any]:
+def parse_allocator(w: MessageWindow, m: re.Match[str], prefix: str) -> Dict[str, Any]:
     """Caching allocator, every generation: 0.4 "cached" to 2.4+ private pools; HIP, XPU and forks."""
     dev = m.group("dev").upper()
     return {
@@ -59,30 +59,30 @@ def _parse_allocator(w: _Window, m: re.Match[str], prefix: str) -> Dict[str, Any
     }
 
 
-def _processes(w: _Window) -> Tuple[Tuple[int, int], ...]:
+def _processes(w: MessageWindow) -> Tuple[Tuple[int, int], ...]:
     found = []
     for m in _OTHER_PROCESS.finditer(w.text):
-        value = _bytes_of(m)
+        value = bytes_of(m)
         if value is not None:
             found.append((int(m.group("pid")), value))
             w.ends.append(m.end())
     if "\n" in w.text:
         # A terminal wrap inside one line hides only that process from the search above.
-        unwrapped = [(int(m.group("pid")), _bytes_of(m)) for m in _OTHER_PROCESS.finditer(w.joined)]
+        unwrapped = [(int(m.group("pid")), bytes_of(m)) for m in _OTHER_PROCESS.finditer(w.joined)]
         if len(unwrapped) > len(found) and all(value is not None for _, value in unwrapped):
             return tuple(unwrapped)  # type: ignore[arg-type]
     return tuple(found)
 
 
-_ASYNC_GPU = _rx(r"Allocation on device {INT} would")
-_ASYNC_ALLOCATED = _rx(r"Currently allocated :? {SIZE}")
-_ASYNC_REQUESTED = _rx(r"Requested :? {SIZE}")
-_ASYNC_TOTAL = _rx(r"Device limit :? {SIZE}")
-_ASYNC_FREE = _rx(r"Free \([^)]{0,40}\) : {SIZE}")
-_ASYNC_LIMIT = _rx(r"PyTorch limit[^:]{0,80}: {SIZE}")  # its label wraps onto a second line
+_ASYNC_GPU = regex(r"Allocation on device {INT} would")
+_ASYNC_ALLOCATED = regex(r"Currently allocated :? {SIZE}")
+_ASYNC_REQUESTED = regex(r"Requested :? {SIZE}")
+_ASYNC_TOTAL = regex(r"Device limit :? {SIZE}")
+_ASYNC_FREE = regex(r"Free \([^)]{0,40}\) : {SIZE}")
+_ASYNC_LIMIT = regex(r"PyTorch limit[^:]{0,80}: {SIZE}")  # its label wraps onto a second line
 
 
-def _parse_async(w: _Window, m: re.Match[str], prefix: str) -> Dict[str, Any]:
+def parse_async(w: MessageWindow, m: re.Match[str], prefix: str) -> Dict[str, Any]:
     """cudaMallocAsync backend: a multi-line table whose alignment spaces renderers often collapse."""
     return {
         "backend": "cudaMallocAsync",
@@ -96,14 +96,14 @@ def _parse_async(w: _Window, m: re.Match[str], prefix: str) -> Dict[str, Any]:
     }
 
 
-_MPS_ALLOCATED = _rx(r"MPS allocated :? {SIZE}")
-_MPS_OTHER = _rx(r"other allocations :? {SIZE}")
-_MPS_MAX = _rx(r"max allowed :? {SIZE}")
-_MPS_POOL = _rx(r"on (?P<pool>shared|private) pool")
-_MPS_TAILS = (_rx(r"\(may cause system failure\)\.?"), _rx(r"on (?:shared|private) pool\.?(?! Use)"))
+_MPS_ALLOCATED = regex(r"MPS allocated :? {SIZE}")
+_MPS_OTHER = regex(r"other allocations :? {SIZE}")
+_MPS_MAX = regex(r"max allowed :? {SIZE}")
+_MPS_POOL = regex(r"on (?P<pool>shared|private) pool")
+_MPS_TAILS = (regex(r"\(may cause system failure\)\.?"), regex(r"on (?:shared|private) pool\.?(?! Use)"))
 
 
-def _parse_mps(w: _Window, m: re.Match[str], prefix: str) -> Dict[str, Any]:
+def parse_mps(w: MessageWindow, m: re.Match[str], prefix: str) -> Dict[str, Any]:
     """MPS allocator; before 2025 its own format_size printed binary values labelled KB/MB/GB."""
     pool = w.search(_MPS_POOL)
     return {
@@ -117,33 +117,33 @@ def _parse_mps(w: _Window, m: re.Match[str], prefix: str) -> Dict[str, Any]:
 
 
 _CPU_REQUESTED = (
-    _rx(r"you tried to (?:re)?allocate {SIZE}"),  # DefaultCPUAllocator and TH's "72GB" (a floor)
-    _rx(r"Unable to allocate {SIZE}"),  # numpy's _ArrayMemoryError
-    _rx(r"unable to mmap (?P<n>[0-9]+)(?![0-9]) (?P<u>bytes)"),  # torch's MapAllocator
+    regex(r"you tried to (?:re)?allocate {SIZE}"),  # DefaultCPUAllocator and TH's "72GB" (a floor)
+    regex(r"Unable to allocate {SIZE}"),  # numpy's _ArrayMemoryError
+    regex(r"unable to mmap (?P<n>[0-9]+)(?![0-9]) (?P<u>bytes)"),  # torch's MapAllocator
 )
 
 
-def _parse_cpu(w: _Window, m: re.Match[str], prefix: str) -> Dict[str, Any]:
+def parse_cpu(w: MessageWindow, m: re.Match[str], prefix: str) -> Dict[str, Any]:
     """Host memory: c10's DefaultCPUAllocator, legacy TH, MapAllocator, numpy, the OS."""
     return {"requested": w.size(*_CPU_REQUESTED)}
 
 
 _TF_REQUESTED = (
-    _rx(r"\(rounded to (?P<n>[0-9]+)(?P<u>)\)"),  # the exact bin size beats the 3-digit label
-    _rx(r"ran out of memory trying to allocate {SIZE}"),
-    _rx(r"failed to alloc {SIZE} on"),
-    _rx(r"\((?P<n>[0-9]+) (?P<u>bytes)\) from device"),
-    _rx(r"failed to allocate (?P<n>[0-9]+(?:\.[0-9]*)?)(?P<u>[KMGTPE]i?B?|B)(?= [(:])"),
-    _rx(r"Out of memory while trying to allocate {SIZE}"),
-    _rx(r"Failed to allocate request for [^(]{0,24}\((?P<n>[0-9]+)(?P<u>B)\)"),
+    regex(r"\(rounded to (?P<n>[0-9]+)(?P<u>)\)"),  # the exact bin size beats the 3-digit label
+    regex(r"ran out of memory trying to allocate {SIZE}"),
+    regex(r"failed to alloc {SIZE} on"),
+    regex(r"\((?P<n>[0-9]+) (?P<u>bytes)\) from device"),
+    regex(r"failed to allocate (?P<n>[0-9]+(?:\.[0-9]*)?)(?P<u>[KMGTPE]i?B?|B)(?= [(:])"),
+    regex(r"Out of memory while trying to allocate {SIZE}"),
+    regex(r"Failed to allocate request for [^(]{0,24}\((?P<n>[0-9]+)(?P<u>B)\)"),
 )
-_TF_GPU = (_rx(r"device:GPU:{INT}"), _rx(r"GPU_{INT}_bfc"), _rx(r"device ordinal {INT}"))
-_TF_HOST = _rx(r"on host|device:CPU:|by allocator (?:cpu|mklcpu)|Allocator \((?:cpu|mklcpu|\w*host\w*)\)")
-_TF_GPU_WORD = _rx(r"GPU|from device")
-_TF_HINT = _rx(r"report_tensor_allocations_upon_oom[^.\n]{0,80}\.?")
+_TF_GPU = (regex(r"device:GPU:{INT}"), regex(r"GPU_{INT}_bfc"), regex(r"device ordinal {INT}"))
+_TF_HOST = regex(r"on host|device:CPU:|by allocator (?:cpu|mklcpu)|Allocator \((?:cpu|mklcpu|\w*host\w*)\)")
+_TF_GPU_WORD = regex(r"GPU|from device")
+_TF_HINT = regex(r"report_tensor_allocations_upon_oom[^.\n]{0,80}\.?")
 
 
-def _parse_tensorflow(w: _Window, m: re.Match[str], prefix: str) -> Dict[str, Any]:
+def parse_tensorflow(w: MessageWindow, m: re.Match[str], prefix: str) -> Dict[str, Any]:
     """TensorFlow and XLA/JAX: ResourceExhaustedError, BFC allocator and stream-executor log lines."""
     w.search(_TF_HINT)  # two lines below the message, after the failing node
     gpu_index = w.integer(*_TF_GPU)
@@ -161,22 +161,22 @@ def _parse_tensorflow(w: _Window, m: re.Match[str], prefix: str) -> Dict[str, An
 
 
 _OTHER_REQUESTED = (
-    _rx(r"Could not allocate tensor with {SIZE}"),  # torch-directml
-    _rx(r"requested buffer of size (?P<n>[0-9]+)(?P<u>)(?![0-9.])"),  # ONNX Runtime BFCArena
-    _rx(r"CUDA calloc(?: async)? {SIZE}"),  # NCCL
-    _rx(r"allocating {SIZE} on device"),  # ggml
-    _rx(r"Out of memory allocating (?P<n>[0-9][0-9,]*) (?P<u>bytes)"),  # CuPy
+    regex(r"Could not allocate tensor with {SIZE}"),  # torch-directml
+    regex(r"requested buffer of size (?P<n>[0-9]+)(?P<u>)(?![0-9.])"),  # ONNX Runtime BFCArena
+    regex(r"CUDA calloc(?: async)? {SIZE}"),  # NCCL
+    regex(r"allocating {SIZE} on device"),  # ggml
+    regex(r"Out of memory allocating (?P<n>[0-9][0-9,]*) (?P<u>bytes)"),  # CuPy
 )
 _OTHER_GPU = (
-    _rx(r"current device : {INT} ,"),  # ggml >= 2024
-    _rx(r"on device {INT} :"),  # ggml buffer allocation
-    _rx(r"GPU = {INT}"),  # ONNX Runtime CUDA_CALL
+    regex(r"current device : {INT} ,"),  # ggml >= 2024
+    regex(r"on device {INT} :"),  # ggml buffer allocation
+    regex(r"GPU = {INT}"),  # ONNX Runtime CUDA_CALL
 )
 # NCCL's log line is "host:pid:tid [dev] file:line NCCL WARN ...": the device sits before the anchor.
 _NCCL_DEVICE = re.compile(r"\[([0-9]+)\]\s?[^\s\[\]]*:[0-9]+\s?$", re.ASCII)
 
 
-def _parse_other(w: _Window, m: re.Match[str], prefix: str) -> Dict[str, Any]:
+def parse_other(w: MessageWindow, m: re.Match[str], prefix: str) -> Dict[str, Any]:
     """Other runtimes: NCCL, ggml, spconv, DirectML, ONNX Runtime, CuPy, torch_memory_saver..."""
     gpu_index = w.integer(*_OTHER_GPU)
     if gpu_index is None and m.group("msg").upper().startswith("NCCL"):
@@ -188,17 +188,17 @@ def _parse_other(w: _Window, m: re.Match[str], prefix: str) -> Dict[str, Any]:
 # Sentences that may close a CUDA status error. None is reliably the last (each torch version adds or
 # drops one), so they only stretch the message; the rest of their line is then taken as well.
 _CUDA_ERROR_ENDINGS = (
-    _rx(r"Compile with .?TORCH_USE_CUDA_DSA.? to enable device-side assertions\.?"),
-    _rx(r"consider passing CUDA_LAUNCH_BLOCKING=1\.?"),
-    _rx(r"for more information\."),
-    _rx(r"CUDA_LOG_FILE=stderr\.?"),
+    regex(r"Compile with .?TORCH_USE_CUDA_DSA.? to enable device-side assertions\.?"),
+    regex(r"consider passing CUDA_LAUNCH_BLOCKING=1\.?"),
+    regex(r"for more information\."),
+    regex(r"CUDA_LOG_FILE=stderr\.?"),
 )
-_GGML_DEVICE = _rx(r"current device : {INT} , in function")
+_GGML_DEVICE = regex(r"current device : {INT} , in function")
 
 
-def _parse_cuda_error(w: _Window, m: re.Match[str], prefix: str) -> Dict[str, Any]:
+def parse_cuda_error(w: MessageWindow, m: re.Match[str], prefix: str) -> Dict[str, Any]:
     """``cudaErrorMemoryAllocation`` as reported by C10_CUDA_CHECK, THC or the driver API."""
-    found = _parse_nothing(w, m, prefix)
+    found = parse_nothing(w, m, prefix)
     gpu_index = w.integer(_GGML_DEVICE)
     if gpu_index is not None:
         # ggml prints the same "CUDA error: out of memory" line, then names the device.
@@ -206,7 +206,7 @@ def _parse_cuda_error(w: _Window, m: re.Match[str], prefix: str) -> Dict[str, An
     return found
 
 
-def _parse_nothing(w: _Window, m: re.Match[str], prefix: str) -> Dict[str, Any]:
+def parse_nothing(w: MessageWindow, m: re.Match[str], prefix: str) -> Dict[str, Any]:
     """Status-code errors (cuBLAS, cuDNN, HIP, UR...) carry no numbers."""
     for rx in _CUDA_ERROR_ENDINGS:
         w.search(rx)

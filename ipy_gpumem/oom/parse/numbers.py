@@ -23,14 +23,14 @@ _SIZE = (
 _INT = r"(?P<i>[0-9]+)(?![0-9])"
 
 
-def _rx(template: str, flags: int = 0) -> re.Pattern[str]:
+def regex(template: str, flags: int = 0) -> re.Pattern[str]:
     # Case-insensitive because log aggregators and user code lowercase messages; parse_bytes reads
     # "mib" and "MiB" alike.
     pattern = template.replace("{SIZE}", _SIZE).replace("{INT}", _INT).replace(" ", r"\s?")
     return re.compile(pattern, re.ASCII | re.IGNORECASE | flags)
 
 
-def _bytes_of(match: re.Match[str]) -> Optional[int]:
+def bytes_of(match: re.Match[str]) -> Optional[int]:
     number = match.group("n").replace(",", "")
     unit = match.group("u") or ""
     try:
@@ -39,7 +39,7 @@ def _bytes_of(match: re.Match[str]) -> Optional[int]:
         return None
 
 
-class _Window:
+class MessageWindow:
     """The text from the message start to where the message can end, and what was found in it."""
 
     def __init__(self, text: str):
@@ -73,7 +73,7 @@ class _Window:
         for rx in rxs:
             m = self.search(rx)
             if m is not None:
-                value = _bytes_of(m)
+                value = bytes_of(m)
                 if value is not None:
                     return value
         return None

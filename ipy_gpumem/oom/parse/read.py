@@ -2,7 +2,7 @@
 
 The richest family wins, and within it the last message (the one finally raised). A message ends at
 a blank line, a traceback line, a new log record or the next message, or at a sentence its family is
-known to end with; the text around a candidate in long text is cleaned up as a :class:`_Region`,
+known to end with; the text around a candidate in long text is cleaned up as a :class:`Region`,
 cut just after newlines so that it reads as it would within the whole text.
 """
 from __future__ import annotations
@@ -11,9 +11,9 @@ import re
 from collections import deque
 from typing import Deque, Optional, Tuple
 
-from .clean import _lower, _normalise
-from .detectors import _DETECTORS, _Detector
-from .numbers import _Window
+from .clean import lower_same_length, normalise
+from .detectors import DETECTORS, Detector
+from .numbers import MessageWindow
 from .report import OomReport
 
 _WINDOW_CAP = 8000  # longest plausible message: a v5 message listing dozens of processes
@@ -50,7 +50,7 @@ def _message_start(m: re.Match[str]) -> int:
     return m.start("msg") if m.group("msg") is not None else m.end()
 
 
-def _verify(det: _Detector, lined: str, hit: re.Match[str]) -> Optional[re.Match[str]]:
+def _verify(det: Detector, lined: str, hit: re.Match[str]) -> Optional[re.Match[str]]:
     """The anchor's match for one finder match, or None where the finder matched more than the anchor."""
     if not det.back:
         return det.anchor.match(lined, hit.start())
@@ -63,7 +63,7 @@ def _verify(det: _Detector, lined: str, hit: re.Match[str]) -> Optional[re.Match
     return found
 
 
-def _last_match(det: _Detector, lined: str, low: str, lo: int, hi: int) -> Optional[re.Match[str]]:
+def _last_match(det: Detector, lined: str, low: str, lo: int, hi: int) -> Optional[re.Match[str]]:
     """The anchor's last match starting in [lo, hi): the one ``finditer`` would list last."""
     recent: Deque[re.Match[str]] = deque(maxlen=8)
     for hit in det.finder.finditer(low, lo):
@@ -86,11 +86,11 @@ def _last_match(det: _Detector, lined: str, low: str, lo: int, hi: int) -> Optio
     return last
 
 
-def _best_anchor(lined: str, low: str, lo: int, hi: int) -> Optional[Tuple[_Detector, re.Match[str]]]:
+def _best_anchor(lined: str, low: str, lo: int, hi: int) -> Optional[Tuple[Detector, re.Match[str]]]:
     """The richest message family starting in [lo, hi); within it, the last occurrence (the one finally
     raised)."""
-    best: Optional[Tuple[Tuple[int, int, int], _Detector, re.Match[str]]] = None
-    for order, det in enumerate(_DETECTORS):
+    best: Optional[Tuple[Tuple[int, int, int], Detector, re.Match[str]]] = None
+    for order, det in enumerate(DETECTORS):
         if best is not None and det.rank > best[0][0]:
             break  # detectors are sorted by rank
         last = _last_match(det, lined, low, lo, hi)
@@ -102,11 +102,11 @@ def _best_anchor(lined: str, low: str, lo: int, hi: int) -> Optional[Tuple[_Dete
     return None if best is None else (best[1], best[2])
 
 
-def _window_end(lined: str, low: str, det: _Detector, start: int, anchor_end: int) -> int:
+def _window_end(lined: str, low: str, det: Detector, start: int, anchor_end: int) -> int:
     """Where the message can end at the latest: a blank line, a traceback line, a new log record or
     the next message."""
     limit = min(len(lined), start + _WINDOW_CAP)
-    for other in _DETECTORS:
+    for other in DETECTORS:
         # The finder only rules detectors out cheaply; the cut itself comes from the anchor.
         if other.cuts and other.finder.search(low, anchor_end, limit) is not None:
             nxt = other.anchor.search(lined, anchor_end, limit)
@@ -127,7 +127,7 @@ def _window_end(lined: str, low: str, det: _Detector, start: int, anchor_end: in
     return limit
 
 
-def _resume_after_blank(lined: str, det: _Detector, pos: int, limit: int) -> Optional[int]:
+def _resume_after_blank(lined: str, det: Detector, pos: int, limit: int) -> Optional[int]:
     """The newline before the next text line when that line continues ``det``'s message, else None."""
     if det.resumes is None:
         return None
@@ -156,7 +156,7 @@ def _exception_type(lined: str, line_start: int, start: int) -> Optional[str]:
     return m.group(1) if m is not None else None
 
 
-def _build(det: _Detector, m: re.Match[str], lined: str, low: str) -> OomReport:
+def _build(det: Detector, m: re.Match[str], lined: str, low: str) -> OomReport:
     start = _message_start(m)
     line_start = lined.rfind("\n", 0, start) + 1
     prefix = lined[max(line_start, start - 400): start]
@@ -166,7 +166,7 @@ def _build(det: _Detector, m: re.Match[str], lined: str, low: str) -> OomReport:
             start -= len(prefix) - lead.start()
             prefix = prefix[: lead.start()]
     anchor_end = max(m.end(), start)
-    window = _Window(lined[start: _window_end(lined, low, det, start, anchor_end)])
+    window = MessageWindow(lined[start: _window_end(lined, low, det, start, anchor_end)])
     found = det.parse(window, m, prefix)
 
     end = max([anchor_end - start] + window.ends)
@@ -209,7 +209,7 @@ def _first(rx: re.Pattern[str], text: str) -> int:
     return -1 if m is None else m.start()
 
 
-class _Region:
+class Region:
     """Part of the raw text, cleaned up with some context around it, and the best message in it.
 
     The cuts fall just after a newline wherever one is near, so cleaning the parts one by one gives
@@ -218,13 +218,13 @@ class _Region:
 
     def __init__(self, raw: str, core_lo: int, core_hi: int):
         self.core_lo = core_lo
-        ctx_lo = _line_start(raw, core_lo - _CONTEXT_BEFORE)
-        ctx_hi = _line_end(raw, core_hi + _CONTEXT_AFTER)
-        before = _normalise(raw[ctx_lo:core_lo])
-        core = _normalise(raw[core_lo:core_hi])
-        self.lined = before + core + _normalise(raw[core_hi:ctx_hi])
+        ctx_lo = line_start_near(raw, core_lo - _CONTEXT_BEFORE)
+        ctx_hi = line_end_near(raw, core_hi + _CONTEXT_AFTER)
+        before = normalise(raw[ctx_lo:core_lo])
+        core = normalise(raw[core_lo:core_hi])
+        self.lined = before + core + normalise(raw[core_hi:ctx_hi])
         self.lo, self.hi = len(before), len(before) + len(core)
-        self.low = _lower(self.lined)
+        self.low = lower_same_length(self.lined)
         self.found = _best_anchor(self.lined, self.low, self.lo, self.hi)
 
     def key(self) -> Tuple[int, int, int]:
@@ -242,12 +242,12 @@ class _Region:
         if "\n" not in self.lined:
             return None
         lined = self.lined.replace("\n", "")
-        low = _lower(lined)
+        low = lower_same_length(lined)
         found = _best_anchor(lined, low, 0, len(lined))
         return None if found is None else _build(found[0], found[1], lined, low)
 
 
-def _line_start(raw: str, pos: int) -> int:
+def line_start_near(raw: str, pos: int) -> int:
     """The start of the line holding ``pos``, or ``pos`` itself when that line is very long."""
     if pos <= 0:
         return 0
@@ -255,7 +255,7 @@ def _line_start(raw: str, pos: int) -> int:
     return nl + 1 if nl >= 0 else (0 if pos <= _LINE_SLACK else pos)
 
 
-def _line_end(raw: str, pos: int) -> int:
+def line_end_near(raw: str, pos: int) -> int:
     """Just past the end of the line holding ``pos``, or ``pos`` itself when that line is very long."""
     if pos >= len(raw):
         return len(raw)

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from .clean import _lower
+from .clean import lower_same_length
 
 _SCREEN_CHUNK = 64 * 1024
 _SCREEN_OVERLAP = 2048  # longer than any screen match (a MapAllocator file name may take 1000)
@@ -150,7 +150,7 @@ _SKELETON = str.maketrans({**{c: c.lower() for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _NEAR_MISSES = 16  # occurrences a check may reject one by one before a regex takes over
 
 
-class _Screen:
+class ScreenSearch:
     """Candidates in ``raw[:end]``, searched from the end; what each screen found is kept, since the
     search only ever moves towards the start. Once one screen of a rank has a candidate, the others
     only search the text after it (their floor), where they could still beat it."""
@@ -169,7 +169,7 @@ class _Screen:
             if reverse:
                 text = self._text(lines)[::-1]
             elif lines:
-                text = _lower(self.raw[: self.end])
+                text = lower_same_length(self.raw[: self.end])
             else:
                 part = self.raw[: self.end]
                 if part.isascii():  # one pass: translate has a fast path for ASCII, and only for it

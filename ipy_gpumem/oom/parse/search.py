@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .read import _line_end, _line_start, _Region
+from .read import line_end_near, line_start_near, Region
 from .report import OomReport
-from .screens import _Screen
+from .screens import ScreenSearch
 
 _READ_CAP = 1 << 20  # text read at most: the first 64 KiB and the rest from the end
 _HEAD_CAP = 64 * 1024
@@ -56,10 +56,10 @@ def _coerce(text: Any) -> Optional[str]:
 def _parse_long(raw: str) -> Optional[OomReport]:
     """Long text: the last 16 KiB in full, then the screens' candidates from the end, richest family
     first, until one is a message of the family searched for or _WINDOWS candidates have been read."""
-    tail_lo = _line_start(raw, len(raw) - _TAIL)
-    tail = _Region(raw, tail_lo, len(raw))
+    tail_lo = line_start_near(raw, len(raw) - _TAIL)
+    tail = Region(raw, tail_lo, len(raw))
     best = tail if tail.found is not None else None
-    screen = _Screen(raw, tail_lo)
+    screen = ScreenSearch(raw, tail_lo)
     windows = _WINDOWS
     for rank in range(best.found[0].rank if best is not None else _RANKS):
         hi = tail_lo
@@ -70,8 +70,8 @@ def _parse_long(raw: str) -> Optional[OomReport]:
             windows -= 1
             # From the line before the candidate (a hard-wrapped anchor starts up there) to the end of
             # its own line; the region adds the context the message and its type need.
-            core_lo = _line_start(raw, max(0, hit[0] - _SCREEN_BACK))
-            window = _Region(raw, core_lo, min(hi, _line_end(raw, hit[1])))
+            core_lo = line_start_near(raw, max(0, hit[0] - _SCREEN_BACK))
+            window = Region(raw, core_lo, min(hi, line_end_near(raw, hit[1])))
             if window.found is not None and (best is None or window.key() < best.key()):
                 best = window
             if best is not None and best.found[0].rank <= rank:
@@ -98,7 +98,7 @@ def _parse(text: Any) -> Optional[OomReport]:
     # take a substitution per character or two (a flood of entities, tags or colour codes).
     if len(raw) > _EXACT_PLAIN or (len(raw) > _EXACT_ALL and _markup(raw) > _MARKUP_CAP):
         return _parse_long(raw)
-    region = _Region(raw, 0, len(raw))
+    region = Region(raw, 0, len(raw))
     if region.found is not None:
         return region.report()
     return region.joined()

@@ -6,7 +6,7 @@ runs every rule over the same :class:`~.facts.Facts`. The rules live by subject:
 (the request against the device, fragmentation, other processes, the CUDA context),
 ``training`` (activations, graphs kept, optimizer state, gradients), ``session`` (IPython's
 references, earlier cells, checkpoints), and ``runtimes`` (host RAM, cuBLAS/cuDNN, MPS, other
-runtimes). Each rule is a plain function of the facts that returns a :class:`Finding` or None,
+runtimes). Each rule is a plain function of the facts that returns a :class:`~.finding.Finding` or None,
 so tests call them one by one. Nothing here imports IPython or torch.
 
 Every fix must be right for the failure at hand: applied, it must be able to make this failure go
@@ -18,55 +18,17 @@ estimate of the whole step (``oom.batch``), never from a model of what the failu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence
 
 from ...core.memory import DeviceMemory
+from . import device, operation, runtimes, session, training
+from .facts import Facts
+from .finding import CONFIDENCES, FINDING_KEYS, Finding
 
 __all__ = ["Finding", "FINDING_KEYS", "CONFIDENCES", "MAX_FINDINGS", "RULES", "Facts", "explain", "findings_of", "rank"]
 
-#: Every key ``explain()`` can return, roughly in the order they usually rank.
-FINDING_KEYS = (
-    "request_exceeds_device", "operation", "process_limit", "activations", "graphs_kept", "optimizer_state", "gradients",
-    "fragmentation", "other_processes", "cuda_context_and_libraries", "checkpoint_on_gpu",
-    "ipython_refs", "earlier_cells", "cpu_oom", "cublas_cudnn", "mps", "other_runtime", "shortfall",
-    "batch_size",
-)
-CONFIDENCES = ("certain", "likely", "possible")
+#: The most findings :func:`explain` returns.
 MAX_FINDINGS = 6
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One cause of the failure and the change that addresses it.
-
-    Attributes:
-        key: stable id, one of :data:`FINDING_KEYS`.
-        title: one line with the number, e.g. "Adam keeps two buffers the size of the weights: 1.50 GiB".
-        detail: why, with numbers, in torch's vocabulary; 1-3 sentences.
-        fix: the concrete change, one sentence.
-        snippet: code the user can paste (may be "").
-        frees: bytes the change would free or avoid, for ranking; None if unknown.
-        confidence: ``"certain"``, ``"likely"`` or ``"possible"``.
-    """
-
-    key: str
-    title: str
-    detail: str
-    fix: str
-    snippet: str = ""
-    frees: Optional[int] = None
-    confidence: str = "likely"
-
-    def to_dict(self) -> Dict[str, Any]:
-        """A JSON-serialisable copy."""
-        return {"key": self.key, "title": self.title, "detail": self.detail, "fix": self.fix,
-                "snippet": self.snippet, "frees": self.frees, "confidence": self.confidence}
-
-
-# Imported after Finding: the rule modules build Findings.
-from . import device, operation, runtimes, session, training  # noqa: E402
-from .facts import Facts  # noqa: E402
 
 #: Every rule, in the order they run (the order only breaks ties in the ranking).
 RULES = device.RULES + operation.RULES + training.RULES + session.RULES + runtimes.RULES

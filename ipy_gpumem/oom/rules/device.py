@@ -8,7 +8,7 @@ from typing import Mapping, Optional
 
 from ...core.text import clip
 from ...core.units import GiB, MiB
-from . import Finding
+from .finding import Finding
 from .facts import BATCH, Facts, size_clues
 from .words import SIZES_COMMENT, WRONG_SIZE_FIX, b, pct, times
 

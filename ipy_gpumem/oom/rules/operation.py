@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import Finding
+from .finding import Finding
 from .facts import Facts
 from .words import b, where
 

@@ -5,7 +5,7 @@ import re
 from typing import Optional
 
 from ...core.text import clip
-from . import Finding
+from .finding import Finding
 from .facts import BROADCAST, FLOAT64, Facts, message_shape, size_clues
 from .words import WRONG_SIZE_FIX, b, pct
 

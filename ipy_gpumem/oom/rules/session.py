@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence
 
 from ...core.text import clip, first_line
 from ...core.units import MiB
-from . import Finding
+from .finding import Finding
 from .facts import Facts, call_args, cell_deltas
 from .words import b, cap, pct
 

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 
 from ...core.text import clip
 from ...core.units import MiB
-from . import Finding
+from .finding import Finding
 from .facts import BACKWARD_CALL, BATCH, OPTIM_FILE, Facts, call_args, device_record
 from .words import b, cap, pct, where
 

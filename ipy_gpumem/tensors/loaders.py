@@ -103,7 +103,7 @@ def _real_tensors():
     """A context in which torch makes real tensors: the dispatch modes (the fakes, the tracker) are off."""
     import contextlib
 
-    from ..tensors.torch_api import api
+    from .torch_api import api
 
     adapter = api()
     disable = getattr(adapter, "disable_current_modes", None) if adapter is not None else None
