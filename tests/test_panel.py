@@ -273,3 +273,15 @@ def test_a_rank_killed_by_sigkill_names_the_oom_killer():
     text = " ".join(oom_panel(OomAnalysis(oom, memory, rank=killed)).text.split())
     assert "Rank 1 (pid 4242) was killed by SIGKILL" in text and "the kernel's OOM killer is the likely cause" in text
     assert "OOM killer" not in oom_panel(OomAnalysis(oom, memory, rank=exited)).text
+
+
+def test_an_earlier_magic_cell_is_named_by_its_code():
+    """A ``%%gpumem --lines`` (or ``%%time``) cell is named by the code under its header, in the table of
+    earlier cells and in the finding that cites them: the header says nothing about what kept the memory."""
+    seed = Seed(message=SEED)
+    earlier = [CellRecord(3, None, "%%gpumem --lines\nmodel = model.to(device)", 0.0, 1.0,
+                          devices=(DeviceRecord(0, allocated_before=2 * MiB, allocated_after=3769 * MiB),))]
+    failing = CellRecord(7, None, SEED_SOURCE, 0.0, 9.0, error="RuntimeError",
+                         devices=(DeviceRecord(0, allocated_before=3769 * MiB, allocated_after=12195 * MiB),))
+    text = oom_panel(analysis_of(seed.oom, seed.memory, seed.who, earlier, failing, frames=SEED_FRAMES)).text
+    assert "model = model.to(device)" in text and "%%gpumem --lines" not in text, text

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..core.memory import DeviceMemory
-from ..core.text import first_line
+from ..core.text import cell_name
 from ..core.units import format_bytes, format_delta
 from ..display.parts import Block, Code, Details, Heading, Line, Numbered, Para, Raw, Span, Table, render
 from ..display.view import View, esc
@@ -319,7 +319,7 @@ def _earlier(analysis, max_cells: int) -> Optional[Details]:
         return None
     what = "Δhost RSS" if analysis.memory.is_host else "Δallocated"
     table = [[rec.label + (f" ({rec.error})" if getattr(rec, "error", None) else ""), format_delta(delta),
-              first_line(rec.source, 60)] for rec, delta in rows]
+              cell_name(rec.source, 60)] for rec, delta in rows]
     summary = "What earlier cells left behind: " + ", ".join(f"{r[0]} {r[1]}" for r in table[:3])
     return Details(summary, (Table(["cell", what, "source"], table, left=(0, 2), src_col=2, indent="  "),),
                    title=f"What earlier cells left behind ({what}, largest first)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import List, Optional, Sequence
 
-from ...core.text import clip, first_line
+from ...core.text import cell_name, clip
 from ...core.units import MiB
 from .finding import Finding
 from .facts import Facts, call_args, cell_deltas
@@ -132,7 +132,7 @@ def earlier_cells(x: Facts) -> Optional[Finding]:
         if x.who is not None and names else left
     if not x.matters(freeable):
         return None
-    named = "; ".join(f"{rec.label} `{first_line(rec.source, 40)}` +{b(d)}" for rec, d in top)
+    named = "; ".join(f"{rec.label} `{cell_name(rec.source, 40)}` +{b(d)}" for rec, d in top)
     return Finding(
         key="earlier_cells",
         title=f"Earlier cells left {b(left)} {what} behind",
