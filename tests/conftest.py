@@ -5,6 +5,7 @@ fakes and used to drive the CUDA branches. Host memory is always real.
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import inspect
 import os
@@ -284,3 +285,70 @@ def touched(nbytes: int):
         memory[offset] = 1
     return memory
 
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallinfo2.restype = _Mallinfo2
+        libc.malloc.restype = ctypes.c_void_p
+        libc.malloc.argtypes = [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.sbrk.restype = ctypes.c_size_t
+        libc.sbrk.argtypes = [ctypes.c_ssize_t]
+        return libc
+    except (OSError, AttributeError):  # not glibc >= 2.33: nothing to plug
+        return None
+
+
+def plug_heap_holes():
+    """Take the main heap's free holes of 1 MiB and more (never written: nothing becomes resident); the
+    pointers, for :func:`unplug`. One ``mallinfo2`` (it walks the free lists), then a malloc per size tried."""
+    libc = _LIBC
+    plugs = []
+    if libc is None:
+        return plugs
+    size = libc.mallinfo2().fordblks
+    while size >= 2**20 and len(plugs) < 64:
+        end_of_heap = libc.sbrk(0)
+        pointer = libc.malloc(size)
+        if not pointer:
+            size //= 2
+            continue
+        mapped = ctypes.c_size_t.from_address(pointer - ctypes.sizeof(ctypes.c_size_t)).value & 2  # IS_MMAPPED
+        if mapped or pointer + size > end_of_heap:  # a mapping of its own, or the heap grew: no hole that large
+            libc.free(pointer)
+            size //= 2
+            continue
+        plugs.append(pointer)  # a hole of at least `size`: kept; the next may be as large
+    return plugs
+
+
+def unplug(plugs) -> None:
+    for pointer in plugs:
+        _LIBC.free(pointer)
+
+
+@pytest.fixture(autouse=True)
+def _heap_holes_plugged():
+    """A tensor's pages are its own, as in a fresh process: the main heap's free holes are taken for the test
+    (:func:`plug_heap_holes`) and given back after it.
+
+    Tests that build millions of small objects leave the heap with holes of hundreds of MiB once they are
+    freed; glibc serves a later large request (a 128 MiB ``torch.ones``) from such a hole instead of a fresh
+    mapping, and ``del`` then gives nothing back to the OS. The exact-RSS tests of a worker that ran such a
+    test first saw +100 MiB that stayed, or a 64 MiB line that moved nothing (CI dry runs, never alone)."""
+    plugs = plug_heap_holes()
+    try:
+        yield
+    finally:
+        unplug(plugs)
+
+
+_LIBC = _libc() if sys.platform.startswith("linux") else None
