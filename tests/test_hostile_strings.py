@@ -290,6 +290,11 @@ def test_the_live_chart_shows_cell_sources_as_text(ip, gpumem, restore_user_ns, 
     # from no recorded cell: the chart marks the cells that moved most when there are many, and the shared shell
     # may hold earlier tests' cells that moved more than these (one CI worker's order left h4 unmarked)
     run(ip, "%gpumem clear")
+    # the figure follows its picture after FIGURE_AFTER; made long, every cell below runs before it is due, as on a
+    # fast machine (CI's dry run: the cells after the chart were missing from the figure a forced redraw handed on)
+    from ipy_gpumem.chart.figures import live as live_figures
+
+    monkeypatch.setattr(live_figures, "FIGURE_AFTER", 60.0)
     run(ip, "import torch")
     for cell in cells[:4]:
         run(ip, cell)

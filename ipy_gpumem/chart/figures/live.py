@@ -407,10 +407,11 @@ class PlotlyChartView(ChartView):
     def refresh(self, force: bool = False, final: bool = False) -> bool:
         """The sampler's redraws come at most every :data:`MIN_INTERVAL` seconds (a figure is tens of KiB
         of JSON with a long session). A redraw held back is owed (:attr:`owes`); the live chart's next
-        tick makes it. A cell's end (:meth:`finalize`) is drawn at once, within the redraw budget."""
+        tick makes it. A cell's end (:meth:`finalize`) is drawn at once, within the redraw budget; ``force``
+        draws now, also while the picture waits for its figure."""
         now = time.monotonic()
         if self._due is not None:  # the picture is showing: the figure replaces its placeholder when due
-            if now < self._due:
+            if now < self._due and not force:  # (a forced redraw is asked for now: the figure goes now)
                 self.owes = True
                 return False
             with self.lock:
