@@ -18,6 +18,8 @@ import re
 import sys
 from typing import Dict, List, Mapping, NamedTuple, Optional
 
+from .procfs import HeldRead
+
 __all__ = ["ChildInfo", "ChildMemory", "RankVariables", "MainThreadChildren", "MAX_WORLD_SIZE", "rank_variables",
            "environment_of", "parse_pids", "descendants", "descendant_tree", "thread_children", "child_info", "child_memory",
            "is_launcher_helper", "is_fresh_program"]
@@ -202,6 +204,8 @@ class MainThreadChildren:
     def __init__(self):
         self._pid = None
         self._fd = None
+        # Read holding the GIL (``procfs``): usually empty or a few pids; a long list is read whole.
+        self._read = HeldRead(256, 65536)
 
     def read(self) -> Optional[List[int]]:
         """The pids (None where unreadable)."""
@@ -222,7 +226,7 @@ class MainThreadChildren:
         if self._fd is None:
             return None
         try:
-            return os.pread(self._fd, 65536, 0)
+            return self._read(self._fd)
         except OSError:
             return None
 

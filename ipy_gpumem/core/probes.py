@@ -22,6 +22,7 @@ import weakref
 from typing import NamedTuple, Optional, Sequence
 
 from .devices import device as _device
+from .procfs import HeldRead
 
 __all__ = [
     "HostSample",
@@ -102,6 +103,7 @@ class HostProbe:
         self._pid = None
         self._reopen_pending = False
         self._statm = None  # fd of /proc/self/statm, kept open: a pread is 10x cheaper than open+read
+        self._read_statm = HeldRead(128)  # and read holding the GIL (procfs.py says why)
         self._status = None  # fd of /proc/self/status, only when getrusage cannot give the peak
         self._clear_refs = None
         self._resource = None
@@ -192,7 +194,7 @@ class HostProbe:
         """Resident set size of this process, in bytes."""
         if self._statm is not None:
             try:
-                return int(os.pread(self._statm, 128, 0).split(None, 2)[1]) * self._page
+                return int(self._read_statm(self._statm).split(None, 2)[1]) * self._page
             except (OSError, ValueError, IndexError):
                 return None
         if self._process is not None:
