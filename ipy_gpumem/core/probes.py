@@ -788,6 +788,8 @@ class CudaProbe:
         one (cudaMemGetInfo, and resetting the peaks of cudaMallocAsync's pool) would create a
         context of hundreds of MiB there. The reason then says which were left out.
         """
+        if self._cpu_only is not None and self._torch_override is None and sys.modules.get("torch") is self._cpu_only:
+            return (), CPU_ONLY  # asked after every cell: status()'s first answer, without its calls
         cuda, reason = self.status()
         if cuda is None:
             return (), reason

@@ -24,12 +24,24 @@ SHARE = 0.25
 
 
 class CellBudget:
-    """The seconds left for one cell's end (read with :meth:`left`)."""
+    """The seconds left for one cell's end (read with :meth:`left`); made at every cell's end, so
+    it only stores its two numbers until a walk asks."""
+
+    __slots__ = ("cell_seconds", "start")
 
     def __init__(self, cell_seconds: Optional[float], start: Optional[float] = None):
-        allowed = FLOOR_S if cell_seconds is None else min(CEILING_S, max(FLOOR_S, SHARE * cell_seconds))
-        self.allowed = allowed
-        self.deadline = (time.perf_counter() if start is None else start) + allowed
+        self.cell_seconds = cell_seconds
+        self.start = time.perf_counter() if start is None else start
+
+    @property
+    def allowed(self) -> float:
+        """The seconds this cell's end may spend in all."""
+        seconds = self.cell_seconds
+        return FLOOR_S if seconds is None else min(CEILING_S, max(FLOOR_S, SHARE * seconds))
+
+    @property
+    def deadline(self) -> float:
+        return self.start + self.allowed
 
     def left(self, at_least: float = 0.0) -> float:
         """Seconds left (never below ``at_least``: a walk needs a moment to say what it left out)."""

@@ -79,43 +79,44 @@ class CellStack:
     """
 
     def __init__(self, runner_code=None, on_drop: Optional[Callable[[Frame], None]] = None):
-        self._frames: List[Frame] = []
+        #: The frames, outermost first (read directly on the hot path: empty between cells).
+        self.frames: List[Frame] = []
         self._runner_code = runner_code
         self._on_drop = on_drop or (lambda frame: None)
 
     def __len__(self) -> int:
-        return len(self._frames)
+        return len(self.frames)
 
     def __bool__(self) -> bool:
-        return bool(self._frames)
+        return bool(self.frames)
 
     def __iter__(self) -> Iterator[Frame]:
-        return iter(list(self._frames))
+        return iter(list(self.frames))
 
     @property
     def top(self) -> Optional[Frame]:
         """The innermost frame (read from the sampler thread too: never raises)."""
         try:
-            return self._frames[-1] if self._frames else None
+            return self.frames[-1] if self.frames else None
         except IndexError:  # the main thread popped it meanwhile
             return None
 
     def push(self, frame: Frame) -> None:
-        self._frames.append(frame)
+        self.frames.append(frame)
 
     def prune(self) -> bool:
         """Drop frames of cells that ended without ``post_run_cell`` (before a cell starts); True
         when that left the stack empty."""
-        if not self._frames:
+        if not self.frames:
             return False
         live = self._live_runners()
-        if live is not None and live - 1 < len(self._frames):
+        if live is not None and live - 1 < len(self.frames):
             self.truncate(max(0, live - 1))
-            return not self._frames
+            return not self.frames
         return False
 
     def truncate(self, keep: int) -> None:
-        frames = self._frames
+        frames = self.frames
         if len(frames) <= keep:
             return
         stale = frames[keep:]
@@ -126,7 +127,7 @@ class CellStack:
     def pop(self, result) -> Optional[Frame]:
         """The frame ``post_run_cell(result)`` closes, or None (an empty cell, the cell that loaded
         the extension, a cell we never saw start)."""
-        stack = self._frames
+        stack = self.frames
         if not stack:
             return None
         info = getattr(result, "info", None)

@@ -198,23 +198,22 @@ class CellWatcher:
         raw = getattr(info, "raw_cell", "") or ""
         cell_id = getattr(info, "cell_id", None)
         stack = self._stack
-        if stack.prune():
+        frames = stack.frames  # empty between cells: most of what follows is skipped then
+        if frames and stack.prune():
             self._lines.remove_hook()  # the frames of cells that ended: their marked code cannot run any more
         header = None
         if self._armed is not None or "%%gpumem" in raw:
             if not any(frame.header is not None for frame in stack):
                 header = self._armed or find_header(raw, self._check_plan)
             self._armed = None
-        if header is None and (stack or not self.enabled or _only_our_magics(raw)):
-            stack.push(Frame(info, raw, cell_id=cell_id))
+        if header is None and (frames or not self.enabled or _only_our_magics(raw)):
+            frames.append(Frame(info, raw, cell_id=cell_id))
             return
-        if not stack:
+        outermost = not frames
+        if outermost:
             # The baseline is the names as the previous cell left them: taken now, before any of this
             # cell's code runs, if the idle time after that cell did not take it.
-            self.anatomy.ensure()
-            if self.anatomy.baseline is None:
-                self.anatomy.refresh()  # after %gpumem on or an internal error: from the names as they are
-                self.anatomy.ensure()
+            self.anatomy.before_cell()
         settings = self.settings
         devices = settings.devices
         if header is not None and "torch" in sys.modules:
@@ -225,9 +224,8 @@ class CellWatcher:
             from . import lines as _lines  # noqa: F401
         if header is not None and header.plan.device is not None:
             devices = header.plan.cuda_indices  # () for -d host: the host is always measured
-        measurement = self._begin(devices, settings.track_peaks, cell_id=cell_id, source=raw,
-                                  detailed=header is not None, outermost=not stack)
-        if not stack:
+        measurement = self._begin(devices, settings.track_peaks, outermost, cell_id, raw, header is not None)
+        if outermost:
             self.ranks.cell_started()
         tracer = snapshot = phases = None
         if header is not None and header.plan.lines:
@@ -239,19 +237,22 @@ class CellWatcher:
             # loop written in the cell for what its rows already say).
             snapshot = self.anatomy.census()
             phases = start_phases(self.probe, measurement, self.anatomy.census)
-        self.oom.ensure()
+        oom = self.oom
+        if not oom.watching:
+            oom.ensure()
         listener = self._listener()
         if listener is not None:
             if header is not None and getattr(listener, "sampler", None) is not None:
                 measurement.samples = []  # the sampler's readings make the report's cell chart
-            if not stack:
+            if outermost:
                 listener.cell_started(measurement.start._replace(t=time.perf_counter()), raw)
         frame = Frame(info, raw, measurement, header, tracer, exception_marker(), cell_id)
-        frame.snapshot, frame.phases = snapshot, phases
-        if header is not None and header.plan.trace is not None:
-            # Last before the cell's code: our own work above is not among its events.
-            frame.trace = CellTrace.begin(header.plan.trace or None)
-        stack.push(frame)
+        if header is not None:
+            frame.snapshot, frame.phases = snapshot, phases
+            if header.plan.trace is not None:
+                # Last before the cell's code: our own work above is not among its events.
+                frame.trace = CellTrace.begin(header.plan.trace or None)
+        frames.append(frame)
 
     def finish(self, result) -> Optional[CellOutcome]:
         """``post_run_cell``: close the cell's frame; what to show, or None."""
@@ -277,7 +278,7 @@ class CellWatcher:
             if tracer.census_skipped:
                 counted = (tracer.census_taken, tracer.census_taken + tracer.census_skipped)
         measurement = frame.measurement
-        outermost = not self._stack
+        outermost = not self._stack.frames
         if measurement is None:
             if outermost:
                 self._last_end = None  # something ran unmeasured: the next cell reads afresh
@@ -287,7 +288,9 @@ class CellWatcher:
         error, message = cell_error(result, frame.marker)
         if outermost:
             failure = launcher_failure(_exception(result)) if error is not None else None
-            measurement.ranks, measurement.rank_failure = self.ranks.cell_finished(failure), failure
+            ranks = self.ranks.cell_finished(failure)
+            if ranks is not None or failure is not None:
+                measurement.ranks, measurement.rank_failure = ranks, failure
         header = frame.header
         if tracer is not None:
             self._line_records(measurement, tracer, header)
@@ -300,10 +303,12 @@ class CellWatcher:
             for parent in self._stack:
                 parent.reported_inside = True
         show_line = (outermost and header is None and not frame.reported_inside and not settings.quiet
-                     and (measurement.moved(settings.threshold) or _ranks_moved(measurement.ranks, settings.threshold)))
+                     and (measurement.moved(settings.threshold)
+                          or (measurement.ranks is not None and _ranks_moved(measurement.ranks, settings.threshold))))
         # One budget for everything this cell's end walks (the re-run snapshot, the census): a share of
-        # the cell's own time, so no namespace makes a cell slower than a fraction of itself.
-        budget = CellBudget(_duration(measurement))
+        # the cell's own time, so no namespace makes a cell slower than a fraction of itself. It
+        # starts at the closing reading.
+        budget = CellBudget(_duration(measurement), getattr(measurement.end, "t", None))
         # -- re-runs: a dict lookup per cell; a walk only after a run that kept memory --
         if outermost and self.reruns.after_cell(measurement, settings.threshold, self.ledger, budget=budget):
             show_line = show_line or (header is None and not frame.reported_inside and not settings.quiet)
@@ -387,7 +392,7 @@ class CellWatcher:
         measurement.loops = tracer.loop_spans(header.offset)
         measurement.joined = tracer.joined(header.offset)
 
-    def _begin(self, devices, track_peaks: bool, outermost: bool, **kwargs) -> Measurement:
+    def _begin(self, devices, track_peaks: bool, outermost: bool, cell_id, source: str, detailed: bool) -> Measurement:
         probe = self.probe
         previous, self._last_end = self._last_end, None
         if (outermost and previous is not None and previous.devices == devices
@@ -397,21 +402,29 @@ class CellWatcher:
             # is reset now (resetting needs no reading).
             sample = previous.sample
             host_reset = False
+            reset = frozenset()
             if track_peaks:
                 host_reset = previous.host_current or probe.host.reset_peak()
-            reset = []
-            if track_peaks:
-                for dev in sample.devices:
-                    try:
-                        if dev.peak_allocated != dev.allocated or dev.peak_reserved != dev.reserved:
-                            probe.cuda.reset_peak(dev.index)
-                        reset.append(dev.index)
-                    except Exception:  # noqa: BLE001 - peaks then come from samples
-                        pass
+                if sample.devices:
+                    reset = self._reset_device_peaks(sample.devices)
             # The reading itself is the start (its peak fields are not read for a start).
-            return Measurement(probe, sample, host_reset, frozenset(reset) if reset else frozenset(), devices=devices,
-                               track_peaks=track_peaks, **kwargs)
-        return Measurement.begin(probe, devices=devices, track_peaks=track_peaks, **kwargs)
+            return Measurement(probe, sample, host_reset, reset, cell_id=cell_id, source=source, devices=devices,
+                               track_peaks=track_peaks, detailed=detailed)
+        return Measurement.begin(probe, devices=devices, track_peaks=track_peaks, cell_id=cell_id, source=source,
+                                 detailed=detailed)
+
+    def _reset_device_peaks(self, devices) -> frozenset:
+        """Reset the peak counters that moved since ``devices`` were read; the devices whose peaks
+        now measure from that reading."""
+        reset = []
+        for dev in devices:
+            try:
+                if dev.peak_allocated != dev.allocated or dev.peak_reserved != dev.reserved:
+                    self.probe.cuda.reset_peak(dev.index)
+                reset.append(dev.index)
+            except Exception:  # noqa: BLE001 - peaks then come from samples
+                pass
+        return frozenset(reset) if reset else frozenset()
 
     def _stop_frame(self, frame: Frame) -> None:
         """A frame dropped without its ``post_run_cell``: what it runs must not outlive its cell."""

@@ -183,16 +183,13 @@ class CensusWatch:
 
     # -- after a census ------------------------------------------------------------------------------
 
-    def settle(self, namespace: dict, owners: Iterable[str], counters: Counters, out: Any = None,
-               errors: Tuple[Any, ...] = ()) -> None:
+    def settle(self, namespace: dict, owners: Iterable[str], sample: Any = None) -> None:
         """Remember what a census just counted depended on (C passes over the names, once per census).
 
         Args:
-            namespace: the names the census walked.
+            namespace: the names the census walked (IPython's output cache is its ``Out``).
             owners: the top-level names that own a part of it (a change to them changes the count).
-            counters: the memory counters at the moment of the census.
-            out: IPython's output cache (``Out``), or None.
-            errors: what holds the last error (``sys.last_value``, ``sys.last_traceback``, ...).
+            sample: the reading (``core.probes.Sample``) at the moment of the census: its counters.
         """
         self.settled = False
         if not isinstance(namespace, dict):
@@ -208,9 +205,9 @@ class CensusWatch:
         self._anchor = keys[-1] if keys else _MISSING
         self._sign(namespace, keys, values)
         self._watch_owners(namespace, values)
-        self._out = _out_state(out)
-        self._errors = tuple(map(id, errors))
-        self._counters = counters
+        self._out = _out_state(dict.get(namespace, "Out"))
+        self._errors = _error_ids()
+        self._counters = Counters.of(sample)
         self.settled = True
 
     def _sign(self, ns: dict, keys: List[Any], values: List[Any]) -> None:
@@ -247,31 +244,37 @@ class CensusWatch:
 
     # -- at a cell's end ------------------------------------------------------------------------------
 
-    def changed(self, namespace: dict, counters: Counters, out: Any = None, errors: Tuple[Any, ...] = ()) -> bool:
-        """True when the count may differ from the last census's (the reason is in :attr:`reason`).
+    def changed(self, namespace: dict, sample: Any = None) -> bool:
+        """True when the count may differ from the last census's (the reason is in :attr:`reason`);
+        ``sample`` is the reading at the cell's end (``core.probes.Sample``: its counters).
 
         A change that provably leaves the count as it was is absorbed into the fingerprint.
         """
         try:
-            self.reason = self._check(namespace, counters, out, errors)
+            self.reason = self._check(namespace, sample)
         except Exception as exc:  # noqa: BLE001 - a name changed while read: count again
             self.reason = f"the check failed ({type(exc).__name__})"
         if self.reason is not None:
             self.settled = False
         return self.reason is not None
 
-    def _check(self, ns: dict, counters: Counters, out: Any, errors: Tuple[Any, ...]) -> Optional[str]:
+    def _check(self, ns: dict, sample: Any) -> Optional[str]:
+        # Cheapest first, and nothing built that a quiet cell does not need: this runs after every cell.
         if not self.settled or id(ns) != self._namespace_id:
             return "no fingerprint"
         # The counters first: they are read anyway, and a cell that moved memory is counted again.
         before = self._counters
-        if counters.allocated != before.allocated:
+        if sample is None:
+            rss, devices = None, ()
+        else:
+            rss, devices = sample.host.rss, sample.devices
+        if (devices or before.allocated) and tuple((d.index, d.allocated) for d in devices) != before.allocated:
             return "allocated bytes moved"
-        if counters.rss is not None and before.rss is not None and abs(counters.rss - before.rss) >= HOST_SLACK:
+        if rss is not None and before.rss is not None and abs(rss - before.rss) >= HOST_SLACK:
             return "host RSS moved"
-        if tuple(map(id, errors)) != self._errors:
+        if _error_ids() != self._errors:
             return "the last error changed"
-        if _out_state(out) != self._out:
+        if _out_state(dict.get(ns, "Out")) != self._out:
             return "the output cache changed"
         if list(map(id, map(ns.get, self._tables))) != self._table_ids:
             return "IPython's tables were replaced"
@@ -558,6 +561,12 @@ def _kind(types: Any, value: Any) -> int:
 
 def _same_key(key: Any, anchor: Any) -> bool:
     return key is anchor or (type(key) is str and type(anchor) is str and key == anchor)
+
+
+def _error_ids(attrs: dict = sys.__dict__) -> Tuple[int, int, int]:
+    """What holds the last error (the census walks its frames), as identities; read from ``sys``'s
+    dict (a missing attribute read through getattr costs an exception each time)."""
+    return id(attrs.get("last_value")), id(attrs.get("last_traceback")), id(attrs.get("last_exc"))
 
 
 def _out_state(out: Any) -> Tuple[int, int]:
