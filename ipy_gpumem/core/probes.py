@@ -71,6 +71,10 @@ class DeviceSample(NamedTuple):
         return _device(self.type, self.index)
 
 
+# ``NamedTuple(...)`` runs a Python ``__new__``; the readings taken after every cell are made in C.
+_new = tuple.__new__
+
+
 class Sample(NamedTuple):
     """Host and device memory at one instant (``time.perf_counter()`` seconds)."""
 
@@ -279,7 +283,7 @@ class HostProbe:
         """Current RSS and peak RSS together (and whether the peak is at the current RSS)."""
         rss, peak = self.rss(), self.peak_rss()
         self.peak_is_current = rss is not None and peak is not None and peak - rss <= PEAK_SLACK
-        return HostSample(rss, peak)
+        return _new(HostSample, (rss, peak))
 
 
 
@@ -871,7 +875,7 @@ class MemoryProbe:
             devs, reason = self.cuda.sample(devices, with_device_memory)
         except Exception as exc:  # noqa: BLE001 - torch raising must never cost the user a cell
             devs, reason = (), f"CUDA counters unavailable ({type(exc).__name__}: {exc})"
-        return Sample(time.perf_counter(), sample_host, devs, reason)
+        return _new(Sample, (time.perf_counter(), sample_host, devs, reason))
 
     def start(self, devices: Sequence[int] | None = None, reset_peaks: bool = True):
         """The sample that opens a span (a cell, a line), resetting the peak counters if asked.

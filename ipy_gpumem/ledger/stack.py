@@ -35,6 +35,9 @@ class Frame:
         self.phases = None  # the PhaseWatcher of a %%gpumem cell
 
 
+_SYS = sys.__dict__  # the module's attributes, read without raising for a missing one
+
+
 def live_runners(code, skip: int = 1) -> int:
     """How many frames running ``code`` (IPython's ``run_cell_async``) are on the stack now."""
     count, frame = 0, sys._getframe(skip)
@@ -51,7 +54,7 @@ def exception_marker():
     Exceptions cannot be weakly referenced and we must not keep one alive, so the marker is the
     object's id and type: a new error replaces the old one while both are alive, so its id differs.
     """
-    value = getattr(sys, "last_value", None)
+    value = _SYS.get("last_value")  # not getattr: a missing attribute costs an exception, before and after every cell
     return None if value is None else (id(value), type(value))
 
 
@@ -59,7 +62,7 @@ def cell_error(result, marker) -> Tuple[Optional[str], Optional[str]]:
     """The class name and message of the cell's error, also when ``%%time`` swallowed it."""
     exc = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
     if exc is None and exception_marker() not in (None, marker):
-        exc = getattr(sys, "last_value", None)
+        exc = _SYS.get("last_value")
     if exc is None:
         return None, None
     try:

@@ -34,13 +34,14 @@ calls user code, imports torch or keeps a user's object alive.
 """
 from __future__ import annotations
 
+import re
 import sys
 import time
 import types
 import weakref
 from itertools import chain, compress, repeat
-from operator import is_, not_
-from typing import Any, Iterable, List, NamedTuple, Optional, Set, Tuple
+from operator import is_, itemgetter, not_
+from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 from .kinds import CLASS, DICT, FUNC, MODOBJ, MODULE, OBJECT, OPTIM, SKIP, KindsMixin
 from .walk import MAX_DEPTH
@@ -92,6 +93,19 @@ def _history_name(key: Any) -> bool:
     return type(key) is str and (key in _HISTORY or (key[:2] == "_i" and key[2:].isdigit()))
 
 
+# The same test for many names at once, in C (a session of 20,000 cells has 20,000 ``_iN``); a name
+# whose digits are not decimal (``_i²``) is not history here: read with the scalars, never left out.
+_HISTORY_RE = re.compile(r"_i\d+|" + "|".join(sorted(_HISTORY, key=len, reverse=True)))
+
+
+def _not_history(keys: List[Any]) -> List[Any]:
+    """The keys that are not IPython's input history (:func:`_history_name`)."""
+    try:
+        return list(compress(keys, map(not_, map(_HISTORY_RE.fullmatch, keys))))
+    except TypeError:  # a key that is not a string
+        return [k for k in keys if not _history_name(k)]
+
+
 class _Sig:
     """What a list of names holds, as identities: each value; with the same values, the length of
     each builtin container; with the same lengths, the items of the small ones. Read in C passes."""
@@ -121,6 +135,14 @@ class _Sig:
         if not self.lengths:
             return True
         conts = list(compress(values, self.containers))  # the same objects: the same containers
+        return list(map(len, conts)) == self.lengths and _items(conts, self.small_dicts, self.small_seqs) == self.items
+
+    def same_contents(self, values: tuple) -> bool:
+        """With the same objects (``values`` starts with this signature's names' values): the same
+        lengths and small items."""
+        if not self.lengths:
+            return True
+        conts = list(compress(values, self.containers))  # compress stops at the end of the containers mask
         return list(map(len, conts)) == self.lengths and _items(conts, self.small_dicts, self.small_seqs) == self.items
 
     def changed_names(self, ns: dict) -> List[Any]:
@@ -167,6 +189,10 @@ class CensusWatch:
         self._every: Optional[_Sig] = None  # read at every cell
         self._tables: List[Any] = []  # IPython's growing tables (In, Out...) and the namespace itself: identity only
         self._table_ids: List[int] = []
+        # The identities of every name read at every cell and of the tables, in one C call: what a
+        # quiet cell checks first (None: there is no such name, or the namespace is not a plain dict).
+        self._quick: Optional[Callable[[dict], tuple]] = None
+        self._quick_ids: List[int] = []
         self._windows: List[_Sig] = []  # a large namespace's other holders, one window a cell
         self._window = 0
         self._scalars: List[Any] = []  # a large namespace's names of scalars, their types a window a cell
@@ -176,6 +202,7 @@ class CensusWatch:
         self._anchor: Any = _MISSING
         self._objects: List[Tuple[Any, Tuple[int, ...]]] = []  # (owner's name, ids of its attributes)
         self._sentinels: List[Tuple[Any, int]] = []  # (weak reference to a parameter, id of its grad)
+        self._grads: List[int] = []  # the sentinels' grads' ids, as one list
         self._optimizers: List[Tuple[Any, int]] = []  # (weak reference to an optimizer, its state count)
         self._out: Tuple[int, int] = (0, 0)
         self._errors: Tuple[int, ...] = ()
@@ -224,23 +251,34 @@ class CensusWatch:
                 others.append(key)
         self._tables = tables
         self._table_ids = list(map(id, map(ns.get, tables)))
-        scalars = [k for k in compress(keys, scalar) if not _history_name(k)]
+        scalars = _not_history(list(compress(keys, scalar)))
         if len(others) + len(scalars) <= 2 * WINDOW:
             every.extend(others)
             every.extend(scalars)
             others, scalars = [], []
-        self._every = _Sig(ns, every)
+        self._set_every(ns, every)
         # A large namespace's other holders: identities and lengths only (what a window can afford).
         self._windows = [_Sig(ns, others[i:i + WINDOW], items=False) for i in range(0, len(others), WINDOW)]
         self._window = 0
         self._scalars = scalars
         self._scalar_cursor = 0
 
+    def _set_every(self, ns: dict, names: List[Any]) -> None:
+        """The names read at every cell, signed; and the one call that reads them with the tables."""
+        every = self._every = _Sig(ns, names)
+        watched = every.names + self._tables
+        self._quick = None
+        if type(ns) is dict and watched:
+            getter = itemgetter(*watched)
+            self._quick = getter if len(watched) > 1 else (lambda ns, get=getter: (get(ns),))
+            self._quick_ids = every.ids + self._table_ids
+
     def forget(self) -> None:
         """No fingerprint: the next check says "count again"."""
         self.settled = False
         self._sentinels, self._optimizers, self._objects = [], [], []
         self._every, self._windows = None, []
+        self._quick = None
 
     # -- at a cell's end ------------------------------------------------------------------------------
 
@@ -276,13 +314,24 @@ class CensusWatch:
             return "the last error changed"
         if _out_state(dict.get(ns, "Out")) != self._out:
             return "the output cache changed"
+        quick = self._quick
+        if quick is not None:
+            try:
+                values = quick(ns)  # a name deleted raises KeyError: read one by one below
+            except KeyError:
+                values = None
+            if values is not None and list(map(id, values)) == self._quick_ids and self._every.same_contents(values):
+                return self._after_names(ns)  # the names and the tables hold what they held
         if list(map(id, map(ns.get, self._tables))) != self._table_ids:
             return "IPython's tables were replaced"
         if not self._every.same(ns):
             reason = self._judge(ns, self._every.changed_names(ns))
             if reason is not None:
                 return reason
-            self._every = _Sig(ns, [n for n in self._every.names if n in ns])
+            self._set_every(ns, [n for n in self._every.names if n in ns])
+        return self._after_names(ns)
+
+    def _after_names(self, ns: dict) -> Optional[str]:
         reason = self._owner_contents(ns) or self._new_names(ns)
         if reason is not None or not (self._windows or self._scalars):
             return reason
@@ -344,7 +393,7 @@ class CensusWatch:
         elif self._windows or self._scalars:
             self._windows.append(_Sig(ns, [name], items=False))
         else:
-            self._every = _Sig(ns, self._every.names + [name])
+            self._set_every(ns, self._every.names + [name])
 
     # -- sentinels -------------------------------------------------------------------------------------
 
@@ -353,6 +402,7 @@ class CensusWatch:
         optimizer's state count (one owns nothing until its first ``step()``)."""
         types = self.types
         self._objects, self._sentinels, self._optimizers = [], [], []
+        self._grads = []
         for name in self._owned:
             value = dict.get(ns, name, _MISSING)
             kind = _kind(types, value)
@@ -366,6 +416,7 @@ class CensusWatch:
                         self._sentinels.append((weakref.ref(param), id(self._grad(param))))
                     except TypeError:
                         pass
+        self._grads = [grad for _ref, grad in self._sentinels]
         kinds = list(map(types.kinds.get, map(type, values)))
         for opt in list(compress(values, map(OPTIM.__eq__, kinds)))[:MAX_SENTINEL_OWNERS]:
             try:
@@ -378,9 +429,14 @@ class CensusWatch:
             attrs = _attributes(self.types, dict.get(ns, name))
             if attrs is None or _attribute_ids(attrs) != attrs_ids:
                 return f"what `{name}` holds changed"
-        for ref, grad in self._sentinels:
-            param = ref()
-            if param is None or id(self._grad(param)) != grad:
+        sentinels = self._sentinels
+        if sentinels:
+            get = self._get_grad
+            try:
+                same = [id(get(ref())) for ref, _grad in sentinels] == self._grads  # one pass
+            except Exception:  # noqa: BLE001 - a parameter gone (its weak reference gives None) or unreadable
+                same = all(ref() is not None and id(self._grad(ref())) == grad for ref, grad in sentinels)
+            if not same:
                 return "gradients appeared, went or were replaced"
         for ref, count in self._optimizers:
             opt = ref()
@@ -441,7 +497,7 @@ class CensusWatch:
                 if self._scalars or self._windows:
                     self._scalars.append(key)
                 else:
-                    self._every = _Sig(ns, self._every.names + [key])
+                    self._set_every(ns, self._every.names + [key])
         self._anchor = new[0]
         if self._present != length:
             return "the names do not add up"
@@ -461,7 +517,7 @@ class CensusWatch:
             self._tracked.discard(name)
         self._scalars = list(compress(self._scalars, present))
         if missing_every:
-            self._every = _Sig(ns, list(compress(every, present_every)))
+            self._set_every(ns, list(compress(every, present_every)))
         self._present -= gone
         self._scalar_cursor = 0
         return True
