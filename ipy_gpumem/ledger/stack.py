@@ -61,8 +61,10 @@ def exception_marker():
 def cell_error(result, marker) -> Tuple[Optional[str], Optional[str]]:
     """The class name and message of the cell's error, also when ``%%time`` swallowed it."""
     exc = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
-    if exc is None and exception_marker() not in (None, marker):
-        exc = _SYS.get("last_value")
+    if exc is None:
+        last = _SYS.get("last_value")  # exception_marker(), inlined: this runs after every cell
+        if last is not None and (id(last), type(last)) != marker:
+            exc = last
     if exc is None:
         return None, None
     try:

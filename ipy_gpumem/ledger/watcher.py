@@ -40,7 +40,7 @@ from .phasing import start_phases
 from .ranks import RankWatch, launcher_failure
 from .recorder import Ledger, Measurement
 from .reruns import RerunTracker
-from .stack import CellStack, Frame, cell_error, exception_marker, live_runners
+from .stack import CellStack, Frame, cell_error, live_runners
 from .tracing import LineTracing
 
 __all__ = ["Settings", "CellOutcome", "CellWatcher", "REUSE_S", "live_runners"]
@@ -48,14 +48,14 @@ __all__ = ["Settings", "CellOutcome", "CellWatcher", "REUSE_S", "live_runners"]
 #: A cell starting this soon after the previous one ended starts from that end's reading.
 REUSE_S = 0.02
 
+_SYS = sys.__dict__  # sys's attributes, read without an exception for a missing one
+
 # A cell made only of our own line magics (and comments): its memory is ipy_gpumem's (the chart's
 # imports when it opens, %gpumem free's collection), not the user's, so it is not recorded.
 _OURS = re.compile(r"^[ \t]*(?:%gpumem(?:[ \t].*)?|#.*)?$")
 
 
 def _only_our_magics(raw: str) -> bool:
-    if "%gpumem" not in raw:
-        return False
     lines = raw.splitlines()
     return all(_OURS.match(line) for line in lines) and any(line.strip() for line in lines)
 
@@ -125,13 +125,6 @@ def _exception(result):
     """The cell's exception object (only asked for a cell that failed)."""
     return (getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
             or getattr(sys, "last_value", None))
-
-
-def _duration(measurement) -> Optional[float]:
-    try:
-        return measurement.end.t - measurement.start.t
-    except Exception:  # noqa: BLE001 - no readings: the floor
-        return None
 
 
 def _ranks_moved(ranks, threshold: int) -> bool:
@@ -206,7 +199,7 @@ class CellWatcher:
             if not any(frame.header is not None for frame in stack):
                 header = self._armed or find_header(raw, self._check_plan)
             self._armed = None
-        if header is None and (frames or not self.enabled or _only_our_magics(raw)):
+        if header is None and (frames or not self.enabled or ("%gpumem" in raw and _only_our_magics(raw))):
             frames.append(Frame(info, raw, cell_id=cell_id))
             return
         outermost = not frames
@@ -246,7 +239,8 @@ class CellWatcher:
                 measurement.samples = []  # the sampler's readings make the report's cell chart
             if outermost:
                 listener.cell_started(measurement.start._replace(t=time.perf_counter()), raw)
-        frame = Frame(info, raw, measurement, header, tracer, exception_marker(), cell_id)
+        error = _SYS.get("last_value")  # exception_marker(), inlined: it runs before every cell
+        frame = Frame(info, raw, measurement, header, tracer, None if error is None else (id(error), type(error)), cell_id)
         if header is not None:
             frame.snapshot, frame.phases = snapshot, phases
             if header.plan.trace is not None:
@@ -308,7 +302,7 @@ class CellWatcher:
         # One budget for everything this cell's end walks (the re-run snapshot, the census): a share of
         # the cell's own time, so no namespace makes a cell slower than a fraction of itself. It
         # starts at the closing reading.
-        budget = CellBudget(_duration(measurement), getattr(measurement.end, "t", None))
+        budget = CellBudget(measurement)
         # -- re-runs: a dict lookup per cell; a walk only after a run that kept memory --
         if outermost and self.reruns.after_cell(measurement, settings.threshold, self.ledger, budget=budget):
             show_line = show_line or (header is None and not frame.reported_inside and not settings.quiet)

@@ -40,7 +40,7 @@ import time
 import types
 import weakref
 from itertools import chain, compress, repeat
-from operator import is_, itemgetter, not_
+from operator import is_, is_not, itemgetter, not_
 from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 from .kinds import CLASS, DICT, FUNC, MODOBJ, MODULE, OBJECT, OPTIM, SKIP, KindsMixin
@@ -63,6 +63,8 @@ PROOF_VISITS = 1 << 20
 PROOF_S = 0.002
 
 _MISSING = object()
+_SYS = sys.__dict__  # sys's attributes, read without an exception for a missing one
+_CALL = weakref.ref.__call__  # a weak reference's referent, as a function for map()
 # IPython's input history: strings IPython binds on every cell, never a holder of anything.
 _HISTORY = frozenset(("In", "_ih", "_dh", "_i", "_ii", "_iii"))
 # IPython's own growing tables: their identity is watched, their length is IPython's business
@@ -202,7 +204,8 @@ class CensusWatch:
         self._anchor: Any = _MISSING
         self._objects: List[Tuple[Any, Tuple[int, ...]]] = []  # (owner's name, ids of its attributes)
         self._sentinels: List[Tuple[Any, int]] = []  # (weak reference to a parameter, id of its grad)
-        self._grads: List[int] = []  # the sentinels' grads' ids, as one list
+        self._refs: List[Any] = []  # the sentinels' weak references, as one list...
+        self._grads: List[int] = []  # ...and their grads' ids
         self._optimizers: List[Tuple[Any, int]] = []  # (weak reference to an optimizer, its state count)
         self._out: Tuple[int, int] = (0, 0)
         self._errors: Tuple[int, ...] = ()
@@ -310,7 +313,8 @@ class CensusWatch:
             return "allocated bytes moved"
         if rss is not None and before.rss is not None and abs(rss - before.rss) >= HOST_SLACK:
             return "host RSS moved"
-        if _error_ids() != self._errors:
+        attrs = _SYS  # _error_ids(), inlined
+        if (id(attrs.get("last_value")), id(attrs.get("last_traceback")), id(attrs.get("last_exc"))) != self._errors:
             return "the last error changed"
         if _out_state(dict.get(ns, "Out")) != self._out:
             return "the output cache changed"
@@ -320,7 +324,8 @@ class CensusWatch:
                 values = quick(ns)  # a name deleted raises KeyError: read one by one below
             except KeyError:
                 values = None
-            if values is not None and list(map(id, values)) == self._quick_ids and self._every.same_contents(values):
+            if (values is not None and list(map(id, values)) == self._quick_ids
+                    and (not self._every.lengths or self._every.same_contents(values))):
                 return self._after_names(ns)  # the names and the tables hold what they held
         if list(map(id, map(ns.get, self._tables))) != self._table_ids:
             return "IPython's tables were replaced"
@@ -332,7 +337,11 @@ class CensusWatch:
         return self._after_names(ns)
 
     def _after_names(self, ns: dict) -> Optional[str]:
-        reason = self._owner_contents(ns) or self._new_names(ns)
+        reason = None
+        if self._objects or self._sentinels or self._optimizers:
+            reason = self._owner_contents(ns)
+        if reason is None:
+            reason = self._new_names(ns)
         if reason is not None or not (self._windows or self._scalars):
             return reason
         return self._other_window(ns) or self._scalar_window(ns)
@@ -416,6 +425,7 @@ class CensusWatch:
                         self._sentinels.append((weakref.ref(param), id(self._grad(param))))
                     except TypeError:
                         pass
+        self._refs = [ref for ref, _grad in self._sentinels]
         self._grads = [grad for _ref, grad in self._sentinels]
         kinds = list(map(types.kinds.get, map(type, values)))
         for opt in list(compress(values, map(OPTIM.__eq__, kinds)))[:MAX_SENTINEL_OWNERS]:
@@ -431,12 +441,12 @@ class CensusWatch:
                 return f"what `{name}` holds changed"
         sentinels = self._sentinels
         if sentinels:
-            get = self._get_grad
+            params = list(map(_CALL, self._refs))  # C passes: the parameters, then their gradients' ids
             try:
-                same = [id(get(ref())) for ref, _grad in sentinels] == self._grads  # one pass
-            except Exception:  # noqa: BLE001 - a parameter gone (its weak reference gives None) or unreadable
+                same = all(map(is_not, params, repeat(None))) and list(map(id, map(self._get_grad, params))) == self._grads
+            except Exception:  # noqa: BLE001 - a gradient unreadable: read one at a time, as the fingerprint did
                 same = all(ref() is not None and id(self._grad(ref())) == grad for ref, grad in sentinels)
-            if not same:
+            if not same:  # a parameter gone (its weak reference gives None), or a gradient made, freed or replaced
                 return "gradients appeared, went or were replaced"
         for ref, count in self._optimizers:
             opt = ref()
@@ -456,13 +466,16 @@ class CensusWatch:
         """Names added since the fingerprint, read from the end of the namespace and counted against its length."""
         length = dict.__len__(ns)
         last = next(reversed(ns), _MISSING)
-        if length == self._present and _same_key(last, self._anchor):
+        anchor = self._anchor
+        if length == self._present and (last is anchor or (type(last) is str and type(anchor) is str and last == anchor)):
             return None
         if length == self._present + 1 and type(last) is str and last[:2] == "_i" and last[2:].isdigit():
             # The usual case: IPython stored this cell's input as `_iN` (a string) after the anchor.
             it = reversed(ns)
             next(it)
-            if _same_key(next(it, _MISSING), self._anchor) and type(dict.get(ns, last)) is str:
+            before = next(it, _MISSING)
+            if ((before is anchor or (type(before) is str and type(anchor) is str and before == anchor))
+                    and type(dict.get(ns, last)) is str):
                 self._tracked.add(last)
                 self._present = length
                 self._anchor = last
