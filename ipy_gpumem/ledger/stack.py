@@ -18,21 +18,25 @@ __all__ = ["Frame", "CellStack", "live_runners", "exception_marker", "cell_error
 class Frame:
     """One ``run_cell`` in flight: what it runs and what measures it."""
 
-    __slots__ = ("info", "raw", "cell_id", "measurement", "header", "tracer", "marker", "reported_inside", "snapshot", "trace",
-                 "phases")
+    # No __slots__: what only a %%gpumem cell has is a class default, so an ordinary cell's frame
+    # (one before every cell) stores five values.
+    header = None
+    tracer = None  # the LineTracer of a --lines cell
+    reported_inside = False  # a nested %%gpumem cell showed its report: no line for this one
+    snapshot = None  # the census when a %%gpumem cell started (its roles' "before")
+    trace = None  # the CellTrace of a --trace cell
+    phases = None  # the PhaseWatcher of a %%gpumem cell
 
     def __init__(self, info, raw, measurement=None, header=None, tracer=None, marker=None, cell_id=None):
         self.info = info
         self.raw = raw
         self.cell_id = cell_id
         self.measurement = measurement
-        self.header = header
-        self.tracer = tracer  # the LineTracer of a --lines cell
         self.marker = marker  # sys.last_value's marker when it started (see exception_marker)
-        self.reported_inside = False  # a nested %%gpumem cell showed its report: no line for this one
-        self.snapshot = None  # the census when a %%gpumem cell started (its roles' "before")
-        self.trace = None  # the CellTrace of a --trace cell
-        self.phases = None  # the PhaseWatcher of a %%gpumem cell
+        if header is not None:
+            self.header = header
+        if tracer is not None:
+            self.tracer = tracer
 
 
 _SYS = sys.__dict__  # the module's attributes, read without raising for a missing one

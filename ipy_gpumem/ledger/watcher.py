@@ -49,6 +49,7 @@ __all__ = ["Settings", "CellOutcome", "CellWatcher", "REUSE_S", "live_runners"]
 REUSE_S = 0.02
 
 _SYS = sys.__dict__  # sys's attributes, read without an exception for a missing one
+_new = tuple.__new__  # a NamedTuple made without its Python __new__ (once a cell)
 
 # A cell made only of our own line magics (and comments): its memory is ipy_gpumem's (the chart's
 # imports when it opens, %gpumem free's collection), not the user's, so it is not recorded.
@@ -292,7 +293,7 @@ class CellWatcher:
         measurement.finish(error, message, execution_count=count)
         settings = self.settings
         if outermost:
-            self._last_end = _End(measurement.end, measurement.devices, self.probe.host.peak_is_current)
+            self._last_end = _new(_End, (measurement.end, measurement.devices, self.probe.host.peak_is_current))
         if header is not None:
             for parent in self._stack:
                 parent.reported_inside = True
