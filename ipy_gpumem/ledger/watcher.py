@@ -241,7 +241,8 @@ class CellWatcher:
             if outermost:
                 listener.cell_started(measurement.start._replace(t=time.perf_counter()), raw)
         error = _SYS.get("last_value")  # exception_marker(), inlined: it runs before every cell
-        frame = Frame(info, raw, measurement, header, tracer, None if error is None else (id(error), type(error)), cell_id)
+        marker = None if error is None else (id(error), type(error))
+        frame = Frame(info, raw, measurement, header, tracer, marker, cell_id)
         if header is not None:
             frame.snapshot, frame.phases = snapshot, phases
             if header.plan.trace is not None:

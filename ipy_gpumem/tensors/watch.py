@@ -132,19 +132,15 @@ class _Sig:
 
     def same(self, ns: dict) -> bool:
         values = list(map(ns.get, self.names, repeat(_MISSING)))
-        if list(map(id, values)) != self.ids:
-            return False
-        if not self.lengths:
-            return True
-        conts = list(compress(values, self.containers))  # the same objects: the same containers
-        return list(map(len, conts)) == self.lengths and _items(conts, self.small_dicts, self.small_seqs) == self.items
+        return list(map(id, values)) == self.ids and self.same_contents(values)
 
-    def same_contents(self, values: tuple) -> bool:
-        """With the same objects (``values`` starts with this signature's names' values): the same
-        lengths and small items."""
+    def same_contents(self, values) -> bool:
+        """With the same objects (``values`` starts with this signature's names' values, in order):
+        the same lengths and small items."""
         if not self.lengths:
             return True
-        conts = list(compress(values, self.containers))  # compress stops at the end of the containers mask
+        # The same objects: the same containers (compress stops at the end of the containers mask).
+        conts = list(compress(values, self.containers))
         return list(map(len, conts)) == self.lengths and _items(conts, self.small_dicts, self.small_seqs) == self.items
 
     def changed_names(self, ns: dict) -> List[Any]:
@@ -411,7 +407,6 @@ class CensusWatch:
         optimizer's state count (one owns nothing until its first ``step()``)."""
         types = self.types
         self._objects, self._sentinels, self._optimizers = [], [], []
-        self._grads = []
         for name in self._owned:
             value = dict.get(ns, name, _MISSING)
             kind = _kind(types, value)
@@ -443,7 +438,8 @@ class CensusWatch:
         if sentinels:
             params = list(map(_CALL, self._refs))  # C passes: the parameters, then their gradients' ids
             try:
-                same = all(map(is_not, params, repeat(None))) and list(map(id, map(self._get_grad, params))) == self._grads
+                same = (all(map(is_not, params, repeat(None)))
+                        and list(map(id, map(self._get_grad, params))) == self._grads)
             except Exception:  # noqa: BLE001 - a gradient unreadable: read one at a time, as the fingerprint did
                 same = all(ref() is not None and id(self._grad(ref())) == grad for ref, grad in sentinels)
             if not same:  # a parameter gone (its weak reference gives None), or a gradient made, freed or replaced
@@ -467,7 +463,8 @@ class CensusWatch:
         length = dict.__len__(ns)
         last = next(reversed(ns), _MISSING)
         anchor = self._anchor
-        if length == self._present and (last is anchor or (type(last) is str and type(anchor) is str and last == anchor)):
+        if length == self._present and (last is anchor
+                                        or (type(last) is str and type(anchor) is str and last == anchor)):
             return None
         if length == self._present + 1 and type(last) is str and last[:2] == "_i" and last[2:].isdigit():
             # The usual case: IPython stored this cell's input as `_iN` (a string) after the anchor.
