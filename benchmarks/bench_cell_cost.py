@@ -28,6 +28,7 @@ Scenarios (issue 28's rows):
 - ``move 96 MiB`` variants of the large namespaces.
 
     python benchmarks/bench_cell_cost.py [--cells 200] [--rounds 2] [--only NAME ...] [--before DIR]
+    python benchmarks/bench_cell_cost.py --profile 30000   # where a quiet cell's time inside the hooks goes
 """
 from __future__ import annotations
 
@@ -129,6 +130,53 @@ for _n in (12_500, 25_000, 50_000, 100_000):
         [("keep{i} = torch.zeros(8_000_000)", True), ("del keep{i}", False)], 0.05)
 
 
+def profile(ip, cells: int, period: float = 0.0005) -> None:
+    """Where a quiet cell's time inside the extension goes: ``cells`` cells ``x = 1`` with the SMALL
+    namespace, sampled every ``period`` seconds of the process's CPU time (``ITIMER_PROF``); per
+    function of ours, the share of the samples taken inside it (inclusive) and at it (the innermost
+    function of ours), against all the samples inside our hooks. A sample costs the cell a frame
+    walk, so the shares are the figure to read, not the microseconds."""
+    import collections
+    import signal
+
+    ip.run_cell("%reset -f", store_history=False)
+    ip.run_cell(SMALL, store_history=False)
+    ip.run_line_magic("load_ext", "ipy_gpumem")
+    run_block(ip, [("x = 1", False)], 300)  # past the first counts
+    inside, leaf = collections.Counter(), collections.Counter()
+    ours = [0]
+
+    def sample(_signum, frame):
+        seen, first = set(), True
+        while frame is not None:
+            code = frame.f_code
+            if "ipy_gpumem" in code.co_filename:
+                key = f"{code.co_filename.rpartition('ipy_gpumem')[2].lstrip('/')}:{code.co_name}"
+                if key not in seen:
+                    seen.add(key)
+                    inside[key] += 1
+                if first:
+                    leaf[key] += 1
+                    first = False
+            frame = frame.f_back
+        ours[0] += not first
+
+    signal.signal(signal.SIGPROF, sample)
+    signal.setitimer(signal.ITIMER_PROF, period, period)
+    try:
+        run_block(ip, [("x = 1", False)], cells)
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
+        signal.signal(signal.SIGPROF, signal.SIG_DFL)
+        ip.run_line_magic("unload_ext", "ipy_gpumem")
+    total = max(ours[0], 1)
+    print(f"{ours[0]} samples inside ipy_gpumem's hooks over {cells} cells `x = 1`; load {os.getloadavg()[0]:.2f}")
+    print("| function (ipy_gpumem/...) | inside it | at it |")
+    print("|---|---:|---:|")
+    for key, count in inside.most_common(30):
+        print(f"| {key} | {100 * count / total:.0f}% | {100 * leaf[key] / total:.0f}% |")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", type=int, default=200, help="cells per block (scaled per scenario)")
@@ -136,9 +184,15 @@ def main():
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--before", default=None,
                         help="a folder holding another copy of the package as ipy_gpumem_before, measured beside this one")
+    parser.add_argument("--profile", type=int, default=0, metavar="CELLS",
+                        help="instead: where the time of CELLS quiet cells goes inside the extension (statistical)")
     args = parser.parse_args()
     from IPython.core.interactiveshell import InteractiveShell
     import torch  # noqa: F401 - a user's session has torch imported
+
+    if args.profile:
+        profile(InteractiveShell.instance(), args.profile)
+        return
 
     extensions = {"loaded": "ipy_gpumem"}
     if args.before:
