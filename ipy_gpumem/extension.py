@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+from functools import partial
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Optional
@@ -154,7 +155,7 @@ class GpuMemMagics(Magics):
                                    runner_code=_RUNNER_CODE, ast_transformers=getattr(shell, "ast_transformers", None),
                                    names=names, reruns=RerunTracker(names),
                                    check_plan=self._check_plan,  # a %%gpumem naming a missing device is not measured
-                                   listener=lambda: self.live, schedule=_when_idle)
+                                   listener=partial(getattr, self, "live"), schedule=_when_idle)  # C: no frame per cell
         super().__init__(shell=shell, **kwargs)
         if self.ledger.maxlen != self.history_size:
             self.ledger.resize(self.history_size)
@@ -232,11 +233,23 @@ class GpuMemMagics(Magics):
 
     # -- hooks -----------------------------------------------------------------------------------
 
+    # The two hooks guard their step themselves (what _guarded does, one call less around every cell).
+
     def pre_run_cell(self, info=None) -> None:
-        self._guarded(self.watcher.start, info)
+        if self.broken is None:
+            try:
+                self.watcher.start(info)
+            except BaseException as exc:  # noqa: BLE001 - see _failed
+                self._failed(exc)
 
     def post_run_cell(self, result=None) -> None:
-        outcome = self._guarded(self.watcher.finish, result)
+        if self.broken is not None:
+            return
+        try:
+            outcome = self.watcher.finish(result)
+        except BaseException as exc:  # noqa: BLE001 - see _failed
+            self._failed(exc)
+            return
         if outcome is not None:
             self._guarded(self._show, outcome)
 
@@ -246,14 +259,19 @@ class GpuMemMagics(Magics):
             return None
         try:
             return step(arg)
-        except KeyboardInterrupt:
+        except BaseException as exc:  # noqa: BLE001 - see _failed
+            self._failed(exc)
+        return None
+
+    def _failed(self, exc: BaseException) -> None:
+        """One of our steps raised: the user's cell is not told, except in one line where it must be."""
+        if isinstance(exc, KeyboardInterrupt):
             # Ctrl-C during our work (an OOM panel being built): abandon it, one line, no traceback.
             _say("ipy_gpumem: interrupted; this cell's memory report was skipped.")
-        except Exception as exc:  # noqa: BLE001 - an ipy_gpumem bug must never cost the user a cell
+        elif isinstance(exc, Exception):  # an ipy_gpumem bug must never cost the user a cell
             self._stop_after_error(exc)
-        except BaseException as exc:  # noqa: BLE001 - SystemExit from a user __str__/__del__ run on our behalf
+        else:  # SystemExit from a user __str__/__del__ run on our behalf
             _say(f"ipy_gpumem: this cell's memory report was skipped ({type(exc).__name__} during it).")
-        return None
 
     def _stop_after_error(self, exc: BaseException) -> None:
         try:

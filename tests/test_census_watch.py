@@ -49,6 +49,8 @@ OPS = [
     "{a} = _m",                                   # a name aliases the model
     "x = 1",                                      # the quiet cell
     "print('hello')",
+    "{a} if '{a}' in globals() else None",        # IPython's output cache (Out, _) holds what it shows
+    "[{t}][5]",                                   # an error: its traceback holds the frame's tensor
 ]
 NAMES = ["a", "b", "c", "d", "e"]
 TENSORS = ["torch.ones(3)", "torch.zeros(2, 2)", "torch.randn(5)", "_pool[2]", "torch.arange(4.0)"]

@@ -135,16 +135,21 @@ def test_quiet_cells_print_nothing(ip, gpumem):
 
 @pytest.mark.slow
 def test_threshold_and_quiet_are_read_when_used(ip, gpumem):
-    ip.run_line_magic("config", "GpuMemMagics.threshold = '1 GiB'")
-    _, cap = run(ip, "b = bytearray(64 * 2**20); del b")
-    assert cap.outputs == []
-    ip.run_line_magic("config", "GpuMemMagics.threshold = 0")
-    gpumem.quiet = True
-    _, cap = run(ip, "b = bytearray(64 * 2**20); del b")
-    assert cap.outputs == []
-    gpumem.quiet = False
-    _, cap = run(ip, "b = 1")
-    assert len(cap.outputs) == 1  # threshold 0: every cell speaks
+    try:
+        ip.run_line_magic("config", "GpuMemMagics.threshold = '1 GiB'")
+        _, cap = run(ip, "b = bytearray(64 * 2**20); del b")
+        assert cap.outputs == []
+        ip.run_line_magic("config", "GpuMemMagics.threshold = 0")
+        gpumem.quiet = True
+        _, cap = run(ip, "b = bytearray(64 * 2**20); del b")
+        assert cap.outputs == []
+        gpumem.quiet = False
+        _, cap = run(ip, "b = 1")
+        assert len(cap.outputs) == 1  # threshold 0: every cell speaks
+    finally:
+        # %config stays in the shared shell's config, which the next load applies: back to the default.
+        ip.run_line_magic("config", "GpuMemMagics.threshold = '16 MiB'")
+        gpumem.quiet = False
 
 
 def test_nested_run_cell_is_one_record(ip, gpumem):

@@ -13,6 +13,7 @@ import pytest
 from ipy_gpumem.core.counters import counters_from_stats
 from ipy_gpumem.core.devices import parse_visible_devices
 from ipy_gpumem.core.probes import CudaProbe, HostProbe, MemoryProbe, NvmlProbe
+from ipy_gpumem.core.procfs import HeldRead
 from ipy_gpumem.core.units import MiB
 from ipy_gpumem.tensors.torch_api import api as torch_api  # the adapter the extension wires in
 
@@ -100,8 +101,36 @@ def test_procfs_read_error_gives_none(monkeypatch):
     def broken(*args):
         raise OSError(5, "I/O error")
 
+    # A fake, labelled: a read of /proc/self/statm that fails cannot be caused from here. It is read
+    # holding the GIL once ctypes is loaded (core.procfs), with os.pread before that.
     monkeypatch.setattr(os, "pread", broken)
+    monkeypatch.setattr(HeldRead, "__call__", broken)
     assert probe.rss() is None
+    assert probe.sample().rss is None
+
+
+@linux
+def test_a_held_read_reads_what_os_pread_reads(tmp_path):
+    """libc's pread holding the GIL (ctypes is loaded here): the same bytes, a long file whole, errors as OSError."""
+    import ctypes  # noqa: F401 - torch loads it in a real session; the held read is used once it is there
+
+    short = HeldRead(16, 4096)
+    path = tmp_path / "answer"
+    path.write_bytes(b"12 34\n")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert short(fd) == b"12 34\n"
+        path.write_bytes(b"7" * 3000)  # longer than the held buffer: read whole
+        assert short(fd) == b"7" * 3000
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        short(fd)  # closed
+    statm = os.open("/proc/self/statm", os.O_RDONLY)
+    try:
+        assert len(HeldRead(128)(statm).split()) == len(os.pread(statm, 128, 0).split()) == 7
+    finally:
+        os.close(statm)
 
 
 @linux

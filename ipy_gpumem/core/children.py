@@ -16,7 +16,10 @@ from __future__ import annotations
 import os
 import re
 import sys
+import weakref
 from typing import Dict, List, Mapping, NamedTuple, Optional
+
+from .procfs import HeldRead
 
 __all__ = ["ChildInfo", "ChildMemory", "RankVariables", "MainThreadChildren", "MAX_WORLD_SIZE", "rank_variables",
            "environment_of", "parse_pids", "descendants", "descendant_tree", "thread_children", "child_info", "child_memory",
@@ -200,8 +203,15 @@ class MainThreadChildren:
     """
 
     def __init__(self):
-        self._pid = None
+        self._pid = None  # whose children the open file lists (None after a fork: open again)
         self._fd = None
+        # Read holding the GIL (``procfs``): usually empty or a few pids; a long list is read whole.
+        self._read = HeldRead(256, 65536)
+        _FORKED.add(self)
+        if not _FORK_HOOK["registered"] and hasattr(os, "register_at_fork"):
+            # A fork's child must not read its parent's file: told at the fork, not by a getpid() per read.
+            os.register_at_fork(after_in_child=_forget_after_fork)
+            _FORK_HOOK["registered"] = True
 
     def read(self) -> Optional[List[int]]:
         """The pids (None where unreadable)."""
@@ -210,10 +220,9 @@ class MainThreadChildren:
 
     def read_bytes(self) -> Optional[bytes]:
         """The file as read (compared with an earlier reading without parsing it); None where unreadable."""
-        pid = os.getpid()
-        if self._pid != pid:
+        if self._pid is None:
             self.close()
-            self._pid = pid
+            pid = self._pid = os.getpid()
             if _LINUX:
                 try:
                     self._fd = os.open(f"{_PROC}/{pid}/task/{pid}/children", os.O_RDONLY)
@@ -222,7 +231,7 @@ class MainThreadChildren:
         if self._fd is None:
             return None
         try:
-            return os.pread(self._fd, 65536, 0)
+            return self._read(self._fd)
         except OSError:
             return None
 
@@ -233,6 +242,16 @@ class MainThreadChildren:
             except OSError:
                 pass
         self._fd = None
+
+
+# Every MainThreadChildren, forgotten by a fork's child (one at-fork hook per process: it cannot be removed).
+_FORKED: "weakref.WeakSet[MainThreadChildren]" = weakref.WeakSet()
+_FORK_HOOK = {"registered": False}
+
+
+def _forget_after_fork() -> None:
+    for reader in list(_FORKED):
+        reader._pid = None  # the inherited descriptor lists the parent's children: left to the parent
 
 
 def parse_pids(raw: bytes) -> Optional[List[int]]:

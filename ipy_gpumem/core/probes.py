@@ -23,6 +23,7 @@ from typing import NamedTuple, Optional, Sequence
 
 from .counters import counters_from_stats
 from .devices import device as _device, parse_visible_devices
+from .procfs import HeldRead
 
 __all__ = [
     "HostSample",
@@ -70,6 +71,10 @@ class DeviceSample(NamedTuple):
         return _device(self.type, self.index)
 
 
+# ``NamedTuple(...)`` runs a Python ``__new__``; the readings taken after every cell are made in C.
+_new = tuple.__new__
+
+
 class Sample(NamedTuple):
     """Host and device memory at one instant (``time.perf_counter()`` seconds)."""
 
@@ -102,6 +107,7 @@ class HostProbe:
         self._pid = None
         self._reopen_pending = False
         self._statm = None  # fd of /proc/self/statm, kept open: a pread is 10x cheaper than open+read
+        self._read_statm = HeldRead(128)  # and read holding the GIL (procfs.py says why)
         self._status = None  # fd of /proc/self/status, only when getrusage cannot give the peak
         self._clear_refs = None
         self._resource = None
@@ -192,7 +198,7 @@ class HostProbe:
         """Resident set size of this process, in bytes."""
         if self._statm is not None:
             try:
-                return int(os.pread(self._statm, 128, 0).split(None, 2)[1]) * self._page
+                return int(self._read_statm(self._statm).split(None, 2)[1]) * self._page
             except (OSError, ValueError, IndexError):
                 return None
         if self._process is not None:
@@ -277,7 +283,7 @@ class HostProbe:
         """Current RSS and peak RSS together (and whether the peak is at the current RSS)."""
         rss, peak = self.rss(), self.peak_rss()
         self.peak_is_current = rss is not None and peak is not None and peak - rss <= PEAK_SLACK
-        return HostSample(rss, peak)
+        return _new(HostSample, (rss, peak))
 
 
 
@@ -746,6 +752,8 @@ class CudaProbe:
         one (cudaMemGetInfo, and resetting the peaks of cudaMallocAsync's pool) would create a
         context of hundreds of MiB there. The reason then says which were left out.
         """
+        if self._cpu_only is not None and self._torch_override is None and sys.modules.get("torch") is self._cpu_only:
+            return (), CPU_ONLY  # asked after every cell: status()'s first answer, without its calls
         cuda, reason = self.status()
         if cuda is None:
             return (), reason
@@ -804,7 +812,7 @@ class MemoryProbe:
             devs, reason = self.cuda.sample(devices, with_device_memory)
         except Exception as exc:  # noqa: BLE001 - torch raising must never cost the user a cell
             devs, reason = (), f"CUDA counters unavailable ({type(exc).__name__}: {exc})"
-        return Sample(time.perf_counter(), sample_host, devs, reason)
+        return _new(Sample, (time.perf_counter(), sample_host, devs, reason))
 
     def start(self, devices: Sequence[int] | None = None, reset_peaks: bool = True):
         """The sample that opens a span (a cell, a line), resetting the peak counters if asked.

@@ -24,12 +24,36 @@ SHARE = 0.25
 
 
 class CellBudget:
-    """The seconds left for one cell's end (read with :meth:`left`)."""
+    """The seconds left for one cell's end (read with :meth:`left`), which starts at the cell's
+    closing reading. Made at every cell's end, so it keeps the measurement (``start.t`` and ``end.t``:
+    ``recorder.Measurement``) and computes nothing until a walk asks."""
 
-    def __init__(self, cell_seconds: Optional[float], start: Optional[float] = None):
-        allowed = FLOOR_S if cell_seconds is None else min(CEILING_S, max(FLOOR_S, SHARE * cell_seconds))
-        self.allowed = allowed
-        self.deadline = (time.perf_counter() if start is None else start) + allowed
+    __slots__ = ("_measurement",)
+
+    def __init__(self, measurement):
+        self._measurement = measurement
+
+    @property
+    def cell_seconds(self) -> Optional[float]:
+        """The cell's own time, from its opening reading to its closing one (None: not known)."""
+        try:
+            return self._measurement.end.t - self._measurement.start.t
+        except Exception:  # noqa: BLE001 - no readings: the floor
+            return None
+
+    @property
+    def allowed(self) -> float:
+        """The seconds this cell's end may spend in all."""
+        seconds = self.cell_seconds
+        return FLOOR_S if seconds is None else min(CEILING_S, max(FLOOR_S, SHARE * seconds))
+
+    @property
+    def deadline(self) -> float:
+        try:
+            start = float(self._measurement.end.t)
+        except Exception:  # noqa: BLE001
+            start = time.perf_counter()
+        return start + self.allowed
 
     def left(self, at_least: float = 0.0) -> float:
         """Seconds left (never below ``at_least``: a walk needs a moment to say what it left out)."""

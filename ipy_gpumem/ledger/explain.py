@@ -58,6 +58,8 @@ class CellAnatomy:
 
     def __init__(self, names: Optional[Names] = None, schedule: Optional[Callable[[Callable[[], None]], Any]] = None):
         self.names = names
+        # The namespace alone (``CellNames.namespace``), what a quiet cell's check reads.
+        self._namespace = getattr(names, "namespace", None)
         #: ``schedule(fn)`` runs ``fn`` when the process is next idle (None: no idle time to use).
         self.schedule = schedule
         self._baseline = None
@@ -133,6 +135,15 @@ class CellAnatomy:
         self._settle(snap, self._counters)
         self._counters = None
 
+    def before_cell(self) -> None:
+        """A recorded cell starts: its baseline is taken now if it is stale, or from the names as they
+        are if there is none (after ``%gpumem on`` or an internal error)."""
+        if self._stale:
+            self.ensure()
+        if self._baseline is None:
+            self.refresh()
+            self.ensure()
+
     def adopt(self, snapshot, sample=None) -> None:
         """Use ``snapshot`` (a census taken at the end of a cell, whose closing reading is ``sample``)
         as the baseline."""
@@ -161,9 +172,8 @@ class CellAnatomy:
             self.recount_reason = "no fingerprint"
             return False
         try:
-            read = getattr(self.names, "namespace", None)
-            namespace = read() if read is not None else self.names()[0]
-            changed = watch.changed(namespace, _counters(sample), _out_cache(namespace), _errors())
+            read = self._namespace
+            changed = watch.changed(read() if read is not None else self.names()[0], sample)
         except Exception:  # noqa: BLE001 - count again
             watch.forget()
             self.recount_reason = "the fingerprint failed"
@@ -194,7 +204,7 @@ class CellAnatomy:
 
             namespace, _refs = self.names()
             owners = {owner_module(owner) for (_dev, _role, owner) in snapshot.parts}
-            self._watch.settle(namespace, owners, _counters(sample), _out_cache(namespace), _errors())
+            self._watch.settle(namespace, owners, sample)
         except Exception:  # noqa: BLE001 - no fingerprint: every cell counts, as before
             if self._watch is not None:
                 self._watch.forget()
@@ -293,20 +303,3 @@ def imported_since(count: Optional[int]) -> Optional[Tuple[int, Tuple[Tuple[str,
     if not total:
         return None
     return total, tuple(packages.most_common(MAX_PACKAGES))
-
-
-def _counters(sample):
-    from ..tensors.watch import Counters  # noqa: PLC0415 - the tensors room loads on first use
-
-    return Counters.of(sample)
-
-
-def _out_cache(namespace) -> Any:
-    out = namespace.get("Out") if isinstance(namespace, dict) else None
-    return out if isinstance(out, dict) else None
-
-
-def _errors() -> tuple:
-    """What holds the last error (the census walks its frames)."""
-    attrs = sys.__dict__  # a missing attribute read through getattr costs an exception each time
-    return (attrs.get("last_value"), attrs.get("last_traceback"), attrs.get("last_exc"))

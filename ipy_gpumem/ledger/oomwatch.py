@@ -21,12 +21,13 @@ class OomWatch:
     def __init__(self):
         #: The allocator at the last CUDA out-of-memory (an ``OomCapture``), until a cell takes it.
         self.last_capture = None
-        self._watching = False
+        #: torch's observer is attached (checked before every cell).
+        self.watching = False
 
     def ensure(self) -> None:
         """Attach torch's observer once torch is imported (cheap after the first time)."""
-        if not self._watching and "torch" in sys.modules:
-            self._watching = oom_capture.watch(self.on_oom)
+        if not self.watching and "torch" in sys.modules:
+            self.watching = oom_capture.watch(self.on_oom)
 
     def on_oom(self, capture) -> None:
         # Runs inside torch's allocator (GIL held, allocator lock released): store, nothing more.

@@ -389,6 +389,7 @@ class RankWatch:
         self.internals = internals
         _S.kernel_pid = os.getpid()
         self._cell: Optional[_Cell] = None
+        self._spare: Optional[_Cell] = None  # a cell that launched nothing, for the next one
         #: The kernel's direct children known to run before the current cell (learnt at the first cell).
         self._before: Optional[Set[int]] = None
         #: The kernel's children and whether each is one of multiprocessing's helpers (read once each).
@@ -414,7 +415,11 @@ class RankWatch:
             _ensure_hooks()
         if self._cell is not None:
             self._drop(self._cell)  # a cell that never finished (an internal error): its folder goes
-        cell = self._cell = _Cell(self)
+        # The last quiet cell's, untouched (it launched nothing, so it has only ``watch``), or a new one.
+        cell, self._spare = self._spare, None
+        if cell is None or cell.launched or cell.folder_tried:  # a fork in another thread may have reached it late
+            cell = _Cell(self)
+        self._cell = cell
         _S.internals = self.internals
         _S.cell = cell
         if not _S.fork_hooks:
@@ -435,7 +440,8 @@ class RankWatch:
                 # lock: the reading thread touches nothing of a cell that launched nothing.
                 raw = self._main.read_bytes()
                 self.listings += 1
-                if raw is not None and raw == self._quiet:
+                if raw is not None and raw == self._quiet and not cell.launched:
+                    self._spare = cell  # nothing happened to it: the next cell's
                     return None  # the very children the last quiet cell's end found
                 direct = _children.parse_pids(raw) if raw is not None else None
                 if direct is not None and self._before is None:
@@ -454,7 +460,8 @@ class RankWatch:
         except Exception:  # noqa: BLE001 - ranks are a nicety: the cell's own record stands
             return None
         finally:
-            self._drop(cell)
+            if cell.folder is not None:
+                self._drop(cell)
 
     def learn_before(self) -> None:
         """At a cell's first launch: the kernel's children that ran before it, if not known yet."""

@@ -48,11 +48,36 @@ class Measurement:
         detailed: ``%%gpumem`` measured this cell.
     """
 
-    __slots__ = ("probe", "cell_id", "source", "devices", "detailed", "include_host", "lines", "loops", "joined",
-                 "started_at", "start", "end", "samples", "track_peaks", "host_peak_reset", "reset_devices",
-                 "_seen_host", "_seen_alloc", "_seen_reserved", "_lock", "t0", "duration", "error", "message",
-                 "execution_count", "roles", "why", "phases", "phase_summary", "layers", "rerun", "ranks", "rank_failure",
-                 "_record")
+    # No __slots__: what most cells never set (lines, roles, an error...) is a class default, so
+    # the constructor, which runs before every cell, stores only what every cell has.
+    lines = None  # LineRecords, when --lines measured the cell
+    loops = ()
+    joined = ()  # JoinedLines of a --lines cell
+    samples = None  # a list when the cell's chart wants the sampler's readings
+    end = None
+    # Highest values seen by any reading during the cell (sampler thread, line boundaries).
+    _seen_host = None
+    _seen_alloc = None
+    _seen_reserved = None
+    duration = None
+    error = None
+    message = None
+    execution_count = None
+    # The anatomy (set by the watcher when the cell was analysed) and the re-run comparison, as data
+    # (the words are made by the views).
+    roles = None
+    why = None
+    phases = None
+    phase_summary = None
+    layers = None
+    _rerun = None  # a ``core.why.Rerun``, or the numbers one is made of (built when read)
+    # The processes the cell launched (RankRecords) and the one whose failure reached it (ranks.py).
+    ranks = None
+    rank_failure = None
+    _record = None
+    #: The sampler thread observes while the main thread folds; one lock for every cell (one is in
+    #: flight at a time, and a lock made per cell would cost every cell).
+    _lock = threading.Lock()
 
     #: Most sampler readings a detailed cell keeps for its chart (every other one is dropped
     #: when full, so a long cell keeps its whole span at a coarser step).
@@ -69,38 +94,31 @@ class Measurement:
         self.devices = None if devices is None else tuple(devices)
         self.detailed = detailed
         self.include_host = include_host
-        self.lines = None  # LineRecords, when --lines measured the cell
-        self.loops = ()
-        self.joined = ()  # JoinedLines of a --lines cell
-        self.samples = None  # a list when the cell's chart wants the sampler's readings
         self.start = start
-        self.end = None
         self.track_peaks = track_peaks
         self.host_peak_reset = host_peak_reset
         self.reset_devices = reset_devices
-        # Highest values seen by any reading during the cell (sampler thread, line boundaries).
-        self._seen_host = None
-        self._seen_alloc = None
-        self._seen_reserved = None
-        self._lock = threading.Lock()  # the sampler thread observes while the main thread folds
         self.started_at = time.time()
         self.t0 = time.perf_counter()  # not start.t: a start reading may be the previous cell's end
-        self.duration = None
-        self.error = None
-        self.message = None
-        self.execution_count = None
-        # The anatomy (set by the watcher when the cell was analysed) and the re-run comparison,
-        # as data (the words are made by the views).
-        self.roles = None
-        self.why = None
-        self.phases = None
-        self.phase_summary = None
-        self.layers = None
-        self.rerun = None
-        # The processes the cell launched (RankRecords) and the one whose failure reached it (ranks.py).
-        self.ranks = None
-        self.rank_failure = None
-        self._record = None
+
+    @property
+    def rerun(self):
+        """The re-run comparison (``core.why.Rerun``), or None when the cell had not run before."""
+        rerun = self._rerun
+        if type(rerun) is tuple:
+            from ..core.why import Rerun  # noqa: PLC0415 - loaded with the first re-run that is read
+
+            rerun = self._rerun = Rerun(*rerun)
+        return rerun
+
+    @rerun.setter
+    def rerun(self, value) -> None:
+        self._rerun = value
+
+    def rerun_of(self, first: Optional[int], runs: int, previous: Optional[int]) -> None:
+        """This cell ran before (``Rerun(first, runs, previous)``), kept as numbers until read: most
+        re-runs keep nothing and are never looked at."""
+        self._rerun = (first, runs, previous)
 
     @classmethod
     def begin(cls, probe: MemoryProbe, *, devices: Optional[Sequence[int]] = None, track_peaks: bool = True,

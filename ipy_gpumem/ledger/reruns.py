@@ -137,19 +137,19 @@ class RerunTracker:
                 if kept is not None and kept >= threshold:
                     self._snap(cell)
             return False
-        from ..core.why import Rerun  # noqa: PLC0415 - loaded with the first re-run, not at load
-
         previous_end, previous_count = cell.end, cell.last
         cell.runs += 1
         cell.end = end
         cell.last = measurement.execution_count
-        measurement.rerun = Rerun(cell.first, cell.runs, previous_count)
-        device_growth = _device_growth(previous_end, end)
+        device_growth = _device_growth(previous_end, end) if end.devices else None
         growth = device_growth
         if device_growth is not None:
+            from ..core.why import Rerun  # noqa: PLC0415 - loaded with the first re-run, not at load
+
             measurement.rerun = Rerun(cell.first, cell.runs, previous_count, device_growth)
             grew = device_growth >= threshold
         else:
+            measurement.rerun_of(cell.first, cell.runs, previous_count)  # a Rerun, made when read
             kept = _kept(measurement.start, end)
             rss_growth = None
             if previous_end is not None and previous_end.host.rss is not None and end.host.rss is not None:
@@ -160,13 +160,16 @@ class RerunTracker:
                     or (rss_growth is not None and rss_growth >= threshold))
         old = cell.snapshot
         if not grew or self.context is None:
-            self._drop(cell)  # nothing kept: the next comparison starts from a fresh snapshot
+            if old is not None:
+                self._drop(cell)  # nothing kept: the next comparison starts from a fresh snapshot
             return False
         now = self._snap(cell)
         if now is None or old is None:
             return False
         if not (now.complete and old.complete):
             return False  # a walk its budget stopped counts "at least": no growth, no suspect, to name
+        from ..core.why import Rerun  # noqa: PLC0415
+
         if device_growth is None:
             growth = now.total - old.total  # exact: tensor bytes alive after each run
             measurement.rerun = Rerun(cell.first, cell.runs, previous_count, growth)

@@ -18,21 +18,28 @@ __all__ = ["Frame", "CellStack", "live_runners", "exception_marker", "cell_error
 class Frame:
     """One ``run_cell`` in flight: what it runs and what measures it."""
 
-    __slots__ = ("info", "raw", "cell_id", "measurement", "header", "tracer", "marker", "reported_inside", "snapshot", "trace",
-                 "phases")
+    # No __slots__: what only a %%gpumem cell has is a class default, so an ordinary cell's frame
+    # (one before every cell) stores five values.
+    header = None
+    tracer = None  # the LineTracer of a --lines cell
+    reported_inside = False  # a nested %%gpumem cell showed its report: no line for this one
+    snapshot = None  # the census when a %%gpumem cell started (its roles' "before")
+    trace = None  # the CellTrace of a --trace cell
+    phases = None  # the PhaseWatcher of a %%gpumem cell
 
     def __init__(self, info, raw, measurement=None, header=None, tracer=None, marker=None, cell_id=None):
         self.info = info
         self.raw = raw
         self.cell_id = cell_id
         self.measurement = measurement
-        self.header = header
-        self.tracer = tracer  # the LineTracer of a --lines cell
         self.marker = marker  # sys.last_value's marker when it started (see exception_marker)
-        self.reported_inside = False  # a nested %%gpumem cell showed its report: no line for this one
-        self.snapshot = None  # the census when a %%gpumem cell started (its roles' "before")
-        self.trace = None  # the CellTrace of a --trace cell
-        self.phases = None  # the PhaseWatcher of a %%gpumem cell
+        if header is not None:
+            self.header = header
+        if tracer is not None:
+            self.tracer = tracer
+
+
+_SYS = sys.__dict__  # the module's attributes, read without raising for a missing one
 
 
 def live_runners(code, skip: int = 1) -> int:
@@ -51,15 +58,17 @@ def exception_marker():
     Exceptions cannot be weakly referenced and we must not keep one alive, so the marker is the
     object's id and type: a new error replaces the old one while both are alive, so its id differs.
     """
-    value = getattr(sys, "last_value", None)
+    value = _SYS.get("last_value")  # not getattr: a missing attribute costs an exception, before and after every cell
     return None if value is None else (id(value), type(value))
 
 
 def cell_error(result, marker) -> Tuple[Optional[str], Optional[str]]:
     """The class name and message of the cell's error, also when ``%%time`` swallowed it."""
     exc = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
-    if exc is None and exception_marker() not in (None, marker):
-        exc = getattr(sys, "last_value", None)
+    if exc is None:
+        last = _SYS.get("last_value")  # exception_marker(), inlined: this runs after every cell
+        if last is not None and (id(last), type(last)) != marker:
+            exc = last
     if exc is None:
         return None, None
     try:
@@ -79,43 +88,44 @@ class CellStack:
     """
 
     def __init__(self, runner_code=None, on_drop: Optional[Callable[[Frame], None]] = None):
-        self._frames: List[Frame] = []
+        #: The frames, outermost first (read directly on the hot path: empty between cells).
+        self.frames: List[Frame] = []
         self._runner_code = runner_code
         self._on_drop = on_drop or (lambda frame: None)
 
     def __len__(self) -> int:
-        return len(self._frames)
+        return len(self.frames)
 
     def __bool__(self) -> bool:
-        return bool(self._frames)
+        return bool(self.frames)
 
     def __iter__(self) -> Iterator[Frame]:
-        return iter(list(self._frames))
+        return iter(list(self.frames))
 
     @property
     def top(self) -> Optional[Frame]:
         """The innermost frame (read from the sampler thread too: never raises)."""
         try:
-            return self._frames[-1] if self._frames else None
+            return self.frames[-1] if self.frames else None
         except IndexError:  # the main thread popped it meanwhile
             return None
 
     def push(self, frame: Frame) -> None:
-        self._frames.append(frame)
+        self.frames.append(frame)
 
     def prune(self) -> bool:
         """Drop frames of cells that ended without ``post_run_cell`` (before a cell starts); True
         when that left the stack empty."""
-        if not self._frames:
+        if not self.frames:
             return False
         live = self._live_runners()
-        if live is not None and live - 1 < len(self._frames):
+        if live is not None and live - 1 < len(self.frames):
             self.truncate(max(0, live - 1))
-            return not self._frames
+            return not self.frames
         return False
 
     def truncate(self, keep: int) -> None:
-        frames = self._frames
+        frames = self.frames
         if len(frames) <= keep:
             return
         stale = frames[keep:]
@@ -126,7 +136,7 @@ class CellStack:
     def pop(self, result) -> Optional[Frame]:
         """The frame ``post_run_cell(result)`` closes, or None (an empty cell, the cell that loaded
         the extension, a cell we never saw start)."""
-        stack = self._frames
+        stack = self.frames
         if not stack:
             return None
         info = getattr(result, "info", None)

@@ -40,7 +40,7 @@ from .phasing import start_phases
 from .ranks import RankWatch, launcher_failure
 from .recorder import Ledger, Measurement
 from .reruns import RerunTracker
-from .stack import CellStack, Frame, cell_error, exception_marker, live_runners
+from .stack import CellStack, Frame, cell_error, live_runners
 from .tracing import LineTracing
 
 __all__ = ["Settings", "CellOutcome", "CellWatcher", "REUSE_S", "live_runners"]
@@ -48,14 +48,15 @@ __all__ = ["Settings", "CellOutcome", "CellWatcher", "REUSE_S", "live_runners"]
 #: A cell starting this soon after the previous one ended starts from that end's reading.
 REUSE_S = 0.02
 
+_SYS = sys.__dict__  # sys's attributes, read without an exception for a missing one
+_new = tuple.__new__  # a NamedTuple made without its Python __new__ (once a cell)
+
 # A cell made only of our own line magics (and comments): its memory is ipy_gpumem's (the chart's
 # imports when it opens, %gpumem free's collection), not the user's, so it is not recorded.
 _OURS = re.compile(r"^[ \t]*(?:%gpumem(?:[ \t].*)?|#.*)?$")
 
 
 def _only_our_magics(raw: str) -> bool:
-    if "%gpumem" not in raw:
-        return False
     lines = raw.splitlines()
     return all(_OURS.match(line) for line in lines) and any(line.strip() for line in lines)
 
@@ -127,13 +128,6 @@ def _exception(result):
             or getattr(sys, "last_value", None))
 
 
-def _duration(measurement) -> Optional[float]:
-    try:
-        return measurement.end.t - measurement.start.t
-    except Exception:  # noqa: BLE001 - no readings: the floor
-        return None
-
-
 def _ranks_moved(ranks, threshold: int) -> bool:
     """A rank rose by the threshold, or one was killed or failed: its line is shown whatever it
     moved (a rank killed in its first moments has no numbers at all)."""
@@ -198,23 +192,22 @@ class CellWatcher:
         raw = getattr(info, "raw_cell", "") or ""
         cell_id = getattr(info, "cell_id", None)
         stack = self._stack
-        if stack.prune():
+        frames = stack.frames  # empty between cells: most of what follows is skipped then
+        if frames and stack.prune():
             self._lines.remove_hook()  # the frames of cells that ended: their marked code cannot run any more
         header = None
         if self._armed is not None or "%%gpumem" in raw:
             if not any(frame.header is not None for frame in stack):
                 header = self._armed or find_header(raw, self._check_plan)
             self._armed = None
-        if header is None and (stack or not self.enabled or _only_our_magics(raw)):
-            stack.push(Frame(info, raw, cell_id=cell_id))
+        if header is None and (frames or not self.enabled or ("%gpumem" in raw and _only_our_magics(raw))):
+            frames.append(Frame(info, raw, cell_id=cell_id))
             return
-        if not stack:
+        outermost = not frames
+        if outermost:
             # The baseline is the names as the previous cell left them: taken now, before any of this
             # cell's code runs, if the idle time after that cell did not take it.
-            self.anatomy.ensure()
-            if self.anatomy.baseline is None:
-                self.anatomy.refresh()  # after %gpumem on or an internal error: from the names as they are
-                self.anatomy.ensure()
+            self.anatomy.before_cell()
         settings = self.settings
         devices = settings.devices
         if header is not None and "torch" in sys.modules:
@@ -225,9 +218,8 @@ class CellWatcher:
             from . import lines as _lines  # noqa: F401
         if header is not None and header.plan.device is not None:
             devices = header.plan.cuda_indices  # () for -d host: the host is always measured
-        measurement = self._begin(devices, settings.track_peaks, cell_id=cell_id, source=raw,
-                                  detailed=header is not None, outermost=not stack)
-        if not stack:
+        measurement = self._begin(devices, settings.track_peaks, outermost, cell_id, raw, header is not None)
+        if outermost:
             self.ranks.cell_started()
         tracer = snapshot = phases = None
         if header is not None and header.plan.lines:
@@ -239,19 +231,24 @@ class CellWatcher:
             # loop written in the cell for what its rows already say).
             snapshot = self.anatomy.census()
             phases = start_phases(self.probe, measurement, self.anatomy.census)
-        self.oom.ensure()
+        oom = self.oom
+        if not oom.watching:
+            oom.ensure()
         listener = self._listener()
         if listener is not None:
             if header is not None and getattr(listener, "sampler", None) is not None:
                 measurement.samples = []  # the sampler's readings make the report's cell chart
-            if not stack:
+            if outermost:
                 listener.cell_started(measurement.start._replace(t=time.perf_counter()), raw)
-        frame = Frame(info, raw, measurement, header, tracer, exception_marker(), cell_id)
-        frame.snapshot, frame.phases = snapshot, phases
-        if header is not None and header.plan.trace is not None:
-            # Last before the cell's code: our own work above is not among its events.
-            frame.trace = CellTrace.begin(header.plan.trace or None)
-        stack.push(frame)
+        error = _SYS.get("last_value")  # exception_marker(), inlined: it runs before every cell
+        marker = None if error is None else (id(error), type(error))
+        frame = Frame(info, raw, measurement, header, tracer, marker, cell_id)
+        if header is not None:
+            frame.snapshot, frame.phases = snapshot, phases
+            if header.plan.trace is not None:
+                # Last before the cell's code: our own work above is not among its events.
+                frame.trace = CellTrace.begin(header.plan.trace or None)
+        frames.append(frame)
 
     def finish(self, result) -> Optional[CellOutcome]:
         """``post_run_cell``: close the cell's frame; what to show, or None."""
@@ -277,7 +274,7 @@ class CellWatcher:
             if tracer.census_skipped:
                 counted = (tracer.census_taken, tracer.census_taken + tracer.census_skipped)
         measurement = frame.measurement
-        outermost = not self._stack
+        outermost = not self._stack.frames
         if measurement is None:
             if outermost:
                 self._last_end = None  # something ran unmeasured: the next cell reads afresh
@@ -287,7 +284,9 @@ class CellWatcher:
         error, message = cell_error(result, frame.marker)
         if outermost:
             failure = launcher_failure(_exception(result)) if error is not None else None
-            measurement.ranks, measurement.rank_failure = self.ranks.cell_finished(failure), failure
+            ranks = self.ranks.cell_finished(failure)
+            if ranks is not None or failure is not None:
+                measurement.ranks, measurement.rank_failure = ranks, failure
         header = frame.header
         if tracer is not None:
             self._line_records(measurement, tracer, header)
@@ -295,15 +294,17 @@ class CellWatcher:
         measurement.finish(error, message, execution_count=count)
         settings = self.settings
         if outermost:
-            self._last_end = _End(measurement.end, measurement.devices, self.probe.host.peak_is_current)
+            self._last_end = _new(_End, (measurement.end, measurement.devices, self.probe.host.peak_is_current))
         if header is not None:
             for parent in self._stack:
                 parent.reported_inside = True
         show_line = (outermost and header is None and not frame.reported_inside and not settings.quiet
-                     and (measurement.moved(settings.threshold) or _ranks_moved(measurement.ranks, settings.threshold)))
+                     and (measurement.moved(settings.threshold)
+                          or (measurement.ranks is not None and _ranks_moved(measurement.ranks, settings.threshold))))
         # One budget for everything this cell's end walks (the re-run snapshot, the census): a share of
-        # the cell's own time, so no namespace makes a cell slower than a fraction of itself.
-        budget = CellBudget(_duration(measurement))
+        # the cell's own time, so no namespace makes a cell slower than a fraction of itself. It
+        # starts at the closing reading.
+        budget = CellBudget(measurement)
         # -- re-runs: a dict lookup per cell; a walk only after a run that kept memory --
         if outermost and self.reruns.after_cell(measurement, settings.threshold, self.ledger, budget=budget):
             show_line = show_line or (header is None and not frame.reported_inside and not settings.quiet)
@@ -387,7 +388,7 @@ class CellWatcher:
         measurement.loops = tracer.loop_spans(header.offset)
         measurement.joined = tracer.joined(header.offset)
 
-    def _begin(self, devices, track_peaks: bool, outermost: bool, **kwargs) -> Measurement:
+    def _begin(self, devices, track_peaks: bool, outermost: bool, cell_id, source: str, detailed: bool) -> Measurement:
         probe = self.probe
         previous, self._last_end = self._last_end, None
         if (outermost and previous is not None and previous.devices == devices
@@ -397,21 +398,29 @@ class CellWatcher:
             # is reset now (resetting needs no reading).
             sample = previous.sample
             host_reset = False
+            reset = frozenset()
             if track_peaks:
                 host_reset = previous.host_current or probe.host.reset_peak()
-            reset = []
-            if track_peaks:
-                for dev in sample.devices:
-                    try:
-                        if dev.peak_allocated != dev.allocated or dev.peak_reserved != dev.reserved:
-                            probe.cuda.reset_peak(dev.index)
-                        reset.append(dev.index)
-                    except Exception:  # noqa: BLE001 - peaks then come from samples
-                        pass
+                if sample.devices:
+                    reset = self._reset_device_peaks(sample.devices)
             # The reading itself is the start (its peak fields are not read for a start).
-            return Measurement(probe, sample, host_reset, frozenset(reset) if reset else frozenset(), devices=devices,
-                               track_peaks=track_peaks, **kwargs)
-        return Measurement.begin(probe, devices=devices, track_peaks=track_peaks, **kwargs)
+            return Measurement(probe, sample, host_reset, reset, cell_id=cell_id, source=source, devices=devices,
+                               track_peaks=track_peaks, detailed=detailed)
+        return Measurement.begin(probe, devices=devices, track_peaks=track_peaks, cell_id=cell_id, source=source,
+                                 detailed=detailed)
+
+    def _reset_device_peaks(self, devices) -> frozenset:
+        """Reset the peak counters that moved since ``devices`` were read; the devices whose peaks
+        now measure from that reading."""
+        reset = []
+        for dev in devices:
+            try:
+                if dev.peak_allocated != dev.allocated or dev.peak_reserved != dev.reserved:
+                    self.probe.cuda.reset_peak(dev.index)
+                reset.append(dev.index)
+            except Exception:  # noqa: BLE001 - peaks then come from samples
+                pass
+        return frozenset(reset) if reset else frozenset()
 
     def _stop_frame(self, frame: Frame) -> None:
         """A frame dropped without its ``post_run_cell``: what it runs must not outlive its cell."""

@@ -34,13 +34,14 @@ calls user code, imports torch or keeps a user's object alive.
 """
 from __future__ import annotations
 
+import re
 import sys
 import time
 import types
 import weakref
 from itertools import chain, compress, repeat
-from operator import is_, not_
-from typing import Any, Iterable, List, NamedTuple, Optional, Set, Tuple
+from operator import is_, is_not, itemgetter, not_
+from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 from .kinds import CLASS, DICT, FUNC, MODOBJ, MODULE, OBJECT, OPTIM, SKIP, KindsMixin
 from .walk import MAX_DEPTH
@@ -62,6 +63,8 @@ PROOF_VISITS = 1 << 20
 PROOF_S = 0.002
 
 _MISSING = object()
+_SYS = sys.__dict__  # sys's attributes, read without an exception for a missing one
+_CALL = weakref.ref.__call__  # a weak reference's referent, as a function for map()
 # IPython's input history: strings IPython binds on every cell, never a holder of anything.
 _HISTORY = frozenset(("In", "_ih", "_dh", "_i", "_ii", "_iii"))
 # IPython's own growing tables: their identity is watched, their length is IPython's business
@@ -92,6 +95,19 @@ def _history_name(key: Any) -> bool:
     return type(key) is str and (key in _HISTORY or (key[:2] == "_i" and key[2:].isdigit()))
 
 
+# The same test for many names at once, in C (a session of 20,000 cells has 20,000 ``_iN``); a name
+# whose digits are not decimal (``_i²``) is not history here: read with the scalars, never left out.
+_HISTORY_RE = re.compile(r"_i\d+|" + "|".join(sorted(_HISTORY, key=len, reverse=True)))
+
+
+def _not_history(keys: List[Any]) -> List[Any]:
+    """The keys that are not IPython's input history (:func:`_history_name`)."""
+    try:
+        return list(compress(keys, map(not_, map(_HISTORY_RE.fullmatch, keys))))
+    except TypeError:  # a key that is not a string
+        return [k for k in keys if not _history_name(k)]
+
+
 class _Sig:
     """What a list of names holds, as identities: each value; with the same values, the length of
     each builtin container; with the same lengths, the items of the small ones. Read in C passes."""
@@ -116,11 +132,15 @@ class _Sig:
 
     def same(self, ns: dict) -> bool:
         values = list(map(ns.get, self.names, repeat(_MISSING)))
-        if list(map(id, values)) != self.ids:
-            return False
+        return list(map(id, values)) == self.ids and self.same_contents(values)
+
+    def same_contents(self, values) -> bool:
+        """With the same objects (``values`` starts with this signature's names' values, in order):
+        the same lengths and small items."""
         if not self.lengths:
             return True
-        conts = list(compress(values, self.containers))  # the same objects: the same containers
+        # The same objects: the same containers (compress stops at the end of the containers mask).
+        conts = list(compress(values, self.containers))
         return list(map(len, conts)) == self.lengths and _items(conts, self.small_dicts, self.small_seqs) == self.items
 
     def changed_names(self, ns: dict) -> List[Any]:
@@ -167,6 +187,10 @@ class CensusWatch:
         self._every: Optional[_Sig] = None  # read at every cell
         self._tables: List[Any] = []  # IPython's growing tables (In, Out...) and the namespace itself: identity only
         self._table_ids: List[int] = []
+        # The identities of every name read at every cell and of the tables, in one C call: what a
+        # quiet cell checks first (None: there is no such name, or the namespace is not a plain dict).
+        self._quick: Optional[Callable[[dict], tuple]] = None
+        self._quick_ids: List[int] = []
         self._windows: List[_Sig] = []  # a large namespace's other holders, one window a cell
         self._window = 0
         self._scalars: List[Any] = []  # a large namespace's names of scalars, their types a window a cell
@@ -176,6 +200,8 @@ class CensusWatch:
         self._anchor: Any = _MISSING
         self._objects: List[Tuple[Any, Tuple[int, ...]]] = []  # (owner's name, ids of its attributes)
         self._sentinels: List[Tuple[Any, int]] = []  # (weak reference to a parameter, id of its grad)
+        self._refs: List[Any] = []  # the sentinels' weak references, as one list...
+        self._grads: List[int] = []  # ...and their grads' ids
         self._optimizers: List[Tuple[Any, int]] = []  # (weak reference to an optimizer, its state count)
         self._out: Tuple[int, int] = (0, 0)
         self._errors: Tuple[int, ...] = ()
@@ -183,16 +209,13 @@ class CensusWatch:
 
     # -- after a census ------------------------------------------------------------------------------
 
-    def settle(self, namespace: dict, owners: Iterable[str], counters: Counters, out: Any = None,
-               errors: Tuple[Any, ...] = ()) -> None:
+    def settle(self, namespace: dict, owners: Iterable[str], sample: Any = None) -> None:
         """Remember what a census just counted depended on (C passes over the names, once per census).
 
         Args:
-            namespace: the names the census walked.
+            namespace: the names the census walked (IPython's output cache is its ``Out``).
             owners: the top-level names that own a part of it (a change to them changes the count).
-            counters: the memory counters at the moment of the census.
-            out: IPython's output cache (``Out``), or None.
-            errors: what holds the last error (``sys.last_value``, ``sys.last_traceback``, ...).
+            sample: the reading (``core.probes.Sample``) at the moment of the census: its counters.
         """
         self.settled = False
         if not isinstance(namespace, dict):
@@ -208,9 +231,9 @@ class CensusWatch:
         self._anchor = keys[-1] if keys else _MISSING
         self._sign(namespace, keys, values)
         self._watch_owners(namespace, values)
-        self._out = _out_state(out)
-        self._errors = tuple(map(id, errors))
-        self._counters = counters
+        self._out = _out_state(dict.get(namespace, "Out"))
+        self._errors = _error_ids()
+        self._counters = Counters.of(sample)
         self.settled = True
 
     def _sign(self, ns: dict, keys: List[Any], values: List[Any]) -> None:
@@ -227,60 +250,94 @@ class CensusWatch:
                 others.append(key)
         self._tables = tables
         self._table_ids = list(map(id, map(ns.get, tables)))
-        scalars = [k for k in compress(keys, scalar) if not _history_name(k)]
+        scalars = _not_history(list(compress(keys, scalar)))
         if len(others) + len(scalars) <= 2 * WINDOW:
             every.extend(others)
             every.extend(scalars)
             others, scalars = [], []
-        self._every = _Sig(ns, every)
+        self._set_every(ns, every)
         # A large namespace's other holders: identities and lengths only (what a window can afford).
         self._windows = [_Sig(ns, others[i:i + WINDOW], items=False) for i in range(0, len(others), WINDOW)]
         self._window = 0
         self._scalars = scalars
         self._scalar_cursor = 0
 
+    def _set_every(self, ns: dict, names: List[Any]) -> None:
+        """The names read at every cell, signed; and the one call that reads them with the tables."""
+        every = self._every = _Sig(ns, names)
+        watched = every.names + self._tables
+        self._quick = None
+        if type(ns) is dict and watched:
+            getter = itemgetter(*watched)
+            self._quick = getter if len(watched) > 1 else (lambda ns, get=getter: (get(ns),))
+            self._quick_ids = every.ids + self._table_ids
+
     def forget(self) -> None:
         """No fingerprint: the next check says "count again"."""
         self.settled = False
         self._sentinels, self._optimizers, self._objects = [], [], []
         self._every, self._windows = None, []
+        self._quick = None
 
     # -- at a cell's end ------------------------------------------------------------------------------
 
-    def changed(self, namespace: dict, counters: Counters, out: Any = None, errors: Tuple[Any, ...] = ()) -> bool:
-        """True when the count may differ from the last census's (the reason is in :attr:`reason`).
+    def changed(self, namespace: dict, sample: Any = None) -> bool:
+        """True when the count may differ from the last census's (the reason is in :attr:`reason`);
+        ``sample`` is the reading at the cell's end (``core.probes.Sample``: its counters).
 
         A change that provably leaves the count as it was is absorbed into the fingerprint.
         """
         try:
-            self.reason = self._check(namespace, counters, out, errors)
+            self.reason = self._check(namespace, sample)
         except Exception as exc:  # noqa: BLE001 - a name changed while read: count again
             self.reason = f"the check failed ({type(exc).__name__})"
         if self.reason is not None:
             self.settled = False
         return self.reason is not None
 
-    def _check(self, ns: dict, counters: Counters, out: Any, errors: Tuple[Any, ...]) -> Optional[str]:
+    def _check(self, ns: dict, sample: Any) -> Optional[str]:
+        # Cheapest first, and nothing built that a quiet cell does not need: this runs after every cell.
         if not self.settled or id(ns) != self._namespace_id:
             return "no fingerprint"
         # The counters first: they are read anyway, and a cell that moved memory is counted again.
         before = self._counters
-        if counters.allocated != before.allocated:
+        if sample is None:
+            rss, devices = None, ()
+        else:
+            rss, devices = sample.host.rss, sample.devices
+        if (devices or before.allocated) and tuple((d.index, d.allocated) for d in devices) != before.allocated:
             return "allocated bytes moved"
-        if counters.rss is not None and before.rss is not None and abs(counters.rss - before.rss) >= HOST_SLACK:
+        if rss is not None and before.rss is not None and abs(rss - before.rss) >= HOST_SLACK:
             return "host RSS moved"
-        if tuple(map(id, errors)) != self._errors:
+        attrs = _SYS  # _error_ids(), inlined
+        if (id(attrs.get("last_value")), id(attrs.get("last_traceback")), id(attrs.get("last_exc"))) != self._errors:
             return "the last error changed"
-        if _out_state(out) != self._out:
+        if _out_state(dict.get(ns, "Out")) != self._out:
             return "the output cache changed"
+        quick = self._quick
+        if quick is not None:
+            try:
+                values = quick(ns)  # a name deleted raises KeyError: read one by one below
+            except KeyError:
+                values = None
+            if (values is not None and list(map(id, values)) == self._quick_ids
+                    and (not self._every.lengths or self._every.same_contents(values))):
+                return self._after_names(ns)  # the names and the tables hold what they held
         if list(map(id, map(ns.get, self._tables))) != self._table_ids:
             return "IPython's tables were replaced"
         if not self._every.same(ns):
             reason = self._judge(ns, self._every.changed_names(ns))
             if reason is not None:
                 return reason
-            self._every = _Sig(ns, [n for n in self._every.names if n in ns])
-        reason = self._owner_contents(ns) or self._new_names(ns)
+            self._set_every(ns, [n for n in self._every.names if n in ns])
+        return self._after_names(ns)
+
+    def _after_names(self, ns: dict) -> Optional[str]:
+        reason = None
+        if self._objects or self._sentinels or self._optimizers:
+            reason = self._owner_contents(ns)
+        if reason is None:
+            reason = self._new_names(ns)
         if reason is not None or not (self._windows or self._scalars):
             return reason
         return self._other_window(ns) or self._scalar_window(ns)
@@ -341,7 +398,7 @@ class CensusWatch:
         elif self._windows or self._scalars:
             self._windows.append(_Sig(ns, [name], items=False))
         else:
-            self._every = _Sig(ns, self._every.names + [name])
+            self._set_every(ns, self._every.names + [name])
 
     # -- sentinels -------------------------------------------------------------------------------------
 
@@ -363,6 +420,8 @@ class CensusWatch:
                         self._sentinels.append((weakref.ref(param), id(self._grad(param))))
                     except TypeError:
                         pass
+        self._refs = [ref for ref, _grad in self._sentinels]
+        self._grads = [grad for _ref, grad in self._sentinels]
         kinds = list(map(types.kinds.get, map(type, values)))
         for opt in list(compress(values, map(OPTIM.__eq__, kinds)))[:MAX_SENTINEL_OWNERS]:
             try:
@@ -375,9 +434,15 @@ class CensusWatch:
             attrs = _attributes(self.types, dict.get(ns, name))
             if attrs is None or _attribute_ids(attrs) != attrs_ids:
                 return f"what `{name}` holds changed"
-        for ref, grad in self._sentinels:
-            param = ref()
-            if param is None or id(self._grad(param)) != grad:
+        sentinels = self._sentinels
+        if sentinels:
+            params = list(map(_CALL, self._refs))  # C passes: the parameters, then their gradients' ids
+            try:
+                same = (all(map(is_not, params, repeat(None)))
+                        and list(map(id, map(self._get_grad, params))) == self._grads)
+            except Exception:  # noqa: BLE001 - a gradient unreadable: read one at a time, as the fingerprint did
+                same = all(ref() is not None and id(self._grad(ref())) == grad for ref, grad in sentinels)
+            if not same:  # a parameter gone (its weak reference gives None), or a gradient made, freed or replaced
                 return "gradients appeared, went or were replaced"
         for ref, count in self._optimizers:
             opt = ref()
@@ -397,13 +462,17 @@ class CensusWatch:
         """Names added since the fingerprint, read from the end of the namespace and counted against its length."""
         length = dict.__len__(ns)
         last = next(reversed(ns), _MISSING)
-        if length == self._present and _same_key(last, self._anchor):
+        anchor = self._anchor
+        if length == self._present and (last is anchor
+                                        or (type(last) is str and type(anchor) is str and last == anchor)):
             return None
         if length == self._present + 1 and type(last) is str and last[:2] == "_i" and last[2:].isdigit():
             # The usual case: IPython stored this cell's input as `_iN` (a string) after the anchor.
             it = reversed(ns)
             next(it)
-            if _same_key(next(it, _MISSING), self._anchor) and type(dict.get(ns, last)) is str:
+            before = next(it, _MISSING)
+            if ((before is anchor or (type(before) is str and type(anchor) is str and before == anchor))
+                    and type(dict.get(ns, last)) is str):
                 self._tracked.add(last)
                 self._present = length
                 self._anchor = last
@@ -438,7 +507,7 @@ class CensusWatch:
                 if self._scalars or self._windows:
                     self._scalars.append(key)
                 else:
-                    self._every = _Sig(ns, self._every.names + [key])
+                    self._set_every(ns, self._every.names + [key])
         self._anchor = new[0]
         if self._present != length:
             return "the names do not add up"
@@ -458,7 +527,7 @@ class CensusWatch:
             self._tracked.discard(name)
         self._scalars = list(compress(self._scalars, present))
         if missing_every:
-            self._every = _Sig(ns, list(compress(every, present_every)))
+            self._set_every(ns, list(compress(every, present_every)))
         self._present -= gone
         self._scalar_cursor = 0
         return True
@@ -558,6 +627,12 @@ def _kind(types: Any, value: Any) -> int:
 
 def _same_key(key: Any, anchor: Any) -> bool:
     return key is anchor or (type(key) is str and type(anchor) is str and key == anchor)
+
+
+def _error_ids(attrs: dict = sys.__dict__) -> Tuple[int, int, int]:
+    """What holds the last error (the census walks its frames), as identities; read from ``sys``'s
+    dict (a missing attribute read through getattr costs an exception each time)."""
+    return id(attrs.get("last_value")), id(attrs.get("last_traceback")), id(attrs.get("last_exc"))
 
 
 def _out_state(out: Any) -> Tuple[int, int]:
