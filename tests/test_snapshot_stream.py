@@ -268,3 +268,35 @@ def test_event_times_are_offsets_until_one_does_not_fit(late):
         assert trace[1] == events[1] and trace[4]["time_us"] == first + late
     untimed = Trace.from_events([{"action": "alloc", "addr": 1, "size": 2}] * 3)
     assert untimed.time.typecode == "I" and all("time_us" not in e for e in untimed)
+
+
+def test_values_every_event_had_until_one_differs():
+    """The fast path writes a value every event of a run had into its template (torch's stream, its fresh "N/A"
+    strings); events that differ, one or a run of them, and a stack shared by an allocation and its free, read as
+    plain unpickling reads them, in bulk or over a buffer refilled every few bytes."""
+    stacks = [[{"filename": f"f{i}.py", "line": i, "name": "g"}] for i in range(40)]
+    events = []
+    for i in range(3000):
+        stream_ = 0 if i < 1000 or i % 700 == 3 else 7 if i < 2000 else 1 << 40  # a run, single misfits, a new run
+        frames = stacks[i % 40] if i % 3 else list(stacks[i % 40])  # a fresh list, or one shared by reference
+        for action in ("alloc", "free_requested"):
+            events.append({"action": action, "addr": i * 512, "size": 512, "stream": stream_,
+                           "time_us": 1_763_324_225_835_213 + i, "compile_context": "".join(["N/", "A"]),
+                           "frames": frames})
+    data = {"segments": [], "device_traces": [events]}
+    blob = pickle.dumps(data, protocol=4)
+    assert list(load_snapshot(blob)["device_traces"][0]) == events
+    fast = [0]
+    bulk = stream._Machine.bulk
+
+    def counted(self, tpl, trace, rows):
+        fast[0] += len(rows) if tpl.fixed else 0
+        return bulk(self, tpl, trace, rows)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream._Machine, "bulk", counted)
+        assert list(load_snapshot(blob)["device_traces"][0]) == events
+        assert fast[0] > len(events) // 3  # the runs went the way of a template with their values written in
+        mp.setattr(stream, "CHUNK", 97)
+        mp.setattr(stream, "MARGIN", 211)
+        assert list(load_snapshot(blob)["device_traces"][0]) == events

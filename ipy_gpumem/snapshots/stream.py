@@ -33,7 +33,7 @@ import sys
 import time
 from array import array
 from itertools import chain, compress, repeat
-from operator import itemgetter, not_
+from operator import is_
 from typing import Any, Dict, List, Optional
 
 from .trace import NO_TIME, Trace
@@ -75,8 +75,6 @@ _CONTAINERS = (dict, list, tuple, set, frozenset)
 _CONTAINER_TYPES = frozenset(_CONTAINERS)
 _SKIP = 0x7FFFFFFF  # a column's "no memo slot here" in the bulk event path
 _EVENT = -1  # the memo kind of an event (it lives in the trace's columns)
-_NO_RUN = -2 - _SKIP  # the "frames index" of an event whose frames are a reference: its memo kind is _SKIP
-_MINUS_2 = (-2).__sub__  # a frames index's memo kind
 
 
 class Fallback(Exception):
@@ -125,42 +123,66 @@ class _Template:
     """One event shape (its keys, in order, as memo references): a regex that matches a run of such events.
 
     Torch writes every event of a device with the same keys, so one template reads nearly all of
-    a trace. Its regex matches, at each place, an event (values captured), a batch boundary or
-    frame header (no-ops here), or else the rest of the window (where the run stops).
+    a trace. Its regex matches, at each place, an event (values captured) after any batch
+    boundaries or frame headers (no-ops here), or else the rest of the window (where the run
+    stops). Torch also writes some keys with the same value token in every event (``stream``,
+    ``compile_context``'s "N/A"): once a run of events showed it, a variant of the template has
+    those tokens written in (``fixed``), so their values are neither matched by alternatives nor
+    captured (a capture costs about a tenth of an event's match); an event that does not fit the
+    variant is read by the general template.
     """
 
-    def __init__(self, ktoks: tuple, keys: tuple):
-        self.keys = keys
+    def __init__(self, ktoks: tuple, keys: tuple, fixed: Optional[Dict[str, bytes]] = None):
+        self.ktoks, self.keys = ktoks, keys
+        self.fixed: Dict[str, bytes] = dict(fixed or {})  # key -> the value token every event has
+        self.general = self  # the template without fixed values (a variant's is its general one)
+        self.variant: Optional[_Template] = None
+        self.tries = 0  # runs of events looked at for fixed values
         parts = []
         self.ints: Dict[str, int] = {}  # column name -> group
-        self.action = self.frames_run = self.frames_ref = -1
-        self.others: List[tuple] = []  # (key, group) of keys kept in the extras table
-        self.scalars: List[int] = []  # groups that may hold a fresh string (a memo slot)
+        self.action = self.frames = -1
+        self.others: List[tuple] = []  # (key, group, token) of keys kept in the extras table (group -1: fixed token)
+        self.slots: List[tuple] = []  # (group, token), in the file's order: values that may make a memo slot
         g = 0
         for ktok, key in zip(ktoks, keys):
-            if key in _INT_KEYS:
+            if key in self.fixed:
+                tok = self.fixed[key]
+                parts.append(re.escape(ktok + tok))
+                self.others.append((key, -1, tok))
+                self.slots.append((-1, tok))
+            elif key in _INT_KEYS:
                 parts.append(re.escape(ktok) + b"(" + _INT + b")")
                 self.ints[_INT_KEYS[key]] = g
                 g += 1
-            elif key == "frames":
-                parts.append(re.escape(ktok) + b"(?:(" + _RUN + b")|(" + _REF + b"))")
-                self.frames_run, self.frames_ref = g, g + 1
-                g += 2
+            elif key == "frames":  # a run of references (a new list, a memo slot) or a reference to a list
+                parts.append(re.escape(ktok) + b"(" + _RUN + b"|" + _REF + b")")
+                self.frames = g
+                self.slots.append((g, None))
+                g += 1
             else:
                 parts.append(re.escape(ktok) + b"(" + _SCALAR + b")")
                 if key == "action":
                     self.action = g
                 else:
-                    self.others.append((key, g))
-                self.scalars.append(g)
+                    self.others.append((key, g, None))
+                self.slots.append((g, None))
                 g += 1
-        self.groups = g
-        self.fixed = 4 + sum(map(len, ktoks))  # an event's bytes besides its values
-        event = rb"\}\x94\(" + b"".join(parts) + rb"u"
+        self.groups = g  # the stray rest's group
+        event = rb"(?:e\(|\x95.{8})*\}\x94\(" + b"".join(parts) + rb"u"
         if _ATOMIC:
-            event = rb"(?>" + event + rb")"
-        self.regex = re.compile(rb"(?:" + event + rb"|(e\(|\x95.{8})|(.+))", re.S)
+            event = rb"(?>(?:e\(|\x95.{8})*+\}\x94\(" + b"".join(parts) + rb"u)"
+        self.regex = re.compile(rb"(?:" + event + rb"|(.+))", re.S)
         self.extras: Dict[Any, Dict[tuple, int]] = {}  # trace -> (other tokens) -> extra id
+
+    def fit(self, cols: list, n: int) -> None:
+        """Make the variant with the values of ``cols`` (a run of ``n`` events) that every event had, if any."""
+        if n < 64:  # too few to tell
+            return
+        self.tries += 1
+        fixed = {key: cols[g][0] for key, g, _tok in self.others if cols[g].count(cols[g][0]) == n}
+        if fixed:
+            variant = self.variant = _Template(self.ktoks, self.keys, fixed)
+            variant.general = self
 
 
 class _Machine:
@@ -179,7 +201,8 @@ class _Machine:
         self.strings: Dict[str, str] = {}  # equal strings share one object (torch writes "N/A" afresh per event)
         self.string_slot: Dict[str, int] = {}  # an interned string's index in ``objs``
         self.frames: List[Any] = []  # every device's stacks, each once
-        self.frames_of_run: Dict[bytes, int] = {b"": _NO_RUN}
+        self.frames_of_run: Dict[bytes, int] = {}  # a run of references' bytes -> frames index
+        self.kind_of_run: Dict[bytes, int] = {}  # the same -> the memo kind of the list it makes
         self.frames_of_obj: Dict[int, int] = {}
         self.frames_of_ref: Dict[bytes, int] = {}  # a reference's bytes -> frames index (a few recent ones)
         self.pending: Optional[int] = None  # memo slot of an event going the general way
@@ -600,22 +623,25 @@ class _Machine:
                 return pos
         while True:
             end = min(len(buf), pos + MARGIN)
-            found = tpl.regex.findall(buf, pos, end)
-            stray, sep = tpl.groups + 1, tpl.groups
-            if found and found[-1][stray]:
-                end -= len(found.pop()[stray])
-            rows = found
-            if any(map(itemgetter(sep), found)):
-                rows = list(compress(found, map(not_, map(itemgetter(sep), found))))
+            rows = tpl.regex.findall(buf, pos, end)
+            stray = tpl.groups
+            if rows and rows[-1][stray]:
+                end -= len(rows.pop()[stray])
             if rows and not self.bulk(tpl, trace, rows):
-                return self.after(tpl, found, self.take(tpl, trace, rows), pos)
+                return self.after(tpl, buf, pos, self.take(tpl, trace, rows))
             if end > pos:
                 pos = end
+                if tpl.variant is not None:  # the general template read past a misfit: the variant reads on
+                    tpl = self.recent = tpl.variant
                 if len(buf) - pos < MARGIN and not self.eof:
                     return pos  # the main loop refills, then comes back
                 continue
+            if tpl.general is not tpl:  # an event the variant does not fit: the general template reads on, and
+                tpl = tpl.general  # looks again for the values every event has (a few times per template)
+                tpl.variant = None
+                continue
             other = self.template(buf, pos)  # nothing taken here: an event of another shape?
-            if other is None or other is tpl:
+            if other is None or other.general is tpl:
                 return pos
             tpl = other
 
@@ -629,17 +655,14 @@ class _Machine:
         return self.take(tpl, trace, rows[:half])
 
     @staticmethod
-    def after(tpl: _Template, found: list, taken: int, pos: int) -> int:
-        """The position of the first event of ``found`` (matched from ``pos``) that was not taken."""
-        sep = tpl.groups
-        for row in found:
-            if row[sep]:
-                pos += len(row[sep])
-                continue
-            if not taken:
-                break
-            taken -= 1
-            pos += tpl.fixed + sum(map(len, row[:sep]))
+    def after(tpl: _Template, buf: bytes, pos: int, taken: int) -> int:
+        """The position after the first ``taken`` events matched from ``pos`` (where the first not taken starts, or
+        the batch boundary before it)."""
+        if taken:
+            for m in tpl.regex.finditer(buf, pos, min(len(buf), pos + MARGIN)):
+                taken -= 1
+                if not taken:
+                    return m.end()
         return pos
 
     def template(self, buf: bytes, pos: int) -> Optional[_Template]:
@@ -659,7 +682,7 @@ class _Machine:
             if not all(type(k) is str for k in keys) or len(set(keys)) != len(keys):
                 return None
             tpl = self.templates[ktoks] = _Template(ktoks, keys)
-        self.recent = tpl
+        tpl = self.recent = tpl.variant or tpl
         return tpl
 
     def value(self, tok: bytes) -> Any:
@@ -729,6 +752,7 @@ class _Machine:
                     else:  # MARK, APPENDS, APPEND between batches
                         i += 1
                 fid = self.frames_of_run[tok] = len(self.frames)
+                self.kind_of_run[tok] = -2 - fid
                 self.frames.append(tuple(stack))
             return fid
         index = tok[1] if tok[0] == 0x68 else int.from_bytes(tok[1:], "little")
@@ -770,15 +794,33 @@ class _Machine:
             ints = {}
             for name, g in tpl.ints.items():
                 ints[name] = pickle.loads(b"\x80\x04(" + b"".join(cols[g]) + b"l.")
+            # Frames, as indices into the stacks table: a run of references is a stack (known, or read now from
+            # the memo); a reference to a list is resolved once the slots this run of events makes are known.
+            fids = None
+            if tpl.frames >= 0:
+                frames = cols[tpl.frames]
+                fids = list(map(self.frames_of_run.get, frames))
+                if None in fids:
+                    for i in compress(range(n), map(is_, fids, repeat(None))):
+                        if frames[i][0] == 0x5D:
+                            fids[i] = self.frames_id(frames[i])
             # The memo slots the events make, in the order the file holds them: the event, its fresh
             # strings, its frames list (a run of references, so its stack is known before the slots).
-            making = []  # (group, the kind of slot each event makes there; _SKIP: none)
-            for g in tpl.scalars:
+            making = []  # the kind of slot each event makes there (_SKIP: none)
+            for g, tok in tpl.slots:
+                if g < 0:  # a value written into the template
+                    k = self.token_slot(tok)
+                    if k != _SKIP:
+                        making.append(array("i", [k]) * n)
+                    continue
                 col = cols[g]
+                if g == tpl.frames:
+                    making.append(array("i", map(self.kind_of_run.get, col, repeat(_SKIP))))
+                    continue
                 if col.count(col[0]) == n:  # the same token in every event (torch's "N/A", a stream)
                     k = self.token_slot(col[0])
                     if k != _SKIP:
-                        making.append((g, array("i", [k]) * n))
+                        making.append(array("i", [k]) * n)
                     continue
                 if b"\x8c" not in b"".join(col):  # references and numbers only (actions): no slots
                     continue
@@ -786,21 +828,19 @@ class _Machine:
                 if None in kinds:
                     kinds = [self.token_slot(t) if k is None else k for t, k in zip(col, kinds)]
                 if kinds.count(_SKIP) != n:
-                    making.append((g, array("i", kinds)))
-            if tpl.frames_run >= 0:
-                runs = cols[tpl.frames_run]
-                run_ids = list(map(self.frames_of_run.get, runs))  # a reference's empty run: _NO_RUN
-                if None in run_ids:
-                    run_ids = [self.frames_id(t) if f is None else f for t, f in zip(runs, run_ids)]
-                making.append((tpl.frames_run, array("i", map(_MINUS_2, run_ids))))
-            making.sort(key=itemgetter(0))
+                    making.append(array("i", kinds))
             width = 1 + len(making)
             slots = array("i", [_EVENT]) * (n * width)
-            for j, (_g, kinds) in enumerate(making, 1):
+            for j, kinds in enumerate(making, 1):
                 slots[j::width] = kinds
             if _SKIP in slots:
                 slots = array("i", filter(_SKIP.__ne__, slots))
             self.batch = slots  # references to slots made earlier in this run of events resolve here
+            if fids is not None and None in fids:  # references to stacks (a free may refer to its allocation's)
+                fids = list(map(self.frames_of_ref.get, frames, fids))  # a run's stays as found
+                if None in fids:  # a reference met for the first time
+                    for i in compress(range(n), map(is_, fids, repeat(None))):
+                        fids[i] = self.frame_ref(frames[i])
             # Actions, as codes in the trace's table.
             if tpl.action >= 0:
                 table = self.action_codes.setdefault(trace, {})
@@ -817,26 +857,15 @@ class _Machine:
                 if code is None:
                     return False
                 codes = [code] * n
-            # Frames, as indices into the stacks table (a reference resolved through the memo).
-            if tpl.frames_run >= 0:
-                fids = run_ids
-                if _NO_RUN in run_ids:  # references to stacks (a free refers to its allocation's): merged in C
-                    refs = cols[tpl.frames_ref]
-                    fids = list(map(max, run_ids, map(self.frames_of_ref.get, refs, repeat(_NO_RUN))))
-                    if _NO_RUN in fids:  # a reference met for the first time
-                        for i in compress(range(n), map(_NO_RUN.__eq__, fids)):
-                            fids[i] = self.frame_ref(refs[i])
-            else:
-                fids = None
             # The other keys, as an index into the trace's table of extras.
             per_trace = tpl.extras.setdefault(trace, {})
-            others = [cols[g] for _k, g in tpl.others]
+            others = [cols[g] if g >= 0 else (tok,) * n for _k, g, tok in tpl.others]
             if all(col.count(col[0]) == n for col in others):
                 toks = tuple(col[0] for col in others)
                 xid = per_trace.get(toks)
                 if xid is None:
                     xid = per_trace[toks] = trace.extra_id(
-                        tpl.keys, tuple((k, self.value(t)) for (k, _g), t in zip(tpl.others, toks)))
+                        tpl.keys, tuple((k, self.value(t)) for (k, _g, _t), t in zip(tpl.others, toks)))
                 xids = [xid] * n
             else:
                 xt = list(zip(*others))
@@ -844,7 +873,7 @@ class _Machine:
                 if None in xids:
                     for i, toks in enumerate(xt):
                         if xids[i] is None:
-                            pairs = tuple((k, self.value(t)) for (k, _g), t in zip(tpl.others, toks))
+                            pairs = tuple((k, self.value(t)) for (k, _g, _t), t in zip(tpl.others, toks))
                             xids[i] = per_trace[toks] = trace.extra_id(tpl.keys, pairs)
                 if len(per_trace) > 65536:
                     per_trace.clear()
@@ -854,6 +883,8 @@ class _Machine:
             self.batch = None
         trace.extend_columns(codes, ints.get("addr"), ints.get("size"), ints.get("time"), fids, xids, n)
         self.kinds.extend(slots)
+        if tpl.variant is None and tpl.general is tpl and tpl.tries < 16:
+            tpl.fit(cols, n)
         return True
 
     def frame_ref(self, tok: bytes) -> int:
