@@ -487,11 +487,12 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
         samples.append(n - 1)
     lo = 0
     bisect_left, bisect_right, insort = bisect.bisect_left, bisect.bisect_right, bisect.insort  # locals: per event
+    live_get, live_pop, seg_get, size_get, dirty_add = live.get, live.pop, seg_of.get, rounded.get, dirty.add
     for sample in samples:  # events up to each sample, then the sample (no test per event)
         hi = sample + 1
         for i, c, addr, size in zip(range(lo, hi), acts[lo:hi], addrs[lo:hi], sizes[lo:hi]):
             if c == A:
-                seg = seg_of.get(addr, missing)
+                seg = seg_get(addr, missing)
                 if seg is missing:
                     if len(seg_of) > 65536:  # addresses seen: a long capture has millions
                         seg_of.clear()
@@ -500,7 +501,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                 if size <= 0:
                     block = 0
                 else:
-                    block = rounded.get(size)
+                    block = size_get(size)
                     if block is None:
                         if len(rounded) > 65536:
                             rounded.clear()
@@ -516,7 +517,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                                     block += rest if rest < LARGE_BUFFER else 0  # oversize blocks are never split
                                 elif rest <= SMALL_SIZE:
                                     block += rest
-                old = live.get(addr)
+                old = live_get(addr)
                 if old is not None:  # a block we thought still in place: its free fell outside the window
                     anomalies += 1
                     gone_size, was = _gone(old, i, before, bsize, gone, held)
@@ -534,11 +535,11 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                         starts.insert(j, addr)
                     else:
                         insort(blocks[seg], addr)
-                    dirty.add(seg)
+                    dirty_add(seg)
                 allocated += block
                 active += block
             elif c == FR:
-                k = live.get(addr)
+                k = live_get(addr)
                 if k is None:
                     anomalies += 1
                 elif k >= 0:
@@ -553,7 +554,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                         b.freed = i
                         allocated -= b.size
             elif c == FC:
-                k = live.pop(addr, None)
+                k = live_pop(addr, None)
                 if k is None:
                     anomalies += 1
                 else:
@@ -572,7 +573,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                             allocated -= b.size
                         b.gone = i
                         active -= b.size
-                    seg = seg_of.get(addr, missing)
+                    seg = seg_get(addr, missing)
                     if seg is missing:
                         seg = layout.find(addr)  # a freed address: not remembered (allocations look it up first)
                     if seg is not None:
@@ -580,7 +581,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                         j = bisect_left(starts, addr)
                         if j < len(starts) and starts[j] == addr:
                             del starts[j]
-                        dirty.add(seg)
+                        dirty_add(seg)
             elif c == SA or c == SF or c == SM or c == SU:
                 if c == SA:
                     reserved += size
@@ -618,7 +619,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
     first = next((t for t in trace.time if t != none), None)
     first_us = None if first is None else first + base
     timed = first_us is not None
-    if timed and (trace.odd or none in trace.time):  # some events without a time: carry the last one
+    if timed and (trace.odd or trace.untimed):  # some events without a time: carry the last one
         times: Sequence[float] = array("d")
         last_t = 0.0
         for i, t in enumerate(trace.time):

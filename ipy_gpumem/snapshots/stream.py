@@ -807,6 +807,7 @@ class _Machine:
             # The memo slots the events make, in the order the file holds them: the event, its fresh
             # strings, its frames list (a run of references, so its stack is known before the slots).
             making = []  # the kind of slot each event makes there (_SKIP: none)
+            skips = False  # whether some event makes no slot at one of those places
             for g, tok in tpl.slots:
                 if g < 0:  # a value written into the template
                     k = self.token_slot(tok)
@@ -814,8 +815,9 @@ class _Machine:
                         making.append(array("i", [k]) * n)
                     continue
                 col = cols[g]
-                if g == tpl.frames:
+                if g == tpl.frames:  # a reference makes no slot
                     making.append(array("i", map(self.kind_of_run.get, col, repeat(_SKIP))))
+                    skips = skips or None in fids
                     continue
                 if col.count(col[0]) == n:  # the same token in every event (torch's "N/A", a stream)
                     k = self.token_slot(col[0])
@@ -827,13 +829,15 @@ class _Machine:
                 kinds = list(map(self.token_slots.get, col))
                 if None in kinds:
                     kinds = [self.token_slot(t) if k is None else k for t, k in zip(col, kinds)]
-                if kinds.count(_SKIP) != n:
+                skipped = kinds.count(_SKIP)
+                if skipped != n:
                     making.append(array("i", kinds))
+                    skips = skips or skipped > 0
             width = 1 + len(making)
             slots = array("i", [_EVENT]) * (n * width)
             for j, kinds in enumerate(making, 1):
                 slots[j::width] = kinds
-            if _SKIP in slots:
+            if skips:
                 slots = array("i", filter(_SKIP.__ne__, slots))
             self.batch = slots  # references to slots made earlier in this run of events resolve here
             if fids is not None and None in fids:  # references to stacks (a free may refer to its allocation's)

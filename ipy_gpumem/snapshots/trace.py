@@ -41,6 +41,7 @@ class Trace(Sequence):
         self.time_base = 0
         self.time_none = _NO_OFFSET  # NO_TIME once widened
         self._based = False  # time_base is the first time seen
+        self.untimed = 0  # events without a time (their column holds ``time_none``)
         self.frame = array("h")  # index into ``frames``; -1: no ``frames`` key (widens to "i")
         self.extra = array("B")  # index into ``extras`` (widens to "H", then "I")
         self.frames: List[Any] = [] if frames is None else frames  # shared between a file's devices
@@ -130,8 +131,9 @@ class Trace(Sequence):
     def _extend_time(self, values: List[int]) -> None:
         """Append times (``time_us``, or :data:`NO_TIME`) as offsets from the first one, or absolute once one does not fit."""
         column = self.time
+        untimed = values.count(NO_TIME)
+        self.untimed += untimed
         if column.typecode == "I":
-            untimed = values.count(NO_TIME)
             if not self._based:
                 if untimed == len(values):  # no time yet (2024 captures have none at all)
                     column.extend(array("I", [_NO_OFFSET]) * len(values))
