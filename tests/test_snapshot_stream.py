@@ -300,3 +300,24 @@ def test_values_every_event_had_until_one_differs():
         mp.setattr(stream, "CHUNK", 97)
         mp.setattr(stream, "MARGIN", 211)
         assert list(load_snapshot(blob)["device_traces"][0]) == events
+
+
+def test_addresses_and_times_of_every_width():
+    """Numbers the fast path moves as bytes (a run of LONG1 tokens of one width) or unpickles (any other run): every
+    width, the top bit set (one byte more), negative numbers, and runs that change width, read as plain unpickling."""
+    values = [1 << 40, (1 << 47) + 5, 0x7F00_0000_0000, -(1 << 44), 1 << 62, -1, 255, 1 << 16, 1 << 31]
+    events = [{"action": "alloc", "addr": values[i // 1500] + i, "size": 512,
+               "time_us": 1_763_324_225_835_213 + (i if i % 1000 else -i), "frames": []} for i in range(13_500)]
+    blob = pickle.dumps({"segments": [], "device_traces": [events]}, protocol=4)
+    moved = []
+    column = stream._long1_column
+
+    def counted(data, n):
+        out = column(data, n)
+        moved.append(out is not None)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream, "_long1_column", counted)
+        assert list(load_snapshot(blob)["device_traces"][0]) == events
+    assert any(moved) and not all(moved)

@@ -33,7 +33,7 @@ import sys
 import time
 from array import array
 from itertools import chain, compress, repeat
-from operator import is_
+from operator import is_, itemgetter
 from typing import Any, Dict, List, Optional
 
 from .trace import NO_TIME, Trace
@@ -66,6 +66,9 @@ SECONDS_PER_BYTE, SECONDS_FLOOR = 20e-6, 10.0
 MAX_STACK = 1 << 16
 #: The longest integer argument read (torch's fit 8 bytes; Python cannot print an int over ~1,800).
 MAX_INT_BYTES = 255
+#: Dicts in lists (blocks, frames) read the general way before the fast way is tried: making its regex for a shape
+#: of dict costs what the general way spends on a few hundred dicts.
+DICTS_AFTER = 1024
 #: The longest text line of protocol 0 (numbers, memo indices, strings).
 MAX_LINE = 1 << 16
 
@@ -117,6 +120,9 @@ _KEY = _REF + b"|" + _STR
 _SPAN = re.compile(rb"\}\x94\((?:(?:" + _KEY + rb")(?:" + _SCALAR + b"|" + _RUN + rb"))+u", re.S)
 _PAIR = re.compile(rb"(" + _KEY + rb")(" + _SCALAR + b"|" + _RUN + rb")", re.S)
 _INT_KEYS = {"addr": "addr", "size": "size", "time_us": "time"}
+_INT_OPS = frozenset(b"KMJ\x8a")
+_LITTLE = sys.byteorder == "little"  # array's 8-byte ints are the machine's own  # the first bytes of an int token
+_MAKERS = frozenset(b"\x8c]")  # the first bytes of a value that makes a memo slot (a fresh string, a new list)
 
 
 class _Template:
@@ -185,6 +191,25 @@ class _Template:
             variant.general = self
 
 
+class _Shape:
+    """One shape of dict outside the events (its keys, in order, as memo references): a regex that matches a run of
+    such dicts in a list, each value a scalar, a memo reference or a new list of memo references.
+
+    Most of a big snapshot besides its events is such runs: the segments' blocks (address, size,
+    requested_size, state, frames) and the frames of a stack (name, filename, line). The general
+    opcode loop takes a dozen steps or more per dict; a run of them is matched at once and each
+    becomes the same dict, with the same memo slots, costs and counts, the general way would make.
+    """
+
+    def __init__(self, ktoks: tuple, keys: tuple):
+        self.keys = keys
+        self.groups = len(ktoks)  # the stray rest's group
+        body = rb"\}\x94\(" + b"".join(re.escape(k) + b"(" + _SCALAR + b"|" + _RUN + b")" for k in ktoks) + rb"u"
+        if _ATOMIC:
+            body = rb"(?>" + body + rb")"
+        self.regex = re.compile(rb"(?:" + body + rb"|(.+))", re.S)
+
+
 class _Machine:
     """The pickle machine: a stack with marks as indices, a memo of what was stored, a buffer refilled from the file."""
 
@@ -207,6 +232,10 @@ class _Machine:
         self.frames_of_ref: Dict[bytes, int] = {}  # a reference's bytes -> frames index (a few recent ones)
         self.pending: Optional[int] = None  # memo slot of an event going the general way
         self.templates: Dict[tuple, _Template] = {}
+        self.shapes: Dict[tuple, Optional[_Shape]] = {}  # dicts outside the events, by their key tokens
+        self.no_dicts: set = set()  # ids of lists whose dicts have no shape the fast way reads
+        self.dicts_after = DICTS_AFTER
+        self.runs: Dict[bytes, tuple] = {}  # a run of references in a dict -> (its items, what they stand for)
         self.recent: Optional[_Template] = None
         self.token_values: Dict[bytes, Any] = {}  # a scalar token's value (memo slots never change)
         self.token_slots: Dict[bytes, int] = {}  # the memo kind a value token makes (_SKIP: none)
@@ -377,6 +406,15 @@ class _Machine:
                     pos = end
                     continue
                 self.pending = len(self.kinds) + len(self.sparse) if buf[pos + 1:pos + 2] == b"\x94" else None
+            elif op == 0x7D and marks and marks[-1] and type(stack[marks[-1] - 1]) is list and not self.sparse \
+                    and id(stack[marks[-1] - 1]) not in self.no_dicts:  # a dict in a list: blocks, frames
+                if self.dicts_after:  # a snapshot with few of them reads them the general way (no regex made)
+                    self.dicts_after -= 1
+                else:
+                    end = self.dicts(stack[marks[-1] - 1], buf, pos)
+                    if end > pos:
+                        pos = end
+                        continue
             self.ticks -= 1
             if not self.ticks:
                 self.ticks = 4096
@@ -685,6 +723,185 @@ class _Machine:
         tpl = self.recent = tpl.variant or tpl
         return tpl
 
+    # -- the fast path: dicts outside the events ------------------------------------------------
+    def dicts(self, target: list, buf: bytes, pos: int) -> int:
+        """Read the dicts of one shape from ``pos`` on, onto the stack (as the general way puts them there, for
+        ``target``'s APPENDS); the position after them."""
+        shape = self.shape(buf, pos)
+        if shape is None:
+            self.no_dicts.add(id(target))  # not a run of plain dicts (segments, ...): not asked again for this list
+            return pos
+        stray = shape.groups
+        if shape.regex.match(buf, pos, min(len(buf), pos + 4096)).group(stray + 1):  # a misfit, told from 4 KB
+            return pos
+        while True:
+            end = min(len(buf), pos + MARGIN)
+            rows = shape.regex.findall(buf, pos, end)
+            if rows and rows[-1][stray]:
+                end -= len(rows.pop()[stray])
+            if not rows:
+                return pos
+            taken = self.take_dicts(shape, rows)
+            if len(self.stack) + len(self.marks) > MAX_STACK:
+                raise SnapshotError(f"{self.name} is not a memory snapshot: its pickle stack holds more than "
+                                    f"{MAX_STACK} items (a crafted file?)")
+            if taken < len(rows):
+                for m in shape.regex.finditer(buf, pos, end):  # where the first dict not taken starts
+                    if not taken:
+                        return m.start()
+                    taken -= 1
+            pos = end
+            if len(buf) - pos < MARGIN and not self.eof:
+                return pos  # the main loop refills, then comes back
+
+    def shape(self, buf: bytes, pos: int) -> Optional[_Shape]:
+        """The shape of the dict at ``pos`` (made the first time its keys are met), or None."""
+        m = _SPAN.match(buf, pos)
+        if m is None:
+            return None
+        ktoks = tuple(k for k, _v in _PAIR.findall(buf, pos + 3, m.end() - 1))
+        shape = self.shapes.get(ktoks, _MISSING)
+        if shape is _MISSING:
+            if any(k[0] == 0x8C for k in ktoks) or len(self.shapes) >= 256:
+                return None  # keys not yet in the memo (the first dict of its kind): the general way
+            try:
+                keys = tuple(self.value(k) for k in ktoks)
+            except (KeyError, _NotScalar, Fallback):
+                return None
+            ok = all(type(k) is str for k in keys) and len(set(keys)) == len(keys)
+            shape = self.shapes[ktoks] = _Shape(ktoks, keys) if ok else None
+        return shape
+
+    def take_dicts(self, shape: _Shape, rows: list) -> int:
+        """Put in the dicts before the first one the fast way cannot make (halving); how many went in."""
+        if self.put_dicts(shape, rows):
+            return len(rows)
+        if len(rows) == 1:
+            return 0
+        half = len(rows) // 2
+        taken = self.take_dicts(shape, rows[:half])
+        return taken if taken < half else half + self.take_dicts(shape, rows[half:])
+
+    def put_dicts(self, shape: _Shape, rows: list) -> bool:
+        """Make the dicts of ``rows`` (token tuples) and push them, with the memo slots, costs and counts the general
+        way would make; False (nothing changed) where one of them needs the general way."""
+        n = len(rows)
+        cols = list(zip(*rows))[:shape.groups]
+        memo = len(self.kinds)  # references must be to slots made before this run of dicts
+        cost = n * (84 + 80 * shape.groups)  # EMPTY_DICT, MEMOIZE, MARK and SETITEMS of each
+        expanded = 0  # what containers met again stand for (their weights known)
+        unweighed = []  # containers met again whose weight the general way works out the first time (shared())
+        values = []
+        makes = []  # per column: which of its values make a memo slot (None: none, True: all, else per dict)
+        try:
+            for col in cols:
+                firsts = set(map(itemgetter(0), col))
+                if firsts <= _INT_OPS:
+                    data = b"".join(col)
+                    values.append(pickle.loads(b"\x80\x04(" + data + b"l."))
+                    cost += 32 * n + len(data)
+                    makes.append(None)
+                    continue
+                vals = []
+                for tok in col:
+                    c = tok[0]
+                    if c == 0x68 or c == 0x6A:  # a reference: a scalar, or a container met again
+                        v = self.token_values.get(tok, _MISSING)
+                        if v is _MISSING:
+                            index = tok[1] if c == 0x68 else int.from_bytes(tok[1:], "little")
+                            if index >= memo:
+                                return False
+                            k = self.kinds[index]
+                            if k == _EVENT:
+                                return False
+                            v = self.objs[k] if k >= 0 else self.frames[-2 - k]
+                            if type(v) in _CONTAINER_TYPES:
+                                w = self.weights.get(id(v))
+                                if w is None:
+                                    unweighed.append(v)
+                                else:
+                                    expanded += w
+                            else:
+                                v = self.value(tok)
+                    elif c == 0x5D:  # a new list of references
+                        items, containers = self.run_items(tok, memo)
+                        v = list(items)
+                        for o in containers:
+                            w = self.weights.get(id(o))
+                            if w is None:
+                                unweighed.append(o)
+                            else:
+                                expanded += w
+                        cost += 76 + 8 * len(items)
+                    else:  # a number, a fresh string, None, True, False
+                        v = self.value(tok)
+                        cost += 68 + len(tok)
+                    vals.append(v)
+                values.append(vals)
+                if 0x5D in firsts or 0x8C in firsts:
+                    makes.append(True if firsts <= _MAKERS else [t[0] in _MAKERS for t in col])
+                else:
+                    makes.append(None)
+        except (_NotScalar, KeyError, IndexError, TypeError, ValueError, OverflowError, pickle.UnpicklingError):
+            return False
+        dicts = list(map(dict, map(zip, repeat(shape.keys), zip(*values))))
+        # The memo slots, in the order the file makes them: each dict, then its new strings and lists.
+        slotted = [vals for vals, m in zip(values, makes) if m is True]
+        if all(m is None or m is True for m in makes):
+            made = list(chain.from_iterable(zip(dicts, *slotted))) if slotted else dicts
+        else:
+            made = []
+            for i, d in enumerate(dicts):
+                made.append(d)
+                for vals, m in zip(values, makes):
+                    if m is True or (m is not None and m[i]):
+                        made.append(vals[i])
+        self.spend(cost + 12 * len(made))
+        for o in unweighed:
+            self.shared(o, 0)
+        if expanded:
+            self.expanded += expanded
+            if self.expanded > self.expand_limit:
+                self.expand_limit = EXPAND_FLOOR + EXPAND_PER_BYTE * self.consumed()
+                if self.expanded > self.expand_limit:
+                    raise SnapshotError(f"{self.name} is not a memory snapshot: its memo references stand for more "
+                                        f"than {EXPAND_PER_BYTE} items per byte (a crafted file?)")
+        start = len(self.objs)
+        self.objs.extend(made)
+        self.kinds.extend(array("i", range(start, start + len(made))))
+        self.stack.extend(dicts)
+        return True
+
+    def run_items(self, tok: bytes, memo: int) -> tuple:
+        """The items a run of references in a dict stands for, and those of them that are containers (KeyError:
+        a reference past ``memo`` or to an event; the general way says why)."""
+        run = self.runs.get(tok)
+        if run is None:
+            items = []
+            i, n = 2, len(tok)
+            while i < n:
+                c = tok[i]
+                if c == 0x68:
+                    index = tok[i + 1]
+                    i += 2
+                elif c == 0x6A:
+                    index = int.from_bytes(tok[i + 1:i + 5], "little")
+                    i += 5
+                else:  # APPENDS, MARK between batches, APPEND
+                    i += 1
+                    continue
+                if index >= memo:
+                    raise KeyError(index)
+                k = self.kinds[index]
+                if k == _EVENT:
+                    raise KeyError(index)
+                items.append(self.objs[k] if k >= 0 else self.frames[-2 - k])
+            containers = tuple(o for o in items if type(o) in _CONTAINER_TYPES)
+            if len(self.runs) > 65536:
+                self.runs.clear()
+            run = self.runs[tok] = (tuple(items), containers)
+        return run
+
     def value(self, tok: bytes) -> Any:
         """The scalar a checked token stands for (a memo reference resolved, a string interned)."""
         v = self.token_values.get(tok, _MISSING)
@@ -793,7 +1010,9 @@ class _Machine:
         try:
             ints = {}
             for name, g in tpl.ints.items():
-                ints[name] = pickle.loads(b"\x80\x04(" + b"".join(cols[g]) + b"l.")
+                data = b"".join(cols[g])
+                column = _long1_column(data, n)  # addresses: LONG1 tokens of one width, turned into bytes in C
+                ints[name] = pickle.loads(b"\x80\x04(" + data + b"l.") if column is None else column
             # Frames, as indices into the stacks table: a run of references is a stack (known, or read now from
             # the memo); a reference to a list is resolved once the slots this run of events makes are known.
             fids = None
@@ -804,6 +1023,12 @@ class _Machine:
                     for i in compress(range(n), map(is_, fids, repeat(None))):
                         if frames[i][0] == 0x5D:
                             fids[i] = self.frames_id(frames[i])
+            # Actions, as codes in the trace's table of the tokens that make no memo slot (references): an action
+            # column of known tokens makes none.
+            if tpl.action >= 0:
+                table = self.action_codes.setdefault(trace, {})
+                codes = list(map(table.get, cols[tpl.action]))
+                known = None not in codes
             # The memo slots the events make, in the order the file holds them: the event, its fresh
             # strings, its frames list (a run of references, so its stack is known before the slots).
             making = []  # the kind of slot each event makes there (_SKIP: none)
@@ -818,6 +1043,8 @@ class _Machine:
                 if g == tpl.frames:  # a reference makes no slot
                     making.append(array("i", map(self.kind_of_run.get, col, repeat(_SKIP))))
                     skips = skips or None in fids
+                    continue
+                if g == tpl.action and known:
                     continue
                 if col.count(col[0]) == n:  # the same token in every event (torch's "N/A", a stream)
                     k = self.token_slot(col[0])
@@ -845,17 +1072,15 @@ class _Machine:
                 if None in fids:  # a reference met for the first time
                     for i in compress(range(n), map(is_, fids, repeat(None))):
                         fids[i] = self.frame_ref(frames[i])
-            # Actions, as codes in the trace's table.
             if tpl.action >= 0:
-                table = self.action_codes.setdefault(trace, {})
-                codes = list(map(table.get, cols[tpl.action]))
-                if None in codes:
+                if not known:
                     for i, tok in enumerate(cols[tpl.action]):
                         if codes[i] is None:
-                            code = trace.action_code(self.value(tok))
+                            code = codes[i] = trace.action_code(self.value(tok))
                             if code is None:
                                 return False
-                            codes[i] = table[tok] = code
+                            if tok[0] != 0x8C:  # a fresh string makes a slot each time: never "known"
+                                table[tok] = code
             else:
                 code = trace.action_code(None)
                 if code is None:
@@ -898,6 +1123,22 @@ class _Machine:
             self.frames_of_ref.clear()
         self.frames_of_ref[tok] = fid
         return fid
+
+
+def _long1_column(data: bytes, n: int) -> Optional[array]:
+    """The ints of ``n`` LONG1 tokens of one width and not negative (``data``: the tokens one after another, each
+    checked by the regex) as an array of 8-byte ints, its bytes moved by slices; None for any other run of tokens."""
+    width = len(data) // n
+    if width * n != len(data) or not 3 <= width <= 9 or not _LITTLE:
+        return None
+    if data[0::width] != b"\x8a" * n or data[1::width] != bytes([width - 2]) * n or max(data[width - 1::width]) >= 0x80:
+        return None
+    out = bytearray(8 * n)
+    for b in range(width - 2):
+        out[b::8] = data[2 + b::width]
+    column = array("q")
+    column.frombytes(out)
+    return column
 
 
 class _Short(IndexError):

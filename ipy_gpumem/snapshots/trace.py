@@ -121,6 +121,9 @@ class Trace(Sequence):
             column = getattr(self, name)
             if values is None:
                 values = [absent] * n
+            elif type(values) is array and values.typecode == column.typecode:
+                column.extend(values)  # a copy of the bytes
+                continue
             elif type(values) is not list:
                 values = values.tolist()
             try:
