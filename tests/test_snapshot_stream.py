@@ -321,3 +321,33 @@ def test_addresses_and_times_of_every_width():
         mp.setattr(stream, "_long1_column", counted)
         assert list(load_snapshot(blob)["device_traces"][0]) == events
     assert any(moved) and not all(moved)
+
+
+def test_dicts_in_lists_the_fast_way(monkeypatch):
+    """With the fast way for dicts in lists from the first one (a big snapshot's blocks and frames), the segments
+    read as plain unpickling reads them, and what shared stacks stand for is still counted."""
+    monkeypatch.setattr(stream, "DICTS_AFTER", 0)
+    made = []
+    put = stream._Machine.put_dicts
+
+    def counted(self, shape, rows):
+        ok = put(self, shape, rows)
+        made.extend([shape.keys] * len(rows) if ok else [])
+        return ok
+
+    monkeypatch.setattr(stream._Machine, "put_dicts", counted)
+    name = "Muduard_dump_snapshot.pickle.gz"  # 6,644 blocks in 673 segments
+    assert load_snapshot(os.path.join(HERE, name))["segments"] == raw(name)["segments"]
+    assert ("address", "size", "requested_size", "state", "frames") in made
+    frames = [{"filename": f"f{i}.py", "line": i, "name": "g"} for i in range(2000)]
+    blocks = [{"address": i * 512, "size": 512, "requested_size": 512, "state": "active_allocated",
+               "frames": frames} for i in range(1000)]
+    data = {"segments": [{"device": 0, "address": 0, "total_size": 2 << 20, "segment_type": "small",
+                          "blocks": blocks}], "device_traces": [[]]}
+    made.clear()
+    with pytest.raises(SnapshotError, match="stand for more than"):  # 1000 x 2000 frames from ~80 KB
+        load_snapshot(pickle.dumps(data, protocol=4))
+    assert made  # the blocks after the first two went the fast way
+    data["segments"][0]["blocks"] = blocks[:20]
+    parsed = load_snapshot(pickle.dumps(data, protocol=4))["segments"][0]["blocks"]
+    assert parsed == blocks[:20] and all(b["frames"] is parsed[0]["frames"] for b in parsed)

@@ -67,8 +67,8 @@ MAX_STACK = 1 << 16
 #: The longest integer argument read (torch's fit 8 bytes; Python cannot print an int over ~1,800).
 MAX_INT_BYTES = 255
 #: Dicts in lists (blocks, frames) read the general way before the fast way is tried: making its regex for a shape
-#: of dict costs what the general way spends on a few hundred dicts.
-DICTS_AFTER = 1024
+#: of dict (about 6 ms) costs what the general way spends on a few hundred dicts.
+DICTS_AFTER = 256
 #: The longest text line of protocol 0 (numbers, memo indices, strings).
 MAX_LINE = 1 << 16
 
@@ -106,7 +106,9 @@ def read_stream(read, name: str, limit: int, *, size: Optional[int] = None, keep
 # -- the tokens of the common event shape (checked by regex, then converted in bulk) ---------------
 _REF = rb"h.|j...."
 _INT = rb"K.|M..|J....|\x8a(?:" + b"|".join(bytes([n]) + b"." * n for n in (5, 6, 7, 8, 4, 3, 2, 1, 0)) + rb")"
-_STR = rb"\x8c(?:" + b"|".join(re.escape(bytes([n])) + b"." * n for n in range(64)) + rb")\x94"
+# A string's bytes: n dots for short ones (a dot is matched faster than a repeat), a repeat for longer ones (a
+# pattern of 64 alternatives of up to 63 dots each takes milliseconds to compile, once per template).
+_STR = rb"\x8c(?:" + b"|".join(re.escape(bytes([n])) + (b"." * n if n < 8 else b".{%d}" % n) for n in range(64)) + rb")\x94"
 _RUN = rb"\]\x94(?:\((?:h.|j....)+e)*(?:(?:h.|j....)a)?"
 # Every alternative of an event's pattern starts with its own byte, so a match never needs to go
 # back: from Python 3.11 on the event is matched atomically and its runs possessively, which spares
@@ -731,6 +733,8 @@ class _Machine:
         if shape is None:
             self.no_dicts.add(id(target))  # not a run of plain dicts (segments, ...): not asked again for this list
             return pos
+        if shape is _MISSING:  # keys met for the first time
+            return pos
         stray = shape.groups
         if shape.regex.match(buf, pos, min(len(buf), pos + 4096)).group(stray + 1):  # a misfit, told from 4 KB
             return pos
@@ -754,16 +758,19 @@ class _Machine:
             if len(buf) - pos < MARGIN and not self.eof:
                 return pos  # the main loop refills, then comes back
 
-    def shape(self, buf: bytes, pos: int) -> Optional[_Shape]:
-        """The shape of the dict at ``pos`` (made the first time its keys are met), or None."""
+    def shape(self, buf: bytes, pos: int) -> Any:
+        """The shape of the dict at ``pos`` (made the first time its keys are met), None for a dict the fast way does
+        not read, or _MISSING for one whose keys are not yet all in the memo."""
         m = _SPAN.match(buf, pos)
         if m is None:
             return None
         ktoks = tuple(k for k, _v in _PAIR.findall(buf, pos + 3, m.end() - 1))
         shape = self.shapes.get(ktoks, _MISSING)
         if shape is _MISSING:
-            if any(k[0] == 0x8C for k in ktoks) or len(self.shapes) >= 256:
-                return None  # keys not yet in the memo (the first dict of its kind): the general way
+            if any(k[0] == 0x8C for k in ktoks):
+                return _MISSING  # keys not yet in the memo (the first dict of its kind): the general way
+            if len(self.shapes) >= 256:
+                return None
             try:
                 keys = tuple(self.value(k) for k in ktoks)
             except (KeyError, _NotScalar, Fallback):
