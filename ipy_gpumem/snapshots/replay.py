@@ -264,6 +264,7 @@ class DeviceReplay(NamedTuple):
     ooms: Tuple[OomState, ...]
     check: Check
     expandable: bool
+    allocated_top: Optional[Tuple[int, int]] = None  # (highest allocated, first event there), from the replay itself
 
     @property
     def events(self) -> int:
@@ -275,7 +276,7 @@ class DeviceReplay(NamedTuple):
         start = self.initial_allocated if series == "allocated" else self.initial_reserved
         if not len(values):
             return start, -1
-        top, at = top_of(values)
+        top, at = self.allocated_top if series == "allocated" and self.allocated_top else top_of(values)
         if top <= start:
             return start, -1
         return top, at
@@ -481,6 +482,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
     rounded: Dict[int, int] = {}
     missing = object()
     row = 0
+    top, top_at = -1, -1  # the highest allocated after an allocation: between two, allocated only goes down
     every = max(1, n // FRAGMENTATION_SAMPLES)
     samples = list(range(0, n, every))
     if n and samples[-1] != n - 1:
@@ -538,6 +540,8 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                     dirty_add(seg)
                 allocated += block
                 active += block
+                if allocated > top:
+                    top, top_at = allocated, i
             elif c == FR:
                 k = live_get(addr)
                 if k is None:
@@ -631,9 +635,11 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
     else:
         times = Times(trace.time, first) if timed else Times(None, n=n)
     allocations = Allocations(trace, before, born, bsize, freed, gone, held)
+    if n and series[0] >= top:  # the first event's value is the highest (or as high, and first)
+        top, top_at = series[0], 0
     return DeviceReplay(device, times, series, Steps(initial_reserved, res_at, res_values, n), timed, first_us,
                         initial_allocated, initial_reserved, initial_blocks, allocations, tuple(frag), tuple(ooms),
-                        check, expandable)
+                        check, expandable, (top, top_at) if n else None)
 
 
 def _big_blocks(final_size: Mapping[int, int], sizes: array) -> bool:
@@ -676,7 +682,9 @@ def _largest_free(layout: "_Layout", live: Dict[int, int], before: List[Allocati
             if b - at > best:
                 best = b - at
             k = live[b]
-            at = max(at, b + (bsize[k] if k >= 0 else before[~k].size))
+            b += bsize[k] if k >= 0 else before[~k].size
+            if b > at:
+                at = b
         layout.largest[start] = max(best, end - at)
     layout.dirty.clear()
     return max(layout.largest.values())
