@@ -351,3 +351,16 @@ def test_dicts_in_lists_the_fast_way(monkeypatch):
     data["segments"][0]["blocks"] = blocks[:20]
     parsed = load_snapshot(pickle.dumps(data, protocol=4))["segments"][0]["blocks"]
     assert parsed == blocks[:20] and all(b["frames"] is parsed[0]["frames"] for b in parsed)
+
+
+@pytest.mark.parametrize("late", [-1, 1 << 32, (1 << 32) - 1, (1 << 32) - 2])
+def test_event_times_in_bulk_are_offsets_until_one_does_not_fit(late):
+    """The fast path turns a run of times into 4-byte offsets at once; one before the first time, 71 minutes after
+    it or equal to the "no time" mark, in the middle of a run, turns the column absolute, as one at a time does."""
+    first = 1_763_324_225_835_213
+    events = [{"action": "alloc", "addr": 1 << 40 | i, "size": 512, "time_us": first + i, "frames": []}
+              for i in range(2000)]
+    events[1500]["time_us"] = first + late
+    trace = load_snapshot(pickle.dumps({"segments": [], "device_traces": [events]}, protocol=4))["device_traces"][0]
+    assert list(trace) == events
+    assert trace.time.typecode == ("I" if late == (1 << 32) - 2 else "q")

@@ -472,9 +472,11 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
     # Walk forward, event by event; each allocation is a row of arrays, not an object.
     n = len(acts)
     rows = acts.count(A) if A >= 0 else 0
-    born, bsize = array("i", [0]) * rows, array("q" if _big_blocks(final_size, sizes) else "I", [0]) * rows
-    freed, gone, held = array("i", [NEVER]) * rows, array("i", [NEVER]) * rows, array("b", [1]) * rows
-    series = array("q", [0]) * n
+    # Unsigned arrays and a bytearray: storing into a signed array parses the int as a function argument would,
+    # several times the cost of an unsigned store (event indices, sizes and allocated bytes are never negative).
+    born, bsize = array("I", [0]) * rows, array("Q" if _big_blocks(final_size, sizes) else "I", [0]) * rows
+    freed, gone, held = array("I", [NEVER]) * rows, array("I", [NEVER]) * rows, bytearray(b"\x01") * rows
+    series = array("Q", [0]) * n
     res_at, res_values = array("i"), array("q")
     frag: List[Fragmentation] = []
     ooms: List[OomState] = []

@@ -25,6 +25,7 @@ just as exact.
 """
 from __future__ import annotations
 
+import bisect
 import codecs
 import pickle
 import re
@@ -78,6 +79,7 @@ _CONTAINERS = (dict, list, tuple, set, frozenset)
 _CONTAINER_TYPES = frozenset(_CONTAINERS)
 _SKIP = 0x7FFFFFFF  # a column's "no memo slot here" in the bulk event path
 _EVENT = -1  # the memo kind of an event (it lives in the trace's columns)
+_WINDOW = -(1 << 31)  # the memo kind of a slot made by a run of events of one layout (see _Window)
 
 
 class Fallback(Exception):
@@ -212,6 +214,28 @@ class _Shape:
         self.regex = re.compile(rb"(?:" + body + rb"|(.+))", re.S)
 
 
+class _Window:
+    """The memo kinds of the slots a run of ``n`` events of one layout made: each event makes ``width`` slots (the
+    event, then fixed strings and its new frames list, as ``pattern`` says: a kind, or None for the frames list),
+    so a slot's kind is worked out from its place and, for a frames list, from the event's frames index (in
+    ``fids`` while the run is read, then in the trace's column from event ``first``); the memo keeps a mark per slot."""
+
+    __slots__ = ("width", "pattern", "n", "fids", "trace", "first")
+
+    def __init__(self, width: int, pattern: tuple, n: int, fids: Optional[list], trace: Any = None, first: int = 0):
+        self.width, self.pattern, self.n, self.fids, self.trace, self.first = width, pattern, n, fids, trace, first
+
+    def __len__(self) -> int:
+        return self.n * self.width
+
+    def __getitem__(self, i: int) -> int:
+        j, p = divmod(i, self.width)
+        k = self.pattern[p]
+        if k is not None:
+            return k
+        return -2 - (self.fids[j] if self.fids is not None else self.trace.frame[self.first + j])
+
+
 class _Machine:
     """The pickle machine: a stack with marks as indices, a memo of what was stored, a buffer refilled from the file."""
 
@@ -242,7 +266,9 @@ class _Machine:
         self.token_values: Dict[bytes, Any] = {}  # a scalar token's value (memo slots never change)
         self.token_slots: Dict[bytes, int] = {}  # the memo kind a value token makes (_SKIP: none)
         self.action_codes: Dict[Any, Dict[bytes, int]] = {}  # trace -> action token -> code
-        self.batch: Optional[array] = None  # the memo kinds of the run of events being read
+        self.batch: Optional[Any] = None  # the memo kinds of the run of events being read
+        self.windows: List[_Window] = []  # runs of events whose slots the memo marks _WINDOW
+        self.window_starts: List[int] = []  # the first memo slot of each
         # Bounds.
         self.sealed: set = set()  # ids of containers met a second time: never changed again
         self.weights: Dict[int, int] = {}  # id -> items a container stands for, expanded
@@ -347,6 +373,8 @@ class _Machine:
     def get(self, index: int, pos: int) -> Any:
         if index < len(self.kinds):
             k = self.kinds[index]
+            if k < 0 and k == _WINDOW:
+                k = self.window_kind(index)
             if k >= 0:
                 obj = self.objs[k]
             elif k == _EVENT:
@@ -738,8 +766,10 @@ class _Machine:
         stray = shape.groups
         if shape.regex.match(buf, pos, min(len(buf), pos + 4096)).group(stray + 1):  # a misfit, told from 4 KB
             return pos
+        span = 4096  # a segment's blocks take a few hundred bytes: the rest of the window is not copied as the stray
         while True:
-            end = min(len(buf), pos + MARGIN)
+            end = min(len(buf), pos + span)
+            span = MARGIN
             rows = shape.regex.findall(buf, pos, end)
             if rows and rows[-1][stray]:
                 end -= len(rows.pop()[stray])
@@ -819,6 +849,8 @@ class _Machine:
                             if index >= memo:
                                 return False
                             k = self.kinds[index]
+                            if k == _WINDOW:
+                                k = self.window_kind(index)
                             if k == _EVENT:
                                 return False
                             v = self.objs[k] if k >= 0 else self.frames[-2 - k]
@@ -900,6 +932,8 @@ class _Machine:
                 if index >= memo:
                     raise KeyError(index)
                 k = self.kinds[index]
+                if k == _WINDOW:
+                    k = self.window_kind(index)
                 if k == _EVENT:
                     raise KeyError(index)
                 items.append(self.objs[k] if k >= 0 else self.frames[-2 - k])
@@ -953,10 +987,16 @@ class _Machine:
         """The memo kind of slot ``index``, from the memo or the run of events being read; None past both."""
         n = len(self.kinds)
         if index < n:
-            return self.kinds[index]
+            k = self.kinds[index]
+            return self.window_kind(index) if k == _WINDOW else k
         if self.batch is not None and index - n < len(self.batch):
             return self.batch[index - n]
         return None
+
+    def window_kind(self, index: int) -> int:
+        """The memo kind of slot ``index``, made by a run of events kept as a :class:`_Window`."""
+        w = bisect.bisect_right(self.window_starts, index) - 1
+        return self.windows[w][index - self.window_starts[w]]
 
     def frames_id(self, tok: bytes) -> int:
         """The frames index of an event's ``frames`` token: a run of memo references, or a reference to a list."""
@@ -1038,17 +1078,17 @@ class _Machine:
                 known = None not in codes
             # The memo slots the events make, in the order the file holds them: the event, its fresh
             # strings, its frames list (a run of references, so its stack is known before the slots).
-            making = []  # the kind of slot each event makes there (_SKIP: none)
-            skips = False  # whether some event makes no slot at one of those places
+            making = []  # the kind of slot every event makes there (an int), None for its frames list, or a kind each
+            skips = False  # whether some event makes no slot at one of those places (_SKIP)
             for g, tok in tpl.slots:
                 if g < 0:  # a value written into the template
                     k = self.token_slot(tok)
                     if k != _SKIP:
-                        making.append(array("i", [k]) * n)
+                        making.append(k)
                     continue
                 col = cols[g]
                 if g == tpl.frames:  # a reference makes no slot
-                    making.append(array("i", map(self.kind_of_run.get, col, repeat(_SKIP))))
+                    making.append(None)
                     skips = skips or None in fids
                     continue
                 if g == tpl.action and known:
@@ -1056,7 +1096,7 @@ class _Machine:
                 if col.count(col[0]) == n:  # the same token in every event (torch's "N/A", a stream)
                     k = self.token_slot(col[0])
                     if k != _SKIP:
-                        making.append(array("i", [k]) * n)
+                        making.append(k)
                     continue
                 if b"\x8c" not in b"".join(col):  # references and numbers only (actions): no slots
                     continue
@@ -1068,11 +1108,18 @@ class _Machine:
                     making.append(array("i", kinds))
                     skips = skips or skipped > 0
             width = 1 + len(making)
-            slots = array("i", [_EVENT]) * (n * width)
-            for j, kinds in enumerate(making, 1):
-                slots[j::width] = kinds
-            if skips:
-                slots = array("i", filter(_SKIP.__ne__, slots))
+            if not skips and all(type(k) is not array for k in making):  # one layout: the memo keeps a mark per slot
+                slots = _Window(width, (_EVENT, *making), n, fids)
+            else:
+                slots = array("i", [_EVENT]) * (n * width)
+                for j, kinds in enumerate(making, 1):
+                    if kinds is None:
+                        kinds = array("i", map(self.kind_of_run.get, frames, repeat(_SKIP)))
+                    elif type(kinds) is int:
+                        kinds = array("i", [kinds]) * n
+                    slots[j::width] = kinds
+                if skips:
+                    slots = array("i", filter(_SKIP.__ne__, slots))
             self.batch = slots  # references to slots made earlier in this run of events resolve here
             if fids is not None and None in fids:  # references to stacks (a free may refer to its allocation's)
                 fids = list(map(self.frames_of_ref.get, frames, fids))  # a run's stays as found
@@ -1117,8 +1164,15 @@ class _Machine:
             return False
         finally:
             self.batch = None
+        first = len(trace)
         trace.extend_columns(codes, ints.get("addr"), ints.get("size"), ints.get("time"), fids, xids, n)
-        self.kinds.extend(slots)
+        if type(slots) is _Window:
+            slots.fids, slots.trace, slots.first = None, trace, first  # from now on read from the trace's column
+            self.window_starts.append(len(self.kinds))
+            self.windows.append(slots)
+            self.kinds.extend(array("i", [_WINDOW]) * len(slots))
+        else:
+            self.kinds.extend(slots)
         if tpl.variant is None and tpl.general is tpl and tpl.tries < 16:
             tpl.fit(cols, n)
         return True
