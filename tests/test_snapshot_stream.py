@@ -268,3 +268,99 @@ def test_event_times_are_offsets_until_one_does_not_fit(late):
         assert trace[1] == events[1] and trace[4]["time_us"] == first + late
     untimed = Trace.from_events([{"action": "alloc", "addr": 1, "size": 2}] * 3)
     assert untimed.time.typecode == "I" and all("time_us" not in e for e in untimed)
+
+
+def test_values_every_event_had_until_one_differs():
+    """The fast path writes a value every event of a run had into its template (torch's stream, its fresh "N/A"
+    strings); events that differ, one or a run of them, and a stack shared by an allocation and its free, read as
+    plain unpickling reads them, in bulk or over a buffer refilled every few bytes."""
+    stacks = [[{"filename": f"f{i}.py", "line": i, "name": "g"}] for i in range(40)]
+    events = []
+    for i in range(3000):
+        stream_ = 0 if i < 1000 or i % 700 == 3 else 7 if i < 2000 else 1 << 40  # a run, single misfits, a new run
+        frames = stacks[i % 40] if i % 3 else list(stacks[i % 40])  # a fresh list, or one shared by reference
+        for action in ("alloc", "free_requested"):
+            events.append({"action": action, "addr": i * 512, "size": 512, "stream": stream_,
+                           "time_us": 1_763_324_225_835_213 + i, "compile_context": "".join(["N/", "A"]),
+                           "frames": frames})
+    data = {"segments": [], "device_traces": [events]}
+    blob = pickle.dumps(data, protocol=4)
+    assert list(load_snapshot(blob)["device_traces"][0]) == events
+    fast = [0]
+    bulk = stream._Machine.bulk
+
+    def counted(self, tpl, trace, rows):
+        fast[0] += len(rows) if tpl.fixed else 0
+        return bulk(self, tpl, trace, rows)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream._Machine, "bulk", counted)
+        assert list(load_snapshot(blob)["device_traces"][0]) == events
+        assert fast[0] > len(events) // 3  # the runs went the way of a template with their values written in
+        mp.setattr(stream, "CHUNK", 97)
+        mp.setattr(stream, "MARGIN", 211)
+        assert list(load_snapshot(blob)["device_traces"][0]) == events
+
+
+def test_addresses_and_times_of_every_width():
+    """Numbers the fast path moves as bytes (a run of LONG1 tokens of one width) or unpickles (any other run): every
+    width, the top bit set (one byte more), negative numbers, and runs that change width, read as plain unpickling."""
+    values = [1 << 40, (1 << 47) + 5, 0x7F00_0000_0000, -(1 << 44), 1 << 62, -1, 255, 1 << 16, 1 << 31]
+    events = [{"action": "alloc", "addr": values[i // 1500] + i, "size": 512,
+               "time_us": 1_763_324_225_835_213 + (i if i % 1000 else -i), "frames": []} for i in range(13_500)]
+    blob = pickle.dumps({"segments": [], "device_traces": [events]}, protocol=4)
+    moved = []
+    column = stream._long1_column
+
+    def counted(data, n):
+        out = column(data, n)
+        moved.append(out is not None)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream, "_long1_column", counted)
+        assert list(load_snapshot(blob)["device_traces"][0]) == events
+    assert any(moved) and not all(moved)
+
+
+def test_dicts_in_lists_the_fast_way(monkeypatch):
+    """With the fast way for dicts in lists from the first one (a big snapshot's blocks and frames), the segments
+    read as plain unpickling reads them, and what shared stacks stand for is still counted."""
+    monkeypatch.setattr(stream, "DICTS_AFTER", 0)
+    made = []
+    put = stream._Machine.put_dicts
+
+    def counted(self, shape, rows):
+        ok = put(self, shape, rows)
+        made.extend([shape.keys] * len(rows) if ok else [])
+        return ok
+
+    monkeypatch.setattr(stream._Machine, "put_dicts", counted)
+    name = "Muduard_dump_snapshot.pickle.gz"  # 6,644 blocks in 673 segments
+    assert load_snapshot(os.path.join(HERE, name))["segments"] == raw(name)["segments"]
+    assert ("address", "size", "requested_size", "state", "frames") in made
+    frames = [{"filename": f"f{i}.py", "line": i, "name": "g"} for i in range(2000)]
+    blocks = [{"address": i * 512, "size": 512, "requested_size": 512, "state": "active_allocated",
+               "frames": frames} for i in range(1000)]
+    data = {"segments": [{"device": 0, "address": 0, "total_size": 2 << 20, "segment_type": "small",
+                          "blocks": blocks}], "device_traces": [[]]}
+    made.clear()
+    with pytest.raises(SnapshotError, match="stand for more than"):  # 1000 x 2000 frames from ~80 KB
+        load_snapshot(pickle.dumps(data, protocol=4))
+    assert made  # the blocks after the first two went the fast way
+    data["segments"][0]["blocks"] = blocks[:20]
+    parsed = load_snapshot(pickle.dumps(data, protocol=4))["segments"][0]["blocks"]
+    assert parsed == blocks[:20] and all(b["frames"] is parsed[0]["frames"] for b in parsed)
+
+
+@pytest.mark.parametrize("late", [-1, 1 << 32, (1 << 32) - 1, (1 << 32) - 2])
+def test_event_times_in_bulk_are_offsets_until_one_does_not_fit(late):
+    """The fast path turns a run of times into 4-byte offsets at once; one before the first time, 71 minutes after
+    it or equal to the "no time" mark, in the middle of a run, turns the column absolute, as one at a time does."""
+    first = 1_763_324_225_835_213
+    events = [{"action": "alloc", "addr": 1 << 40 | i, "size": 512, "time_us": first + i, "frames": []}
+              for i in range(2000)]
+    events[1500]["time_us"] = first + late
+    trace = load_snapshot(pickle.dumps({"segments": [], "device_traces": [events]}, protocol=4))["device_traces"][0]
+    assert list(trace) == events
+    assert trace.time.typecode == ("I" if late == (1 << 32) - 2 else "q")

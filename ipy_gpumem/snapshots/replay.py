@@ -264,6 +264,7 @@ class DeviceReplay(NamedTuple):
     ooms: Tuple[OomState, ...]
     check: Check
     expandable: bool
+    allocated_top: Optional[Tuple[int, int]] = None  # (highest allocated, first event there), from the replay itself
 
     @property
     def events(self) -> int:
@@ -275,7 +276,7 @@ class DeviceReplay(NamedTuple):
         start = self.initial_allocated if series == "allocated" else self.initial_reserved
         if not len(values):
             return start, -1
-        top, at = top_of(values)
+        top, at = self.allocated_top if series == "allocated" and self.allocated_top else top_of(values)
         if top <= start:
             return start, -1
         return top, at
@@ -471,9 +472,11 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
     # Walk forward, event by event; each allocation is a row of arrays, not an object.
     n = len(acts)
     rows = acts.count(A) if A >= 0 else 0
-    born, bsize = array("i", [0]) * rows, array("q" if _big_blocks(final_size, sizes) else "I", [0]) * rows
-    freed, gone, held = array("i", [NEVER]) * rows, array("i", [NEVER]) * rows, array("b", [1]) * rows
-    series = array("q", [0]) * n
+    # Unsigned arrays and a bytearray: storing into a signed array parses the int as a function argument would,
+    # several times the cost of an unsigned store (event indices, sizes and allocated bytes are never negative).
+    born, bsize = array("I", [0]) * rows, array("Q" if _big_blocks(final_size, sizes) else "I", [0]) * rows
+    freed, gone, held = array("I", [NEVER]) * rows, array("I", [NEVER]) * rows, bytearray(b"\x01") * rows
+    series = array("Q", [0]) * n
     res_at, res_values = array("i"), array("q")
     frag: List[Fragmentation] = []
     ooms: List[OomState] = []
@@ -481,17 +484,19 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
     rounded: Dict[int, int] = {}
     missing = object()
     row = 0
+    top, top_at = -1, -1  # the highest allocated after an allocation: between two, allocated only goes down
     every = max(1, n // FRAGMENTATION_SAMPLES)
     samples = list(range(0, n, every))
     if n and samples[-1] != n - 1:
         samples.append(n - 1)
     lo = 0
     bisect_left, bisect_right, insort = bisect.bisect_left, bisect.bisect_right, bisect.insort  # locals: per event
+    live_get, live_pop, seg_get, size_get, dirty_add = live.get, live.pop, seg_of.get, rounded.get, dirty.add
     for sample in samples:  # events up to each sample, then the sample (no test per event)
         hi = sample + 1
         for i, c, addr, size in zip(range(lo, hi), acts[lo:hi], addrs[lo:hi], sizes[lo:hi]):
             if c == A:
-                seg = seg_of.get(addr, missing)
+                seg = seg_get(addr, missing)
                 if seg is missing:
                     if len(seg_of) > 65536:  # addresses seen: a long capture has millions
                         seg_of.clear()
@@ -500,7 +505,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                 if size <= 0:
                     block = 0
                 else:
-                    block = rounded.get(size)
+                    block = size_get(size)
                     if block is None:
                         if len(rounded) > 65536:
                             rounded.clear()
@@ -516,7 +521,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                                     block += rest if rest < LARGE_BUFFER else 0  # oversize blocks are never split
                                 elif rest <= SMALL_SIZE:
                                     block += rest
-                old = live.get(addr)
+                old = live_get(addr)
                 if old is not None:  # a block we thought still in place: its free fell outside the window
                     anomalies += 1
                     gone_size, was = _gone(old, i, before, bsize, gone, held)
@@ -534,11 +539,13 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                         starts.insert(j, addr)
                     else:
                         insort(blocks[seg], addr)
-                    dirty.add(seg)
+                    dirty_add(seg)
                 allocated += block
                 active += block
+                if allocated > top:
+                    top, top_at = allocated, i
             elif c == FR:
-                k = live.get(addr)
+                k = live_get(addr)
                 if k is None:
                     anomalies += 1
                 elif k >= 0:
@@ -553,7 +560,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                         b.freed = i
                         allocated -= b.size
             elif c == FC:
-                k = live.pop(addr, None)
+                k = live_pop(addr, None)
                 if k is None:
                     anomalies += 1
                 else:
@@ -572,7 +579,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                             allocated -= b.size
                         b.gone = i
                         active -= b.size
-                    seg = seg_of.get(addr, missing)
+                    seg = seg_get(addr, missing)
                     if seg is missing:
                         seg = layout.find(addr)  # a freed address: not remembered (allocations look it up first)
                     if seg is not None:
@@ -580,7 +587,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
                         j = bisect_left(starts, addr)
                         if j < len(starts) and starts[j] == addr:
                             del starts[j]
-                        dirty.add(seg)
+                        dirty_add(seg)
             elif c == SA or c == SF or c == SM or c == SU:
                 if c == SA:
                     reserved += size
@@ -618,7 +625,7 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
     first = next((t for t in trace.time if t != none), None)
     first_us = None if first is None else first + base
     timed = first_us is not None
-    if timed and (trace.odd or none in trace.time):  # some events without a time: carry the last one
+    if timed and (trace.odd or trace.untimed):  # some events without a time: carry the last one
         times: Sequence[float] = array("d")
         last_t = 0.0
         for i, t in enumerate(trace.time):
@@ -630,9 +637,11 @@ def replay_device(device: int, segments: Sequence[Segment], trace: Union[Trace, 
     else:
         times = Times(trace.time, first) if timed else Times(None, n=n)
     allocations = Allocations(trace, before, born, bsize, freed, gone, held)
+    if n and series[0] >= top:  # the first event's value is the highest (or as high, and first)
+        top, top_at = series[0], 0
     return DeviceReplay(device, times, series, Steps(initial_reserved, res_at, res_values, n), timed, first_us,
                         initial_allocated, initial_reserved, initial_blocks, allocations, tuple(frag), tuple(ooms),
-                        check, expandable)
+                        check, expandable, (top, top_at) if n else None)
 
 
 def _big_blocks(final_size: Mapping[int, int], sizes: array) -> bool:
@@ -675,7 +684,9 @@ def _largest_free(layout: "_Layout", live: Dict[int, int], before: List[Allocati
             if b - at > best:
                 best = b - at
             k = live[b]
-            at = max(at, b + (bsize[k] if k >= 0 else before[~k].size))
+            b += bsize[k] if k >= 0 else before[~k].size
+            if b > at:
+                at = b
         layout.largest[start] = max(best, end - at)
     layout.dirty.clear()
     return max(layout.largest.values())

@@ -77,7 +77,7 @@ def _segment(raw: Any, index: int) -> Segment:
     blocks: List[Block] = []
     at = addr
     for raw_block in raw.get("blocks") or ():
-        if not isinstance(raw_block, Mapping):
+        if type(raw_block) is not dict and not isinstance(raw_block, Mapping):  # typing.Mapping checks are slow
             continue
         bsize = int(raw_block.get("size", 0) or 0)
         # 2023 blocks have no address: they tile their segment in order.

@@ -25,6 +25,7 @@ just as exact.
 """
 from __future__ import annotations
 
+import bisect
 import codecs
 import pickle
 import re
@@ -32,8 +33,8 @@ import struct
 import sys
 import time
 from array import array
-from itertools import compress, repeat
-from operator import itemgetter, not_
+from itertools import chain, compress, repeat
+from operator import is_, itemgetter
 from typing import Any, Dict, List, Optional
 
 from .trace import Trace
@@ -66,6 +67,9 @@ SECONDS_PER_BYTE, SECONDS_FLOOR = 20e-6, 10.0
 MAX_STACK = 1 << 16
 #: The longest integer argument read (torch's fit 8 bytes; Python cannot print an int over ~1,800).
 MAX_INT_BYTES = 255
+#: Dicts in lists (blocks, frames) read the general way before the fast way is tried: making its regex for a shape
+#: of dict (about 6 ms) costs what the general way spends on a few hundred dicts.
+DICTS_AFTER = 256
 #: The longest text line of protocol 0 (numbers, memo indices, strings).
 MAX_LINE = 1 << 16
 
@@ -75,8 +79,7 @@ _CONTAINERS = (dict, list, tuple, set, frozenset)
 _CONTAINER_TYPES = frozenset(_CONTAINERS)
 _SKIP = 0x7FFFFFFF  # a column's "no memo slot here" in the bulk event path
 _EVENT = -1  # the memo kind of an event (it lives in the trace's columns)
-_NO_RUN = -2 - _SKIP  # the "frames index" of an event whose frames are a reference: its memo kind is _SKIP
-_MINUS_2 = (-2).__sub__  # a frames index's memo kind
+_WINDOW = -(1 << 31)  # the memo kind of a slot made by a run of events of one layout (see _Window)
 
 
 class Fallback(Exception):
@@ -105,7 +108,9 @@ def read_stream(read, name: str, limit: int, *, size: Optional[int] = None, keep
 # -- the tokens of the common event shape (checked by regex, then converted in bulk) ---------------
 _REF = rb"h.|j...."
 _INT = rb"K.|M..|J....|\x8a(?:" + b"|".join(bytes([n]) + b"." * n for n in (5, 6, 7, 8, 4, 3, 2, 1, 0)) + rb")"
-_STR = rb"\x8c(?:" + b"|".join(re.escape(bytes([n])) + b"." * n for n in range(64)) + rb")\x94"
+# A string's bytes: n dots for short ones (a dot is matched faster than a repeat), a repeat for longer ones (a
+# pattern of 64 alternatives of up to 63 dots each takes milliseconds to compile, once per template).
+_STR = rb"\x8c(?:" + b"|".join(re.escape(bytes([n])) + (b"." * n if n < 8 else b".{%d}" % n) for n in range(64)) + rb")\x94"
 _RUN = rb"\]\x94(?:\((?:h.|j....)+e)*(?:(?:h.|j....)a)?"
 # Every alternative of an event's pattern starts with its own byte, so a match never needs to go
 # back: from Python 3.11 on the event is matched atomically and its runs possessively, which spares
@@ -119,48 +124,116 @@ _KEY = _REF + b"|" + _STR
 _SPAN = re.compile(rb"\}\x94\((?:(?:" + _KEY + rb")(?:" + _SCALAR + b"|" + _RUN + rb"))+u", re.S)
 _PAIR = re.compile(rb"(" + _KEY + rb")(" + _SCALAR + b"|" + _RUN + rb")", re.S)
 _INT_KEYS = {"addr": "addr", "size": "size", "time_us": "time"}
+_INT_OPS = frozenset(b"KMJ\x8a")
+_LITTLE = sys.byteorder == "little"  # array's 8-byte ints are the machine's own  # the first bytes of an int token
+_MAKERS = frozenset(b"\x8c]")  # the first bytes of a value that makes a memo slot (a fresh string, a new list)
 
 
 class _Template:
     """One event shape (its keys, in order, as memo references): a regex that matches a run of such events.
 
     Torch writes every event of a device with the same keys, so one template reads nearly all of
-    a trace. Its regex matches, at each place, an event (values captured), a batch boundary or
-    frame header (no-ops here), or else the rest of the window (where the run stops).
+    a trace. Its regex matches, at each place, an event (values captured) after any batch
+    boundaries or frame headers (no-ops here), or else the rest of the window (where the run
+    stops). Torch also writes some keys with the same value token in every event (``stream``,
+    ``compile_context``'s "N/A"): once a run of events showed it, a variant of the template has
+    those tokens written in (``fixed``), so their values are neither matched by alternatives nor
+    captured (a capture costs about a tenth of an event's match); an event that does not fit the
+    variant is read by the general template.
     """
 
-    def __init__(self, ktoks: tuple, keys: tuple):
-        self.keys = keys
+    def __init__(self, ktoks: tuple, keys: tuple, fixed: Optional[Dict[str, bytes]] = None):
+        self.ktoks, self.keys = ktoks, keys
+        self.fixed: Dict[str, bytes] = dict(fixed or {})  # key -> the value token every event has
+        self.general = self  # the template without fixed values (a variant's is its general one)
+        self.variant: Optional[_Template] = None
+        self.tries = 0  # runs of events looked at for fixed values
         parts = []
         self.ints: Dict[str, int] = {}  # column name -> group
-        self.action = self.frames_run = self.frames_ref = -1
-        self.others: List[tuple] = []  # (key, group) of keys kept in the extras table
-        self.scalars: List[int] = []  # groups that may hold a fresh string (a memo slot)
+        self.action = self.frames = -1
+        self.others: List[tuple] = []  # (key, group, token) of keys kept in the extras table (group -1: fixed token)
+        self.slots: List[tuple] = []  # (group, token), in the file's order: values that may make a memo slot
         g = 0
         for ktok, key in zip(ktoks, keys):
-            if key in _INT_KEYS:
+            if key in self.fixed:
+                tok = self.fixed[key]
+                parts.append(re.escape(ktok + tok))
+                self.others.append((key, -1, tok))
+                self.slots.append((-1, tok))
+            elif key in _INT_KEYS:
                 parts.append(re.escape(ktok) + b"(" + _INT + b")")
                 self.ints[_INT_KEYS[key]] = g
                 g += 1
-            elif key == "frames":
-                parts.append(re.escape(ktok) + b"(?:(" + _RUN + b")|(" + _REF + b"))")
-                self.frames_run, self.frames_ref = g, g + 1
-                g += 2
+            elif key == "frames":  # a run of references (a new list, a memo slot) or a reference to a list
+                parts.append(re.escape(ktok) + b"(" + _RUN + b"|" + _REF + b")")
+                self.frames = g
+                self.slots.append((g, None))
+                g += 1
             else:
                 parts.append(re.escape(ktok) + b"(" + _SCALAR + b")")
                 if key == "action":
                     self.action = g
                 else:
-                    self.others.append((key, g))
-                self.scalars.append(g)
+                    self.others.append((key, g, None))
+                self.slots.append((g, None))
                 g += 1
-        self.groups = g
-        self.fixed = 4 + sum(map(len, ktoks))  # an event's bytes besides its values
-        event = rb"\}\x94\(" + b"".join(parts) + rb"u"
+        self.groups = g  # the stray rest's group
+        event = rb"(?:e\(|\x95.{8})*\}\x94\(" + b"".join(parts) + rb"u"
         if _ATOMIC:
-            event = rb"(?>" + event + rb")"
-        self.regex = re.compile(rb"(?:" + event + rb"|(e\(|\x95.{8})|(.+))", re.S)
+            event = rb"(?>(?:e\(|\x95.{8})*+\}\x94\(" + b"".join(parts) + rb"u)"
+        self.regex = re.compile(rb"(?:" + event + rb"|(.+))", re.S)
         self.extras: Dict[Any, Dict[tuple, int]] = {}  # trace -> (other tokens) -> extra id
+
+    def fit(self, cols: list, n: int) -> None:
+        """Make the variant with the values of ``cols`` (a run of ``n`` events) that every event had, if any."""
+        if n < 64:  # too few to tell
+            return
+        self.tries += 1
+        fixed = {key: cols[g][0] for key, g, _tok in self.others if cols[g].count(cols[g][0]) == n}
+        if fixed:
+            variant = self.variant = _Template(self.ktoks, self.keys, fixed)
+            variant.general = self
+
+
+class _Shape:
+    """One shape of dict outside the events (its keys, in order, as memo references): a regex that matches a run of
+    such dicts in a list, each value a scalar, a memo reference or a new list of memo references.
+
+    Most of a big snapshot besides its events is such runs: the segments' blocks (address, size,
+    requested_size, state, frames) and the frames of a stack (name, filename, line). The general
+    opcode loop takes a dozen steps or more per dict; a run of them is matched at once and each
+    becomes the same dict, with the same memo slots, costs and counts, the general way would make.
+    """
+
+    def __init__(self, ktoks: tuple, keys: tuple):
+        self.keys = keys
+        self.groups = len(ktoks)  # the stray rest's group
+        body = rb"\}\x94\(" + b"".join(re.escape(k) + b"(" + _SCALAR + b"|" + _RUN + b")" for k in ktoks) + rb"u"
+        if _ATOMIC:
+            body = rb"(?>" + body + rb")"
+        self.regex = re.compile(rb"(?:" + body + rb"|(.+))", re.S)
+
+
+class _Window:
+    """The memo kinds of the slots a run of ``n`` events of one layout made: each event makes ``width`` slots (the
+    event, then fixed strings and its new frames list, as ``pattern`` says: a kind, or None for the frames list),
+    so a slot's kind is worked out from its place and, for a frames list, from the event's frames index (in
+    ``fids`` while the run is read, then in the trace's column from event ``first``); the memo keeps a mark per slot."""
+
+    __slots__ = ("width", "pattern", "n", "fids", "trace", "first")
+
+    def __init__(self, width: int, pattern: tuple, n: int, fids: Optional[list], trace: Any = None, first: int = 0):
+        self.width, self.pattern, self.n, self.fids, self.trace, self.first = width, pattern, n, fids, trace, first
+
+    def __len__(self) -> int:
+        return self.n * self.width
+
+    def __getitem__(self, i: int) -> int:
+        j, p = divmod(i, self.width)
+        k = self.pattern[p]
+        if k is not None:
+            return k
+        return -2 - (self.fids[j] if self.fids is not None else self.trace.frame[self.first + j])
 
 
 class _Machine:
@@ -179,16 +252,23 @@ class _Machine:
         self.strings: Dict[str, str] = {}  # equal strings share one object (torch writes "N/A" afresh per event)
         self.string_slot: Dict[str, int] = {}  # an interned string's index in ``objs``
         self.frames: List[Any] = []  # every device's stacks, each once
-        self.frames_of_run: Dict[bytes, int] = {b"": _NO_RUN}
+        self.frames_of_run: Dict[bytes, int] = {}  # a run of references' bytes -> frames index
+        self.kind_of_run: Dict[bytes, int] = {}  # the same -> the memo kind of the list it makes
         self.frames_of_obj: Dict[int, int] = {}
         self.frames_of_ref: Dict[bytes, int] = {}  # a reference's bytes -> frames index (a few recent ones)
         self.pending: Optional[int] = None  # memo slot of an event going the general way
         self.templates: Dict[tuple, _Template] = {}
+        self.shapes: Dict[tuple, Optional[_Shape]] = {}  # dicts outside the events, by their key tokens
+        self.no_dicts: set = set()  # ids of lists whose dicts have no shape the fast way reads
+        self.dicts_after = DICTS_AFTER
+        self.runs: Dict[bytes, tuple] = {}  # a run of references in a dict -> (its items, what they stand for)
         self.recent: Optional[_Template] = None
         self.token_values: Dict[bytes, Any] = {}  # a scalar token's value (memo slots never change)
         self.token_slots: Dict[bytes, int] = {}  # the memo kind a value token makes (_SKIP: none)
         self.action_codes: Dict[Any, Dict[bytes, int]] = {}  # trace -> action token -> code
-        self.batch: Optional[array] = None  # the memo kinds of the run of events being read
+        self.batch: Optional[Any] = None  # the memo kinds of the run of events being read
+        self.windows: List[_Window] = []  # runs of events whose slots the memo marks _WINDOW
+        self.window_starts: List[int] = []  # the first memo slot of each
         # Bounds.
         self.sealed: set = set()  # ids of containers met a second time: never changed again
         self.weights: Dict[int, int] = {}  # id -> items a container stands for, expanded
@@ -293,6 +373,8 @@ class _Machine:
     def get(self, index: int, pos: int) -> Any:
         if index < len(self.kinds):
             k = self.kinds[index]
+            if k < 0 and k == _WINDOW:
+                k = self.window_kind(index)
             if k >= 0:
                 obj = self.objs[k]
             elif k == _EVENT:
@@ -354,6 +436,15 @@ class _Machine:
                     pos = end
                     continue
                 self.pending = len(self.kinds) + len(self.sparse) if buf[pos + 1:pos + 2] == b"\x94" else None
+            elif op == 0x7D and marks and marks[-1] and type(stack[marks[-1] - 1]) is list and not self.sparse \
+                    and id(stack[marks[-1] - 1]) not in self.no_dicts:  # a dict in a list: blocks, frames
+                if self.dicts_after:  # a snapshot with few of them reads them the general way (no regex made)
+                    self.dicts_after -= 1
+                else:
+                    end = self.dicts(stack[marks[-1] - 1], buf, pos)
+                    if end > pos:
+                        pos = end
+                        continue
             self.ticks -= 1
             if not self.ticks:
                 self.ticks = 4096
@@ -600,22 +691,25 @@ class _Machine:
                 return pos
         while True:
             end = min(len(buf), pos + MARGIN)
-            found = tpl.regex.findall(buf, pos, end)
-            stray, sep = tpl.groups + 1, tpl.groups
-            if found and found[-1][stray]:
-                end -= len(found.pop()[stray])
-            rows = found
-            if any(map(itemgetter(sep), found)):
-                rows = list(compress(found, map(not_, map(itemgetter(sep), found))))
+            rows = tpl.regex.findall(buf, pos, end)
+            stray = tpl.groups
+            if rows and rows[-1][stray]:
+                end -= len(rows.pop()[stray])
             if rows and not self.bulk(tpl, trace, rows):
-                return self.after(tpl, found, self.take(tpl, trace, rows), pos)
+                return self.after(tpl, buf, pos, self.take(tpl, trace, rows))
             if end > pos:
                 pos = end
+                if tpl.variant is not None:  # the general template read past a misfit: the variant reads on
+                    tpl = self.recent = tpl.variant
                 if len(buf) - pos < MARGIN and not self.eof:
                     return pos  # the main loop refills, then comes back
                 continue
+            if tpl.general is not tpl:  # an event the variant does not fit: the general template reads on, and
+                tpl = tpl.general  # looks again for the values every event has (a few times per template)
+                tpl.variant = None
+                continue
             other = self.template(buf, pos)  # nothing taken here: an event of another shape?
-            if other is None or other is tpl:
+            if other is None or other.general is tpl:
                 return pos
             tpl = other
 
@@ -629,17 +723,14 @@ class _Machine:
         return self.take(tpl, trace, rows[:half])
 
     @staticmethod
-    def after(tpl: _Template, found: list, taken: int, pos: int) -> int:
-        """The position of the first event of ``found`` (matched from ``pos``) that was not taken."""
-        sep = tpl.groups
-        for row in found:
-            if row[sep]:
-                pos += len(row[sep])
-                continue
-            if not taken:
-                break
-            taken -= 1
-            pos += tpl.fixed + sum(map(len, row[:sep]))
+    def after(tpl: _Template, buf: bytes, pos: int, taken: int) -> int:
+        """The position after the first ``taken`` events matched from ``pos`` (where the first not taken starts, or
+        the batch boundary before it)."""
+        if taken:
+            for m in tpl.regex.finditer(buf, pos, min(len(buf), pos + MARGIN)):
+                taken -= 1
+                if not taken:
+                    return m.end()
         return pos
 
     def template(self, buf: bytes, pos: int) -> Optional[_Template]:
@@ -659,8 +750,198 @@ class _Machine:
             if not all(type(k) is str for k in keys) or len(set(keys)) != len(keys):
                 return None
             tpl = self.templates[ktoks] = _Template(ktoks, keys)
-        self.recent = tpl
+        tpl = self.recent = tpl.variant or tpl
         return tpl
+
+    # -- the fast path: dicts outside the events ------------------------------------------------
+    def dicts(self, target: list, buf: bytes, pos: int) -> int:
+        """Read the dicts of one shape from ``pos`` on, onto the stack (as the general way puts them there, for
+        ``target``'s APPENDS); the position after them."""
+        shape = self.shape(buf, pos)
+        if shape is None:
+            self.no_dicts.add(id(target))  # not a run of plain dicts (segments, ...): not asked again for this list
+            return pos
+        if shape is _MISSING:  # keys met for the first time
+            return pos
+        stray = shape.groups
+        if shape.regex.match(buf, pos, min(len(buf), pos + 4096)).group(stray + 1):  # a misfit, told from 4 KB
+            return pos
+        span = 4096  # a segment's blocks take a few hundred bytes: the rest of the window is not copied as the stray
+        while True:
+            end = min(len(buf), pos + span)
+            span = MARGIN
+            rows = shape.regex.findall(buf, pos, end)
+            if rows and rows[-1][stray]:
+                end -= len(rows.pop()[stray])
+            if not rows:
+                return pos
+            taken = self.take_dicts(shape, rows)
+            if len(self.stack) + len(self.marks) > MAX_STACK:
+                raise SnapshotError(f"{self.name} is not a memory snapshot: its pickle stack holds more than "
+                                    f"{MAX_STACK} items (a crafted file?)")
+            if taken < len(rows):
+                for m in shape.regex.finditer(buf, pos, end):  # where the first dict not taken starts
+                    if not taken:
+                        return m.start()
+                    taken -= 1
+            pos = end
+            if len(buf) - pos < MARGIN and not self.eof:
+                return pos  # the main loop refills, then comes back
+
+    def shape(self, buf: bytes, pos: int) -> Any:
+        """The shape of the dict at ``pos`` (made the first time its keys are met), None for a dict the fast way does
+        not read, or _MISSING for one whose keys are not yet all in the memo."""
+        m = _SPAN.match(buf, pos)
+        if m is None:
+            return None
+        ktoks = tuple(k for k, _v in _PAIR.findall(buf, pos + 3, m.end() - 1))
+        shape = self.shapes.get(ktoks, _MISSING)
+        if shape is _MISSING:
+            if any(k[0] == 0x8C for k in ktoks):
+                return _MISSING  # keys not yet in the memo (the first dict of its kind): the general way
+            if len(self.shapes) >= 256:
+                return None
+            try:
+                keys = tuple(self.value(k) for k in ktoks)
+            except (KeyError, _NotScalar, Fallback):
+                return None
+            ok = all(type(k) is str for k in keys) and len(set(keys)) == len(keys)
+            shape = self.shapes[ktoks] = _Shape(ktoks, keys) if ok else None
+        return shape
+
+    def take_dicts(self, shape: _Shape, rows: list) -> int:
+        """Put in the dicts before the first one the fast way cannot make (halving); how many went in."""
+        if self.put_dicts(shape, rows):
+            return len(rows)
+        if len(rows) == 1:
+            return 0
+        half = len(rows) // 2
+        taken = self.take_dicts(shape, rows[:half])
+        return taken if taken < half else half + self.take_dicts(shape, rows[half:])
+
+    def put_dicts(self, shape: _Shape, rows: list) -> bool:
+        """Make the dicts of ``rows`` (token tuples) and push them, with the memo slots, costs and counts the general
+        way would make; False (nothing changed) where one of them needs the general way."""
+        n = len(rows)
+        cols = list(zip(*rows))[:shape.groups]
+        memo = len(self.kinds)  # references must be to slots made before this run of dicts
+        cost = n * (84 + 80 * shape.groups)  # EMPTY_DICT, MEMOIZE, MARK and SETITEMS of each
+        expanded = 0  # what containers met again stand for (their weights known)
+        unweighed = []  # containers met again whose weight the general way works out the first time (shared())
+        values = []
+        makes = []  # per column: which of its values make a memo slot (None: none, True: all, else per dict)
+        try:
+            for col in cols:
+                firsts = set(map(itemgetter(0), col))
+                if firsts <= _INT_OPS:
+                    data = b"".join(col)
+                    values.append(pickle.loads(b"\x80\x04(" + data + b"l."))
+                    cost += 32 * n + len(data)
+                    makes.append(None)
+                    continue
+                vals = []
+                for tok in col:
+                    c = tok[0]
+                    if c == 0x68 or c == 0x6A:  # a reference: a scalar, or a container met again
+                        v = self.token_values.get(tok, _MISSING)
+                        if v is _MISSING:
+                            index = tok[1] if c == 0x68 else int.from_bytes(tok[1:], "little")
+                            if index >= memo:
+                                return False
+                            k = self.kinds[index]
+                            if k == _WINDOW:
+                                k = self.window_kind(index)
+                            if k == _EVENT:
+                                return False
+                            v = self.objs[k] if k >= 0 else self.frames[-2 - k]
+                            if type(v) in _CONTAINER_TYPES:
+                                w = self.weights.get(id(v))
+                                if w is None:
+                                    unweighed.append(v)
+                                else:
+                                    expanded += w
+                            else:
+                                v = self.value(tok)
+                    elif c == 0x5D:  # a new list of references
+                        items, containers = self.run_items(tok, memo)
+                        v = list(items)
+                        for o in containers:
+                            w = self.weights.get(id(o))
+                            if w is None:
+                                unweighed.append(o)
+                            else:
+                                expanded += w
+                        cost += 76 + 8 * len(items)
+                    else:  # a number, a fresh string, None, True, False
+                        v = self.value(tok)
+                        cost += 68 + len(tok)
+                    vals.append(v)
+                values.append(vals)
+                if 0x5D in firsts or 0x8C in firsts:
+                    makes.append(True if firsts <= _MAKERS else [t[0] in _MAKERS for t in col])
+                else:
+                    makes.append(None)
+        except (_NotScalar, KeyError, IndexError, TypeError, ValueError, OverflowError, pickle.UnpicklingError):
+            return False
+        dicts = list(map(dict, map(zip, repeat(shape.keys), zip(*values))))
+        # The memo slots, in the order the file makes them: each dict, then its new strings and lists.
+        slotted = [vals for vals, m in zip(values, makes) if m is True]
+        if all(m is None or m is True for m in makes):
+            made = list(chain.from_iterable(zip(dicts, *slotted))) if slotted else dicts
+        else:
+            made = []
+            for i, d in enumerate(dicts):
+                made.append(d)
+                for vals, m in zip(values, makes):
+                    if m is True or (m is not None and m[i]):
+                        made.append(vals[i])
+        self.spend(cost + 12 * len(made))
+        for o in unweighed:
+            self.shared(o, 0)
+        if expanded:
+            self.expanded += expanded
+            if self.expanded > self.expand_limit:
+                self.expand_limit = EXPAND_FLOOR + EXPAND_PER_BYTE * self.consumed()
+                if self.expanded > self.expand_limit:
+                    raise SnapshotError(f"{self.name} is not a memory snapshot: its memo references stand for more "
+                                        f"than {EXPAND_PER_BYTE} items per byte (a crafted file?)")
+        start = len(self.objs)
+        self.objs.extend(made)
+        self.kinds.extend(array("i", range(start, start + len(made))))
+        self.stack.extend(dicts)
+        return True
+
+    def run_items(self, tok: bytes, memo: int) -> tuple:
+        """The items a run of references in a dict stands for, and those of them that are containers (KeyError:
+        a reference past ``memo`` or to an event; the general way says why)."""
+        run = self.runs.get(tok)
+        if run is None:
+            items = []
+            i, n = 2, len(tok)
+            while i < n:
+                c = tok[i]
+                if c == 0x68:
+                    index = tok[i + 1]
+                    i += 2
+                elif c == 0x6A:
+                    index = int.from_bytes(tok[i + 1:i + 5], "little")
+                    i += 5
+                else:  # APPENDS, MARK between batches, APPEND
+                    i += 1
+                    continue
+                if index >= memo:
+                    raise KeyError(index)
+                k = self.kinds[index]
+                if k == _WINDOW:
+                    k = self.window_kind(index)
+                if k == _EVENT:
+                    raise KeyError(index)
+                items.append(self.objs[k] if k >= 0 else self.frames[-2 - k])
+            containers = tuple(o for o in items if type(o) in _CONTAINER_TYPES)
+            if len(self.runs) > 65536:
+                self.runs.clear()
+            run = self.runs[tok] = (tuple(items), containers)
+        return run
 
     def value(self, tok: bytes) -> Any:
         """The scalar a checked token stands for (a memo reference resolved, a string interned)."""
@@ -706,10 +987,16 @@ class _Machine:
         """The memo kind of slot ``index``, from the memo or the run of events being read; None past both."""
         n = len(self.kinds)
         if index < n:
-            return self.kinds[index]
+            k = self.kinds[index]
+            return self.window_kind(index) if k == _WINDOW else k
         if self.batch is not None and index - n < len(self.batch):
             return self.batch[index - n]
         return None
+
+    def window_kind(self, index: int) -> int:
+        """The memo kind of slot ``index``, made by a run of events kept as a :class:`_Window`."""
+        w = bisect.bisect_right(self.window_starts, index) - 1
+        return self.windows[w][index - self.window_starts[w]]
 
     def frames_id(self, tok: bytes) -> int:
         """The frames index of an event's ``frames`` token: a run of memo references, or a reference to a list."""
@@ -729,6 +1016,7 @@ class _Machine:
                     else:  # MARK, APPENDS, APPEND between batches
                         i += 1
                 fid = self.frames_of_run[tok] = len(self.frames)
+                self.kind_of_run[tok] = -2 - fid
                 self.frames.append(tuple(stack))
             return fid
         index = tok[1] if tok[0] == 0x68 else int.from_bytes(tok[1:], "little")
@@ -769,74 +1057,98 @@ class _Machine:
         try:
             ints = {}
             for name, g in tpl.ints.items():
-                ints[name] = pickle.loads(b"\x80\x04(" + b"".join(cols[g]) + b"l.")
+                data = b"".join(cols[g])
+                column = _long1_column(data, n)  # addresses: LONG1 tokens of one width, turned into bytes in C
+                ints[name] = pickle.loads(b"\x80\x04(" + data + b"l.") if column is None else column
+            # Frames, as indices into the stacks table: a run of references is a stack (known, or read now from
+            # the memo); a reference to a list is resolved once the slots this run of events makes are known.
+            fids = None
+            if tpl.frames >= 0:
+                frames = cols[tpl.frames]
+                fids = list(map(self.frames_of_run.get, frames))
+                if None in fids:
+                    for i in compress(range(n), map(is_, fids, repeat(None))):
+                        if frames[i][0] == 0x5D:
+                            fids[i] = self.frames_id(frames[i])
+            # Actions, as codes in the trace's table of the tokens that make no memo slot (references): an action
+            # column of known tokens makes none.
+            if tpl.action >= 0:
+                table = self.action_codes.setdefault(trace, {})
+                codes = list(map(table.get, cols[tpl.action]))
+                known = None not in codes
             # The memo slots the events make, in the order the file holds them: the event, its fresh
             # strings, its frames list (a run of references, so its stack is known before the slots).
-            making = []  # (group, the kind of slot each event makes there; _SKIP: none)
-            for g in tpl.scalars:
+            making = []  # the kind of slot every event makes there (an int), None for its frames list, or a kind each
+            skips = False  # whether some event makes no slot at one of those places (_SKIP)
+            for g, tok in tpl.slots:
+                if g < 0:  # a value written into the template
+                    k = self.token_slot(tok)
+                    if k != _SKIP:
+                        making.append(k)
+                    continue
                 col = cols[g]
+                if g == tpl.frames:  # a reference makes no slot
+                    making.append(None)
+                    skips = skips or None in fids
+                    continue
+                if g == tpl.action and known:
+                    continue
                 if col.count(col[0]) == n:  # the same token in every event (torch's "N/A", a stream)
                     k = self.token_slot(col[0])
                     if k != _SKIP:
-                        making.append((g, array("i", [k]) * n))
+                        making.append(k)
                     continue
                 if b"\x8c" not in b"".join(col):  # references and numbers only (actions): no slots
                     continue
                 kinds = list(map(self.token_slots.get, col))
                 if None in kinds:
                     kinds = [self.token_slot(t) if k is None else k for t, k in zip(col, kinds)]
-                if kinds.count(_SKIP) != n:
-                    making.append((g, array("i", kinds)))
-            if tpl.frames_run >= 0:
-                runs = cols[tpl.frames_run]
-                run_ids = list(map(self.frames_of_run.get, runs))  # a reference's empty run: _NO_RUN
-                if None in run_ids:
-                    run_ids = [self.frames_id(t) if f is None else f for t, f in zip(runs, run_ids)]
-                making.append((tpl.frames_run, array("i", map(_MINUS_2, run_ids))))
-            making.sort(key=itemgetter(0))
+                skipped = kinds.count(_SKIP)
+                if skipped != n:
+                    making.append(array("i", kinds))
+                    skips = skips or skipped > 0
             width = 1 + len(making)
-            slots = array("i", [_EVENT]) * (n * width)
-            for j, (_g, kinds) in enumerate(making, 1):
-                slots[j::width] = kinds
-            if _SKIP in slots:
-                slots = array("i", filter(_SKIP.__ne__, slots))
+            if not skips and all(type(k) is not array for k in making):  # one layout: the memo keeps a mark per slot
+                slots = _Window(width, (_EVENT, *making), n, fids)
+            else:
+                slots = array("i", [_EVENT]) * (n * width)
+                for j, kinds in enumerate(making, 1):
+                    if kinds is None:
+                        kinds = array("i", map(self.kind_of_run.get, frames, repeat(_SKIP)))
+                    elif type(kinds) is int:
+                        kinds = array("i", [kinds]) * n
+                    slots[j::width] = kinds
+                if skips:
+                    slots = array("i", filter(_SKIP.__ne__, slots))
             self.batch = slots  # references to slots made earlier in this run of events resolve here
-            # Actions, as codes in the trace's table.
+            if fids is not None and None in fids:  # references to stacks (a free may refer to its allocation's)
+                fids = list(map(self.frames_of_ref.get, frames, fids))  # a run's stays as found
+                if None in fids:  # a reference met for the first time
+                    for i in compress(range(n), map(is_, fids, repeat(None))):
+                        fids[i] = self.frame_ref(frames[i])
             if tpl.action >= 0:
-                table = self.action_codes.setdefault(trace, {})
-                codes = list(map(table.get, cols[tpl.action]))
-                if None in codes:
+                if not known:
                     for i, tok in enumerate(cols[tpl.action]):
                         if codes[i] is None:
-                            code = trace.action_code(self.value(tok))
+                            code = codes[i] = trace.action_code(self.value(tok))
                             if code is None:
                                 return False
-                            codes[i] = table[tok] = code
+                            if tok[0] != 0x8C:  # a fresh string makes a slot each time: never "known"
+                                table[tok] = code
             else:
                 code = trace.action_code(None)
                 if code is None:
                     return False
                 codes = [code] * n
-            # Frames, as indices into the stacks table (a reference resolved through the memo).
-            if tpl.frames_run >= 0:
-                fids = run_ids
-                if _NO_RUN in run_ids:  # references to stacks (a free refers to its allocation's): merged in C
-                    refs = cols[tpl.frames_ref]
-                    fids = list(map(max, run_ids, map(self.frames_of_ref.get, refs, repeat(_NO_RUN))))
-                    if _NO_RUN in fids:  # a reference met for the first time
-                        for i in compress(range(n), map(_NO_RUN.__eq__, fids)):
-                            fids[i] = self.frame_ref(refs[i])
-            else:
-                fids = None
             # The other keys, as an index into the trace's table of extras.
             per_trace = tpl.extras.setdefault(trace, {})
-            others = [cols[g] for _k, g in tpl.others]
+            others = [cols[g] if g >= 0 else (tok,) * n for _k, g, tok in tpl.others]
             if all(col.count(col[0]) == n for col in others):
                 toks = tuple(col[0] for col in others)
                 xid = per_trace.get(toks)
                 if xid is None:
                     xid = per_trace[toks] = trace.extra_id(
-                        tpl.keys, tuple((k, self.value(t)) for (k, _g), t in zip(tpl.others, toks)))
+                        tpl.keys, tuple((k, self.value(t)) for (k, _g, _t), t in zip(tpl.others, toks)))
                 xids = [xid] * n
             else:
                 xt = list(zip(*others))
@@ -844,7 +1156,7 @@ class _Machine:
                 if None in xids:
                     for i, toks in enumerate(xt):
                         if xids[i] is None:
-                            pairs = tuple((k, self.value(t)) for (k, _g), t in zip(tpl.others, toks))
+                            pairs = tuple((k, self.value(t)) for (k, _g, _t), t in zip(tpl.others, toks))
                             xids[i] = per_trace[toks] = trace.extra_id(tpl.keys, pairs)
                 if len(per_trace) > 65536:
                     per_trace.clear()
@@ -852,8 +1164,17 @@ class _Machine:
             return False
         finally:
             self.batch = None
+        first = len(trace)
         trace.extend_columns(codes, ints.get("addr"), ints.get("size"), ints.get("time"), fids, xids, n)
-        self.kinds.extend(slots)
+        if type(slots) is _Window:
+            slots.fids, slots.trace, slots.first = None, trace, first  # from now on read from the trace's column
+            self.window_starts.append(len(self.kinds))
+            self.windows.append(slots)
+            self.kinds.extend(array("i", [_WINDOW]) * len(slots))
+        else:
+            self.kinds.extend(slots)
+        if tpl.variant is None and tpl.general is tpl and tpl.tries < 16:
+            tpl.fit(cols, n)
         return True
 
     def frame_ref(self, tok: bytes) -> int:
@@ -863,6 +1184,22 @@ class _Machine:
             self.frames_of_ref.clear()
         self.frames_of_ref[tok] = fid
         return fid
+
+
+def _long1_column(data: bytes, n: int) -> Optional[array]:
+    """The ints of ``n`` LONG1 tokens of one width and not negative (``data``: the tokens one after another, each
+    checked by the regex) as an array of 8-byte ints, its bytes moved by slices; None for any other run of tokens."""
+    width = len(data) // n
+    if width * n != len(data) or not 3 <= width <= 9 or not _LITTLE:
+        return None
+    if data[0::width] != b"\x8a" * n or data[1::width] != bytes([width - 2]) * n or max(data[width - 1::width]) >= 0x80:
+        return None
+    out = bytearray(8 * n)
+    for b in range(width - 2):
+        out[b::8] = data[2 + b::width]
+    column = array("q")
+    column.frombytes(out)
+    return column
 
 
 class _Short(IndexError):

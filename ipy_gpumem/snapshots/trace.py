@@ -1,6 +1,8 @@
 """One device's events held as columns (a few bytes each), read back as the dicts torch wrote, one at a time."""
 from __future__ import annotations
 
+import struct
+import sys
 from array import array
 from collections import Counter
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -41,6 +43,7 @@ class Trace(Sequence):
         self.time_base = 0
         self.time_none = _NO_OFFSET  # NO_TIME once widened
         self._based = False  # time_base is the first time seen
+        self.untimed = 0  # events without a time (their column holds ``time_none``)
         self.frame = array("h")  # index into ``frames``; -1: no ``frames`` key (widens to "i")
         self.extra = array("B")  # index into ``extras`` (widens to "H", then "I")
         self.frames: List[Any] = [] if frames is None else frames  # shared between a file's devices
@@ -114,24 +117,60 @@ class Trace(Sequence):
         self.act.frombytes(bytes(codes))
         if time is None:
             self._extend_time([NO_TIME] * n)
+        elif type(time) is array and time.typecode == "q" and self._offsets(time):
+            pass  # 8-byte times from the reader, turned into offsets in bulk
         else:
             self._extend_time(time if type(time) is list else time.tolist())
         for name, values, absent in (("addr", addr, 0), ("size", size, 0), ("frame", frame, -1), ("extra", extra, 0)):
             column = getattr(self, name)
             if values is None:
                 values = [absent] * n
+            elif type(values) is array and values.typecode == column.typecode:
+                column.extend(values)  # a copy of the bytes
+                continue
             elif type(values) is not list:
                 values = values.tolist()
             try:
-                column.fromlist(values)  # all or nothing, and several times faster than extend()
+                _append(column, values)  # all or nothing
             except OverflowError:
                 self._widen(name, values)
+
+    def _offsets(self, times: array) -> bool:
+        """Append ``times`` (8-byte ints, none the "no time" mark) as offsets from the first time, all at once: the
+        times as one big integer less the first time in every 8 bytes (a time before it borrows, so that its 8 bytes
+        are not below 2**32). False (nothing appended) unless each is 0 to 2**32 - 2 after the first time."""
+        if self.time.typecode != "I" or not _LITTLE or not len(times):
+            return False
+        n = len(times)
+        if not self._based:
+            self.time_base, self._based = times[0], True
+        if not 0 <= self.time_base < 1 << 63:
+            return False
+        every = int.from_bytes(times.tobytes(), "little") - int.from_bytes(self.time_base.to_bytes(8, "little") * n,
+                                                                            "little")
+        if every < 0:
+            return False
+        data = every.to_bytes(8 * n, "little")
+        zeros = bytes(n)
+        if data[4::8] != zeros or data[5::8] != zeros or data[6::8] != zeros or data[7::8] != zeros:
+            return False  # one is before the first time, or 71 minutes after it
+        out = bytearray(4 * n)
+        for b in range(4):
+            out[b::4] = data[b::8]
+        at = out.find(b"\xff\xff\xff\xff")
+        while at >= 0:
+            if at % 4 == 0:
+                return False  # a real offset equal to "no time"
+            at = out.find(b"\xff\xff\xff\xff", at + 1)
+        self.time.frombytes(out)
+        return True
 
     def _extend_time(self, values: List[int]) -> None:
         """Append times (``time_us``, or :data:`NO_TIME`) as offsets from the first one, or absolute once one does not fit."""
         column = self.time
+        untimed = values.count(NO_TIME)
+        self.untimed += untimed
         if column.typecode == "I":
-            untimed = values.count(NO_TIME)
             if not self._based:
                 if untimed == len(values):  # no time yet (2024 captures have none at all)
                     column.extend(array("I", [_NO_OFFSET]) * len(values))
@@ -151,7 +190,7 @@ class Trace(Sequence):
             none, base = self.time_none, self.time_base
             column = self.time = array("q", [NO_TIME if o == none else o + base for o in column])
             self.time_base, self.time_none = 0, NO_TIME
-        column.fromlist(values)
+        _append(column, values)
 
     def time_at(self, i: int) -> int:
         """Event ``i``'s ``time_us`` from the column (:data:`NO_TIME`: none)."""
@@ -293,6 +332,24 @@ class Trace(Sequence):
                     if k in e and type(e[k]) in (str, int, float, bool, type(None)):  # a file's odd value may be a list
                         out[k][e[k]] += 1
         return out
+
+
+_LITTLE = sys.byteorder == "little"
+
+
+def _append(column: array, values: List[int]) -> None:
+    """Append ``values`` to ``column``, all or nothing (OverflowError where one does not fit its type). array's own
+    fromlist parses each signed value as a function argument; bytes() and struct pack them several times faster."""
+    code = column.typecode
+    try:
+        if code == "B":
+            column.frombytes(bytes(values))
+        elif code in "hiq":
+            column.frombytes(struct.pack(f"{len(values)}{code}", *values))
+        else:
+            column.fromlist(values)
+    except (ValueError, struct.error):  # bytes(): not 0..255; struct: out of range
+        raise OverflowError(f"a value does not fit an array of {code!r}") from None
 
 
 def _fits(value: Any) -> bool:
