@@ -63,14 +63,16 @@ def test_tier_follows_the_front_end(monkeypatch):
     # In a kernel the live plotly figure is the default where it can be shown (plotly, anywidget).
     from ipy_gpumem.chart.views import plotly_widget_status
 
-    live = widgets_status() is None and plotly_widget_status() is None
-    assert choose_tier(zmq_shell) == ("plotly" if live else "html", None), (widgets_status(), plotly_widget_status())
+    # Found, not imported: with the stand-in ipykernel, Colab's ipywidgets 7.7 cannot be imported (no
+    # ipykernel.comm), and the figure is still the default (its link reports that, ``link_error``).
+    live = plotly_widget_status() is None
+    assert choose_tier(zmq_shell) == ("plotly" if live else "html", None), plotly_widget_status()
     assert choose_tier(zmq_shell, prefer="html") == ("html", None)
     if widgets_status() is None:
         assert choose_tier(zmq_shell, prefer="widget") == ("widget", None)
     monkeypatch.setenv("VSCODE_PID", "1")  # VS Code: the picture by default, the figure when asked
     assert choose_tier(zmq_shell) == ("html", None)
-    if widgets_status() is None and plotly_widget_status() is None:
+    if plotly_widget_status() is None:
         assert choose_tier(zmq_shell, prefer="plotly") == ("plotly", None)
     monkeypatch.delenv("VSCODE_PID")
     monkeypatch.setitem(sys.modules, "anywidget", None)  # an import of it now fails
