@@ -116,17 +116,23 @@ def _counted(*a, **k):
     return _real(*a, **k)
 _anatomy.census = _counted
 get_ipython().events.register("post_run_cell", lambda result: _ends.append(time.monotonic()))
+def _unhurried():  # the idle-time count waits 2 s: a cell sent with the one before it surely comes sooner
+    import ipy_gpumem.extension
+    ipy_gpumem.extension.IDLE_DELAY_S = 2.0
 """)
         time.sleep(0.3)  # the set-up cell's own count, in the idle time
         _run_and_wait(kc, "y = x + 1")
         time.sleep(0.3)  # a pause: its count is taken now, not in the next cell
-        _run_and_wait(kc, "q = 1")  # a quiet cell (it changed nothing a count depends on): no count at all
+        _run_and_wait(kc, "q = 1; _unhurried()")  # a quiet cell (it changed nothing a count depends on): no count
         time.sleep(0.3)
         # No pause: the second request already waits when the first cell ends, so its start takes the
-        # count of `z = x + 2` (sent together, whatever the machine's load does to the round trip).
+        # count of `z = x + 2` (sent together; the idle-time count now waits 2 s, so a loaded machine's
+        # slow round trip cannot make the next request come after it).
         kc.execute("z = x + 2")
         kc.execute("w = x + 3")
         report = _run_and_wait(kc, "print(repr((_counts, _ends)))")
+        time.sleep(2.5)  # past the delay of the idle-time counts `z` and `w` scheduled: nothing is left to count
+        again = _run_and_wait(kc, "print(repr(_counts))")
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
@@ -134,6 +140,7 @@ get_ipython().events.register("post_run_cell", lambda result: _ends.append(time.
     # after the set-up cell, `y = x + 1` (idle), `z = x + 2` (at `w`'s start), `w = x + 3` (at the report's
     # start); `q = 1` counted nothing
     assert [at_start for _, at_start in counts] == [False, False, True, True], counts
+    assert eval(again)[:4] == counts and len(eval(again)) == 4, again  # taken once: not again when idle
     from ipy_gpumem.extension import IDLE_DELAY_S
 
     # the idle-time count of `y = x + 1` (ends[0] is the set-up cell's) waited for the reply to go out
