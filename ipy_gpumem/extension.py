@@ -33,7 +33,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Bool, Float, Int, TraitError, Unicode, Union, observe, validate
 
-from .core.devices import cuda, parse_device_list
+from .core.devices import SINGLE_DEVICE_TYPES, cuda, parse_device_list
 from .core.errors import GpuMemWarning
 from .core.probes import CudaProbe, MemoryProbe
 from .core.units import parse_bytes
@@ -84,6 +84,11 @@ def _when_idle(fn) -> None:
             pass
 
     loop.call_later(IDLE_DELAY_S, guarded)
+
+
+def _accelerator_words(kind: str, rocm: bool = False) -> str:
+    """``"CUDA"``, ``"ROCm"``, ``"MPS"``, ``"XPU"``: how a message names an accelerator of torch type ``kind``."""
+    return "ROCm" if rocm else kind.upper()
 
 
 def _display(obj) -> None:
@@ -456,13 +461,31 @@ class GpuMemMagics(Magics):
             self._live().show_sidebar(run=self.watcher.enabled)
 
     def _device_problem(self, device) -> Optional[str]:
-        """Why ``device`` cannot be measured here (it does not exist), or None."""
-        if device is None or not device.is_cuda or device.index is None:
+        """Why ``device`` cannot be measured here (another accelerator's, or one that does not exist), or None.
+
+        The accelerator a process uses is known once torch is imported (a build flag and the backend's
+        reader: nothing is initialized); before that only a CUDA index is checked, against NVML's count.
+        """
+        if device is None or device.is_host:
             return None
-        count = self.probe.cuda.device_count()
-        if count is not None and device.index >= count:
-            return f"{device} does not exist: this process sees {count} CUDA device{'s' if count != 1 else ''}"
-        return None
+        probe = self.probe.cuda
+        count = None
+        if "torch" in sys.modules:
+            probe.status()  # chooses the backend's reader: flags only, it initializes nothing
+            kind = probe.device_type
+            count = probe.device_count()
+            if device.type != kind:
+                if not count:
+                    return f"this process sees no {_accelerator_words(device.type)} device"
+                example = kind if kind in SINGLE_DEVICE_TYPES else f"{kind}:0"
+                return (f"this process's accelerator is {_accelerator_words(kind, probe.is_rocm())}, "
+                        f"not {_accelerator_words(device.type)} (-d {example})")
+        elif device.is_cuda:
+            count = probe.device_count()
+        if device.index is None or count is None or device.index < count:
+            return None
+        words = _accelerator_words(device.type, device.is_cuda and "torch" in sys.modules and probe.is_rocm())
+        return f"{device} does not exist: this process sees {count} {words} device{'s' if count != 1 else ''}"
 
     def _check_plan(self, plan) -> None:
         problem = self._device_problem(plan.device)
@@ -533,8 +556,9 @@ class GpuMemMagics(Magics):
             raise _commands.CommandError(f"%gpumem snapshot: {exc}") from None
         device = command.device.index if command.device is not None else None
         if device is not None and device not in report.replays:
-            raise _commands.CommandError(f"%gpumem snapshot: {report.source} has no cuda:{device}; it has "
-                                         + ", ".join(f"cuda:{d}" for d in sorted(report.replays)))
+            kind = command.device.type  # a snapshot file names no backend: the kind the user typed
+            raise _commands.CommandError(f"%gpumem snapshot: {report.source} has no {kind}:{device}; it has "
+                                         + ", ".join(f"{kind}:{d}" for d in sorted(report.replays)))
         from .chart.views import in_kernel
 
         if not in_kernel(self.shell):

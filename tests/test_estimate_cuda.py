@@ -218,6 +218,25 @@ def test_estimate_and_the_cell_assume_the_same_named_card():
     assert ipy_gpumem.estimate(_forward_step, model, x, device="cpu").gpu is None
 
 
+def test_each_vendors_card_names_its_own_driver_context():
+    """An AMD card's fixed cost is a HIP context and an Intel one's a Level Zero context, in the record
+    and in the words; Apple silicon has none (issue 32). Assumed sizes, and said to be."""
+    from ipy_gpumem.preflight.cell import estimate_cell
+    from ipy_gpumem.preflight.view import estimate_view
+
+    model = torch.nn.Linear(32, 32)
+    x = torch.randn(4, 32)
+    for gpu, key, words in (("MI300X", "hip_context", "HIP context"), ("Max 1550", "level_zero_context",
+                                                                      "Level Zero context")):
+        est = ipy_gpumem.estimate(_forward_step, model, x, gpu=gpu)
+        assert est.fixed_costs == fixed_costs(GPUS[gpu]) == {key: CONTEXT_BYTES[GPUS[gpu].generation]}
+        assert f"({words} " in est.assumed and "CUDA" not in est.assumed and "CUDA" not in str(est)
+        shown = estimate_view(estimate_cell("y = model(x)\n", {"model": model, "x": x}, gpu=gpu)).text
+        assert f"+ {words} (assumed)" in shown and "CUDA context" not in shown, shown
+    apple = ipy_gpumem.estimate(_forward_step, model, x, gpu="M3 Max 36GB")
+    assert apple.fixed_costs == {} and "context" not in apple.assumed
+
+
 # -- real GPU captures ----------------------------------------------------------------------------
 
 class Linear(torch.nn.Module):

@@ -282,6 +282,7 @@ def test_bad_line_arguments_give_one_clear_line(ip, gpumem, line, message):
 @pytest.mark.parametrize("line, message", [
     ("--bogus", "unrecognized arguments"),
     ("-d cuda:x", "unknown device"),
+    ("-d tpu:0", "measures accelerators torch knows and the host"),
     ("-o 1abc", "needs a Python name"),
 ])
 def test_bad_cell_arguments_do_not_run_the_cell(ip, gpumem, line, message):
@@ -392,6 +393,32 @@ def test_cell_magic_device_selection(ip, gpumem):
     else:
         _, cap = run(ip, "%%gpumem -d cuda:0 -o r\nx2 = 1")
         assert f"No GPU measured: {NO_CUDA}" in texts(cap)[0]
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CPU-only torch: no accelerator in this process")
+def test_another_accelerators_device_is_one_clear_line_and_the_cell_not_run(ip, gpumem):
+    """-d mps, -d xpu:0 are read (issue 32); on this CPU-only build no such device exists: one line
+    naming it, and the cell does not run. Their parsing into the devices measured is below."""
+    for arg, words in (("mps", "this process sees no MPS device"), ("xpu:0", "this process sees no XPU device"),
+                       ("xpu", "this process sees no XPU device"), ("hpu:1", "this process sees no HPU device")):
+        ip.user_ns.pop("ran", None)
+        res, cap = run(ip, f"%%gpumem -d {arg}\nran = True")
+        assert type(res.error_in_exec).__name__ == "UsageError", arg
+        assert str(res.error_in_exec) == f"-d {arg}: {words}", res.error_in_exec
+        assert "ran" not in ip.user_ns and "Traceback" not in cap.stdout + cap.stderr
+
+
+def test_the_devices_a_header_measures():
+    from ipy_gpumem.ledger.header import HeaderError, parse_args
+
+    assert parse_args("-d mps").device_indices == (0,)  # MPS: one device, torch's index 0
+    assert parse_args("-d xpu:1").device_indices == (1,) and parse_args("-d cuda:2").device_indices == (2,)
+    assert parse_args("-d xpu").device_indices is None and parse_args("-d cuda").device_indices is None  # every one
+    assert parse_args("-d host").device_indices == () and parse_args("").device_indices is None
+    assert str(parse_args("-d XPU:0").device) == "xpu:0" and str(parse_args("-d mps").device) == "mps"
+    for bad in ("-d tpu", "-d opengl:0", "-d meta"):
+        with pytest.raises(HeaderError, match="measures accelerators torch knows"):
+            parse_args(bad)
 
 
 def test_cell_magic_top_level_await(ip, gpumem):

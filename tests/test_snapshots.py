@@ -219,7 +219,9 @@ def test_public_api_and_magic(ip, gpumem):
     ("%gpumem snapshot /no/such.pickle", "cannot read"),
     ("%gpumem snapshot a.pickle --from x", "--from takes seconds"),
     ("%gpumem snapshot a.pickle --from 2 --to 1", "is not after"),
-    ("%gpumem snapshot a.pickle --device host", "--device takes a CUDA device"),
+    ("%gpumem snapshot a.pickle --device host", "--device takes a device of the snapshot"),
+    ("%gpumem snapshot a.pickle --device mps", "--device takes a device of the snapshot"),
+    ("%gpumem snapshot a.pickle --device tpu:0", "--device takes a device of the snapshot"),
     ("%gpumem snapshot a.pickle --colour", "unknown option"),
 ])
 def test_magic_bad_input(ip, gpumem, line, match):

@@ -9,8 +9,12 @@ from __future__ import annotations
 import re
 from typing import NamedTuple, Optional, Tuple
 
-__all__ = ["Device", "HOST", "ALL_CUDA", "SINGLE_DEVICE_TYPES", "cuda", "device", "note_seen", "seen",
+__all__ = ["ACCELERATOR_TYPES", "Device", "HOST", "ALL_CUDA", "SINGLE_DEVICE_TYPES", "cuda", "device", "note_seen", "seen",
            "parse_device", "parse_device_list", "parse_visible_devices"]
+
+#: Accelerator types a user may name (``-d``, ``--device``): CUDA (ROCm too: torch.cuda's names), Apple's
+#: MPS, Intel's XPU, and those torch.accelerator reads (Gaudi's hpu, Meta's mtia, Ascend's npu).
+ACCELERATOR_TYPES = ("cuda", "mps", "xpu", "hpu", "mtia", "npu")
 
 #: Device types torch names without an index: one device per machine (``mps``, where a tensor's
 #: device reads ``mps:0``).

@@ -15,7 +15,7 @@ import shlex
 import sys
 from typing import NamedTuple, Optional, Sequence
 
-from ..core.devices import Device, parse_device
+from ..core.devices import ACCELERATOR_TYPES, Device, parse_device
 from . import header
 
 __all__ = ["Command", "CommandError", "MODES", "parse_command", "export", "estimate_unavailable", "NO_TORCH",
@@ -131,9 +131,10 @@ def _snapshot_command(rest: Sequence[str]) -> Command:
                     device = parse_device(value) if value is not None else None
                 except ValueError:
                     device = None
-                if device is None or not device.is_cuda or device.index is None:
-                    raise CommandError(f"%gpumem snapshot --device takes a CUDA device, e.g. --device 1 or "
-                                       f"--device cuda:1 (got {value!r})")
+                # A snapshot holds one accelerator's allocator (CUDA's, ROCm's, XPU's): its devices by index.
+                if device is None or device.type not in ACCELERATOR_TYPES or device.index is None or device.type == "mps":
+                    raise CommandError(f"%gpumem snapshot --device takes a device of the snapshot, e.g. --device 1, "
+                                       f"--device cuda:1 or --device xpu:1 (got {value!r})")
         elif word.startswith("-"):
             raise CommandError(f"%gpumem snapshot: unknown option {word!r}; usage: {_SNAPSHOT_USAGE}")
         elif path is None:

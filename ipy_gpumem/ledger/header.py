@@ -16,7 +16,7 @@ import re
 import shlex
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
-from ..core.devices import HOST, Device, parse_device
+from ..core.devices import ACCELERATOR_TYPES, HOST, SINGLE_DEVICE_TYPES, Device, parse_device
 
 __all__ = ["CellPlan", "CellHeader", "HeaderError", "parse_args", "header_args", "find_header", "strip_header",
            "USAGE", "OPTIONS_HELP", "PROG"]
@@ -41,8 +41,9 @@ class CellPlan(NamedTuple):
     Attributes:
         lines: measure every line of the cell (``-l`` / ``--lines``).
         output: the name to store the ``CellRecord`` under (``-o NAME``), or None.
-        device: ``-d``: one CUDA device, every CUDA device (``cuda``) or the host only; None
-            means the configured devices (``GpuMemMagics.devices``).
+        device: ``-d``: one accelerator device (``cuda:1``, ``mps``, ``xpu:0``), every device of
+            one (``cuda``, ``xpu``) or the host only; None means the configured devices
+            (``GpuMemMagics.devices``).
         estimate: ``--estimate [GPU]``: the GPU to judge the cell against ("T4", "this GPU"); the
             cell is not run, its code is estimated on fake copies of your objects. None: run it.
         trace: ``--trace [PATH]``: record the CUDA allocator's history for the cell and show it as
@@ -56,11 +57,17 @@ class CellPlan(NamedTuple):
     trace: Optional[str] = None
 
     @property
-    def cuda_indices(self) -> Optional[Tuple[int, ...]]:
-        """The CUDA devices to measure: ``()`` for host only, ``(n,)``, or None (configured/all)."""
-        if self.device is None or self.device.index is None and not self.device.is_host:
+    def device_indices(self) -> Optional[Tuple[int, ...]]:
+        """The accelerator's devices to measure (torch's indices, for the one accelerator a process uses):
+        ``()`` for host only, ``(n,)``, ``(0,)`` for ``mps``, or None (configured/all)."""
+        device = self.device
+        if device is None:
             return None
-        return () if self.device.is_host else (self.device.index,)
+        if device.is_host:
+            return ()
+        if device.index is None:
+            return (0,) if device.type in SINGLE_DEVICE_TYPES else None
+        return (device.index,)
 
 
 class CellHeader(NamedTuple):
@@ -100,7 +107,7 @@ def _make_parser() -> _Parser:
     parser.add_argument("-o", "--output", metavar="NAME",
                         help="store the CellRecord in your namespace as NAME")
     parser.add_argument("-d", "--device", metavar="DEVICE",
-                        help="measure only this device: cuda:N, cuda (every GPU) or host")
+                        help="measure only this device: cuda:N, cuda (every GPU), mps, xpu:N, or host")
     parser.add_argument("--estimate", metavar="GPU", nargs="?", const=THIS_GPU,
                         help="do not run the cell: predict its peak by running its code twice on fake copies of "
                              "your objects, per line, with the verdict against GPU (T4, A100-80, ...; default: "
@@ -146,15 +153,18 @@ def _check_output(name: str) -> str:
     return name
 
 
+_DEVICE_HELP = "use cuda:N (e.g. -d cuda:0), cuda for every GPU, mps, xpu:N, or host"
+
+
 def _check_device(text: str) -> Device:
     try:
         device = parse_device(text)
     except ValueError:
-        raise HeaderError(f"-d {text}: unknown device; use cuda:N (e.g. -d cuda:0), cuda for every GPU, or host") from None
+        raise HeaderError(f"-d {text}: unknown device; {_DEVICE_HELP}") from None
     if device.is_host:
         return HOST
-    if not device.is_cuda:
-        raise HeaderError(f"-d {text}: ipy_gpumem measures CUDA devices and the host; use cuda:N, cuda or host")
+    if device.type not in ACCELERATOR_TYPES:  # which one this process has is checked when the cell runs
+        raise HeaderError(f"-d {text}: ipy_gpumem measures accelerators torch knows and the host; {_DEVICE_HELP}")
     return device
 
 

@@ -217,7 +217,7 @@ class CellWatcher:
             from ..tensors import census as _census  # noqa: F401
             from . import lines as _lines  # noqa: F401
         if header is not None and header.plan.device is not None:
-            devices = header.plan.cuda_indices  # () for -d host: the host is always measured
+            devices = header.plan.device_indices  # () for -d host: the host is always measured
         measurement = self._begin(devices, settings.track_peaks, outermost, cell_id, raw, header is not None)
         if outermost:
             self.ranks.cell_started()

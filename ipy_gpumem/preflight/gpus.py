@@ -119,12 +119,18 @@ def cublas_workspace(gpu: Optional[Gpu]) -> int:
     return 4096 * 8 * 1024 if sm is not None and sm // 10 in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
+#: The driver context each vendor's generations pay, by the key :func:`fixed_costs` gives it (the
+#: words are ``result.COST_WORDS``): a HIP context on AMD (ROCm, through the same torch.cuda), a
+#: Level Zero context on Intel; NVIDIA's and any card not listed here is a CUDA context.
+CONTEXT_KIND = {"cdna3": "hip_context", "xe-hpc": "level_zero_context"}
+
+
 def fixed_costs(gpu: Optional[Gpu]) -> Dict[str, int]:
-    """The bytes a CUDA process needs outside the caching allocator on ``gpu``: its CUDA context (a
-    HIP one on ROCm, through the same torch.cuda; none on Apple silicon)."""
+    """The bytes a process needs outside the caching allocator on ``gpu``: its driver context (CUDA's,
+    HIP's on ROCm, Level Zero's on an Intel GPU; none on Apple silicon)."""
     generation = gpu.generation if gpu is not None else "ampere"
     context = CONTEXT_BYTES.get(generation, 420 * MiB)
-    return {"cuda_context": context} if context else {}
+    return {CONTEXT_KIND.get(generation, "cuda_context"): context} if context else {}
 
 
 #: Cards met as "this GPU" in this process, by name: the sealed child (a fork) finds them by the

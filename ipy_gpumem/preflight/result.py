@@ -7,10 +7,11 @@ from typing import Dict, List, Optional
 
 from ..core.units import format_bytes
 
-__all__ = ["Estimate", "EstimateError", "Fit"]
+__all__ = ["COST_WORDS", "Estimate", "EstimateError", "Fit"]
 
 #: How a fixed cost is named in words.
-_COSTS = {"cuda_context": "CUDA context"}
+#: The fixed costs' words (``gpus.fixed_costs`` keys): what the pre-flight tables and the verdict print.
+COST_WORDS = {"cuda_context": "CUDA context", "hip_context": "HIP context", "level_zero_context": "Level Zero context"}
 
 
 class EstimateError(RuntimeError):
@@ -91,7 +92,7 @@ class Estimate:
         """``"assumed: T4 (CUDA context 300.00 MiB)"``: the card and the fixed costs taken for it ("" on the CPU)."""
         if not self.device.startswith("cuda"):
             return ""
-        costs = ", ".join(f"{_COSTS.get(k, k)} {format_bytes(v)}" for k, v in self.fixed_costs.items())
+        costs = ", ".join(f"{COST_WORDS.get(k, k)} {format_bytes(v)}" for k, v in self.fixed_costs.items())
         return f"assumed: {self.gpu or 'an unnamed GPU'}" + (f" ({costs})" if costs else "")
 
     @property

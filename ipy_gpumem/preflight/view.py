@@ -15,11 +15,10 @@ from ..display.tables import (PHASE_WORDS, Column, bytes_table, delta_cell, heav
                               phase_table, roles_words, summarize_phases)
 from ..display.view import View
 from .cell import CellEstimate
-from .result import Fit
+from .result import COST_WORDS, Fit
 
 __all__ = ["estimate_view", "verdict"]
 
-_COSTS = {"cuda_context": "CUDA context"}
 
 
 def verdict(fit: Fit) -> str:
@@ -45,7 +44,7 @@ def estimate_view(cell: CellEstimate, title: Optional[str] = None) -> View:
     if cuda:
         rows.append(("peak reserved", (est.peak_reserved,)))
         for key, value in est.fixed_costs.items():
-            rows.append((f"+ {_COSTS.get(key, key)} (assumed)", (value,)))
+            rows.append((f"+ {COST_WORDS.get(key, key)} (assumed)", (value,)))
         rows.append(("total needed", (est.total_needed,)))
     parts.append(bytes_table(["", "predicted"], rows, signed=(False,)))
     if cuda:  # the card the fixed costs are for; cuBLAS's workspaces are allocator memory, in the peaks
