@@ -1,8 +1,15 @@
 """Run cells in a real Jupyter kernel through nbclient and read back what each cell showed."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+
+import pytest
+
+#: Skips a test module where nbclient is not installed. Found, not imported: importing it (and nbformat's JSON
+#: schemas with it) at collection cost every collecting process 4 CPU-s, and only a kernel test needs it.
+needs_nbclient = pytest.mark.skipif(importlib.util.find_spec("nbclient") is None, reason="nbclient is not installed")
 
 
 def execute(cells, extensions=None, timeout=180, allow_errors=True, cwd=None):

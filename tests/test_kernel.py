@@ -1,11 +1,10 @@
 """The extension in a real kernel (nbclient): outputs land in the right cell, nesting, errors."""
 import pytest
 
-from kernel_helpers import execute, outputs, plain
+from kernel_helpers import execute, needs_nbclient, outputs, plain
 
-pytest.importorskip("nbclient")
 pytest.importorskip("torch")
-pytestmark = [pytest.mark.slow, pytest.mark.compat]
+pytestmark = [pytest.mark.slow, pytest.mark.compat, needs_nbclient]
 
 
 @pytest.fixture(scope="module")

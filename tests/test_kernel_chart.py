@@ -9,11 +9,10 @@ import time
 
 import pytest
 
-from kernel_helpers import execute, outputs, plain
+from kernel_helpers import execute, needs_nbclient, outputs, plain
 
-pytest.importorskip("nbclient")
 pytest.importorskip("torch")
-pytestmark = [pytest.mark.slow, pytest.mark.compat]
+pytestmark = [pytest.mark.slow, pytest.mark.compat, needs_nbclient]
 
 GROW = "import time\nbufs = []\nfor i in range(10):\n    bufs.append(bytearray(16 * 2**20))\n    time.sleep(0.4)"
 # A user saves seconds after the last cell: by then the sampler has made the redraw a cell end owed

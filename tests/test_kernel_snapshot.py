@@ -4,10 +4,9 @@ import os
 
 import pytest
 
-from kernel_helpers import execute, outputs, plain
+from kernel_helpers import execute, needs_nbclient, outputs, plain
 
-pytest.importorskip("nbclient")
-pytestmark = [pytest.mark.slow, pytest.mark.compat]
+pytestmark = [pytest.mark.slow, pytest.mark.compat, needs_nbclient]
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "snapshots")
 OOM = os.path.join(HERE, "Constructor-Sun_memory_snapshot.pickle.gz")  # an OOM on cuda:1, 3 devices

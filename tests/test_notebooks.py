@@ -1,4 +1,5 @@
 """The shipped notebooks run top to bottom in a real kernel and show what they promise."""
+import importlib.util
 import os
 import shlex
 import subprocess
@@ -6,10 +7,11 @@ import sys
 
 import pytest
 
-pytest.importorskip("nbclient")
-pytest.importorskip("nbconvert")
+from kernel_helpers import needs_nbclient
+
 pytest.importorskip("torch")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_nbclient,
+              pytest.mark.skipif(importlib.util.find_spec("nbconvert") is None, reason="nbconvert is not installed")]
 
 NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
 
