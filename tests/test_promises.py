@@ -153,7 +153,7 @@ def test_errors_under_lines_are_exactly_the_users(ip, gpumem, body):
 @pytest.mark.parametrize("arg, says", [
     ("-o get_ipython", "IPython uses 'get_ipython'"), ("-o In", "IPython uses 'In'"), ("-o class", "keyword"),
     ("-o len", "builtin"), ("-o _7", "IPython uses '_7'"), ('"unterminated', "No closing quotation"),
-    ("--bogus", "unrecognized arguments"), ("-d gpu-zero", "unknown device"), ("-d mps", "CUDA devices and the host"),
+    ("--bogus", "unrecognized arguments"), ("-d gpu-zero", "unknown device"), ("-d tpu", "accelerators torch knows and the host"),
 ])
 def test_bad_cell_magic_arguments_are_one_line_and_lose_nothing(ip, gpumem, arg, says):
     in_list = ip.user_ns["In"]
