@@ -233,8 +233,13 @@ def test_each_vendors_card_names_its_own_driver_context():
         assert f"({words} " in est.assumed and "CUDA" not in est.assumed and "CUDA" not in str(est)
         shown = estimate_view(estimate_cell("y = model(x)\n", {"model": model, "x": x}, gpu=gpu)).text
         assert f"+ {words} (assumed)" in shown and "CUDA context" not in shown, shown
+        # named as torch names the device there; the allocator modelled is CUDA's for each (est.device)
+        assert est.device == "cuda:0" and est.device_name == {"MI300X": "cuda:0", "Max 1550": "xpu:0"}[gpu]
+        assert str(est).startswith(f"Estimate({est.device_name} on a {gpu}: ")
     apple = ipy_gpumem.estimate(_forward_step, model, x, gpu="M3 Max 36GB")
     assert apple.fixed_costs == {} and "context" not in apple.assumed
+    assert apple.device_name == "mps" and str(apple).startswith("Estimate(mps on a M3 Max 36GB: ")
+    assert ipy_gpumem.estimate(_forward_step, model, x, device="cpu").device_name == "cpu"
 
 
 # -- real GPU captures ----------------------------------------------------------------------------

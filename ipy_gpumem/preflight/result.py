@@ -165,11 +165,24 @@ class Estimate:
             raise EstimateError(f"the estimate's sealed copy sent back a malformed answer ({type(exc).__name__}: "
                                 f"{exc}); nothing of it was used") from None
 
+    @property
+    def device_name(self) -> str:
+        """The device as torch names it on the card assumed: ``cuda:0`` (an AMD card's too: ROCm keeps
+        torch.cuda's names), ``xpu:0`` on an Intel card, ``mps`` on Apple silicon; ``device`` is the
+        allocator the estimate modelled (``cuda:0`` for each: their caching allocators are modelled alike)."""
+        if not self.device.startswith("cuda") or not self.gpu:
+            return self.device
+        from .gpus import card_named
+
+        card = card_named(self.gpu)
+        generation = card.generation if card is not None else None
+        return {"xe-hpc": "xpu:0", "apple": "mps"}.get(generation, self.device)
+
     def __repr__(self) -> str:
         roles = ", ".join(f"{role} {format_bytes(v)}" for row in self.roles.values() for role, v in row.items() if v)
         on = f" on a {self.gpu}" if self.gpu else ""
         assumed = f"; {self.assumed}" if self.assumed else ""
-        text = (f"Estimate({self.device}{on}: peak allocated {format_bytes(self.peak_allocated)}, "
+        text = (f"Estimate({self.device_name}{on}: peak allocated {format_bytes(self.peak_allocated)}, "
                 f"reserved {format_bytes(self.peak_reserved)}, total needed {format_bytes(self.total_needed)}"
                 f"{assumed}; "
                 f"at the peak ({self.peak_phase}, call {self.peak_step}): {roles})")
