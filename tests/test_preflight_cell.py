@@ -138,7 +138,10 @@ def test_estimate_in_a_shell(ip, gpumem):
     shown = "\n".join(texts(cap))
     assert "%%gpumem --estimate" in shown and "peak allocated" in shown and "total needed" in shown
     assert "Verdict: fits with " in shown and "to spare on T4 (14.75 GiB usable)" in shown
-    assert "At the peak" in shown and "optimizer state" in shown
+    est = ns.get("est")
+    # (a rare failure under load left "optimizer state" out of the peak's roles: say what the peak held)
+    assert "At the peak" in shown and "optimizer state" in shown, (
+        None if est is None else (est.peak_phase, est.peak_step, est.roles, est.notes))
     assert "Δallocated" in shown and "loss.backward()" in shown and "forward" in shown
     assert "CUDA context (assumed)" in shown
     est = ns["est"]

@@ -527,7 +527,7 @@ def test_forked_ranks_are_recorded_inside_and_the_worst_is_named(nb, cell, world
     assert [r["rank"] for r in ranks] == list(range(world))
     assert all(r["seen"] == "inside" and r["end"] == "exited" for r in ranks), ranks
     rises = {r["rank"]: r["host"]["rss_peak_increase"] for r in ranks}
-    assert max(rises, key=rises.get) == big
+    assert max(rises, key=rises.get) == big, ranks  # (a rare failure under load: every figure of each rank)
     assert all(rises[big] - v > 48 * MiB for k, v in rises.items() if k != big), rises
     for r in ranks:
         assert set(r["host"]) >= {"rss_before", "rss_after", "rss_peak", "rss_peak_increase"}
