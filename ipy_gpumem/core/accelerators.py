@@ -18,7 +18,7 @@ import sys
 from typing import Any, List, Optional, Tuple
 
 from . import backends as _backends
-from .counters import counters_from_flat, counters_from_stats
+from .counters import counters_from_stats
 from .devices import parse_visible_devices, seen as _seen
 
 __all__ = ["Reader", "MpsReader", "XpuReader", "GenericReader", "AmdsmiProbe", "reader_for", "mps_limit"]
@@ -159,7 +159,7 @@ class MpsReader(Reader):
         if self._generic is None:
             self._generic_stats()
         if self._generic:
-            return counters_from_flat(_flat_stats(self.torch, 0))
+            return counters_from_stats(_flat_stats(self.torch, 0))
         mps = self.torch.mps
         return int(mps.current_allocated_memory()), int(mps.driver_allocated_memory()), None, None
 
@@ -242,7 +242,7 @@ class XpuReader(Reader):
         nested = getattr(xpu, "memory_stats_as_nested_dict", None)
         if nested is not None:
             return counters_from_stats(nested(index))
-        return counters_from_flat(dict(xpu.memory_stats(index)))
+        return counters_from_stats(dict(xpu.memory_stats(index)))
 
     def reset_peak(self, index: int) -> None:
         self.torch.xpu.reset_peak_memory_stats(index)
@@ -308,7 +308,7 @@ class GenericReader(Reader):
         return [i for i in range(self.device_count() or 0) if self._stats(i)]
 
     def counters(self, index: int) -> tuple:
-        return counters_from_flat(self._stats(index))
+        return counters_from_stats(self._stats(index))
 
     def reset_peak(self, index: int) -> None:
         self.torch.accelerator.reset_peak_memory_stats(index)

@@ -1,7 +1,7 @@
 """The allocator's four counters (allocated, reserved and their peaks) read from the stats dicts torch returns."""
 from __future__ import annotations
 
-__all__ = ["counters_from_stats", "counters_from_flat"]
+__all__ = ["counters_from_stats"]
 
 
 def counters_from_stats(stats: dict) -> tuple:
@@ -25,14 +25,3 @@ def counters_from_stats(stats: dict) -> tuple:
         get("allocated_bytes", "peak"),
         get("reserved_bytes", "peak"),
     )
-
-
-def counters_from_flat(stats: dict) -> tuple:
-    """``(allocated, reserved, peak_allocated, peak_reserved)`` from a flat ``memory_stats()`` dict
-    (torch.accelerator's and torch.xpu's); Nones for an empty one (allocator not started)."""
-    def get(key: str):
-        value = stats.get(key)
-        return None if value is None else int(value)
-
-    return (get("allocated_bytes.all.current"), get("reserved_bytes.all.current"),
-            get("allocated_bytes.all.peak"), get("reserved_bytes.all.peak"))
