@@ -18,7 +18,7 @@ from ipy_gpumem.tensors import census  # noqa: E402
 def _take(names):
     """A census of ``names`` alone: not the suite's other modules (the walk counts the user's modules, and
     pytest's test modules are the user's here) nor the last error another test left."""
-    return census.take(names, caches=False, user_modules=False)
+    return census.take(names, caches=False, user_modules=False, budget_s=60.0)  # exactness, not speed (load)
 from ipy_gpumem.anatomy.reasons import why_of  # noqa: E402
 from ipy_gpumem.core import words  # noqa: E402
 from ipy_gpumem.core.units import format_bytes  # noqa: E402
