@@ -18,11 +18,11 @@ from ipy_gpumem.tensors import census  # noqa: E402
 def _take(names):
     """A census of ``names`` alone: not the suite's other modules (the walk counts the user's modules, and
     pytest's test modules are the user's here) nor the last error another test left."""
-    return census.take(names, caches=False, user_modules=False, budget_s=60.0)  # exactness, not speed (load)
+    return census.take(names, caches=False, user_modules=False, budget_s=EXACT_S)
 from ipy_gpumem.anatomy.reasons import why_of  # noqa: E402
 from ipy_gpumem.core import words  # noqa: E402
 from ipy_gpumem.core.units import format_bytes  # noqa: E402
-from tests.conftest import run, texts  # noqa: E402
+from tests.conftest import EXACT_S, run, texts  # noqa: E402
 from tests.kernel_helpers import execute, plain  # noqa: E402
 
 
@@ -690,9 +690,10 @@ def test_the_count_asks_which_ipython_names_hold_outputs_without_reading_its_inp
 
     import builtins
 
-    for name in ("_", "__", "___"):  # an earlier test of the shared shell may have bound them itself
-        if name in ip.user_ns and ip.user_ns[name] is not getattr(ip.displayhook, name, None):
-            del ip.user_ns[name]
+    # An earlier test of the shared shell may have bound them itself, or left IPython's `__` behind its
+    # displayhook's: either way IPython stops updating all three. Gone, IPython binds them afresh.
+    for name in ("_", "__", "___"):
+        ip.user_ns.pop(name, None)
     if "_" in builtins.__dict__:  # (IPython leaves `_` alone then: a test may have installed gettext's)
         pytest.skip("builtins._ is set in this process: IPython does not bind `_`")
     run(ip, "import torch\ntorch.ones(3)")  # an output: Out[n], _n and _ hold it

@@ -24,6 +24,7 @@ from ipy_gpumem.oom.rules import device, runtimes, session, training  # noqa: E4
 from ipy_gpumem.oom.rules.facts import Facts  # noqa: E402
 from ipy_gpumem.attribution.who import WhoReport, who  # noqa: E402
 from ipy_gpumem.attribution.holders import Holder  # noqa: E402
+from tests.conftest import EXACT_S  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -105,7 +106,7 @@ class Seed:
         if keep_graph:
             self.ns["output"] = output = self.model(self.input)
             self.ns["loss"] = output.pow(2).mean()
-        self.who = who(self.ns)
+        self.who = who(self.ns, budget_s=EXACT_S)
         self.oom = parse_oom(message)
         self.memory = DeviceMemory.from_message(self.oom)
 
@@ -256,7 +257,7 @@ def test_a_graph_that_keeps_a_rebound_model_is_found_with_what_it_frees():
     loss.backward()
     opt.step()
     ns = {"model": nn.Linear(4, 4), "inputs": inputs, "output": output, "loss": loss}
-    report = who(ns)
+    report = who(ns, budget_s=EXACT_S)
     params = nbytes(*old.parameters())
     assert report.categories["retained_graphs"] == 0
     assert report.categories["parameters"] >= params and report.categories["gradients"] == params
@@ -454,7 +455,7 @@ def test_checkpoint_dict_still_held_is_measured():
     checkpoint = {"model_state_dict": {k: v.clone() for k, v in model.state_dict().items()}, "epoch": 3}
     model.load_state_dict(checkpoint["model_state_dict"])
     held = nbytes(*checkpoint["model_state_dict"].values())
-    report = who({"model": model, "checkpoint": checkpoint})
+    report = who({"model": model, "checkpoint": checkpoint}, budget_s=EXACT_S)
     msg = ("RuntimeError: [enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: not enough memory: "
            "you tried to allocate 2147483648 bytes.")
     f = session.checkpoint_on_gpu(facts_for(msg, who_report=report))
@@ -516,7 +517,7 @@ def _real_forward_failure():
 
 def test_activations_in_a_real_forward_pass_suggest_a_batch_size():
     model, batch, kept, frames = _real_forward_failure()
-    report = who({"model": model, "batch": batch, "kept": kept})
+    report = who({"model": model, "batch": batch, "kept": kept}, budget_s=EXACT_S)
     source = "batch_size = 64\nout = model(batch)\nloss = out.sum()\nloss.backward()"
     f = training.activations(facts_for(SMALL, who_report=report, failing_source=source, frames=frames))
     acts = report.categories["retained_graphs"]
@@ -695,7 +696,7 @@ def test_no_fix_frees_too_little_to_matter_or_rebuilds_what_did_not_fit(scale):
 def test_checkpoint_advice_on_the_host_never_moves_it_to_the_host():
     model = nn.Linear(512, 512)
     ckpt = {"model_state_dict": {k: v.clone() for k, v in model.state_dict().items()}}
-    report = who({"model": model, "ckpt": ckpt})
+    report = who({"model": model, "ckpt": ckpt}, budget_s=EXACT_S)
     msg = ("RuntimeError: [enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: not enough memory: "
            "you tried to allocate 1048576 bytes.")
     memory = DeviceMemory.from_message(parse_oom(msg)).merged(

@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from tests.conftest import EXACT_S
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 SNAPSHOTS = os.path.join(ROOT, "tests", "fixtures", "snapshots")
@@ -155,7 +157,7 @@ def test_the_oom_report_and_who_tables_list_exactly_what_to_dict_writes():
                                "in use. Of the allocated memory 14.56 GiB is allocated by PyTorch, and 20.00 MiB is "
                                "reserved by PyTorch but unallocated.")
     check("`OomReport.to_dict()`", oom.to_dict())
-    report = who({"w": torch.zeros(4)}).to_dict()
+    report = who({"w": torch.zeros(4)}, budget_s=EXACT_S).to_dict()
     check("`WhoReport.to_dict()`", report)
     check("`holders` of `who()`", report["holders"][0])
 

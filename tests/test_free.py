@@ -23,6 +23,7 @@ from ipy_gpumem.core.units import format_bytes  # noqa: E402
 from ipy_gpumem.display.view import View  # noqa: E402
 from ipy_gpumem.attribution.who import who  # noqa: E402
 from ipy_gpumem.attribution.holders import IPythonRefs, ipython_refs  # noqa: E402
+from tests.conftest import EXACT_S  # noqa: E402
 
 MiB = 2**20
 _SYS = ("last_type", "last_value", "last_traceback", "last_exc")
@@ -89,7 +90,7 @@ def test_the_underscore_idiom_is_the_users(shell):
     run(shell, "t = torch.randn(100, 100)\nvalues, _ = torch.max(t, 0)")
     kept = shell.user_ns["_"]
     assert not refs(shell).owns("_")
-    report = who(shell.user_ns, refs=refs(shell))
+    report = who(shell.user_ns, refs=refs(shell), budget_s=EXACT_S)
     row = next(h for h in report.holders if h.expr == "_")
     assert (row.kind, row.category, row.roots, row.bytes) == ("variable", "other_tensors", ("_",), 800)
     the_plan = plan(shell)
@@ -127,7 +128,7 @@ def test_a_users_underscore_n_is_left_alone(shell):
     probe = weakref.ref(shell.user_ns["Out"][n])
     run(shell, f"_{n} = torch.zeros(100)\n_tmp = torch.zeros(50)")  # assigned by the user: theirs
     mine = shell.user_ns[f"_{n}"]
-    report = who(shell.user_ns, refs=refs(shell))
+    report = who(shell.user_ns, refs=refs(shell), budget_s=EXACT_S)
     rows = {h.expr: h for h in report.holders}
     assert (rows[f"_{n}"].kind, rows[f"_{n}"].category) == ("variable", "other_tensors")
     assert (rows["_tmp"].kind, rows["_tmp"].category, rows["_tmp"].roots) == ("variable", "other_tensors", ("_tmp",))
@@ -148,7 +149,7 @@ def test_a_rebound_out_is_the_users(shell):
     users_out = shell.user_ns["Out"]
     owned = refs(shell)
     assert not owned.owns("Out") and owned.owns("_oh")
-    report = who(shell.user_ns, refs=owned)
+    report = who(shell.user_ns, refs=owned, budget_s=EXACT_S)
     rows = {h.expr: h for h in report.holders}
     assert (rows["Out[1]"].kind, rows["Out[1]"].category, rows["Out[1]"].roots) == (
         "variable", "other_tensors", ("Out",))
@@ -333,7 +334,7 @@ def test_without_torch_free_says_nothing_holds_tensors_not_that_who_stopped():
 
 
 def test_a_walk_cut_short_is_said_with_its_reason():
-    report = who({"x": torch.ones(3)})
+    report = who({"x": torch.ones(3)}, budget_s=EXACT_S)
     cut = type(report)(report.categories, report.holders, stopped="the time budget (0.5 s) ran out")
     the_plan = plan_release({"x": torch.ones(3)}, report=cut)
     assert not the_plan.complete and the_plan.tensors and the_plan.incomplete == "the time budget (0.5 s) ran out"

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from ipy_gpumem.attribution.holders import ipython_refs  # noqa: E402
 from ipy_gpumem.attribution.who import who  # noqa: E402
-from tests.conftest import run  # noqa: E402
+from tests.conftest import EXACT_S, run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("restore_user_ns")
 
@@ -38,7 +38,7 @@ def shell(ip, gpumem):
 
 
 def _who(ip):
-    return who(ip.user_ns, refs=ipython_refs(ip.user_ns, ip.user_ns_hidden, ip.displayhook))
+    return who(ip.user_ns, refs=ipython_refs(ip.user_ns, ip.user_ns_hidden, ip.displayhook), budget_s=EXACT_S)
 
 
 def _moved(ip, gpumem, setup, cell):

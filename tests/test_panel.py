@@ -24,6 +24,7 @@ from ipy_gpumem.oom.parse import parse_oom  # noqa: E402
 from ipy_gpumem.oom.rules import explain  # noqa: E402
 from ipy_gpumem.oom.rules.facts import cell_deltas  # noqa: E402
 from ipy_gpumem.attribution.who import who  # noqa: E402
+from tests.conftest import EXACT_S  # noqa: E402
 
 HEADLINE = "Out of memory on cuda:0: tried to allocate 2.32 GiB with 182.75 MiB free (15.78 GiB total)"
 _SEG_WIDTH = re.compile(r'class="gm-seg"[^>]*?width:([0-9.]+)%')
@@ -113,7 +114,7 @@ def test_view_protocol_and_data():
 def test_user_content_is_escaped():
     seed = Seed()
     evil = "<script>alert(1)</script>"
-    report = who(dict(seed.ns, d={evil: torch.zeros(256, 1024)}))
+    report = who(dict(seed.ns, d={evil: torch.zeros(256, 1024)}), budget_s=EXACT_S)
     assert any(evil in h.name for h in report.holders)
     oom = parse_oom(seed.oom.message + " " + evil)
     earlier = [CellRecord(2, None, f"x = 1  # {evil}", 0.0, 1.0,

@@ -134,7 +134,7 @@ def standin_census(modules, optimizers, tensors):
 def real_census():
     census = pytest.importorskip("ipy_gpumem.tensors.census")
     return lambda modules, optimizers, tensors: census.take(
-        extra=list(modules) + list(optimizers) + list(tensors), user_modules=False, budget_s=60.0)  # not speed
+        extra=list(modules) + list(optimizers) + list(tensors), user_modules=False, budget_s=60.0)  # exactness, not speed (tests/conftest.py: EXACT_S)
 
 
 CENSUSES = {"stand-in": lambda: standin_census, "real": real_census}

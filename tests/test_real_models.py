@@ -14,11 +14,8 @@ from ipy_gpumem.preflight.world import FakeWorld  # noqa: E402
 from ipy_gpumem.tensors import census  # noqa: E402
 from ipy_gpumem.tensors.torch_api import api  # noqa: E402
 from ipy_gpumem.tensors.tracker import StorageTracker  # noqa: E402
-from tests.conftest import run  # noqa: E402
+from tests.conftest import EXACT_S, run  # noqa: E402
 
-#: The census's time budget where a test checks exactness, not speed: the default (0.75 s) can run out on a
-#: loaded machine, and an incomplete count is not the exact one.
-EXACT_S = 60.0
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 transformers.utils.logging.set_verbosity_error()

@@ -19,10 +19,8 @@ from ipy_gpumem.tensors import census, kinds  # noqa: E402
 from ipy_gpumem.tensors.storage import Storages  # noqa: E402
 from ipy_gpumem.tensors.torch_api import DEPENDENCIES, api  # noqa: E402
 from ipy_gpumem.tensors.walk import Walk  # noqa: E402
+from tests.conftest import EXACT_S  # noqa: E402
 
-#: The census's time budget where a test checks exactness, not speed: the default (0.75 s) can run out on a
-#: loaded machine, and an incomplete count is not the exact one.
-EXACT_S = 60.0
 
 
 def nbytes(*tensors):

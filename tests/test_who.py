@@ -28,6 +28,7 @@ from ipy_gpumem.attribution.view import who_view  # noqa: E402
 who_module = importlib.import_module("ipy_gpumem.attribution.who")
 storage_module = importlib.import_module("ipy_gpumem.tensors.storage")
 from ipy_gpumem.tensors.torch_api import api as torch_api  # noqa: E402
+from tests.conftest import EXACT_S  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -253,7 +254,7 @@ def test_small_model_adam_exact_categories():
     optimizer.step()
     ns = {"model": model, "optimizer": optimizer, "x": x, "y": y}
 
-    report = who(ns)
+    report = who(ns, budget_s=EXACT_S)
 
     assert report.categories["parameters"] == storage_bytes(params_and_buffers(model))
     assert report.categories["gradients"] == storage_bytes(grads(model))
@@ -276,7 +277,7 @@ def test_seed_scenario_matches_what_del_really_frees(kind):
     ns = seed_namespace(kind)
     model, optimizer = ns["model"], ns["optimizer"]
 
-    report = who(ns)
+    report = who(ns, budget_s=EXACT_S)
 
     assert report.categories["parameters"] == storage_bytes(params_and_buffers(model))
     assert report.categories["gradients"] == storage_bytes(grads(model))
@@ -299,7 +300,7 @@ def test_seed_scenario_matches_what_del_really_frees(kind):
 @pytest.mark.slow
 def test_seed_scenario_is_in_megabytes_and_exact_for_the_mlp():
     ns = seed_namespace("mlp", batch=512)
-    report = who(ns)
+    report = who(ns, budget_s=EXACT_S)
     assert report.categories["retained_graphs"] > 4 * 2**20
     assert report.categories["optimizer_state"] == 2 * report.categories["gradients"] + 4 * len(
         list(ns["model"].parameters()))  # exp_avg + exp_avg_sq per parameter, float32 step
@@ -310,7 +311,7 @@ def test_seed_scenario_is_in_megabytes_and_exact_for_the_mlp():
 @pytest.mark.slow
 def test_deleting_only_loss_frees_its_own_graph_row():
     ns = seed_namespace("mlp")
-    report = who(ns)
+    report = who(ns, budget_s=EXACT_S)
     loss_only = holder_bytes(report, "loss", "loss (graph)")
     freed = really_freed(ns, "loss")
     assert loss_only == freed
@@ -325,10 +326,10 @@ def test_retained_view_keeps_whole_storage():
         return op(big[:, :2]).sum()
 
     # SinBackward saves its input: a 32x2 slice that keeps the whole 32x1000 storage alive.
-    assert who({"lin": lin, "x": x, "out": forward(torch.sin)}).categories[
+    assert who({"lin": lin, "x": x, "out": forward(torch.sin)}, budget_s=EXACT_S).categories[
         "retained_graphs"] == 32 * 1000 * 4
     # ExpBackward saves only its (fresh, 32x2) result; the big storage is already gone.
-    assert who({"lin": lin, "x": x, "out": forward(torch.exp)}).categories[
+    assert who({"lin": lin, "x": x, "out": forward(torch.exp)}, budget_s=EXACT_S).categories[
         "retained_graphs"] == 32 * 2 * 4
 
 
@@ -337,9 +338,9 @@ def test_custom_function_ctx_attributes_survive_backward():
     x = torch.randn(16, 256)
     out = model(x)
     loss = out.sum()
-    before = who({"model": model, "x": x, "loss": loss})
+    before = who({"model": model, "x": x, "loss": loss}, budget_s=EXACT_S)
     loss.backward()
-    after = who({"model": model, "x": x, "loss": loss})
+    after = who({"model": model, "x": x, "loss": loss}, budget_s=EXACT_S)
     # save_for_backward tensors are freed by backward; the ctx.y2 attribute is not.
     assert 0 < after.categories["retained_graphs"] < before.categories["retained_graphs"]
     assert after.categories["retained_graphs"] == 16 * 256 * 4
@@ -349,7 +350,7 @@ def test_after_backward_saved_tensors_are_not_counted_and_nothing_raises():
     ns = seed_namespace("mlp")
     ns.pop("__tracker__")
     ns["loss"].backward()
-    report = who(ns)
+    report = who(ns, budget_s=EXACT_S)
     assert report.reason is None
     assert report.notes == ()
     assert report.categories["retained_graphs"] == 0
@@ -370,7 +371,7 @@ def test_saved_tensor_unpack_hooks_are_not_run():
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         y = x.exp().sin().sum()
     assert calls == ["pack", "pack"]
-    report = who({"x": x, "y": y})
+    report = who({"x": x, "y": y}, budget_s=EXACT_S)
     assert calls == ["pack", "pack"]
     # exp(x), saved by ExpBackward (result) and SinBackward (input), found inside the packs.
     assert report.categories["retained_graphs"] == 400
@@ -381,7 +382,7 @@ def test_orphan_leaf_kept_only_by_the_graph_is_retained():
         w = torch.randn(1000, requires_grad=True)  # never stored in the namespace
         return w.sum()
 
-    report = who({"loss": make()})
+    report = who({"loss": make()}, budget_s=EXACT_S)
     # AccumulateGrad keeps w alive. It is the user's tensor (what it is), not something autograd saved
     # (issue 29: roles follow what a tensor is), held by the graph of `loss`.
     assert report.categories["other_tensors"] == 4000 + 4 and report.categories["retained_graphs"] == 0
@@ -394,7 +395,7 @@ def test_shared_storage_counted_once():
     base = torch.randn(100, 100)
     ns = {"a": base, "b": base.view(-1), "c": base[10:20], "lst": [base.t(), base],
           "d": {"k": base[0]}}
-    report = who(ns)
+    report = who(ns, budget_s=EXACT_S)
     assert report.total == 40000
     assert report.tensor_count == 1
     assert holder(report, "a").bytes == 40000
@@ -402,7 +403,7 @@ def test_shared_storage_counted_once():
 
 def test_precedence_user_variable_beats_output_cache():
     x = torch.randn(50)
-    report = who({"x": x, "Out": {3: x}, "_": x, "_3": x}, refs=ipython_owns("Out", "_", "_3"))
+    report = who({"x": x, "Out": {3: x}, "_": x, "_3": x}, refs=ipython_owns("Out", "_", "_3"), budget_s=EXACT_S)
     assert report.categories["other_tensors"] == 200
     assert report.categories["ipython_caches"] == 0
     assert [row.name for row in report.holders] == ["x"]
@@ -413,7 +414,7 @@ def test_precedence_held_activation_is_other_tensor_not_graph():
     x = torch.randn(20, 10)
     h = lin(x).relu()
     out = (h * h).sum()
-    report = who({"lin": lin, "x": x, "h": h, "out": out})
+    report = who({"lin": lin, "x": x, "h": h, "out": out}, budget_s=EXACT_S)
     assert holder(report, "h").category == "other_tensors"
     # h is saved by MulBackward and ReluBackward (result): held, so not retained graph.
     assert report.categories["retained_graphs"] == 0
@@ -422,7 +423,7 @@ def test_precedence_held_activation_is_other_tensor_not_graph():
 def test_python_scalars_wrapped_as_tensors_are_retained():
     x = torch.randn(100, requires_grad=True)
     # MulBackward0 keeps the wrapped scalar 3.0 as a 0-dim float64 CPU tensor: 8 real bytes.
-    assert who({"x": x, "y": (x * 3.0).sum()}).categories["retained_graphs"] == 8
+    assert who({"x": x, "y": (x * 3.0).sum()}, budget_s=EXACT_S).categories["retained_graphs"] == 8
 
 
 def test_precedence_parameters_beat_everything():
@@ -433,7 +434,7 @@ def test_precedence_parameters_beat_everything():
     weight = model.weight
     ns = {"w": weight, "g": weight.grad, "opt": opt, "model": model,
           "sd": model.state_dict(), "Out": {1: weight}}
-    report = who(ns)
+    report = who(ns, budget_s=EXACT_S)
     assert report.categories["parameters"] == storage_bytes(params_and_buffers(model))
     assert report.categories["gradients"] == storage_bytes(grads(model))
     assert report.categories["optimizer_state"] == storage_bytes(
@@ -446,7 +447,7 @@ def test_precedence_parameters_beat_everything():
 
 def test_larger_module_owns_shared_parameters_whatever_the_order():
     model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
-    report = who({"head": model[1], "model": model, "also": model[1]})
+    report = who({"head": model[1], "model": model, "also": model[1]}, budget_s=EXACT_S)
     assert [(row.name, row.bytes) for row in report.holders] == [("model", 880)]
 
 
@@ -459,7 +460,7 @@ def test_module_tensor_attributes_and_submodule_paths():
             self.mask = torch.ones(16)  # a plain attribute, neither parameter nor buffer
 
     model = nn.Sequential(Block(), Block())
-    report = who({"model": model})
+    report = who({"model": model}, budget_s=EXACT_S)
     names = {row.name: (row.category, row.bytes) for row in report.holders}
     assert names == {"model": ("parameters", 2 * (80 + 16)),
                      "model.0.mask": ("other_tensors", 64), "model.1.mask": ("other_tensors", 64)}
@@ -471,7 +472,7 @@ def test_optimizer_alone_holds_params_and_grads():
         model(torch.randn(2, 10)).sum().backward()
         return torch.optim.Adam(model.parameters())
 
-    report = who({"opt": make()})
+    report = who({"opt": make()}, budget_s=EXACT_S)
     assert holder(report, "opt (params)").bytes == 440
     assert holder(report, "opt (grads)").bytes == 440
     assert report.categories["optimizer_state"] == 0  # no step yet
@@ -484,7 +485,7 @@ def test_graph_rows_split_exclusive_and_shared_parts():
     a = h.sin().sin()  # the inner sin's output is saved by a's outer SinBackward only
     b = h.cos()
     del h
-    report = who({"lin": lin, "x": x, "a": a, "b": b})
+    report = who({"lin": lin, "x": x, "a": a, "b": b}, budget_s=EXACT_S)
     rows = {row.name: row.bytes for row in report.holders
             if row.category == "retained_graphs"}
     assert rows == {"a + b (shared graph)": 80000, "a (graph)": 80000}
@@ -496,7 +497,7 @@ def test_held_input_of_the_last_op_is_not_retained():
     out = lin(x).relu()
     loss = (out * out).mean()
     # MulBackward saves out twice and ReluBackward saves out: all held by the user.
-    assert who({"lin": lin, "x": x, "out": out, "loss": loss}).categories[
+    assert who({"lin": lin, "x": x, "out": out, "loss": loss}, budget_s=EXACT_S).categories[
         "retained_graphs"] == 0
 
 
@@ -505,7 +506,7 @@ def test_output_caches_are_attributed_with_readable_names():
     t1, t2, t3 = torch.randn(10), torch.randn(20), torch.randn(30)
     ns = {"Out": {3: t1, 5: (t2, 1)}, "_oh": None, "_": t3, "_5": (t2, 1), "_i5": "t2, 1"}
     ns["_oh"] = ns["Out"]
-    report = who(ns, refs=ipython_owns(*ns))
+    report = who(ns, refs=ipython_owns(*ns), budget_s=EXACT_S)
     assert report.categories["ipython_caches"] == 240
     assert report.categories["other_tensors"] == 0
     names = {row.name: row.bytes for row in report.holders}
@@ -515,7 +516,7 @@ def test_output_caches_are_attributed_with_readable_names():
     assert (rows["Out[5][0]"].kind, rows["Out[5][0]"].keys) == ("out_cache", (5,))
     assert (rows["_"].kind, rows["_"].roots, rows["_"].keys) == ("underscore", ("_",), ())
     # The same names in a plain dict (no IPython said it bound them) are the user's variables.
-    plain = who(ns)
+    plain = who(ns, budget_s=EXACT_S)
     assert plain.categories["ipython_caches"] == 0 and plain.categories["other_tensors"] == 240
     assert {row.kind for row in plain.holders} == {"variable"}
 
@@ -523,7 +524,7 @@ def test_output_caches_are_attributed_with_readable_names():
 def test_output_cache_graph_counts_as_ipython_cache():
     lin = nn.Linear(10, 1000)
     out = lin(torch.randn(20, 10)).relu().sum()
-    report = who({"lin": lin, "Out": {7: out}}, refs=ipython_owns("Out"))
+    report = who({"lin": lin, "Out": {7: out}}, refs=ipython_owns("Out"), budget_s=EXACT_S)
     assert report.categories["retained_graphs"] == 0
     graph = holder(report, "Out[7] (graph)")
     assert (graph.category, graph.kind, graph.roots, graph.expr, graph.keys) == (
@@ -545,7 +546,7 @@ def test_last_traceback_frames(restore_last_exception):
         if sys.version_info >= (3, 12):
             sys.last_exc = exc
     ns = {"x": torch.randn(8)}
-    report = who(ns)
+    report = who(ns, budget_s=EXACT_S)
     names = {row.name: (row.category, row.bytes) for row in report.holders}
     assert names["last traceback: failing_step() local 'activation'"] == ("ipython_caches", 1024)
     assert names["last traceback: failing_step() local 'batch[0]'"] == ("ipython_caches", 256)
@@ -584,7 +585,7 @@ def test_chained_exceptions_and_odd_exception_classes(restore_last_exception):
             if hasattr(sys, name):
                 delattr(sys, name)
         sys.last_value = exc
-    report = who({})
+    report = who({}, budget_s=EXACT_S)
     names = {row.name: row.bytes for row in report.holders}
     assert names == {"last traceback: outer() local 'second'": 80,
                      "last traceback: inner() local 'first'": 40}
@@ -598,7 +599,7 @@ def test_real_ipython_shell(ip, restore_last_exception):
         shown = ip.run_cell("torch.randn(2000)", store_history=True)  # -> Out[n], _n and _
         ip.run_cell("def who_fail():\n    who_local = torch.randn(3000)\n    raise "
                     "RuntimeError('CUDA out of memory')\nwho_fail()", store_history=True)
-        report = who(ip.user_ns, refs=ipython_refs(ip.user_ns, ip.user_ns_hidden, ip.displayhook))
+        report = who(ip.user_ns, refs=ipython_refs(ip.user_ns, ip.user_ns_hidden, ip.displayhook), budget_s=EXACT_S)
         rows = {row.name: (row.category, row.bytes) for row in report.holders}
         assert rows["who_kept"] == ("other_tensors", 4000)
         assert rows[f"Out[{shown.execution_count}]"] == ("ipython_caches", 8000)
@@ -621,27 +622,27 @@ def test_last_value_only_is_enough(restore_last_exception):
         fail()
     except ValueError as exc:
         sys.last_value = exc
-    assert who({}).categories["ipython_caches"] == 400
+    assert who({}, budget_s=EXACT_S).categories["ipython_caches"] == 400
 
 
 # ---------------------------------------------------------------------------- devices
 def test_device_filter_and_by_device():
     ns = {"x": torch.randn(10)}
-    everything = who(ns)
+    everything = who(ns, budget_s=EXACT_S)
     assert everything.by_device == {HOST: {**dict.fromkeys(CATEGORIES, 0), "other_tensors": 40}}
     assert everything.to_dict()["by_device"] == {"cpu": {**dict.fromkeys(CATEGORIES, 0), "other_tensors": 40}}
     assert everything.device is None and everything.holders[0].device == HOST
     for device in ("cpu", torch.device("cpu"), "CPU", "cpu:0", "host", HOST):
-        report = who(ns, device=device)
+        report = who(ns, device=device, budget_s=EXACT_S)
         assert report.total == 40 and report.by_device is None and report.device == HOST
         assert report.to_dict()["device"] == "cpu"
     for device in ("cuda", "cuda:1", 0, torch.device("cuda:0"), "gpu"):
-        report = who(ns, device=device)
+        report = who(ns, device=device, budget_s=EXACT_S)
         assert report.total == 0 and report.holders == ()
-    assert who(ns, device=1).device == cuda(1) == Device("cuda", 1)
+    assert who(ns, device=1, budget_s=EXACT_S).device == cuda(1) == Device("cuda", 1)
     for bad in ("not a device!", True, 1.5, -1):
         with pytest.raises(ValueError):
-            who(ns, device=bad)
+            who(ns, device=bad, budget_s=EXACT_S)
 
 
 def test_cuda_storages_are_rounded_to_allocator_blocks():
@@ -665,7 +666,7 @@ def test_cuda_storages_are_rounded_to_allocator_blocks():
 
 
 def test_allocator_total_gives_unattributed():
-    report = who({"x": torch.randn(25)}, allocator_total=1000)
+    report = who({"x": torch.randn(25)}, allocator_total=1000, budget_s=EXACT_S)
     assert report.categories["unattributed"] == 900 and report.unattributed == 900
     assert "unattributed 900 bytes" in who_view(report).text
 
@@ -818,7 +819,7 @@ def test_hostile_namespace_never_raises():
     except Exception:  # pragma: no cover - FakeTensorMode moved
         pass
 
-    report = who(ns)
+    report = who(ns, budget_s=EXACT_S)
 
     assert report.reason is None
     names = {row.name: row.bytes for row in report.holders}
@@ -847,7 +848,7 @@ def test_nested_checkpoint_dicts_are_found():
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     ckpt = {"epoch": 3, "model_state_dict": {k: v.clone() for k, v in model.state_dict().items()},
             "optimizer_state_dict": {"state": {0: {"exp_avg": torch.zeros(32)}}}}
-    report = who({"ckpt": ckpt})
+    report = who({"ckpt": ckpt}, budget_s=EXACT_S)
     names = {row.name: row.bytes for row in report.holders}
     assert names["ckpt['model_state_dict']['0.weight']"] == 128
     assert names["ckpt['optimizer_state_dict']['state'][0]['exp_avg']"] == 128
@@ -866,7 +867,7 @@ def test_who_does_not_allocate_collect_or_touch_cuda(monkeypatch):
     tracker = LiveStorages()
     grads_before = [p.grad for p in ns["model"].parameters()]
     with tracker:
-        report = who(ns)
+        report = who(ns, budget_s=EXACT_S)
     assert tracker.ops == 0 and calls == []
     assert gc.isenabled()  # the collector, paused during the walk, is running again
     assert [p.grad for p in ns["model"].parameters()] == grads_before
@@ -876,7 +877,7 @@ def test_who_does_not_allocate_collect_or_touch_cuda(monkeypatch):
 def test_disabled_collector_stays_disabled():
     gc.disable()
     try:
-        who({"x": torch.ones(3)})
+        who({"x": torch.ones(3)}, budget_s=EXACT_S)
         assert not gc.isenabled()
     finally:
         gc.enable()
@@ -885,7 +886,7 @@ def test_disabled_collector_stays_disabled():
 def test_nonleaf_grad_is_not_read(recwarn):
     x = torch.randn(3, requires_grad=True)
     h = x * 2
-    who({"x": x, "h": h})
+    who({"x": x, "h": h}, budget_s=EXACT_S)
     assert not [w for w in recwarn if "not a leaf" in str(w.message)]
 
 
@@ -894,7 +895,7 @@ def test_retain_grad_nonleaf_grad_counts():
     h = x * 2
     h.retain_grad()
     h.sum().backward()
-    report = who({"h": h, "x": x})
+    report = who({"h": h, "x": x}, budget_s=EXACT_S)
     assert holder(report, "h (grad)").bytes == 120
     assert holder(report, "x (grad)").bytes == 120
 
@@ -922,7 +923,7 @@ def test_package_import_is_pure():
 
 
 def test_non_dict_namespace():
-    assert who(["not", "a", "dict"]).reason == "namespace is not a dict"
+    assert who(["not", "a", "dict"], budget_s=EXACT_S).reason == "namespace is not a dict"
 
 
 @pytest.mark.slow
@@ -950,7 +951,7 @@ def test_any_nesting_counts_each_reachable_storage_once(data):
 
     for value in ns.values():
         collect(value, 0)
-    report = who(ns)
+    report = who(ns, budget_s=EXACT_S)
     assert report.total == report.categories["other_tensors"] == storage_bytes(found)
     assert sum(row.bytes for row in report.holders) == report.total
 
@@ -975,7 +976,7 @@ def test_report_holds_no_tensor_references():
     ns.pop("__tracker__")
     ns["Out"] = {1: ns["output"]}
     probe = weakref.ref(ns["output"])
-    report = who(ns)
+    report = who(ns, budget_s=EXACT_S)
     found = []
     _walk_referents(report, set(), found)
     assert found == []
@@ -990,7 +991,7 @@ def test_report_holds_no_tensor_references():
 def test_report_data_and_text():
     ns = seed_namespace("mlp", batch=32)
     ns.pop("__tracker__")
-    report = who(ns, allocator_total=10**9)
+    report = who(ns, allocator_total=10**9, budget_s=EXACT_S)
     data = report.to_dict()
     assert json.loads(json.dumps(data)) == data
     assert set(data["categories"]) == set(CATEGORIES) | {"unattributed"}
@@ -1007,7 +1008,7 @@ def test_report_data_and_text():
 
 def test_many_holders_are_summed_past_the_row_cap():
     ns = {"many": [torch.randn(i + 1) for i in range(700)]}
-    report = who(ns)
+    report = who(ns, budget_s=EXACT_S)
     assert len(report.holders) == who_module.MAX_HOLDER_ROWS + 1
     assert report.holders[-1].name == "(200 smaller holders)"
     assert (report.holders[-1].kind, report.holders[-1].count) == ("rest", 200)
@@ -1045,7 +1046,7 @@ def test_every_kind_of_holder_has_its_fields(restore_last_exception):
         sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
     ns = {"model": model, "optimizer": optimizer, "opt2": orphan_optimizer(), "x": x, "lin": lin,
           "a": a, "b": b, "batch": [torch.ones(8)], "Out": {3: shown}, "_": torch.ones(12), "_tmp": torch.ones(5)}
-    report = who(ns, refs=ipython_owns("Out", "_"))
+    report = who(ns, refs=ipython_owns("Out", "_"), budget_s=EXACT_S)
     by = {(h.kind, h.expr): h for h in report.holders}
     assert by[("module", "model")].roots == ("model",) and by[("module", "model")].category == "parameters"
     assert by[("module_grads", "model")].category == "gradients"
@@ -1076,7 +1077,7 @@ def test_ipythons_own_objects_are_skipped_and_the_users_names_are_walked(ip):
         owned = ipython_refs(ip.user_ns, ip.user_ns_hidden, ip.displayhook)
         assert {"In", "_ih", "_dh", "exit", "quit", "get_ipython", "Out", "_oh"} <= owned.names
         assert not owned.owns("_tmp") and not owned.owns("In_copy")
-        report = who(ip.user_ns, refs=owned)
+        report = who(ip.user_ns, refs=owned, budget_s=EXACT_S)
         row = holder(report, "_tmp")
         assert (row.kind, row.category, row.roots, row.bytes) == ("variable", "other_tensors", ("_tmp",), 200)
         assert not any(h.roots and h.roots[0] in ("In", "_ih", "_dh", "exit", "quit", "get_ipython")
@@ -1090,9 +1091,9 @@ def test_ipythons_own_objects_are_skipped_and_the_users_names_are_walked(ip):
 def test_a_visit_budget_stops_the_walk_and_names_what_it_left():
     ns = {"first": torch.ones(10), "model": nn.Linear(4, 4),
           "rows": [[torch.ones(1), {"k": torch.ones(2)}] for _ in range(3000)], "last": torch.ones(3)}
-    full = who(ns)
+    full = who(ns, budget_s=EXACT_S)
     assert full.complete and full.stopped is None and full.to_dict()["complete"] is True
-    report = who(ns, max_visits=100)
+    report = who(ns, max_visits=100, budget_s=EXACT_S)
     assert not report.complete and "visit budget" in report.stopped
     assert report.notes[0].startswith("incomplete: stopped after examining 100 items")
     assert "not examined: the contents of 1 container at depth 0 (rows)" in report.notes[0]
