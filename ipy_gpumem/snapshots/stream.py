@@ -236,6 +236,24 @@ class _Window:
         return -2 - (self.fids[j] if self.fids is not None else self.trace.frame[self.first + j])
 
 
+def _run_references(tok: bytes) -> List[int]:
+    """The memo indices a run token references, in order: its BINGET (``h``, one byte) and LONG_BINGET (``j``,
+    four bytes) opcodes after the two that open it; MARK, APPEND and APPENDS between batches are skipped."""
+    out = []
+    i, n = 2, len(tok)
+    while i < n:
+        c = tok[i]
+        if c == 0x68:
+            out.append(tok[i + 1])
+            i += 2
+        elif c == 0x6A:
+            out.append(int.from_bytes(tok[i + 1:i + 5], "little"))
+            i += 5
+        else:
+            i += 1
+    return out
+
+
 class _Machine:
     """The pickle machine: a stack with marks as indices, a memo of what was stored, a buffer refilled from the file."""
 
@@ -917,18 +935,7 @@ class _Machine:
         run = self.runs.get(tok)
         if run is None:
             items = []
-            i, n = 2, len(tok)
-            while i < n:
-                c = tok[i]
-                if c == 0x68:
-                    index = tok[i + 1]
-                    i += 2
-                elif c == 0x6A:
-                    index = int.from_bytes(tok[i + 1:i + 5], "little")
-                    i += 5
-                else:  # APPENDS, MARK between batches, APPEND
-                    i += 1
-                    continue
+            for index in _run_references(tok):
                 if index >= memo:
                     raise KeyError(index)
                 k = self.kinds[index]
@@ -1003,21 +1010,10 @@ class _Machine:
         if tok[0] == 0x5D:
             fid = self.frames_of_run.get(tok)
             if fid is None:
-                stack = []
-                i, n = 2, len(tok)
-                while i < n:
-                    c = tok[i]
-                    if c == 0x68:
-                        stack.append(self.slot(tok[i + 1]))
-                        i += 2
-                    elif c == 0x6A:
-                        stack.append(self.slot(int.from_bytes(tok[i + 1:i + 5], "little")))
-                        i += 5
-                    else:  # MARK, APPENDS, APPEND between batches
-                        i += 1
+                stack = tuple(self.slot(index) for index in _run_references(tok))
                 fid = self.frames_of_run[tok] = len(self.frames)
                 self.kind_of_run[tok] = -2 - fid
-                self.frames.append(tuple(stack))
+                self.frames.append(stack)
             return fid
         index = tok[1] if tok[0] == 0x68 else int.from_bytes(tok[1:], "little")
         k = self.kind(index)
