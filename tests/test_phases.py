@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from ipy_gpumem.anatomy.phases import PhaseWatcher  # noqa: E402
 from ipy_gpumem.core.roles import clean_table  # noqa: E402
+from tests.conftest import EXACT_S  # noqa: E402
 
 
 # -- an exact stand-in for the caller's `read` ------------------------------------------------------
@@ -134,7 +135,7 @@ def standin_census(modules, optimizers, tensors):
 def real_census():
     census = pytest.importorskip("ipy_gpumem.tensors.census")
     return lambda modules, optimizers, tensors: census.take(
-        extra=list(modules) + list(optimizers) + list(tensors), user_modules=False, budget_s=60.0)  # exactness, not speed (tests/conftest.py: EXACT_S)
+        extra=list(modules) + list(optimizers) + list(tensors), user_modules=False, budget_s=EXACT_S)
 
 
 CENSUSES = {"stand-in": lambda: standin_census, "real": real_census}
