@@ -121,6 +121,11 @@ class LabServer:
                "--LabApp.expose_app_in_browser=True", "--JupyterNotebookApp.expose_app_in_browser=True",
                f"--ServerApp.root_dir={self.root}",
                f"--MappingKernelManager.default_kernel_name={KERNEL_NAME}"]
+        # Kernels on Unix sockets (named after their connection files in the runtime folder), not on TCP ports
+        # picked by binding and releasing them, which a kernel another test starts at once can take (see
+        # kernel_helpers.on_private_sockets); only where the socket's path fits in the 107 bytes Unix allows.
+        if len(os.path.join(self.env_dirs["JUPYTER_RUNTIME_DIR"], "kernel-%s-ipc-99999" % ("0" * 36))) <= 107:
+            cmd.append("--KernelManager.transport=ipc")
         log = open(self.log_path, "w")
         try:
             self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=log, stderr=subprocess.STDOUT,

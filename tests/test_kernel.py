@@ -1,7 +1,7 @@
 """The extension in a real kernel (nbclient): outputs land in the right cell, nesting, errors."""
 import pytest
 
-from kernel_helpers import execute, needs_nbclient, outputs, plain
+from kernel_helpers import execute, kernel_manager, needs_nbclient, outputs, plain
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, pytest.mark.compat, needs_nbclient]
@@ -90,13 +90,9 @@ def _run_and_wait(kc, code, timeout=60):
 def test_the_end_of_cell_count_runs_while_the_kernel_is_idle():
     """The count each cell's explanation starts from is taken after the kernel said "idle", when
     the user pauses; a cell that comes sooner takes it at its start. Either way it is taken once."""
-    import sys
     import time
 
-    from jupyter_client.manager import KernelManager
-
-    km = KernelManager(kernel_name="python3")
-    km.kernel_spec.argv[0] = sys.executable
+    km = kernel_manager()
     km.start_kernel()
     kc = km.client()
     kc.start_channels()

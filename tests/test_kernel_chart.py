@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kernel_helpers import execute, needs_nbclient, outputs, plain
+from kernel_helpers import execute, kernel_manager, needs_nbclient, on_private_sockets, outputs, plain
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, pytest.mark.compat, needs_nbclient]
@@ -26,10 +26,7 @@ SAVE_LATER = ("import time\nfrom ipy_gpumem.extension import current_magics\n_un
 
 @pytest.fixture
 def kernel():
-    from jupyter_client.manager import KernelManager
-
-    km = KernelManager(kernel_name="python3")
-    km.kernel_spec.argv[0] = sys.executable  # this venv's interpreter
+    km = kernel_manager()
     km.start_kernel(env=dict(os.environ, PYTHONWARNINGS="ignore"))
     kc = km.client()
     kc.start_channels()
@@ -175,7 +172,7 @@ def execute_saving_widgets(cells, timeout=180):
     nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
     client = _LabLikeClient.make(nb=nb, timeout=timeout, kernel_name="python3", allow_errors=True,
                                  store_widget_state=True, resources={"metadata": {"path": os.getcwd()}})
-    client.km = client.create_kernel_manager()
+    client.km = on_private_sockets(client.create_kernel_manager())
     client.km.kernel_spec.argv[0] = sys.executable
     client.km.kernel_spec.env = dict(os.environ, PYTHONWARNINGS="ignore::DeprecationWarning")
     client.execute()
