@@ -2,7 +2,8 @@
 """Run IPython's own core tests twice, plain and with ipy_gpumem loaded into IPython's global
 test shell, and fail if any test fails only with the extension loaded.
 
-    .venv/bin/python tools/ipython_suite.py            # what CI runs (see .ci/run)
+    .venv/bin/python tools/ipython_suite.py            # every core test, plain and with the extension
+    .venv/bin/python tools/ipython_suite.py --plain failing --scope shell   # what CI runs (see .ci/run)
     .venv/bin/python tools/ipython_suite.py --help
 
 What it does:
@@ -73,6 +74,27 @@ EXTENSION = "ipy_gpumem"
 ALLOWLIST: dict[str, str] = {
     # Empty: with IPython 9.18.1, 8.37.0 and 7.34.0 no test fails only with ipy_gpumem loaded.
 }
+
+# ``--scope shell``: the test files that reach the shell the extension is loaded into. The extension lives in that
+# one shell, in this process: it sees what runs a cell there (its pre/post_run_cell hooks, its exception handler,
+# the display hook, ipdoctest's examples), loads or unloads extensions, or triggers its events. A test that drives
+# another IPython process (pexpect's debugger and embed tests, %%script, the profile and shellapp tests) or no
+# shell at all (the completer's matchers, path and text utilities, themes) cannot meet it. Measured, not guessed:
+# the files in which at least one test ran a cell through that shell, as the plugin counts them
+# (``cells_by_test`` in full-ext.json), with IPython 9.18.1 and 7.34.0, plus the files on the machinery the
+# extension uses without a cell (events, extensions, hooks, formatters). A version not measured here also runs
+# every file whose source calls ``run_cell`` (new files); ``--scope all`` runs every file, as before.
+SHELL_FILES = frozenset({
+    # a test ran a cell through the global shell (IPython 9.18.1)
+    "test_alias.py", "test_async_helpers.py", "test_completer.py", "test_demo.py", "test_display_2.py",
+    "test_displayhook.py", "test_exceptiongroup_tb.py", "test_history.py", "test_interactiveshell.py",
+    "test_interactivshell.py", "test_ipapp.py", "test_iplib.py", "test_logger.py", "test_macro.py", "test_magic.py",
+    "test_magic_terminal.py", "test_magics_code.py", "test_oinspect.py", "test_prefilter.py", "test_run.py",
+    "test_storemagic.py", "test_ultratb.py",
+    # the machinery the extension uses without a cell
+    "test_events.py", "test_extension.py", "test_hooks.py", "test_formatters.py", "test_display.py",
+})
+SHELL_FILES_MEASURED = ("9.18.1", "7.34.0")
 
 # Where the tests are, per sdist layout.
 LAYOUTS = {
@@ -208,6 +230,20 @@ def extract_sdist(sdist, cache):
     shutil.rmtree(tmp)
     done.touch()
     return top
+
+
+def shell_targets(src, layout, version):
+    """(the test files of ``--scope shell``, relative to the sdist; the other test files' names)."""
+    chosen, left = [], []
+    for folder in LAYOUTS[layout]["targets"]:
+        for path in sorted((src / folder).rglob("test_*.py")):
+            name = path.name
+            measured = version in SHELL_FILES_MEASURED
+            if name in SHELL_FILES or (not measured and "run_cell" in path.read_text(encoding="utf-8", errors="replace")):
+                chosen.append(str(path.relative_to(src)))
+            else:
+                left.append(name)
+    return chosen, left
 
 
 def detect_layout(src):
@@ -463,6 +499,9 @@ def main(argv=None):
     ap.add_argument("--plain", choices=("all", "failing"), default="all",
                     help="all: the plain run covers every test; failing: the extension run covers every test and the "
                          "plain run only the files where it failed (default: %(default)s)")
+    ap.add_argument("--scope", choices=("all", "shell"), default="all",
+                    help="all: every core test file; shell: the files whose tests reach the shell the extension is "
+                         "loaded into (SHELL_FILES; what CI runs) (default: %(default)s)")
     ap.add_argument("tests", nargs="*", help="test paths/node ids relative to the sdist (default: all core tests)")
     args = ap.parse_args(argv)
 
@@ -486,6 +525,10 @@ def main(argv=None):
         log("ERROR: could not prepare IPython's tests: %s: %s" % (type(exc).__name__, exc))
         return 2
     targets = args.tests or LAYOUTS[layout]["targets"]
+    if not args.tests and args.scope == "shell":
+        targets, left = shell_targets(src, layout, version)
+        log("scope: the %d test files that reach the shell the extension is loaded into (%d others left out: "
+            "--scope all runs them)" % (len(targets), len(left)))
     log("layout: %s; tests: %s; test dependencies %s" % (
         layout, " ".join(targets), ("installed into %s: %s" % (deps_dir, ", ".join(installed))) if installed else "present (%s)" % deps_dir))
 

@@ -96,6 +96,7 @@ def _ensure_loaded(where):
     _ext["loaded_into"] = "%s.%s at 0x%x" % (type(shell).__module__, type(shell).__name__, id(shell))
     _ext["loaded_at"] = where
     try:
+        shell.events.register("pre_run_cell", _count_cell)
         result = shell.run_line_magic("load_ext", EXTENSION)
         if EXTENSION not in shell.extension_manager.loaded:
             raise RuntimeError("%%load_ext %s returned %r but the extension is not loaded" % (EXTENSION, result))
@@ -121,7 +122,17 @@ def pytest_runtest_setup(item):
     _ensure_loaded("setup %s" % item.nodeid)
 
 
+_cells = {"now": None, "counts": {}}
+
+
+def _count_cell(*args):
+    # which tests run cells through the shell the extension is loaded into (tools/ipython_suite.py --shell-files)
+    if _cells["now"] is not None:
+        _cells["counts"][_cells["now"]] = _cells["counts"].get(_cells["now"], 0) + 1
+
+
 def pytest_runtest_logstart(nodeid, location):
+    _cells["now"] = nodeid
     if CURRENT:
         with open(CURRENT, "w", encoding="utf-8") as f:
             f.write(nodeid)
@@ -174,7 +185,8 @@ def pytest_sessionfinish(session, exitstatus):
 def _write_results(exitstatus):
     if RESULTS:
         with open(RESULTS, "w", encoding="utf-8") as f:
-            json.dump({"exitstatus": int(exitstatus), "extension": _ext, "outcomes": _outcomes}, f, indent=1)
+            json.dump({"exitstatus": int(exitstatus), "extension": _ext, "outcomes": _outcomes,
+                       "cells_by_test": _cells["counts"]}, f, indent=1)
 
 
 def pytest_terminal_summary(terminalreporter):
