@@ -221,7 +221,7 @@ def test_a_cell_that_keeps_memory_beside_a_dataset_of_records_is_bounded(ip, gpu
     holder, 11 s a cell at 12,500 records, minutes at 50,000)."""
     run(ip, "import torch\nclass Rec:\n    def __init__(self, t):\n        self.t = t\n"
             "records = [Rec(torch.zeros(4)) for _ in range(100_000)]")
-    from ipy_gpumem.ledger.budget import CEILING_S
+    from ipy_gpumem.cell.budget import CEILING_S
 
     for i in range(3):
         t0 = time.perf_counter()
@@ -237,7 +237,7 @@ def test_a_cell_that_keeps_memory_beside_a_dataset_of_records_is_bounded(ip, gpu
 def test_the_snapshot_of_many_holders_is_linear_in_them():
     """Grouping a walk's holders is one dict operation each: 50,000 records of tensors group in about four
     times what 12,500 take (a list scanned per holder made it sixteen times), keeping the heaviest names."""
-    from ipy_gpumem.ledger.kept import MAX_EXPRS, take_snapshot
+    from ipy_gpumem.reruns.kept import MAX_EXPRS, take_snapshot
 
     class Rec:
         def __init__(self, t):
@@ -264,11 +264,11 @@ def test_the_snapshot_keeps_to_its_budget_when_the_walk_stops():
     the walk, and the holders it reached are not named after it (that took 0.7 s more here, and 3 s after a
     half-second walk beside a list of 1M tensors). The snapshot says it is incomplete: a re-run names no
     growth from it."""
-    from ipy_gpumem.ledger.kept import take_snapshot
+    from ipy_gpumem.reruns.kept import take_snapshot
 
     ns = {"data": [torch.zeros(1) for _ in range(300_000)]}
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     snap = take_snapshot(ns, budget_s=0.2)
-    spent = time.perf_counter() - t0
+    spent = time.thread_time() - t0  # CPU, not wall: a loaded machine stretches the wall, not the work
     assert not snap.complete and not snap.groups, (snap.complete, len(snap.groups))
-    assert spent < 0.5, spent
+    assert spent < 0.6, spent  # the walk's 0.2 s at most; naming what it reached cost 0.7 s of CPU more
