@@ -44,7 +44,7 @@ MARKERS = "sum(line.hits for line in _bench_rec.lines)"
 # more than the markers cost in a training loop): LineTracer.mark wrapped with a timer.
 INSTRUMENT = (
     "import time as _t\n"
-    "from ipy_gpumem.ledger import lines as _lines\n"
+    "from ipy_gpumem.cell import lines as _lines\n"
     "_bench_inside = [0.0, 0]\n"
     "_bench_mark = _lines.LineTracer.mark\n"
     "def _bench_timed(self, lineno):\n"

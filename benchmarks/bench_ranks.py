@@ -61,7 +61,7 @@ def main() -> None:
     _per_cell(ip, 200)  # warm
     bare = _per_cell(ip, args.cells)
     ip.run_line_magic("load_ext", "ipy_gpumem")
-    from ipy_gpumem.core.children import MainThreadChildren
+    from ipy_gpumem.ranks.children import MainThreadChildren
     from ipy_gpumem.extension import current_magics
 
     watcher = current_magics().watcher

@@ -184,7 +184,8 @@ def snapshot(source, *, max_bytes=None):
 
     cells = None
     if "IPython" in sys.modules:
-        from .extension import cell_files, running_shell
+        from .extension import running_shell
+        from .present.shell import cell_files
 
         shell = running_shell()
         cells = cell_files(shell) if shell is not None else None

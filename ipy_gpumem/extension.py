@@ -11,9 +11,10 @@ Configure it with ``%config GpuMemMagics.<name> = value`` or in ``ipython_config
     c.GpuMemMagics.sample_rate = 4.0      # live chart: background samples per second (0: cell ends only)
     c.GpuMemMagics.oom_panel = True       # explain out-of-memory errors after the traceback
 
-The work happens elsewhere: the ledger room's ``CellWatcher`` measures every cell and returns an
-outcome, each room builds its view, and this module connects them to IPython: hooks that render
-outcomes, modes that return views. How ``%%gpumem`` runs a cell: an input transformer blanks the
+The work happens elsewhere: the cell room's ``CellWatcher`` measures every cell and returns an
+outcome, each room builds its view, the presenter (``present/presenter.py``) puts what a cell or a
+mode shows in order, and this module connects them to IPython: configuration, hooks that display
+the presenter's outputs, and the modes' dispatch. How ``%%gpumem`` runs a cell: an input transformer blanks the
 ``%%gpumem ...`` line, so the cell runs as an ordinary cell (its last expression is displayed,
 ``await`` works, and its error shows exactly as without the magic), while the watcher measures it
 and the report follows. Called programmatically (``run_cell_magic("gpumem", ...)``), the magic
@@ -33,18 +34,20 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Bool, Float, Int, TraitError, Unicode, Union, observe, validate
 
-from .core.devices import SINGLE_DEVICE_TYPES, cuda, parse_device_list
+from .cell import commands as _commands
+from .cell import header as _header
+from .cell.names import CellNames
+from .cell.recorder import Ledger
+from .cell.stack import live_runners
+from .cell.watcher import CellWatcher, Settings
+from .core.devices import cuda, parse_device_list
 from .core.errors import GpuMemWarning
 from .core.probes import CudaProbe, MemoryProbe
+from .core.reach import device_problem
 from .core.units import parse_bytes
-from .ledger import commands as _commands
-from .ledger import header as _header
-from .ledger.names import CellNames
-from .ledger.recorder import Ledger
-from .ledger.reruns import RerunTracker
-from .ledger.stack import live_runners
-from .ledger.watcher import CellWatcher, Settings
-from .oom import capture as _capture
+from .present.presenter import Presenter
+from .present.shell import ipython_refs
+from .reruns.tracker import RerunTracker
 from .tensors.torch_api import api as _torch_api
 
 # Everything else (line markers, the chart, the OOM panel, who, free) is imported where it is
@@ -86,21 +89,32 @@ def _when_idle(fn) -> None:
     loop.call_later(IDLE_DELAY_S, guarded)
 
 
-def _accelerator_words(kind: str, rocm: bool = False) -> str:
-    """``"CUDA"``, ``"ROCm"``, ``"MPS"``, ``"XPU"``: how a message names an accelerator of torch type ``kind``."""
-    return "ROCm" if rocm else kind.upper()
-
-
 def _display(obj) -> None:
     from IPython.display import display
 
     display(obj)
 
 
-def _display_raw(bundle: dict) -> None:
+def _emit(outputs) -> None:
+    """Display the presenter's outputs in order."""
     from IPython.display import display
 
-    display(bundle, raw=True)
+    for kind, value in outputs:
+        if kind == "view":
+            display(value)
+        elif kind == "raw":
+            display(value, raw=True)
+        else:
+            _say(value)
+
+
+def _returned(outputs):
+    """A mode's outputs: a lone view is returned (a terminal, ``run_mode`` and IPython's display of the
+    magic's result all take it); more are displayed in order."""
+    if len(outputs) == 1 and outputs[0].kind == "view":
+        return outputs[0].value
+    _emit(outputs)
+    return None
 
 
 def _say(message: str) -> None:
@@ -161,6 +175,9 @@ class GpuMemMagics(Magics):
                                    names=names, reruns=RerunTracker(names),
                                    check_plan=self._check_plan,  # a %%gpumem naming a missing device is not measured
                                    listener=partial(getattr, self, "live"), schedule=_when_idle)  # C: no frame per cell
+        # What each cell and mode shows, built without IPython; the magics only display it.
+        self.presenter = Presenter(shell, self.ledger, lambda: self.watcher.probe,
+                                   lambda: self.watcher.settings.threshold)
         super().__init__(shell=shell, **kwargs)
         if self.ledger.maxlen != self.history_size:
             self.ledger.resize(self.history_size)
@@ -195,13 +212,10 @@ class GpuMemMagics(Magics):
             indices = parse_device_list(proposal["value"])
         except ValueError as exc:
             raise TraitError(f"GpuMemMagics.devices: {exc}") from None
-        probe = getattr(self, "probe", None)
-        count = probe.cuda.device_count() if probe is not None and indices else None
-        if count is not None:
-            missing = [i for i in indices if i >= count]
-            if missing:
-                raise TraitError(f"GpuMemMagics.devices: {cuda(missing[0])} does not exist: this process sees "
-                                 f"{count} CUDA device{'s' if count != 1 else ''}")
+        for index in indices or ():
+            problem = device_problem(cuda(index), self.probe.cuda)
+            if problem:
+                raise TraitError(f"GpuMemMagics.devices: {problem}")
         return proposal["value"]
 
     @validate("sample_rate")
@@ -293,95 +307,10 @@ class GpuMemMagics(Magics):
             pass
 
     def _show(self, outcome) -> None:
-        """Render what a finished cell has to show: its OOM panel, its %%gpumem report, its line.
-
-        A ``--trace`` cell's recording is read first: when the cell died of out-of-memory, the panel
-        takes the recorded state at the failure, and the trace's report leaves its own panel out."""
-        trace = self._read_trace(outcome) if outcome.trace is not None else None
-        if outcome.oom is not None:
-            _display(self._oom_view(outcome, trace))
-        if outcome.header is not None:
-            plan = outcome.header.plan
-            record = outcome.record
-            if plan.output:
-                self.shell.user_ns[plan.output] = record  # -o NAME: asked for by name
-            self._show_report(outcome)
-            if trace is not None:
-                self._show_snapshot(trace, panel=outcome.oom is None)  # one OOM panel, not two
-            if outcome.trace_note:  # why there is no trace, or what was cut or kept
-                _say(f"ipy_gpumem: {'' if outcome.trace is None else '--trace: '}{outcome.trace_note}")
-        elif outcome.show_line:
-            from .ledger.view import cell_view
-
-            _display(cell_view(outcome.record, self.watcher.settings.threshold))
-        if outcome.chart_message:
-            _say(outcome.chart_message)
-
-    def _show_report(self, outcome) -> None:
-        """The ``%%gpumem`` report; in a notebook its chart follows it as a plotly figure of its own
-        output (a report is one output, so its text stays whole), with the SVG picture beside it for
-        viewers without plotly. A terminal gets the report alone."""
-        from .chart.svg import IMG_INK, cell_svg
-        from .chart.views import figure_output, in_kernel
-        from .ledger.view import cell_report_view
-
-        record, samples = outcome.record, outcome.measurement.samples
-        _display(cell_report_view(record, outcome.header.source_lines, stopped=outcome.stopped, counted=outcome.counted))
-        if not in_kernel(self.shell):
-            return
-        from .chart.figures.cell import cell_figure
-
-        figure = cell_figure(record, samples)
-        if figure is not None:
-            _display_raw(figure_output(figure, cell_svg(record, samples, width=640, height=200, ink=IMG_INK),
-                                       text=f"(chart of {record.label})"))
-
-    def _read_trace(self, outcome):
-        """The allocator's events of a ``--trace`` cell, read as any snapshot is (its lines named ``In [n]``); None
-        (said in one line) when they cannot be read."""
-        from .snapshots import SnapshotError
-        from .snapshots.view import open_snapshot
-
-        try:
-            report = open_snapshot(outcome.trace, cells=cell_files(self.shell))
-        except SnapshotError as exc:
-            _say(f"ipy_gpumem: --trace: {exc}")
-            return None
-        report.source = f"of In [{outcome.record.execution_count}]" if outcome.record.execution_count else "of the cell"
-        return report
-
-    def _show_snapshot(self, report, start=None, end=None, device=None, panel: bool = True) -> None:
-        """A snapshot report; in a notebook its chart follows it as a plotly figure of its own output
-        (the SVG picture beside it), as for ``%%gpumem`` reports. A terminal gets the text alone."""
-        from .chart.views import in_kernel
-
-        if not in_kernel(self.shell):
-            _display(report.view(start=start, end=end, device=device, panel=panel))
-            return
-        from .snapshots.view import figure_bundle
-
-        _display(report.view(start=start, end=end, device=device, chart=False, panel=panel))
-        _display_raw(figure_bundle(report, start, end, device))
-
-    def _oom_view(self, outcome, trace=None):
-        """The OOM panel; with a ``--trace`` recording of the cell, from the allocator's recorded state at the failure."""
-        from .oom.analysis import analyse
-        from .oom.panel import oom_panel
-
-        shell = self.shell
-        recorded = trace.recorded_ooms(source="the cell's allocator trace") if trace is not None else ()
-        record = outcome.record
-        failure, rss = record.rank_failure, None  # a launched process's out-of-memory (issue 20)
-        for rank in record.ranks or ():
-            if failure is not None and rank.pid == failure.pid:
-                rss = rank.host.rss_peak
-        analysis = analyse(outcome.oom, record, namespace=shell.user_ns, records=self.ledger.tail(50),
-                           probe=self.probe, capture=outcome.capture, tb=getattr(sys, "last_traceback", None),
-                           refs=self._refs(), recorded=recorded, rank=failure, rank_rss=rss)
-        return oom_panel(analysis)
-
-    def _refs(self):
-        return _ipython_refs(self.shell)
+        """Show what a finished cell has to show (the presenter says what, in order)."""
+        if outcome.header is not None and outcome.header.plan.output:
+            self.shell.user_ns[outcome.header.plan.output] = outcome.record  # -o NAME: asked for by name
+        _emit(self.presenter.cell(outcome))
 
     # -- %gpumem and %%gpumem --------------------------------------------------------------------
 
@@ -402,42 +331,13 @@ class GpuMemMagics(Magics):
             raise UsageError(str(exc)) from None
 
     def _mode_status(self, command):
-        from .core.memory import DeviceMemory
-        from .display.status import status_view
-
-        sample = self.probe.sample(self.watcher.settings.devices)
-        names = {}
-        for dev in sample.devices:
-            try:
-                names[dev.index] = self.probe.cuda.properties(dev.index)[0]
-            except Exception:  # noqa: BLE001 - a name is a nicety
-                pass
-        capture = _capture.describe() if sample.devices else None  # about CUDA: only where CUDA is up
-        return status_view([DeviceMemory.from_sample(d) for d in sample.devices], sample.host.rss,
-                           reason=sample.reason, names=names, notes=[capture] if capture else [])
+        return self.presenter.status(self.watcher.settings.devices)
 
     def _mode_history(self, command):
-        from .chart.views import in_kernel
-        from .ledger.view import history_view
-
         records = self.ledger.records()
         if command.limit is not None and command.limit > 0:
             records = list(records)[-command.limit:]
-        view = history_view(records)
-        if not records or not in_kernel(self.shell):
-            return view
-        # In a notebook the table is followed by its chart: one column per cell, plotly with the SVG beside it.
-        from .chart.figures.history import history_figure
-        from .chart.svg import IMG_INK, history_svg
-        from .chart.views import figure_output
-
-        figure = history_figure(records)
-        if figure is None:
-            return view
-        _display(view)
-        _display_raw(figure_output(figure, history_svg(records, 720, 220, ink=IMG_INK),  # the same chart, as a picture
-                                   text=f"(chart of {len(records)} recorded cells)"))
-        return None
+        return _returned(self.presenter.history(records))
 
     def _live(self):
         """The live chart, made on the first chart request."""
@@ -460,66 +360,19 @@ class GpuMemMagics(Magics):
         else:
             self._live().show_sidebar(run=self.watcher.enabled)
 
-    def _device_problem(self, device) -> Optional[str]:
-        """Why ``device`` cannot be measured here (another accelerator's, or one that does not exist), or None.
-
-        The accelerator a process uses is known once torch is imported (a build flag and the backend's
-        reader: nothing is initialized); before that only a CUDA index is checked, against NVML's count.
-        """
-        if device is None or device.is_host:
-            return None
-        probe = self.probe.cuda
-        count = None
-        if "torch" in sys.modules:
-            probe.status()  # chooses the backend's reader: flags only, it initializes nothing
-            kind = probe.device_type
-            count = probe.device_count()
-            if device.type != kind:
-                if not count:
-                    return f"this process sees no {_accelerator_words(device.type)} device"
-                example = kind if kind in SINGLE_DEVICE_TYPES else f"{kind}:0"
-                return (f"this process's accelerator is {_accelerator_words(kind, probe.is_rocm())}, "
-                        f"not {_accelerator_words(device.type)} (-d {example})")
-        elif device.is_cuda:
-            count = probe.device_count()
-        if device.index is None or count is None or device.index < count:
-            return None
-        words = _accelerator_words(device.type, device.is_cuda and "torch" in sys.modules and probe.is_rocm())
-        return f"{device} does not exist: this process sees {count} {words} device{'s' if count != 1 else ''}"
-
     def _check_plan(self, plan) -> None:
-        problem = self._device_problem(plan.device)
+        problem = device_problem(plan.device, self.probe.cuda)
         if problem:
             raise _header.HeaderError(f"-d {plan.device}: {problem}")
 
     def _mode_who(self, command):
-        from .attribution.view import who_view
-        from .attribution.who import who
-        from .free.release import kept_errors
-
-        device, total, shell = command.device, None, self.shell
-        problem = self._device_problem(device)
+        problem = device_problem(command.device, self.probe.cuda)
         if problem:
             raise _commands.CommandError(f"%gpumem who: {problem}")
-        if device is not None and device.is_cuda and device.index is not None:
-            for dev in self.probe.sample([device.index]).devices:
-                total = dev.allocated
-        # An error IPython could not format is kept only in its last result and its formatter.
-        errors = kept_errors(getattr(shell, "last_execution_result", None), self._formatters())
-        return who_view(who(shell.user_ns, device=device, allocator_total=total, refs=self._refs(), errors=errors))
-
-    def _formatters(self):
-        return [f for f in (getattr(self.shell, "InteractiveTB", None),) if f is not None]
+        return self.presenter.who(command.device)
 
     def _mode_free(self, command):
-        from .free.release import free_memory
-        from .free.view import free_view
-
-        shell = self.shell
-        return free_view(free_memory(shell.user_ns, self._refs(), self.probe, dry_run=command.dry_run,
-                                     last_result=getattr(shell, "last_execution_result", None),
-                                     tb_formatters=self._formatters(), displayhook=getattr(shell, "displayhook", None),
-                                     hidden=getattr(shell, "user_ns_hidden", None)))
+        return self.presenter.free(command.dry_run)
 
     def _mode_on(self, command):
         self.broken = None
@@ -547,24 +400,8 @@ class GpuMemMagics(Magics):
         _say(_commands.export(command.path, self.ledger.records()))
 
     def _mode_snapshot(self, command):
-        from .snapshots import SnapshotError
-        from .snapshots.view import open_snapshot
-
-        try:
-            report = open_snapshot(command.path, cells=cell_files(self.shell))
-        except SnapshotError as exc:
-            raise _commands.CommandError(f"%gpumem snapshot: {exc}") from None
-        device = command.device.index if command.device is not None else None
-        if device is not None and device not in report.replays:
-            kind = command.device.type  # a snapshot file names no backend: the kind the user typed
-            raise _commands.CommandError(f"%gpumem snapshot: {report.source} has no {kind}:{device}; it has "
-                                         + ", ".join(f"{kind}:{d}" for d in sorted(report.replays)))
-        from .chart.views import in_kernel
-
-        if not in_kernel(self.shell):
-            return report.view(start=command.start, end=command.end, device=device)
-        self._show_snapshot(report, command.start, command.end, device)  # the report, then its figure
-        return None
+        report, device = self.presenter.open_snapshot(command.path, command.device)
+        return _returned(self.presenter.snapshot(report, command.start, command.end, device))
 
     @cell_magic("gpumem")
     def gpumem_cell(self, line: str, cell: str):
@@ -590,39 +427,17 @@ class GpuMemMagics(Magics):
         if unavailable:
             _say(unavailable)
             return
-        from .preflight.cell import estimate_cell
         from .preflight.known import remember
-        from .preflight.result import EstimateError
-        from .preflight.view import estimate_view
 
         # The cell that runs this magic is ipy_gpumem's work (the fake run's imports), not the user's:
         # no per-cell line for it.
         self.watcher.no_line_for_running_cells()
-        try:
-            result = estimate_cell(self.shell.transform_cell(cell), self.shell.user_ns, gpu=plan.estimate, first_line=2)
-        except EstimateError as exc:
-            _say(f"%%gpumem --estimate: {exc}")
-            return
-        except ModuleNotFoundError as exc:
-            if not (exc.name or "").startswith("torch"):
-                raise
-            _say(_commands.NO_TORCH)
-            return
-        # The OOM panel may cite it if this cell later runs out of memory (it runs nothing itself).
-        remember(cell, result)
-        if plan.output:
-            self.shell.user_ns[plan.output] = result.estimate  # -o NAME: asked for by name
-        _display(estimate_view(result))
-        from .chart.views import figure_output, in_kernel
-
-        if in_kernel(self.shell):  # the per-line table drawn, as its own output after the report
-            from .chart.figures.estimate import estimate_figure
-            from .chart.svg import IMG_INK, estimate_svg
-
-            figure = estimate_figure(result)
-            if figure is not None:
-                _display_raw(figure_output(figure, estimate_svg(result, 640, 220, ink=IMG_INK),
-                                           text="(chart of the estimate's lines)"))
+        outputs, result = self.presenter.estimate_cell(self.shell.transform_cell(cell), plan.estimate)
+        if result is not None:
+            remember(cell, result)  # the OOM panel may cite it if this cell later runs out of memory
+            if plan.output:
+                self.shell.user_ns[plan.output] = result.estimate  # -o NAME: asked for by name
+        _emit(outputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -703,7 +518,7 @@ def unload(shell: "_Shell") -> None:
 def _remove_hook_after_the_cell(shell) -> None:
     """The cell unloading us is a ``--lines`` cell: its markers still call their (idle) hook, so it
     leaves ``builtins`` once that cell is over, by a post_run_cell callback that removes itself."""
-    from .ledger.markers import remove_hook
+    from .cell.markers import remove_hook
 
     def remove_when_done(result=None):
         if live_runners(_RUNNER_CODE) == 0:  # no cell is running any more
@@ -742,33 +557,4 @@ def user_namespace():
     shell = running_shell()
     if shell is None:
         raise RuntimeError("no IPython shell is running: pass the namespace, e.g. who(globals())")
-    return shell.user_ns, _ipython_refs(shell)
-
-
-def _ipython_refs(shell):
-    """Which names of the shell's namespace still hold what IPython put there (``Out``, ``_5``, ...)."""
-    from .attribution.holders import ipython_refs
-
-    return ipython_refs(shell.user_ns, getattr(shell, "user_ns_hidden", None), getattr(shell, "displayhook", None))
-
-
-def cell_files(shell, limit: int = 2000) -> dict:
-    """The file name each cell of this session ran under (``/tmp/ipykernel_<pid>/<hash>.py``,
-    ``<ipython-input-N-...>``) mapped to its execution count, so a snapshot's frames say ``In [7]``.
-
-    Names come from the shell's own compiler (``get_code_name``), as the frames torch recorded
-    got them; any failure gives what was found so far.
-    """
-    out: dict = {}
-    try:
-        name_of = shell.compile.get_code_name
-        raw = shell.history_manager.input_hist_raw
-        parsed = shell.history_manager.input_hist_parsed
-        for number in range(max(1, len(parsed) - limit), len(parsed)):
-            try:
-                out[name_of(raw[number], parsed[number], number)] = number
-            except Exception:  # noqa: BLE001 - one odd cell names nothing
-                continue
-    except Exception:  # noqa: BLE001 - an old IPython without get_code_name: frames keep their file names
-        pass
-    return out
+    return shell.user_ns, ipython_refs(shell)

@@ -82,7 +82,7 @@ EXACT_S = 60.0
 #: reaches none (the OOM parser, snapshots, tensor accounting, the Python API's estimates) depends on Python and
 #: torch only, which both venvs share: it runs once, in the main venv.
 PINNED_NAMES = ("IPython", "ipykernel", "ipywidgets", "plotly", "traitlets", "anywidget", "nbformat", "nbclient",
-                "jupyter", "ipy_gpumem.chart", "ipy_gpumem.display", "ipy_gpumem.extension", "ipy_gpumem.ledger.commands",
+                "jupyter", "ipy_gpumem.chart", "ipy_gpumem.display", "ipy_gpumem.extension", "ipy_gpumem.cell.commands",
                 "kernel_helpers", "browser_helpers", "get_ipython", "run_cell", "run_line_magic", "run_cell_magic")
 
 

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
-from ipy_gpumem.ledger import budget  # noqa: E402
+from ipy_gpumem.cell import budget  # noqa: E402
 from ipy_gpumem.tensors import census  # noqa: E402
 
 
@@ -559,7 +559,7 @@ def test_memory_that_imports_took_is_said_with_the_modules(_default_threshold, i
 
 
 def test_an_incomplete_count_says_at_least_and_what_it_left_out(_default_threshold, ip, monkeypatch):
-    from ipy_gpumem.ledger import explain
+    from ipy_gpumem.cell import explain
 
     gpumem = _default_threshold
     # No time at all for the end-of-cell count: a namespace with 20,000 tensors cannot be counted in it.
@@ -679,7 +679,7 @@ def test_the_count_asks_which_ipython_names_hold_outputs_without_reading_its_inp
     import re
 
     from ipy_gpumem.attribution.holders import ipython_refs
-    from ipy_gpumem.ledger.names import CellNames
+    from ipy_gpumem.cell.names import CellNames
 
     history = re.compile(r"_i+[0-9]*|_ih|In|_dh")
     names = CellNames(ip)
@@ -715,7 +715,7 @@ def test_every_lines_first_run_is_counted_and_a_loops_repeats_are_joined(gpumem,
     share, and what runs between two counts is given to those lines together, with nothing lost.
     The share and grace are set to zero here so that every repeat is skipped (the real ones only
     skip repeats of loops that run long)."""
-    from ipy_gpumem.ledger import lines
+    from ipy_gpumem.cell import lines
 
     monkeypatch.setattr(lines, "CENSUS_SHARE", 0.0)
     monkeypatch.setattr(lines, "CENSUS_GRACE_S", 0.0)

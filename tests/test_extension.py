@@ -409,7 +409,7 @@ def test_another_accelerators_device_is_one_clear_line_and_the_cell_not_run(ip, 
 
 
 def test_the_devices_a_header_measures():
-    from ipy_gpumem.ledger.header import HeaderError, parse_args
+    from ipy_gpumem.cell.header import HeaderError, parse_args
 
     assert parse_args("-d mps").device_indices == (0,)  # MPS: one device, torch's index 0
     assert parse_args("-d xpu:1").device_indices == (1,) and parse_args("-d cuda:2").device_indices == (2,)

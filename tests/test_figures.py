@@ -475,7 +475,7 @@ def test_a_cell_that_launched_ranks_draws_one_series_per_rank():
 
 def test_history_lists_each_rank_under_the_cell_that_launched_it():
     from ipy_gpumem.core.records import RankRecord
-    from ipy_gpumem.ledger.view import history_view
+    from ipy_gpumem.cell.view import history_view
 
     ranks = (RankRecord(0, 101, HostRecord(200 * MiB, 210 * MiB, 300 * MiB)),
              RankRecord(1, 102, HostRecord(200 * MiB, 220 * MiB, 900 * MiB), end="gone"))

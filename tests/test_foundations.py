@@ -114,7 +114,7 @@ def test_this_process_is_recognised_in_a_message_only_when_arithmetic_is_sure():
 
 
 def test_the_gpumem_line_is_read_into_a_typed_command():
-    from ipy_gpumem.ledger.commands import Command, CommandError, parse_command
+    from ipy_gpumem.cell.commands import Command, CommandError, parse_command
     from ipy_gpumem.chart.views import TIERS
 
     assert parse_command("") == Command("status") and parse_command("HISTORY 3").limit == 3
@@ -123,6 +123,6 @@ def test_the_gpumem_line_is_read_into_a_typed_command():
     for bad in ("history ²", "history x", "chart svg", "who a b", "free now", "export c.txt", "on now", "zap", '"open'):
         with pytest.raises(CommandError):
             parse_command(bad)
-    from ipy_gpumem.ledger import commands
+    from ipy_gpumem.cell import commands
 
     assert commands.TIERS == TIERS  # the parser and the chart agree on the kinds

@@ -490,7 +490,7 @@ def test_device_names_rank_notes_and_errors_in_every_view():
     from ipy_gpumem.core.devices import cuda
     from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord, RankRecord
     from ipy_gpumem.display.status import status_view
-    from ipy_gpumem.ledger.view import cell_report_view, history_view
+    from ipy_gpumem.cell.view import cell_report_view, history_view
 
     GiB = 2**30
     device = DeviceRecord(0, LINK, allocated_before=GiB, allocated_after=2 * GiB, allocated_peak=3 * GiB,

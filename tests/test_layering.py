@@ -3,7 +3,8 @@
 The package is a stack of rooms, one folder each (docs/architecture.md says what each room does):
 
     extension.py                 the IPython adapter (the only module that imports IPython at module level)
-    ledger/                      per-cell records, %%gpumem (header, lines, watcher) and their views
+    present/                     what the user is shown: each cell, mode and estimate as outputs in order
+    cell/                      per-cell records, %%gpumem (header, lines, watcher) and their views
     snapshots/                   PyTorch memory snapshots: read safely, replayed exactly, explained (OOM panel)
     oom/   free/                 out-of-memory diagnosis and panel; %gpumem free
     preflight/                   the pre-flight estimate on fake tensors, the allocator model, max batch size
@@ -35,7 +36,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 #: Each room and its level; a module may import rooms at a lower level, or its own room.
 LEVELS = {"core": 0, "tensors": 1, "display": 1, "sealed": 1, "attribution": 2, "chart": 2, "anatomy": 3,
-          "preflight": 4, "free": 5, "oom": 5, "snapshots": 6, "ledger": 7}
+          "preflight": 4, "free": 5, "oom": 5, "snapshots": 6, "ranks": 6, "reruns": 6, "cell": 7, "present": 8}
 #: Modules that draw: inside a room, no other module imports them.
 DRAWING = {"view", "panel", "svg", "views", "live", "figures"}
 HEAVY = ("IPython", "torch", "plotly", "ipywidgets", "pynvml", "pandas", "psutil", "sidecar", "anywidget")
@@ -161,7 +162,7 @@ def test_load_ext_imports_only_the_per_cell_path():
         "ip.run_line_magic('load_ext', 'ipy_gpumem')\n"
         "ip.run_cell('x = 1', store_history=True)\n"
         "lazy = ('ipy_gpumem.oom.parse', 'ipy_gpumem.attribution.who', 'ipy_gpumem.oom.rules', 'ipy_gpumem.chart.views',\n"
-        "        'ipy_gpumem.chart.svg', 'ipy_gpumem.chart.live', 'ipy_gpumem.ledger.lines', 'plotly', 'ipywidgets', 'torch')\n"
+        "        'ipy_gpumem.chart.svg', 'ipy_gpumem.chart.live', 'ipy_gpumem.cell.lines', 'plotly', 'ipywidgets', 'torch')\n"
         "print(sorted(m for m in lazy if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -260,11 +261,11 @@ FOREIGN_PRIVATE = {
     "oom.rules.training": _each("_fused_ _multi_tensor_ _foreach_ _single_tensor_",
                                 "parts of torch.optim's function names in the failing traceback, which tell the "
                                 "optimizer's implementation (text)"),
-    "ledger.header": {**_each("_ih _oh _dh _i _ii _iii", _IPYTHON),
+    "cell.header": {**_each("_ih _oh _dh _i _ii _iii", _IPYTHON),
                       "_actions": "argparse keeps no public list of a parser's options (the magic's help is "
                                   "built from it)"},
     "free.release": _each("_oh", _IPYTHON),
-    "ledger.ranks": _each("_popen", "multiprocessing's Process keeps its Popen (and so the pid of a spawned "
+    "ranks.watch": _each("_popen", "multiprocessing's Process keeps its Popen (and so the pid of a spawned "
                                     "process) only there, in Python 3.9 to 3.13; read through vars(), no "
                                     "property runs"),
     "sealed.shims": _each("_posixsubprocess", "CPython's C module behind subprocess, whose fork_exec the seal "

@@ -7,7 +7,7 @@ import pytest
 
 import builtins
 
-from ipy_gpumem.ledger.lines import HOOK_NAME, LineMarkers, LineTracer, remove_hook
+from ipy_gpumem.cell.lines import HOOK_NAME, LineMarkers, LineTracer, remove_hook
 from ipy_gpumem.core.probes import HostProbe, MemoryProbe
 from ipy_gpumem.core.units import GiB, MiB
 from tests.conftest import touched
@@ -208,7 +208,7 @@ def test_a_cell_that_clears_its_namespace_keeps_running():
 
 
 def test_ipythons_debugger_steps_over_the_marker():
-    from ipy_gpumem.ledger import markers
+    from ipy_gpumem.cell import markers
 
     code = markers._Hook.__call__.__code__
     assert "__debuggerskip__" in code.co_varnames and "__tracebackhide__" in code.co_varnames

@@ -5,7 +5,7 @@ torch = pytest.importorskip("torch")
 
 from conftest import run, texts  # noqa: E402
 
-from ipy_gpumem.ledger.header import HeaderError, parse_args, strip_header  # noqa: E402
+from ipy_gpumem.cell.header import HeaderError, parse_args, strip_header  # noqa: E402
 from ipy_gpumem.preflight.cell import estimate_cell  # noqa: E402
 from ipy_gpumem.preflight.gpus import GPUS  # noqa: E402
 from ipy_gpumem.preflight.result import Estimate, EstimateError  # noqa: E402

@@ -18,7 +18,7 @@ from traitlets import TraitError
 import ipy_gpumem
 from ipy_gpumem import GpuMemWarning
 from ipy_gpumem.core.units import MiB
-from ipy_gpumem.ledger.lines import HOOK_NAME
+from ipy_gpumem.cell.lines import HOOK_NAME
 
 from conftest import htmls, run, texts
 
@@ -99,7 +99,7 @@ def test_nested_cells_still_give_one_record_for_the_outer_cell(ip, gpumem):
 
 
 def test_gpumem_on_really_recovers(ip, gpumem):
-    from ipy_gpumem.ledger.stack import Frame
+    from ipy_gpumem.cell.stack import Frame
 
     gpumem.watcher._stack.push(Frame(None, "a cell that never ended"))  # a stale frame
     ip.run_line_magic("gpumem", "on")

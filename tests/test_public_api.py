@@ -28,7 +28,7 @@ def test_importing_the_package_loads_none_of_the_types_modules():
     assert "ipy_gpumem" in loaded
     assert not set(loaded) & set(TYPES.values()), loaded
     assert not [m for m in loaded if m.startswith(("ipy_gpumem.preflight", "ipy_gpumem.snapshots", "ipy_gpumem.oom",
-                                                    "ipy_gpumem.attribution", "ipy_gpumem.ledger"))], loaded
+                                                    "ipy_gpumem.attribution", "ipy_gpumem.cell"))], loaded
 
 
 @pytest.mark.parametrize("name", ipy_gpumem.__all__)

@@ -21,10 +21,10 @@ from kernel_helpers import execute, outputs, plain
 
 pytest.importorskip("torch")
 
-from ipy_gpumem.core import children  # noqa: E402
+from ipy_gpumem.ranks import children  # noqa: E402
 from ipy_gpumem.core.records import CellRecord, HostRecord, RankRecord, records_frame, worst_rank  # noqa: E402
-from ipy_gpumem.ledger.rankfolder import RankFolder, clean_record  # noqa: E402
-from ipy_gpumem.ledger.ranks import RankWatch, launcher_failure  # noqa: E402
+from ipy_gpumem.ranks.folder import RankFolder, clean_record  # noqa: E402
+from ipy_gpumem.ranks.watch import RankWatch, launcher_failure  # noqa: E402
 
 MiB = 2 ** 20
 

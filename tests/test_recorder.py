@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ipy_gpumem.ledger.recorder import MAX_SOURCE_CHARS, Ledger, Measurement
+from ipy_gpumem.cell.recorder import MAX_SOURCE_CHARS, Ledger, Measurement
 from ipy_gpumem.core.records import ROW_FIELDS, CellRecord, DeviceRecord, HostRecord, records_frame, write_csv
 from ipy_gpumem.core.units import GiB, MiB
 

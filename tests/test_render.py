@@ -3,7 +3,7 @@ from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord, LineRe
 from ipy_gpumem.core.memory import DeviceMemory
 from ipy_gpumem.display.status import status_view
 from ipy_gpumem.display.view import View, text_table
-from ipy_gpumem.ledger.view import cell_report_view, cell_view, history_view
+from ipy_gpumem.cell.view import cell_report_view, cell_view, history_view
 
 
 def cell_line(record, threshold=0):

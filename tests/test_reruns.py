@@ -60,7 +60,7 @@ def test_a_rerun_is_recognised_by_its_source_and_counted(ip, gpumem):
 
 
 def test_no_walk_for_cells_that_keep_nothing(ip, gpumem, monkeypatch):
-    from ipy_gpumem.ledger import reruns
+    from ipy_gpumem.reruns import tracker as reruns
 
     calls = []
     real = reruns.take_snapshot
@@ -163,8 +163,8 @@ def test_quiet_says_nothing_but_records(ip, gpumem):
 
 def test_device_growth_is_allocated_after_vs_previous_run(fake_gpu):
     """On a GPU (a scripted fake here) growth is allocated-after minus the previous run's allocated-after."""
-    from ipy_gpumem.ledger.recorder import Ledger
-    from ipy_gpumem.ledger.watcher import CellWatcher
+    from ipy_gpumem.cell.recorder import Ledger
+    from ipy_gpumem.cell.watcher import CellWatcher
 
     fake, probe = fake_gpu([(0, 0)])
     watcher = CellWatcher(probe, Ledger())
@@ -228,7 +228,7 @@ SCENARIOS = {
 #: Room for each cell end's count in the kernel (the per-cell budget's floor and ceiling at 5 s): a count its budget
 #: stopped names no growth, by design, and a loaded machine stopped the out_cache scenario's three times in a CI
 #: dry run. The leaks are what these tests are about, not the budget (tests/test_anatomy.py tests that).
-ROOM = "import ipy_gpumem.ledger.budget as _room\n_room.FLOOR_S = _room.CEILING_S = 5.0\ndel _room"
+ROOM = "import ipy_gpumem.cell.budget as _room\n_room.FLOOR_S = _room.CEILING_S = 5.0\ndel _room"
 
 
 def _plan():
@@ -313,7 +313,7 @@ def test_code_that_keeps_tensors_is_told_apart_without_running_any_of_it():
     it) is not told to ``.clear()``."""
     import types as pytypes
 
-    from ipy_gpumem.ledger.reruns import _Classifier
+    from ipy_gpumem.reruns.tracker import _Classifier
 
     calls = []
 

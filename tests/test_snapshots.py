@@ -269,7 +269,7 @@ class RecorderReplay:
 
 @pytest.mark.slow
 def test_trace_starts_and_stops_its_own_recording(tmp_path):
-    from ipy_gpumem.ledger.allocator_trace import CellTrace
+    from ipy_gpumem.cell.allocator_trace import CellTrace
 
     api = RecorderReplay(users_on=False)
     keep = tmp_path / "cell.pickle"
@@ -281,7 +281,7 @@ def test_trace_starts_and_stops_its_own_recording(tmp_path):
 
 
 def test_trace_leaves_the_users_recording_on_and_keeps_the_cells_events():
-    from ipy_gpumem.ledger.allocator_trace import CellTrace
+    from ipy_gpumem.cell.allocator_trace import CellTrace
 
     events = raw("bcrafton")["device_traces"][0]
     middle = events[len(events) // 2]["time_us"]
@@ -313,7 +313,7 @@ def test_a_failing_snapshot_costs_the_trace_not_the_recording(ip, gpumem, monkey
     """A fault we cannot cause here (torch's _snapshot() raising), made by a labelled stand-in."""
     from IPython.utils.capture import capture_output
 
-    from ipy_gpumem.ledger import allocator_trace
+    from ipy_gpumem.cell import allocator_trace
 
     class Broken(RecorderReplay):
         def allocator_snapshot(self):
@@ -352,8 +352,8 @@ def test_a_traced_cell_that_runs_out_of_memory_gets_one_panel_from_the_recording
     torch = pytest.importorskip("torch")
     from conftest import run
 
-    from ipy_gpumem.extension import cell_files
-    from ipy_gpumem.ledger import allocator_trace
+    from ipy_gpumem.cell import allocator_trace
+    from ipy_gpumem.present.shell import cell_files
 
     recorded = read_snapshot(path("Constructor-Sun_memory_snapshot")).recorded_ooms()[-1]
     ip.user_ns.update(torch=torch, MESSAGE=_oom_message(recorded))

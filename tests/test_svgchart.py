@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import run
-from ipy_gpumem.ledger.lines import LineMarkers, LineTracer
+from ipy_gpumem.cell.lines import LineMarkers, LineTracer
 from ipy_gpumem.core.probes import DeviceSample, HostSample, MemoryProbe, Sample
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord, LineRecord
 from ipy_gpumem.chart.svg import (FAILED_COLOR, IMG_INK, ROLE_COLORS, RUNNING_COLOR, UP_COLOR, byte_ticks, cell_svg,

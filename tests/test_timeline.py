@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ipy_gpumem.core.probes import DeviceSample, HostSample, MemoryProbe, Sample
-from ipy_gpumem.ledger.recorder import Measurement
+from ipy_gpumem.cell.recorder import Measurement
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord
 from ipy_gpumem.chart.timeline import (HOST_RSS, Change, MissedPeak, SeriesKey, Span, Timeline, TimelineSnapshot,
                                        _Bucket, _Points, _Run, _Running, _Spans)

@@ -12,7 +12,7 @@ import pytest
 
 from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord, LineRecord
 from ipy_gpumem.core.units import GiB, MiB
-from ipy_gpumem.ledger.view import cell_report_view, history_view
+from ipy_gpumem.cell.view import cell_report_view, history_view
 
 SOURCE = ("%%gpumem --lines",
           "model = build_model(config, vocabulary_size=32000, hidden_size=4096).to(device)",

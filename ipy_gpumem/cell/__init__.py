@@ -1,1 +1,1 @@
-"""The per-cell ledger: one record per cell, ``%%gpumem`` (its header, its per-line markers) and their views."""
+"""The cell in flight and its record: the per-cell ledger, ``%%gpumem`` (its header, its per-line markers, its phases) and their views."""

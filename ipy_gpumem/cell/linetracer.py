@@ -54,7 +54,7 @@ class LineTracing:
 
     def remove_hook(self) -> None:
         """Take the markers' hook out of ``builtins`` (no marked code can run any more)."""
-        if self._markers is not None or "ipy_gpumem.ledger.markers" in sys.modules:
+        if self._markers is not None or "ipy_gpumem.cell.markers" in sys.modules:
             from .markers import remove_hook
 
             remove_hook()

@@ -6,7 +6,7 @@ The markers never change what the user's code does or which errors it raises: th
 duration of the cell, so a cell that runs ``%reset -f`` or reloads the extension keeps working and
 the user's namespace is never touched. IPython's debugger steps over the hook
 (``__debuggerskip__``) and tracebacks hide it (``__tracebackhide__``). What a marker measures is
-:class:`~ipy_gpumem.ledger.lines.LineTracer`'s business.
+:class:`~ipy_gpumem.cell.lines.LineTracer`'s business.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from ..display.parts import Blank, Line, Para, Raw, Span, Table, render
 from ..display.tables import (Column, as_modules, bytes_table, delta_cell, heaviest, line_table, peak_cell, phase_table,
                               roles_cell, summarize_phases)
 from ..display.view import View, delta_class, format_of
-from .rankview import rank_line_parts, rank_report_parts
+from ..ranks.view import rank_line_parts, rank_report_parts
 
 __all__ = ["cell_view", "cell_report_view", "history_view", "loop_summaries"]
 
@@ -79,7 +79,7 @@ def cell_view(record: CellRecord, threshold: int = 0) -> View:
     return render(parts, data=record)
 
 
-# -- re-runs (the data comes from ipy_gpumem.ledger.reruns) -----------------------------------------
+# -- re-runs (the data comes from ipy_gpumem.reruns.tracker) -----------------------------------------
 
 
 def rerun_parts(record: CellRecord) -> list:

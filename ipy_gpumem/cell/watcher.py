@@ -6,15 +6,15 @@
 Nothing here imports IPython. It is built with its collaborators and delegates each concern to
 one of them:
 
-    stack.py      the cells in flight (nested cells, frames of cells that ended unannounced)
-    recorder.py   the measurement of a cell and the ledger of finished ones
-    header.py     what a ``%%gpumem`` header asks for
-    tracing.py    a ``--lines`` cell's tracer and markers
-    phasing.py    a whole-cell ``%%gpumem``'s training phases
-    explain.py    the baseline census and the anatomy of a finished cell
-    reruns.py     re-runs of a cell and what keeps an earlier run's memory
-    oomwatch.py   torch's out-of-memory captures
-    ranks.py      the processes a cell launches (the ranks of a distributed launch)
+    stack.py        the cells in flight (nested cells, frames of cells that ended unannounced)
+    recorder.py     the measurement of a cell and the ledger of finished ones
+    header.py       what a ``%%gpumem`` header asks for
+    linetracer.py   a ``--lines`` cell's tracer and markers
+    phasing.py      a whole-cell ``%%gpumem``'s training phases
+    explain.py      the baseline census and the anatomy of a finished cell
+    oomwatch.py     torch's out-of-memory captures
+    ../reruns/      re-runs of a cell and what keeps an earlier run's memory
+    ../ranks/       the processes a cell launches (the ranks of a distributed launch)
 
 The hot path is short: a cell that starts within :data:`REUSE_S` of the previous cell's end starts
 from that end's reading (nothing of the user's ran in between), so a cell costs one reading, plus,
@@ -37,11 +37,11 @@ from .budget import CellBudget
 from .header import CellHeader, find_header
 from .oomwatch import OomWatch
 from .phasing import start_phases
-from .ranks import RankWatch, launcher_failure
+from ..ranks.watch import RankWatch, launcher_failure
 from .recorder import Ledger, Measurement
-from .reruns import RerunTracker
+from ..reruns.tracker import RerunTracker
 from .stack import CellStack, Frame, cell_error, live_runners
-from .tracing import LineTracing
+from .linetracer import LineTracing
 
 __all__ = ["Settings", "CellOutcome", "CellWatcher", "REUSE_S", "live_runners"]
 
@@ -363,7 +363,7 @@ class CellWatcher:
 
         Returns True when a ``--lines`` cell is still running (the cell unloads the extension):
         its remaining markers must keep finding their (now idle) hook in ``builtins``, so the
-        caller removes it once the cell is over (:func:`ipy_gpumem.ledger.markers.remove_hook`).
+        caller removes it once the cell is over (:func:`ipy_gpumem.cell.markers.remove_hook`).
         """
         lines_running = any(frame.tracer is not None for frame in self._stack)
         self.reset()

@@ -400,7 +400,7 @@ class CellRecord:
     #: ``((qualified name, bytes), ...)``, heaviest first; None when no forward was watched.
     layers: Optional[tuple] = None
     #: For a re-run of an earlier cell, who keeps the earlier run's memory and the fix, as data
-    #: (:class:`~.why.Rerun`); None for a first run (see ``ipy_gpumem.ledger.reruns``).
+    #: (:class:`~.why.Rerun`); None for a first run (see ``ipy_gpumem.reruns.tracker``).
     rerun: Optional[Rerun] = None
     #: The processes the cell launched (``RankRecord``s, by rank); None for a cell that launched none.
     ranks: Optional[tuple] = None

@@ -2,7 +2,7 @@
 
 ``%%gpumem --estimate`` starts from a cell's source and the user's namespace. :func:`cell_program`
 compiles the source once, in this process, with a marker before each of its statements (as
-``--lines`` does, see ``ledger/lines.py``), and refuses what the estimate cannot model before
+``--lines`` does, see ``cell/lines.py``), and refuses what the estimate cannot model before
 anything runs: a syntax error, a magic or shell command, a top-level ``await`` (a ``get_ipython()``
 line that only reads, such as ``get_ipython().user_ns``, runs; a magic or shell command reached
 some other way is refused when it is called, in the child: ``child.no_magics``). :func:`estimate_cell`

@@ -1,6 +1,6 @@
 """Read the processes this process started, from outside them: who they are and what memory they use.
 
-A probe like the others (``probes``): cheap reads, unavailability is a value. On Linux the children
+A probe like the others (``core.probes``): cheap reads, unavailability is a value. On Linux the children
 come from ``/proc/<pid>/task/<tid>/children`` (each thread's direct children, a few microseconds a
 thread) and each child's memory from ``/proc/<pid>/status`` (``VmRSS`` and the high-water mark
 ``VmHWM``, which the kernel keeps for the whole life of the process, so the peak read from outside
@@ -19,7 +19,7 @@ import sys
 import weakref
 from typing import Dict, List, Mapping, NamedTuple, Optional
 
-from .procfs import HeldRead
+from ..core.procfs import HeldRead
 
 __all__ = ["ChildInfo", "ChildMemory", "RankVariables", "MainThreadChildren", "MAX_WORLD_SIZE", "rank_variables",
            "environment_of", "parse_pids", "descendants", "descendant_tree", "thread_children", "child_info", "child_memory",

@@ -20,7 +20,7 @@ import stat
 import tempfile
 from typing import Collection, Dict, Optional
 
-from ..core.children import MAX_WORLD_SIZE
+from .children import MAX_WORLD_SIZE
 
 __all__ = ["RankFolder", "MAX_RECORD", "clean_record"]
 

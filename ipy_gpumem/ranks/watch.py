@@ -14,7 +14,7 @@ says is one, and nothing else:
   that same ``_wrap``: multiprocessing pickles the ``Process`` to start it, and our reducer reads
   its ``_target`` and ``_args`` then (``start()`` deletes them right after, bpo-30775) and its pid
   from its ``_popen`` later (the fields Python 3.9 to 3.13 keep): its rank is the launcher's index;
-- a process whose environment has a valid ``RANK`` below a ``WORLD_SIZE`` (``core.children``) that
+- a process whose environment has a valid ``RANK`` below a ``WORLD_SIZE`` (``children``) that
   its launcher set: the pair is not the one the kernel has or was started with, or elastic's
   ``TORCHELASTIC_RUN_ID`` is not the kernel's (torchrun's workers).
 
@@ -29,7 +29,7 @@ a kernel's ``!cmd`` through its pty) and multiprocessing's pickler (spawn and fo
 new ``Process`` through ``ForkingPickler``, where we register a reducer for multiprocessing's own
 ``Process`` classes that notes it and returns what the pickler would have used without it). The
 first one of a cell wakes a thread (started then), which reads the cell's processes from outside
-(``core.children``: RSS and high-water mark from /proc, identity from the command line and
+(``children``: RSS and high-water mark from /proc, identity from the command line and
 environment; on a GPU NVML's per-process list at most once a second) every :data:`POLL_S` until the
 cell ends, then sleeps again. A cell's end reads the main thread's children once (one ``pread``): a
 cell that launched nothing costs that, and a process started another way (``subprocess``) that is
@@ -56,9 +56,9 @@ import weakref
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
 
-from ..core import children as _children
+from . import children as _children
 from ..tensors.spawn import spawn_index
-from .rankfolder import RankFolder
+from .folder import RankFolder
 
 if TYPE_CHECKING:  # the records load with the first launch or failing cell, not with the extension
     from ..core.records import RankFailure
