@@ -174,7 +174,7 @@ def test_the_panel_costs_under_a_second_whatever_the_namespace_holds(ip, gpumem)
     began = time.process_time()
     analysis = analyse(parse_oom(str(err)), ipy_gpumem.last(), namespace=ip.user_ns,
                        records=ipy_gpumem.history()[-50:], probe=gpumem.probe, tb=err.__traceback__,
-                       refs=gpumem._refs())
+                       refs=gpumem.presenter.refs())
     view = oom_panel(analysis)
     seconds = time.process_time() - began
     assert seconds < 1.0, seconds
