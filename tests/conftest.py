@@ -164,11 +164,16 @@ def ip():
 
 @pytest.fixture
 def restore_user_ns(ip):
-    """The test shell is shared by the whole suite: names a test makes are removed after it."""
-    before = set(ip.user_ns)
+    """The test shell is shared by the whole suite: names a test makes are removed after it, and names it
+    rebound get their earlier objects back (a hostile object left under a common name such as ``w`` broke a
+    later test's estimate, which fakes the whole namespace)."""
+    before = dict(ip.user_ns)
     yield
-    for name in set(ip.user_ns) - before:
+    for name in set(ip.user_ns) - set(before):
         ip.user_ns.pop(name, None)
+    for name, value in before.items():
+        if ip.user_ns.get(name, value) is not value:
+            ip.user_ns[name] = value
 
 
 @pytest.fixture
