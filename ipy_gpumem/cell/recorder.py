@@ -71,7 +71,7 @@ class Measurement:
     phase_summary = None
     layers = None
     _rerun = None  # a ``core.why.Rerun``, or the numbers one is made of (built when read)
-    # The processes the cell launched (RankRecords) and the one whose failure reached it (ranks.py).
+    # The processes the cell launched (RankRecords) and the one whose failure reached it (ranks/watch.py).
     ranks = None
     rank_failure = None
     _record = None

@@ -7,7 +7,7 @@ says is one, and nothing else:
   with fork, elastic's and accelerate's ``notebook_launcher`` through them) records itself, as the
   kernel records a cell: multiprocessing runs our ``register_after_fork`` callback in it, and it
   writes its start and, from a multiprocessing ``Finalize`` at its exit, its end into the cell's
-  private folder (``rankfolder``). Its rank is torch.distributed's while a process group is up,
+  private folder (``folder``). Its rank is torch.distributed's while a process group is up,
   else ``RANK`` when its launcher set one (not the value it inherited from the kernel), else the
   process index the launcher passed;
 - a process the kernel started through multiprocessing with spawn or forkserver whose target is

@@ -4,7 +4,7 @@ A snapshot is one walk of the namespace (``tensors.walk.Walk``, within ``who()``
 keeps, per holder group (a variable and what hangs off it, IPython's output cache, the last
 traceback, the closures of a module's hooks), the bytes and the identities (address, size) of its
 storages: plain ints, never a tensor. It also lists the functions registered more than once as a
-module's hook (one added again on every run). Used by :mod:`.reruns`; nothing here imports torch
+module's hook (one added again on every run). Used by :mod:`.tracker`; nothing here imports torch
 (it is read through ``sys.modules``), collects garbage or calls user code.
 """
 from __future__ import annotations
@@ -49,7 +49,8 @@ class Snapshot:
             ``("traceback",)`` or ``("hook", module expression)``.
         keys: the identities (address and size) of every storage, or None past
             :data:`MAX_STORAGES`.
-        complete: the walk examined everything (no budget ran out).
+        complete: the walk examined everything and every holder it reached was named (no budget ran
+            out); an incomplete snapshot has no groups past the point its budget ran out.
         hooks: ``[(module expression, hook kind, how many hooks share one function, the global
             and free names that function reads)]`` for functions registered more than once on one
             module.
@@ -78,7 +79,8 @@ def _group_key(holder) -> Optional[tuple]:
 
 
 def take_snapshot(namespace: dict, refs=None, budget_s: Optional[float] = None) -> Optional[Snapshot]:
-    """Walk ``namespace`` within ``who()``'s budget; the storages alive now, by holder group.
+    """Walk ``namespace`` within ``who()``'s budget (or ``budget_s``, which the naming of the holders shares);
+    the storages alive now, by holder group.
 
     None when torch is not imported. Pauses the automatic garbage collector during the walk
     (as ``who()`` does) and never collects.

@@ -18,7 +18,7 @@ How it works (:class:`RerunTracker`, called by the watcher once per finished out
   trigger, and the growth is exact tensor accounting instead: the bytes of the tensor storages
   that :func:`~ipy_gpumem.attribution.who.who`'s walk finds alive after this run minus after the
   previous run.
-* **Snapshots** (:mod:`.kept`: a walk within the cell end's budget, ``budget.CellBudget``) are
+* **Snapshots** (:mod:`.kept`: a walk within the cell end's budget, ``cell.budget.CellBudget``) are
   taken only after a run that kept memory (first run: kept at least the threshold; re-run: grew
   by it). A snapshot the budget stopped names no suspect, and that cell's next run may walk four
   times as long (up to ``who()``'s budget). A snapshot keeps, per
