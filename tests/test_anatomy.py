@@ -558,6 +558,31 @@ def test_memory_that_imports_took_is_said_with_the_modules(_default_threshold, i
             del sys.modules[name]
 
 
+def test_what_was_imported_between_cells_is_not_the_next_cells(_default_threshold, ip, tmp_path, monkeypatch):
+    """Modules imported after a recorded cell ended and before the next one started (by a cell of our magics
+    alone, which is not recorded: ``%gpumem sidebar`` imports ipywidgets and anywidget; by a front end's message
+    or a thread) are not the next cell's: its line counts what it imported itself. Here a real package of 30
+    modules is imported between two cells, as a comm handler would, and the next cell imports one of 40."""
+    gpumem = _default_threshold
+    for name, count in (("gpumem_between_pkg", 30), ("gpumem_during_pkg", 40)):
+        package = tmp_path / name
+        package.mkdir()
+        (package / "__init__.py").write_text("".join(f"from . import part{i}\n" for i in range(count)))
+        for i in range(count):
+            (package / f"part{i}.py").write_text(
+                f"import mmap\nDATA = mmap.mmap(-1, 1 << 20)\nDATA.write(b'{i % 10}' * (1 << 20))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run(ip, "import mmap, torch\nsmall = torch.ones(4)")
+    try:
+        import gpumem_between_pkg  # noqa: F401 - between the cells, outside any of them
+        rec, shown = _explained(gpumem, ip, "import gpumem_during_pkg")
+        assert rec.why.imports.packages == (("gpumem_during_pkg", 41),), rec.why.imports
+        assert "this cell imported 41 modules (gpumem_during_pkg 41)" in shown and "between" not in shown, shown
+    finally:
+        for name in [n for n in sys.modules if n.split(".")[0] in ("gpumem_between_pkg", "gpumem_during_pkg")]:
+            del sys.modules[name]
+
+
 def test_an_incomplete_count_says_at_least_and_what_it_left_out(_default_threshold, ip, monkeypatch):
     from ipy_gpumem.cell import explain
 

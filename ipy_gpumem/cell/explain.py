@@ -143,6 +143,10 @@ class CellAnatomy:
         if self._baseline is None:
             self.refresh()
             self.ensure()
+        # A cell's imports are counted from its own start: what was imported since the last recorded cell
+        # ended is not this cell's (a cell of our magics alone is not recorded, and `%gpumem sidebar`
+        # imports ipywidgets and anywidget; a front end's message or a thread may import between cells).
+        self._modules = len(sys.modules)
 
     def adopt(self, snapshot, sample=None) -> None:
         """Use ``snapshot`` (a census taken at the end of a cell, whose closing reading is ``sample``)
