@@ -22,8 +22,8 @@ def test_deltas_and_per_cell_peak_from_scripted_allocator(fake_gpu):
     rec = m.finish(execution_count=7).record()
     dev = rec.devices[0]
     assert rec.execution_count == 7
-    assert (dev.allocated_before, dev.allocated_after, dev.allocated_peak) == (1 * GiB, 2 * GiB, 4 * GiB)
-    assert (dev.reserved_before, dev.reserved_after, dev.reserved_peak) == (2 * GiB, 6 * GiB, 6 * GiB)
+    assert (dev.allocated_before, dev.allocated_after, dev.peak_allocated) == (1 * GiB, 2 * GiB, 4 * GiB)
+    assert (dev.reserved_before, dev.reserved_after, dev.peak_reserved) == (2 * GiB, 6 * GiB, 6 * GiB)
     assert dev.allocated_delta == 1 * GiB and dev.peak_increase == 3 * GiB and dev.reserved_delta == 4 * GiB
     assert dev.used_after == 6 * GiB + 512 * MiB and dev.total == 16 * GiB
     assert dev.name == "Fake GPU (test)"
@@ -39,7 +39,7 @@ def test_without_peak_reset_peaks_are_sampled_and_counters_untouched(fake_gpu):
     fake.advance()
     rec = m.finish().record()
     assert fake.resets == 0
-    assert rec.devices[0].allocated_peak == 4 * GiB  # sampled, not the stale 9 GiB lifetime peak
+    assert rec.devices[0].peak_allocated == 4 * GiB  # sampled, not the stale 9 GiB lifetime peak
     assert rec.peaks == "sampled"
 
 
@@ -52,7 +52,7 @@ def test_device_initialized_during_the_cell_starts_at_zero(fake_gpu):
     fake.advance()
     rec = m.finish().record()
     dev = rec.devices[0]
-    assert (dev.allocated_before, dev.allocated_after, dev.allocated_peak) == (0, 3 * GiB, 3 * GiB)
+    assert (dev.allocated_before, dev.allocated_after, dev.peak_allocated) == (0, 3 * GiB, 3 * GiB)
     assert dev.used_before is None and rec.devices_note is None
 
 
@@ -64,7 +64,7 @@ def test_cpu_only_record_carries_host_memory(fake_gpu):
     rec = m.finish().record()
     assert rec.devices == () and rec.devices_note == "CUDA not initialized yet"
     assert 63 * MiB <= rec.host.rss_delta <= 66 * MiB  # the kernel's per-CPU RSS counters lag a little
-    assert rec.host.rss_peak >= rec.host.rss_after
+    assert rec.host.peak_rss >= rec.host.rss_after
     del buf
 
 
@@ -72,7 +72,7 @@ def test_records_hold_only_plain_values_and_serialise():
     rec = CellRecord(3, "cell-1", "x = 1", 1.5e9, 0.25, "ValueError", "bad <value>",
                      HostRecord(100, 200, 300), (DeviceRecord(0, "GPU", 1, 2, 3, 4, 5, 6, 7, 8, 9),))
     data = json.loads(json.dumps(rec.to_dict()))
-    assert data["host"] == {"rss_before": 100, "rss_after": 200, "rss_peak": 300, "rss_delta": 100, "rss_peak_increase": 200}
+    assert data["host"] == {"rss_before": 100, "rss_after": 200, "peak_rss": 300, "rss_delta": 100, "rss_peak_increase": 200}
     assert data["devices"][0]["allocated_delta"] == 1 and data["devices"][0]["device"] == "cuda:0"
     assert set(data) >= {"execution_count", "cell_id", "source", "duration_s", "error", "host", "devices"}
     assert "lines" not in data

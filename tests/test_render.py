@@ -18,8 +18,8 @@ def gpu_record(**kw):
     dev = DeviceRecord(
         0, "Tesla P100-PCIE-16GB",
         allocated_before=before, allocated_after=before + parse_bytes("2.81 GiB"),
-        allocated_peak=before + parse_bytes("5.62 GiB"),
-        reserved_before=2 * GiB, reserved_after=parse_bytes("9.53 GiB"), reserved_peak=parse_bytes("9.53 GiB"),
+        peak_allocated=before + parse_bytes("5.62 GiB"),
+        reserved_before=2 * GiB, reserved_after=parse_bytes("9.53 GiB"), peak_reserved=parse_bytes("9.53 GiB"),
         used_before=3 * GiB, used_after=parse_bytes("10.00 GiB"), total=parse_bytes("15.78 GiB"),
     )
     args = dict(execution_count=7, cell_id="c7", source="output = model(input, comb)", started_at=0.0,

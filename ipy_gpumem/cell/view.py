@@ -118,17 +118,17 @@ def _span_rows(record: CellRecord) -> List[Tuple[str, tuple]]:
     rows = []
     for dev in record.devices:
         name = dev.label + (f" ({dev.name})" if dev.name else "")
-        reserved_rise = (None if dev.reserved_peak is None or dev.reserved_before is None
-                         else dev.reserved_peak - dev.reserved_before)
+        reserved_rise = (None if dev.peak_reserved is None or dev.reserved_before is None
+                         else dev.peak_reserved - dev.reserved_before)
         rows.append((f"{name} allocated", (dev.allocated_before, dev.allocated_after, dev.allocated_delta,
-                                           dev.allocated_peak, dev.peak_increase)))
+                                           dev.peak_allocated, dev.peak_increase)))
         rows.append((f"{dev.label} reserved", (dev.reserved_before, dev.reserved_after, dev.reserved_delta,
-                                               dev.reserved_peak, reserved_rise)))
+                                               dev.peak_reserved, reserved_rise)))
         if dev.used_after is not None:
             rows.append((f"{dev.label} device used", (dev.used_before, dev.used_after, dev.used_delta, None, None)))
     host = record.host
     if host.rss_after is not None:
-        rows.append(("host RSS", (host.rss_before, host.rss_after, host.rss_delta, host.rss_peak,
+        rows.append(("host RSS", (host.rss_before, host.rss_after, host.rss_delta, host.peak_rss,
                                   host.rss_peak_increase)))
     return rows
 

@@ -47,7 +47,7 @@ class HostRecord:
     rss_after: Optional[int] = None
     #: Highest RSS during the span: the kernel's high-water mark when it can be reset per
     #: cell (Linux), else the highest value sampled.
-    rss_peak: Optional[int] = None
+    peak_rss: Optional[int] = None
     #: Lines only: the changes summed over every execution of the line, and the largest rise
     #: above the starting value within any single execution.
     rss_delta_sum: Optional[int] = None
@@ -64,13 +64,13 @@ class HostRecord:
         """How far RSS rose above its starting value at the worst moment."""
         if self.rss_peak_increase_max is not None:
             return self.rss_peak_increase_max
-        return _delta(self.rss_peak, self.rss_before)
+        return _delta(self.peak_rss, self.rss_before)
 
     def to_dict(self) -> dict:
         return {
             "rss_before": self.rss_before,
             "rss_after": self.rss_after,
-            "rss_peak": self.rss_peak,
+            "peak_rss": self.peak_rss,
             "rss_delta": self.rss_delta,
             "rss_peak_increase": self.rss_peak_increase,
         }
@@ -92,10 +92,10 @@ class DeviceRecord:
     name: Optional[str] = None
     allocated_before: Optional[int] = None
     allocated_after: Optional[int] = None
-    allocated_peak: Optional[int] = None
+    peak_allocated: Optional[int] = None
     reserved_before: Optional[int] = None
     reserved_after: Optional[int] = None
-    reserved_peak: Optional[int] = None
+    peak_reserved: Optional[int] = None
     used_before: Optional[int] = None
     used_after: Optional[int] = None
     total: Optional[int] = None
@@ -131,7 +131,7 @@ class DeviceRecord:
         """How far allocated memory rose above its starting value at the worst moment."""
         if self.peak_increase_max is not None:
             return self.peak_increase_max
-        return _delta(self.allocated_peak, self.allocated_before)
+        return _delta(self.peak_allocated, self.allocated_before)
 
     @property
     def used_delta(self) -> Optional[int]:
@@ -144,10 +144,10 @@ class DeviceRecord:
             "name": self.name,
             "allocated_before": self.allocated_before,
             "allocated_after": self.allocated_after,
-            "allocated_peak": self.allocated_peak,
+            "peak_allocated": self.peak_allocated,
             "reserved_before": self.reserved_before,
             "reserved_after": self.reserved_after,
-            "reserved_peak": self.reserved_peak,
+            "peak_reserved": self.peak_reserved,
             "used_before": self.used_before,
             "used_after": self.used_after,
             "total": self.total,
@@ -162,7 +162,7 @@ class LineRecord:
     """One source line of a ``%%gpumem --lines`` cell, aggregated over all its executions.
 
     ``*_before`` is the value when the line first started, ``*_after`` when it last finished,
-    ``*_peak`` the highest value while it ran, and the deltas are summed over its ``hits``, so a
+    ``peak_*`` the highest value while it ran, and the deltas are summed over its ``hits``, so a
     loop body line that keeps 10 MiB per iteration shows ``+100.00 MiB`` after ten iterations.
     The peak increase is the worst single execution: how much more the line needed, at its
     highest, than it started with.
@@ -270,7 +270,7 @@ class RankRecord:
 
     ``host`` and ``devices`` mean what they mean on the cell: ``rss_before`` is the process's RSS
     when it started (a forked rank: right after the fork; a rank seen from outside: its first
-    reading), ``rss_peak`` its high-water mark (``VmHWM``: exact when recorded inside, the highest
+    reading), ``peak_rss`` its high-water mark (``VmHWM``: exact when recorded inside, the highest
     of the readings taken from outside otherwise). ``devices`` is None when they cannot be seen.
     """
 
@@ -485,8 +485,8 @@ def _rerun_dict(rerun: Optional[Rerun]) -> Optional[dict]:
 ROW_FIELDS = (
     "execution_count", "cell_id", "first_line", "started_at", "duration_s", "error", "device", "name",
     "before", "after", "peak", "delta", "peak_increase",
-    "reserved_before", "reserved_after", "reserved_peak", "reserved_delta", "used_before", "used_after", "total",
-    "rss_before", "rss_after", "rss_peak", "rss_delta", "source", "rank", "pid",
+    "reserved_before", "reserved_after", "peak_reserved", "reserved_delta", "used_before", "used_after", "total",
+    "rss_before", "rss_after", "peak_rss", "rss_delta", "source", "rank", "pid",
 )
 _BYTE_FIELDS = tuple(f for f in ROW_FIELDS if f.startswith(("before", "after", "peak", "delta", "reserved", "used",
                                                                "total", "rss")))
@@ -504,18 +504,18 @@ def _rows(rec, host, devices, **who):
     base = {
         "execution_count": rec.execution_count, "cell_id": rec.cell_id, "first_line": rec.first_line,
         "started_at": rec.started_at, "duration_s": rec.duration_s, "error": rec.error,
-        "rss_before": host.rss_before, "rss_after": host.rss_after, "rss_peak": host.rss_peak,
+        "rss_before": host.rss_before, "rss_after": host.rss_after, "peak_rss": host.peak_rss,
         "rss_delta": host.rss_delta, "source": rec.source, **who,
     }
     empty = dict.fromkeys(ROW_FIELDS)
     yield {**empty, **base, "device": "host", "before": host.rss_before, "after": host.rss_after,
-           "peak": host.rss_peak, "delta": host.rss_delta, "peak_increase": host.rss_peak_increase}
+           "peak": host.peak_rss, "delta": host.rss_delta, "peak_increase": host.rss_peak_increase}
     for dev in devices:
         yield {**empty, **base, "device": dev.label, "name": dev.name,
-               "before": dev.allocated_before, "after": dev.allocated_after, "peak": dev.allocated_peak,
+               "before": dev.allocated_before, "after": dev.allocated_after, "peak": dev.peak_allocated,
                "delta": dev.allocated_delta, "peak_increase": dev.peak_increase,
                "reserved_before": dev.reserved_before, "reserved_after": dev.reserved_after,
-               "reserved_peak": dev.reserved_peak, "reserved_delta": dev.reserved_delta,
+               "peak_reserved": dev.peak_reserved, "reserved_delta": dev.reserved_delta,
                "used_before": dev.used_before, "used_after": dev.used_after, "total": dev.total}
 
 

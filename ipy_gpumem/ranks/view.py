@@ -29,7 +29,7 @@ def _spans(rank: RankRecord) -> List[Span]:
                 spans.append(Span(f" (peak {format_delta(dev.peak_increase)})", "up"))
         spans.append(Span(" │ ", "dim"))
     host = rank.host
-    if host.rss_after is None and host.rss_peak is None:
+    if host.rss_after is None and host.peak_rss is None:
         spans.append(Span("host not read", "dim"))  # it ended before its first reading (its note says so)
         return spans
     spans.append(Span("host "))
@@ -100,13 +100,13 @@ def rank_report_parts(record: CellRecord) -> list:
         for dev in rank.devices or ():
             if dev.allocated_after is not None:
                 rows.append((f"{rank.label} {dev.label} allocated", (dev.allocated_before, dev.allocated_after,
-                                                                    dev.allocated_delta, dev.allocated_peak,
+                                                                    dev.allocated_delta, dev.peak_allocated,
                                                                     dev.peak_increase)))
             elif dev.used_after is not None:
                 rows.append((f"{rank.label} {dev.label} used (NVML)", (dev.used_before, dev.used_after,
                                                                       dev.used_delta, None, None)))
         host = rank.host
-        rows.append((f"{rank.label} host RSS", (host.rss_before, host.rss_after, host.rss_delta, host.rss_peak,
+        rows.append((f"{rank.label} host RSS", (host.rss_before, host.rss_after, host.rss_delta, host.peak_rss,
                                                 host.rss_peak_increase)))
     return [_title(record), bytes_table(["", "start", "end", "Δ", "peak", "peak Δ"], rows,
                                         signed=(False, False, True, False, True))] + _notes(record.ranks)
