@@ -25,6 +25,7 @@ from ipy_gpumem.ranks import children  # noqa: E402
 from ipy_gpumem.core.records import CellRecord, HostRecord, RankRecord, records_frame, worst_rank  # noqa: E402
 from ipy_gpumem.ranks.folder import RankFolder, clean_record  # noqa: E402
 from ipy_gpumem.ranks.watch import RankWatch, launcher_failure  # noqa: E402
+from ipy_gpumem.display.words import rank_note  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -189,9 +190,10 @@ def test_a_rank_that_ended_before_its_first_reading_still_gets_its_row(tmp_path)
     assert [(r.rank, r.end, r.readings, r.rank_from) for r in ranks] == [(0, "gone", 0, "launcher"),
                                                                          (1, "gone", 0, "launcher")]
     assert ranks[1].pid == failure.pid and ranks[1].signal == "SIGKILL"
-    assert "before its first reading: nothing of its memory is known" in ranks[1].note
-    assert "the kernel's OOM killer is the likely cause" in ranks[1].note
-    assert "read from outside" not in ranks[1].note  # it never was
+    note = rank_note(ranks[1])  # the words the views make of the rank's fields
+    assert "before its first reading: nothing of its memory is known" in note
+    assert "the kernel's OOM killer is the likely cause" in note
+    assert "read from outside" not in note  # it never was
 
 
 def test_history_frame_has_a_row_per_rank():
@@ -483,8 +485,10 @@ def nb(tmp_path_factory):
         "if accelerate is not None:\n"
         f"    notebook_launcher(rank_work.accelerate_work, args=(1, 'oom'), num_processes=2, use_port='{_ports(1)[0]}')",  # 11
         "y = torch.ones(2**22)",                                                                            # 12
-        "import ipy_gpumem\nframe = ipy_gpumem.history_frame()\n"
-        "print(json.dumps({r.execution_count: r.to_dict()['ranks'] for r in ipy_gpumem.history()}))\n"
+        "import ipy_gpumem\nfrom ipy_gpumem.display.words import rank_note\nframe = ipy_gpumem.history_frame()\n"
+        # each rank's data, and the note the views make of it (the record holds no sentence)
+        "print(json.dumps({r.execution_count: None if r.ranks is None else [dict(k.to_dict(), note=rank_note(k)) "
+        "for k in r.ranks] for r in ipy_gpumem.history()}))\n"
         "print(json.dumps({r.execution_count: r.to_dict()['rank_failure'] for r in ipy_gpumem.history()}))\n"
         "import pandas as pd\n"
         "print(json.dumps([[None if pd.isna(v) else int(v) if k != 1 else v for k, v in enumerate(row)] for row in "

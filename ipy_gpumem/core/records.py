@@ -1,24 +1,23 @@
 """Frozen records of what a cell (and each of its lines) did to memory: numbers, names and typed explanations only.
 
 A record never holds the exception, the ``ExecutionResult``, a frame or a tensor: holding an OOM
-exception would pin the very tensors being explained. Nor does it hold a sentence: why memory
-moved is kept as data (:class:`~.why.Why`, :class:`~.why.Rerun`), and the words (``reason``,
-the re-run warning) are made from it by :mod:`.words` each time someone reads them. ``to_dict()``
-is the stable, JSON-ready form that ``export`` writes and other tools read: the data under
-``why`` (and ``rerun["holders"]``), the words under the documented ``reason`` keys.
+exception would pin the very tensors being explained. Nor does it hold or make a sentence: why
+memory moved is kept as data (:class:`~.why.Why`, :class:`~.why.Rerun`), and the views make the
+words from it when they draw (``ipy_gpumem.display.words``). ``to_dict()`` is the stable,
+JSON-ready form that ``export`` writes and other tools read: data only (docs/api.md has a table
+per record).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Optional, Tuple
 
-from . import words as _words
 from .devices import Device, device as _device
 from .text import first_line as _first_line
 from .why import Rerun, Why
 
-__all__ = ["HostRecord", "DeviceRecord", "LineRecord", "LoopSpan", "RankRecord", "RankFailure", "CellRecord",
-           "largest_change", "worst_rank", "ROW_FIELDS", "record_rows", "records_frame", "write_csv"]
+__all__ = ["HostRecord", "DeviceRecord", "LineRecord", "JoinedLines", "LoopSpan", "RankRecord", "RankFailure",
+           "CellRecord", "largest_change", "worst_rank", "ROW_FIELDS", "record_rows", "records_frame", "write_csv"]
 
 
 def _delta(after, before):
@@ -157,7 +156,7 @@ class DeviceRecord:
         }
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class LineRecord:
     """One source line of a ``%%gpumem --lines`` cell, aggregated over all its executions.
 
@@ -187,26 +186,6 @@ class LineRecord:
     #: Hits whose roles were counted together with other lines (the count between them was skipped
     #: to keep its cost under its share of the cell): their change is in the record's ``joined``.
     joined: int = 0
-    #: A sentence written by whoever built the record by hand (tests, other tools); ipy_gpumem's
-    #: own records keep ``why`` and leave this None.
-    given_reason: Optional[str] = field(default=None, repr=False, init=False)
-
-    def __init__(self, lineno: int, source: str, hits: int, host: HostRecord, devices: tuple = (),
-                 duration_s: float = 0.0, roles: Optional[dict] = None, temporaries: Optional[dict] = None,
-                 why: Optional[Why] = None, why_last: Optional[Why] = None, joined: int = 0,
-                 reason: Optional[str] = None):
-        for name, value in (("lineno", lineno), ("source", source), ("hits", hits), ("host", host),
-                            ("devices", devices), ("duration_s", duration_s), ("roles", roles),
-                            ("temporaries", temporaries), ("why", why), ("why_last", why_last), ("joined", joined),
-                            ("given_reason", reason)):
-            object.__setattr__(self, name, value)
-
-    @property
-    def reason(self) -> Optional[str]:
-        """Why the line moved memory, in the user's names (made from ``why`` now); None when nothing moved."""
-        if self.given_reason is not None:
-            return self.given_reason
-        return _words.line_sentence(self.why, self.why_last, self.hits)
 
     def device(self, index: int) -> Optional[DeviceRecord]:
         for dev in self.devices:
@@ -224,7 +203,6 @@ class LineRecord:
             "devices": [d.to_dict() for d in self.devices],
             "roles": self.roles,
             "temporaries": self.temporaries,
-            "reason": self.reason,
             "why": None if self.why is None else self.why.to_dict(),
             "why_last": None if self.why_last is None else self.why_last.to_dict(),
             "joined": self.joined,
@@ -242,12 +220,8 @@ class JoinedLines(NamedTuple):
     why: Optional[Why] = None
     why_last: Optional[Why] = None
 
-    @property
-    def reason(self) -> Optional[str]:
-        return _words.line_sentence(self.why, self.why_last, self.hits)
-
     def to_dict(self) -> dict:
-        return {"lines": list(self.lines), "hits": self.hits, "roles": self.roles, "reason": self.reason,
+        return {"lines": list(self.lines), "hits": self.hits, "roles": self.roles,
                 "why": None if self.why is None else self.why.to_dict(),
                 "why_last": None if self.why_last is None else self.why_last.to_dict()}
 
@@ -313,11 +287,6 @@ class RankRecord:
     def label(self) -> str:
         return f"rank {self.rank}" if self.rank is not None else f"pid {self.pid}"
 
-    @property
-    def note(self) -> Optional[str]:
-        """What could not be seen, and how it ended (made now, from the fields)."""
-        return _words.rank_note(self)
-
     def to_dict(self) -> dict:
         return {
             "rank": self.rank, "pid": self.pid, "local_rank": self.local_rank, "world_size": self.world_size,
@@ -326,7 +295,6 @@ class RankRecord:
             "host": self.host.to_dict(),
             "devices": None if self.devices is None else [d.to_dict() for d in self.devices],
             "devices_note": self.devices_note,
-            "note": self.note,
         }
 
 
@@ -412,12 +380,6 @@ class CellRecord:
         return self.error is not None
 
     @property
-    def reason(self) -> Optional[str]:
-        """What the cell's change is made of, in the user's names (made from ``why`` now); None when
-        nothing moved or the cell was not analysed."""
-        return _words.sentence(self.why)
-
-    @property
     def moved_bytes(self) -> int:
         """The largest change the cell made (see :func:`largest_change`)."""
         return largest_change(((d.allocated_delta, d.reserved_delta, d.peak_increase) for d in self.devices),
@@ -438,6 +400,8 @@ class CellRecord:
         return _first_line(self.source)
 
     def to_dict(self) -> dict:
+        """The record as JSON-ready data (numbers, names, the cell's source and error), keyed as
+        docs/api.md's tables say."""
         out = {
             "execution_count": self.execution_count,
             "cell_id": self.cell_id,
@@ -451,7 +415,6 @@ class CellRecord:
             "host": self.host.to_dict(),
             "devices": [d.to_dict() for d in self.devices],
             "roles": self.roles,
-            "reason": self.reason,
             "why": None if self.why is None else self.why.to_dict(),
             "phases": None if self.phases is None else [dict(p) for p in self.phases],
             "phase_summary": self.phase_summary,
@@ -468,12 +431,11 @@ class CellRecord:
 
 
 def _rerun_dict(rerun: Optional[Rerun]) -> Optional[dict]:
-    """The documented ``rerun`` keys (the sentences made now) and the suspects as data (``holders``)."""
+    """The documented ``rerun`` keys: the counts, the suspects' names and each suspect as data (``holders``)."""
     if rerun is None:
         return None
     return {"of": rerun.of, "runs": rerun.runs, "previous": rerun.previous, "growth": rerun.growth,
-            "suspects": rerun.names, "causes": _words.causes(rerun), "warning": _words.rerun_warning(rerun),
-            "causes_new": _words.causes(rerun, new_only=True), "holders": [s.to_dict() for s in rerun.suspects]}
+            "suspects": rerun.names, "holders": [s.to_dict() for s in rerun.suspects]}
 
 
 #: The flat form of a record, shared by ``history_frame()`` (pandas) and ``%gpumem export x.csv``:

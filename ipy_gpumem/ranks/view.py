@@ -2,7 +2,7 @@
 
 Parts (``display.parts``) made from a record's ``ranks`` (``core.records.RankRecord``), rendered to
 text and HTML with the rest of the view; the sentences (what could not be seen, how a rank ended)
-are made here from the records' fields (``core.words.rank_note``).
+are made here from the records' fields (``display.words.rank_note``): a rank's record holds none.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ..core.records import CellRecord, RankRecord, worst_rank
 from ..core.units import format_bytes, format_delta
 from ..display.parts import Line, Para, Span
 from ..display.tables import bytes_table
+from ..display.words import rank_note
 from ..display.view import delta_class
 
 __all__ = ["rank_line_parts", "rank_report_parts"]
@@ -84,7 +85,7 @@ def _notes(ranks) -> list:
     """Each distinct note once, naming the ranks it is about."""
     notes: dict = {}
     for rank in ranks:
-        note = rank.note
+        note = rank_note(rank)
         if note:
             notes.setdefault(note, []).append(rank.label)
     return [Para(f"{', '.join(labels)}: {note}.", "dim", indent="    ", hanging="      ")
