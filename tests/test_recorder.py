@@ -1,10 +1,11 @@
-"""Measurement -> CellRecord arithmetic, peaks, the bounded ledger and the JSON/DataFrame forms."""
+"""Measurement -> CellRecord arithmetic, peaks, the bounded ledger and the JSON/DataFrame forms (data only, schema 1)."""
 import json
 
 import pytest
 
 from ipy_gpumem.cell.recorder import MAX_SOURCE_CHARS, Ledger, Measurement
-from ipy_gpumem.core.records import ROW_FIELDS, CellRecord, DeviceRecord, HostRecord, records_frame, write_csv
+from ipy_gpumem.core.records import (ROW_FIELDS, SCHEMA, CellRecord, DeviceRecord, HostRecord, records_frame,
+                                     write_csv)
 from ipy_gpumem.core.units import GiB, MiB
 
 from conftest import dev_sample, make_sample
@@ -72,6 +73,7 @@ def test_records_hold_only_plain_values_and_serialise():
     rec = CellRecord(3, "cell-1", "x = 1", 1.5e9, 0.25, "ValueError", "bad <value>",
                      HostRecord(100, 200, 300), (DeviceRecord(0, "GPU", 1, 2, 3, 4, 5, 6, 7, 8, 9),))
     data = json.loads(json.dumps(rec.to_dict()))
+    assert data["schema"] == SCHEMA == 1 and list(data)[0] == "schema"
     assert data["host"] == {"rss_before": 100, "rss_after": 200, "peak_rss": 300, "rss_delta": 100, "rss_peak_increase": 200}
     assert data["devices"][0]["allocated_delta"] == 1 and data["devices"][0]["device"] == "cuda:0"
     assert set(data) >= {"execution_count", "cell_id", "source", "duration_s", "error", "host", "devices"}
@@ -148,5 +150,7 @@ def test_csv_and_dataframe_share_one_row_schema(tmp_path):
     write_csv(str(path), recs)
     rows = list(csv.DictReader(path.open()))
     assert list(rows[0]) == list(ROW_FIELDS)
+    assert [r["schema"] for r in rows] == [str(SCHEMA)] * 2  # a CSV file says its version on every row
     assert [r["device"] for r in rows] == ["host", "cuda:0"]
     assert rows[1]["delta"] == str(2**40) and rows[0]["delta"] == "10" and rows[1]["rss_after"] == "30"
+

@@ -4,8 +4,8 @@ A record never holds the exception, the ``ExecutionResult``, a frame or a tensor
 exception would pin the very tensors being explained. Nor does it hold or make a sentence: why
 memory moved is kept as data (:class:`~.why.Why`, :class:`~.why.Rerun`), and the views make the
 words from it when they draw (``ipy_gpumem.display.words``). ``to_dict()`` is the stable,
-JSON-ready form that ``export`` writes and other tools read: data only (docs/api.md has a table
-per record).
+JSON-ready form that ``export`` writes and other tools read: data only, versioned by
+:data:`SCHEMA` (docs/api.md has a table per record).
 """
 from __future__ import annotations
 
@@ -16,8 +16,12 @@ from .devices import Device, device as _device
 from .text import first_line as _first_line
 from .why import Rerun, Why
 
-__all__ = ["HostRecord", "DeviceRecord", "LineRecord", "JoinedLines", "LoopSpan", "RankRecord", "RankFailure",
+__all__ = ["SCHEMA", "HostRecord", "DeviceRecord", "LineRecord", "JoinedLines", "LoopSpan", "RankRecord", "RankFailure",
            "CellRecord", "largest_change", "worst_rank", "ROW_FIELDS", "record_rows", "records_frame", "write_csv"]
+
+#: The version of ``CellRecord.to_dict()``'s keys and of the rows of ``history_frame()`` and the CSV
+#: export (their ``"schema"``): raised when a key is renamed, removed or changes its meaning.
+SCHEMA = 1
 
 
 def _delta(after, before):
@@ -401,8 +405,9 @@ class CellRecord:
 
     def to_dict(self) -> dict:
         """The record as JSON-ready data (numbers, names, the cell's source and error), keyed as
-        docs/api.md's tables say."""
+        docs/api.md's tables say; ``"schema"`` is :data:`SCHEMA`."""
         out = {
+            "schema": SCHEMA,
             "execution_count": self.execution_count,
             "cell_id": self.cell_id,
             "source": self.source,
@@ -441,11 +446,11 @@ def _rerun_dict(rerun: Optional[Rerun]) -> Optional[dict]:
 #: The flat form of a record, shared by ``history_frame()`` (pandas) and ``%gpumem export x.csv``:
 #: one row per cell and device, a ``host`` row for every cell. ``before``/``after``/``peak``/
 #: ``delta``/``peak_increase`` are allocated bytes on a CUDA row and RSS on the host row, so one
-#: column can be plotted across both; the other columns keep their ``to_dict()`` names. A cell
-#: that launched processes adds the same rows for each of them, with its ``rank`` and ``pid``
-#: (the kernel's own rows have both empty).
+#: column can be plotted across both; the other columns keep their ``to_dict()`` names (``schema``
+#: on every row, so a CSV file says its version). A cell that launched processes adds the same rows
+#: for each of them, with its ``rank`` and ``pid`` (the kernel's own rows have both empty).
 ROW_FIELDS = (
-    "execution_count", "cell_id", "first_line", "started_at", "duration_s", "error", "device", "name",
+    "schema", "execution_count", "cell_id", "first_line", "started_at", "duration_s", "error", "device", "name",
     "before", "after", "peak", "delta", "peak_increase",
     "reserved_before", "reserved_after", "peak_reserved", "reserved_delta", "used_before", "used_after", "total",
     "rss_before", "rss_after", "peak_rss", "rss_delta", "source", "rank", "pid",
@@ -464,7 +469,7 @@ def record_rows(records):
 
 def _rows(rec, host, devices, **who):
     base = {
-        "execution_count": rec.execution_count, "cell_id": rec.cell_id, "first_line": rec.first_line,
+        "schema": SCHEMA, "execution_count": rec.execution_count, "cell_id": rec.cell_id, "first_line": rec.first_line,
         "started_at": rec.started_at, "duration_s": rec.duration_s, "error": rec.error,
         "rss_before": host.rss_before, "rss_after": host.rss_after, "peak_rss": host.peak_rss,
         "rss_delta": host.rss_delta, "source": rec.source, **who,
@@ -493,7 +498,7 @@ def records_frame(records):
         raise ImportError("history_frame() needs pandas: pip install pandas") from None
     frame = pd.DataFrame(list(record_rows(records)), columns=list(ROW_FIELDS))
     frame["started_at"] = pd.to_datetime(frame["started_at"], unit="s")
-    for col in _BYTE_FIELDS + ("rank", "pid"):
+    for col in _BYTE_FIELDS + ("schema", "rank", "pid"):
         frame[col] = frame[col].astype("Int64")  # nullable: None stays missing, bytes stay exact
     return frame
 
