@@ -20,8 +20,8 @@ def _take(names):
     pytest's test modules are the user's here) nor the last error another test left."""
     return census.take(names, caches=False, user_modules=False, budget_s=EXACT_S)
 from ipy_gpumem.anatomy.reasons import why_of  # noqa: E402
-from ipy_gpumem.core import words  # noqa: E402
 from ipy_gpumem.core.units import format_bytes  # noqa: E402
+from ipy_gpumem.display import words  # noqa: E402
 from tests.conftest import EXACT_S, run, texts  # noqa: E402
 from tests.kernel_helpers import execute, plain  # noqa: E402
 
@@ -222,7 +222,7 @@ def test_a_graph_that_outlives_its_model_keeps_parameters_and_gradients_not_acti
     # The sentence of that change: Adam's state released, the old model kept alive, and by whom.
     text = describe(after.diff(before).parts, before, after)
     assert "Adam state (exp_avg, exp_avg_sq) in `optimizer` released" in text
-    size = words.format_bytes(params)
+    size = format_bytes(params)
     assert (f"the old `model` stays alive, its parameters ({size}) and gradients ({size}): `output` and `loss` "
             "still hold the autograd graph of its last forward") in text and "`del output, loss` frees them" in text
     assert "activations" not in text
@@ -314,38 +314,53 @@ def _row(rec, lineno):
     return next(line for line in rec["lines"] if line["lineno"] == lineno)
 
 
+#: A cell that turns the record ``rec`` into what _seed_checks reads: its data, and each line's sentence as
+#: the views make it (the record holds no sentence).
+SEED_DUMP = ("from ipy_gpumem.display.words import line_reason\n"
+             "seed = {'data': rec.to_dict(), 'reasons': {str(ln.lineno): line_reason(ln) for ln in rec.lines}}")
+
+
 def _seed_checks(first, second, params):
-    """The seed scenario's rows, first and second step, from to_dict()."""
-    fwd, loss, zero, back, step = (_row(first, n) for n in (2, 3, 4, 5, 6))
+    """The seed scenario's rows, first and second step: each a dict of the record's ``to_dict()``
+    (``data``) and the sentences the views make of its lines (``reasons``, by line number)."""
+    fwd, loss, zero, back, step = (_row(first["data"], n) for n in (2, 3, 4, 5, 6))
+    why = {n: first["reasons"][str(n)] for n in (2, 3, 4, 5, 6)}
     acts = fwd["roles"]["cpu"]["activations"]
     assert acts > 0 and fwd["roles"]["cpu"]["other_tensors"] == 256 * 512 * 4  # output's own data
-    assert "activations saved for backward, kept by `output`" in fwd["reason"]
+    assert "activations saved for backward, kept by `output`" in why[2]
     assert loss["roles"]["cpu"].get("activations", 0) >= 0
-    assert zero["roles"] == {} and zero["reason"] is None  # no gradients yet on the first step
+    assert zero["roles"] == {} and why[4] is None  # no gradients yet on the first step
     assert back["roles"]["cpu"]["gradients"] == params
     assert back["roles"]["cpu"]["activations"] == -(acts + loss["roles"]["cpu"].get("activations", 0))
-    assert "first backward" in back["reason"] and "`model`'s" in back["reason"]
+    assert "first backward" in why[5] and "`model`'s" in why[5]
     assert step["roles"]["cpu"]["optimizer_state"] == 2 * params + 4 * 4
-    assert "Adam state (exp_avg, exp_avg_sq) in `optimizer`" in step["reason"]
-    assert "created on the first step" in step["reason"]
-    assert first["roles"]["cpu"]["optimizer_state"] == 2 * params + 4 * 4
+    assert "Adam state (exp_avg, exp_avg_sq) in `optimizer`" in why[6]
+    assert "created on the first step" in why[6]
+    assert first["data"]["roles"]["cpu"]["optimizer_state"] == 2 * params + 4 * 4
     # Second step: zero_grad frees the gradients, backward re-makes them, Adam's state exists.
-    zero2, back2, step2 = (_row(second, n) for n in (4, 5, 6))
-    assert zero2["roles"]["cpu"]["gradients"] == -params and "freed" in zero2["reason"]
-    assert back2["roles"]["cpu"]["gradients"] == params and "re-made" in back2["reason"]
+    zero2, back2, step2 = (_row(second["data"], n) for n in (4, 5, 6))
+    why2 = {n: second["reasons"][str(n)] for n in (4, 5, 6)}
+    assert zero2["roles"]["cpu"]["gradients"] == -params and "freed" in why2[4]
+    assert back2["roles"]["cpu"]["gradients"] == params and "re-made" in why2[5]
     assert "optimizer_state" not in step2["roles"].get("cpu", {})
-    assert "created on the first step" not in (step2["reason"] or "")
+    assert "created on the first step" not in (why2[6] or "")
+
+
+def _seed(ip):
+    """What SEED_DUMP makes of the shell's ``rec``."""
+    run(ip, SEED_DUMP)
+    return ip.user_ns.pop("seed")
 
 
 def test_seed_scenario_roles_in_a_shell(gpumem, ip):
     run(ip, SETUP)
     params = sum(p.numel() * 4 for p in ip.user_ns["model"].parameters())
     run(ip, STEP)
-    first = ip.user_ns["rec"].to_dict()
+    first = _seed(ip)
     run(ip, STEP)
-    second = ip.user_ns["rec"].to_dict()
+    second = _seed(ip)
     _seed_checks(first, second, params)
-    json.dumps(first)
+    json.dumps(first["data"])
 
 
 @pytest.mark.slow
@@ -354,9 +369,9 @@ def test_seed_scenario_in_a_real_kernel():
         "%load_ext ipy_gpumem",
         SETUP,
         STEP,
-        "import json; first = json.dumps(rec.to_dict())",
+        "import json\n" + SEED_DUMP + "\nfirst = json.dumps(seed)",
         STEP,
-        "second = json.dumps(rec.to_dict())\n"
+        SEED_DUMP + "\nsecond = json.dumps(seed)\n"
         "params = sum(p.numel() * 4 for p in model.parameters())\n"
         "print('RESULT', json.dumps({'first': first, 'second': second, 'params': params}))",
         "big = torch.ones(64, 1024, 1024); out2 = model(inputs)",
@@ -422,7 +437,7 @@ def test_a_silent_cell_that_moves_a_tensor_between_names_is_not_blamed_on_the_ne
     run(ip, "keep = big; big = torch.zeros(1)")  # moves nothing: silent, yet `big`'s tensor is `keep`'s now
     assert gpumem.ledger.last().why is None
     rec, shown = _explained(gpumem, ip, "junk = b'x' * (64 * 2**20)")  # 64 MiB of bytes, no tensor
-    assert rec.reason is None and rec.roles == {}  # no tensor moved in this cell
+    assert words.cell_reason(rec) is None and rec.roles == {}  # no tensor moved in this cell
     assert "keep" not in shown and "big" not in shown and "released" not in shown
 
 
@@ -439,7 +454,7 @@ def test_a_silent_cell_that_frees_a_graph_is_not_blamed_on_the_next(_default_thr
     assert silent.why is None, silent.host
     rec, shown = _explained(gpumem, ip, "z = torch.zeros(2**24)")
     assert rec.roles == {"cpu": {"other_tensors": 64 * MiB}}
-    assert rec.reason == "+64.00 MiB tensors held by `z`"
+    assert words.cell_reason(rec) == "+64.00 MiB tensors held by `z`"
     assert "activations" not in shown and "gradients" not in shown
 
 
@@ -497,7 +512,7 @@ def test_rerunning_the_setup_names_what_was_released_and_what_a_graph_keeps_aliv
             "hold the autograd graph of its last forward, which keeps them (a common notebook leak; `del output, "
             "loss` frees them)")
     assert shown.splitlines()[1].startswith(f"  {adam}; {kept}"), shown  # the cell's second line: the two biggest
-    assert "activations" not in rec.reason and "SGD state" not in rec.reason
+    assert "activations" not in words.cell_reason(rec) and "SGD state" not in words.cell_reason(rec)
     assert rec.roles["cpu"]["optimizer_state"] == -(2 * params + 16)
     # Only the optimizer's state left memory; the old model was neither freed nor allocated.
     assert rec.roles["cpu"].get("parameters", 0) == sum(p.numel() * 4 for p in ip.user_ns["model"].parameters())
@@ -506,7 +521,7 @@ def test_rerunning_the_setup_names_what_was_released_and_what_a_graph_keeps_aliv
     released = (f"-{format_bytes(2 * params)} released: the parameters ({size}) and gradients ({size}) of a model no "
                 "name held, which the autograd graph of `output` and `loss` kept until now")
     assert released in shown, shown
-    assert rec.roles["cpu"]["parameters"] == -params and "activations released" not in rec.reason
+    assert rec.roles["cpu"]["parameters"] == -params and "activations released" not in words.cell_reason(rec)
 
 
 def test_an_evaluation_without_no_grad_says_that_it_kept_activations(_default_threshold, ip):
@@ -551,7 +566,7 @@ def test_memory_that_imports_took_is_said_with_the_modules(_default_threshold, i
         assert imports.untensored >= 40 * MiB and rec.roles == {}
         # One module is not where 32 MiB went: a cell that imports a few says nothing of imports.
         rec, shown = _explained(gpumem, ip, "import gpumem_one_module")
-        assert rec.why.imports.modules == 1 and "imported" not in shown and rec.reason is None
+        assert rec.why.imports.modules == 1 and "imported" not in shown and words.cell_reason(rec) is None
     finally:
         sys.modules.pop("gpumem_one_module", None)
         for name in [n for n in sys.modules if n.split(".")[0] == "gpumem_bulk_pkg"]:
@@ -597,7 +612,8 @@ def test_an_incomplete_count_says_at_least_and_what_it_left_out(_default_thresho
     assert rec.why.complete is False and rec.why.left_out
     data = rec.to_dict()["why"]
     assert data["complete"] is False and "time budget" in " ".join(data["left_out"])
-    assert "(at least: the count of tensors stopped early" in rec.reason and "time budget" in rec.reason
+    reason = words.cell_reason(rec)
+    assert "(at least: the count of tensors stopped early" in reason and "time budget" in reason
     # What the partial count missed of `many` shows up too: the sentence says it is "at least".
     assert "tensors held by `z3`" in shown and shown.rstrip().endswith("(at least)")
 
@@ -747,10 +763,10 @@ def test_every_lines_first_run_is_counted_and_a_loops_repeats_are_joined(gpumem,
     run(ip, SETUP)
     params = sum(p.numel() * 4 for p in ip.user_ns["model"].parameters())
     run(ip, STEP)  # each line once: every boundary counted, the seed scenario's rows exact
-    first = ip.user_ns["rec"].to_dict()
-    assert not first.get("joined") and all(line["joined"] == 0 for line in first["lines"])
+    first = _seed(ip)
+    assert not first["data"].get("joined") and all(line["joined"] == 0 for line in first["data"]["lines"])
     run(ip, STEP)
-    _seed_checks(first, ip.user_ns["rec"].to_dict(), params)
+    _seed_checks(first, _seed(ip), params)
 
     _, cap = run(ip, "%%gpumem --lines -o rec\n"
                      "kept = []\n"

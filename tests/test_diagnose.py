@@ -543,7 +543,7 @@ def test_activations_during_evaluation_suggest_inference_mode():
 
 def test_activations_without_who_read_the_failing_cells_peak():
     failing = CellRecord(5, None, "out = model(batch)", 0.0, 1.0, error="OutOfMemoryError",
-                         devices=(DeviceRecord(0, allocated_before=10 * MiB, allocated_peak=50 * MiB),))
+                         devices=(DeviceRecord(0, allocated_before=10 * MiB, peak_allocated=50 * MiB),))
     frames = (("/x/torch/nn/modules/linear.py", "forward", "return F.linear(input, self.weight, self.bias)"),)
     f = training.activations(facts_for(SMALL, failing=failing, frames=frames))
     assert f.title == "Activations of the forward pass: 40.00 MiB"

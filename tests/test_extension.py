@@ -228,10 +228,11 @@ def test_history_frame_and_export(ip, gpumem, tmp_path):
         ip.run_line_magic("gpumem", f"export {path}")
     assert "wrote" in cap.stdout
     data = json.loads(path.read_text())
-    assert data[-1]["source"] == "a = bytearray(16 * 2**20)"
+    assert data[-1]["source"] == "a = bytearray(16 * 2**20)" and all(rec["schema"] == 1 for rec in data)
     csv_path = tmp_path / "cells.csv"
     ip.run_line_magic("gpumem", f"export {csv_path}")
-    assert csv_path.read_text().splitlines()[0].startswith("execution_count,cell_id")
+    header, first = csv_path.read_text().splitlines()[:2]
+    assert header.startswith("schema,execution_count,cell_id") and first.startswith("1,")  # its version on each row
 
 
 # ---------------------------------------------------------------------------------------------

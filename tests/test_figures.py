@@ -25,8 +25,8 @@ def host(t, rss):
 
 
 def record(n, peak, error=None, source="y = model(x)"):
-    dev = DeviceRecord(0, "GPU", allocated_before=GiB, allocated_after=GiB, allocated_peak=peak,
-                       reserved_before=2 * GiB, reserved_after=2 * GiB, reserved_peak=peak, total=16 * GiB)
+    dev = DeviceRecord(0, "GPU", allocated_before=GiB, allocated_after=GiB, peak_allocated=peak,
+                       reserved_before=2 * GiB, reserved_after=2 * GiB, peak_reserved=peak, total=16 * GiB)
     return CellRecord(n, None, source, time.time(), 1.0, error=error, devices=(dev,), host=HostRecord(GiB, GiB, GiB))
 
 

@@ -272,7 +272,7 @@ def test_cuda_ranks_report_device_memory_without_initializing_cuda_in_the_kernel
     big = ranks[1]
     if how == "fork":  # recorded inside: torch's counters, exact
         (dev,) = big["devices"]
-        assert dev["allocated_peak"] - dev["allocated_before"] >= 512 * MiB
+        assert dev["peak_allocated"] - dev["allocated_before"] >= 512 * MiB
     else:  # from outside: NVML's per-process use, the CUDA context included
         assert big["devices"], big
         assert max(d.get("used_after") or 0 for d in big["devices"]) >= 512 * MiB

@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 from ipy_gpumem.attribution.holders import ipython_refs  # noqa: E402
 from ipy_gpumem.attribution.who import who  # noqa: E402
+from ipy_gpumem.display.words import cell_reason  # noqa: E402
 from tests.conftest import EXACT_S, run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("restore_user_ns")
@@ -113,8 +114,8 @@ def test_each_holder_is_named_by_the_cell_and_counted_by_who(shell, case):
     setup, cell, owner = CASES[case]
     try:
         rec, report = _moved(ip, gpumem, setup, cell)
-        assert rec.roles["cpu"]["other_tensors"] >= 64 * MiB, (case, rec.roles, rec.reason)
-        assert f"tensors held by `{owner}`" in rec.reason, (case, rec.reason)
+        assert rec.roles["cpu"]["other_tensors"] >= 64 * MiB, (case, rec.roles, cell_reason(rec))
+        assert f"tensors held by `{owner}`" in cell_reason(rec), (case, cell_reason(rec))
         assert rec.why.complete or _budget_only(rec.why.left_out), (case, rec.why.left_out)
         assert _held_by(report, owner) >= 64 * MiB, (case, [(h.name, h.bytes) for h in report.holders])
         assert report.complete, (case, report.left_out)
@@ -131,7 +132,7 @@ def test_a_running_threads_locals_are_read_where_python_allows_else_the_count_sa
         rec, report = _moved(ip, gpumem, "", "th = threading.Thread(target=work, name='loader', daemon=True)\n"
                                              "th.start(); ready27.wait(30)")
         if sys.version_info >= (3, 13):
-            assert rec.why.complete and "`thread loader: work() local t`" in rec.reason
+            assert rec.why.complete and "`thread loader: work() local t`" in cell_reason(rec)
             row = [h for h in report.holders if h.kind == "thread_local"]
             assert row and row[0].bytes >= 64 * MiB and "thread 'loader': work() local 't'" in row[0].name
             assert report.complete
@@ -150,7 +151,7 @@ def test_nested_deeper_than_the_walk_goes_is_incomplete_and_says_what(shell):
     rec, report = _moved(ip, gpumem, "", f"deep = [[[[[[[[{BIG}]]]]]]]]")
     assert not report.complete and any("nested deeper than 6" in w and "deep[0]" in w for w in report.left_out)
     assert report.to_dict()["complete"] is False
-    assert not rec.why.complete and any("deeper than 6" in w for w in rec.why.left_out), (rec.reason, rec.why)
+    assert not rec.why.complete and any("deeper than 6" in w for w in rec.why.left_out), (cell_reason(rec), rec.why)
 
 
 def test_a_wrapper_subclass_is_counted_without_running_its_tensor_flatten(shell):
@@ -179,7 +180,7 @@ class Wrapped(torch.Tensor):
 """
     rec, report = _moved(ip, gpumem, setup, f"w = Wrapped({BIG})")
     assert ip.user_ns["calls"] == []
-    assert "tensors held by `w`" in rec.reason and report.complete
+    assert "tensors held by `w`" in cell_reason(rec) and report.complete
     assert _held_by(report, "w") == 64 * MiB
 
 

@@ -493,8 +493,8 @@ def test_device_names_rank_notes_and_errors_in_every_view():
     from ipy_gpumem.cell.view import cell_report_view, history_view
 
     GiB = 2**30
-    device = DeviceRecord(0, LINK, allocated_before=GiB, allocated_after=2 * GiB, allocated_peak=3 * GiB,
-                          reserved_before=2 * GiB, reserved_after=4 * GiB, reserved_peak=4 * GiB, total=16 * GiB)
+    device = DeviceRecord(0, LINK, allocated_before=GiB, allocated_after=2 * GiB, peak_allocated=3 * GiB,
+                          reserved_before=2 * GiB, reserved_after=4 * GiB, peak_reserved=4 * GiB, total=16 * GiB)
     rank = RankRecord(rank=0, pid=4242, host=HostRecord(GiB, 2 * GiB, 3 * GiB), seen="inside",
                       devices=(), devices_note=BREAKOUT)
     records = [CellRecord(n, None, f"step({n})  # {s}", time.time() + n, 1.0, error=TAG if n == 2 else None,

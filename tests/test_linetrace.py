@@ -48,7 +48,7 @@ def test_scripted_device_lines_loop_hits_and_sums(fake_gpu):
     assert by[3].hits == 2 and by[3].devices[0].allocated_delta == 2 * GiB  # summed over hits
     assert by[4].hits == 2 and by[4].devices[0].allocated_delta == -2 * GiB
     assert by[1].devices[0].reserved_delta == 2 * GiB
-    assert by[3].devices[0].allocated_peak == 2 * GiB
+    assert by[3].devices[0].peak_allocated == 2 * GiB
     # a peak increase is per execution: the loop header never needs more than it starts with,
     # even though memory is higher at its later hits than at its first
     assert by[2].devices[0].peak_increase == 0 and by[3].devices[0].peak_increase == 1 * GiB

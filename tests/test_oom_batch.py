@@ -292,11 +292,11 @@ def test_the_same_code_ran_before_from_a_lower_start():
     memory = DeviceMemory.from_message(oom)
     source = "out = model(inputs)\nloss = out.sum()\nloss.backward()\n"
     before = CellRecord(4, "cell-a", source, 0.0, 1.0, peaks="per cell",
-                        devices=(DeviceRecord(0, allocated_before=2 * GiB, allocated_peak=9 * GiB),))
+                        devices=(DeviceRecord(0, allocated_before=2 * GiB, peak_allocated=9 * GiB),))
     other = CellRecord(5, "cell-b", "keep = model(inputs)", 0.0, 1.0,
                        devices=(DeviceRecord(0, allocated_before=2 * GiB, allocated_after=9 * GiB),))
     failing = CellRecord(6, "cell-a", source, 0.0, 1.0, error="OutOfMemoryError",
-                         devices=(DeviceRecord(0, allocated_before=9 * GiB, allocated_peak=13 * GiB),))
+                         devices=(DeviceRecord(0, allocated_before=9 * GiB, peak_allocated=13 * GiB),))
     batch = read_batch(oom, memory, failing, [before, other, failing], namespace={})
     assert batch.earlier.record is before and batch.earlier.same_code and batch.start == 9 * GiB
     f = training.batch_size(Facts.build(oom, memory, failing=failing, env={}, modules=(), batch=batch))

@@ -25,6 +25,7 @@ from ipy_gpumem.ranks import children  # noqa: E402
 from ipy_gpumem.core.records import CellRecord, HostRecord, RankRecord, records_frame, worst_rank  # noqa: E402
 from ipy_gpumem.ranks.folder import RankFolder, clean_record  # noqa: E402
 from ipy_gpumem.ranks.watch import RankWatch, launcher_failure  # noqa: E402
+from ipy_gpumem.display.words import rank_note  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -189,9 +190,10 @@ def test_a_rank_that_ended_before_its_first_reading_still_gets_its_row(tmp_path)
     assert [(r.rank, r.end, r.readings, r.rank_from) for r in ranks] == [(0, "gone", 0, "launcher"),
                                                                          (1, "gone", 0, "launcher")]
     assert ranks[1].pid == failure.pid and ranks[1].signal == "SIGKILL"
-    assert "before its first reading: nothing of its memory is known" in ranks[1].note
-    assert "the kernel's OOM killer is the likely cause" in ranks[1].note
-    assert "read from outside" not in ranks[1].note  # it never was
+    note = rank_note(ranks[1])  # the words the views make of the rank's fields
+    assert "before its first reading: nothing of its memory is known" in note
+    assert "the kernel's OOM killer is the likely cause" in note
+    assert "read from outside" not in note  # it never was
 
 
 def test_history_frame_has_a_row_per_rank():
@@ -234,7 +236,7 @@ PLANTER = textwrap.dedent('''
             os.mkfifo(os.path.join(folder, "x.json"))
             with open(os.path.join(folder, "424242.end.json"), "w") as fh:  # no process of the cell
                 json.dump({"pid": 424242, "index": 0, "rank": 0, "rank_from": "env", "world_size": 2,
-                           "rss_before": 0, "rss_after": 2 ** 40, "rss_peak": 2 ** 40, "devices": []}, fh)
+                           "rss_before": 0, "rss_after": 2 ** 40, "peak_rss": 2 ** 40, "devices": []}, fh)
             os.symlink(user_file, os.path.join(folder, "424243.end.json"))
         else:
             with open(os.path.join(folder, f"{me}.start.json"), "wb") as fh:  # too large for a record
@@ -275,14 +277,14 @@ def test_rank_variables_are_validated():
 
 def test_records_read_from_the_folder_are_plausible_values_only():
     good = {"pid": 7, "index": 1, "rank": 1, "rank_from": "env", "world_size": 2, "local_rank": 1,
-            "rss_before": 1, "rss_after": 2, "rss_peak": 3, "devices": [{"index": 0, "name": "GPU", "total": 9}],
+            "rss_before": 1, "rss_after": 2, "peak_rss": 3, "devices": [{"index": 0, "name": "GPU", "total": 9}],
             "devices_note": None, "extra": "dropped"}
     clean = clean_record(good, 7, "end")
     assert clean["rank"] == 1 and "extra" not in clean and clean["devices"][0]["allocated_after"] is None
     assert clean_record({"pid": 7, "index": 0, "rss_before": 5}, 7, "start") == {"pid": 7, "index": 0, "rss_before": 5}
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for change in ({"pid": 8}, {"pid": True}, {"index": -1}, {"index": True}, {"rank": 2}, {"rank_from": "x"},
-                   {"rss_peak": 2 * physical}, {"rss_after": -1}, {"world_size": 0}, {"devices": [{"index": 0}] * 65},
+                   {"peak_rss": 2 * physical}, {"rss_after": -1}, {"world_size": 0}, {"devices": [{"index": 0}] * 65},
                    {"devices": [{"index": 0, "total": 1 << 51}]}, {"devices_note": "x" * 1001}, {"devices": "no"}):
         assert clean_record({**good, **change}, 7, "end") is None, change
     assert clean_record([good], 7, "end") is None and clean_record("{}", 7, "end") is None
@@ -330,7 +332,7 @@ def test_planted_files_change_nothing_and_hang_nothing(ip, gpumem, tmp_path, res
             os.rmdir(folder)
     record = ipy_gpumem.last()
     assert _ranks_of(record) == [(0, "inside", "exited", "launcher"), (1, "inside", "exited", "launcher")]
-    assert all(r.host.rss_peak < 2 ** 40 for r in record.ranks)
+    assert all(r.host.peak_rss < 2 ** 40 for r in record.ranks)
     reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in (0, 1)]
     assert [r.pid for r in record.ranks] == [rep["pid"] for rep in reports]
     assert user_file.read_text() == "my notes\n" and os.stat(user_file).st_mtime_ns == stamp
@@ -483,8 +485,10 @@ def nb(tmp_path_factory):
         "if accelerate is not None:\n"
         f"    notebook_launcher(rank_work.accelerate_work, args=(1, 'oom'), num_processes=2, use_port='{_ports(1)[0]}')",  # 11
         "y = torch.ones(2**22)",                                                                            # 12
-        "import ipy_gpumem\nframe = ipy_gpumem.history_frame()\n"
-        "print(json.dumps({r.execution_count: r.to_dict()['ranks'] for r in ipy_gpumem.history()}))\n"
+        "import ipy_gpumem\nfrom ipy_gpumem.display.words import rank_note\nframe = ipy_gpumem.history_frame()\n"
+        # each rank's data, and the note the views make of it (the record holds no sentence)
+        "print(json.dumps({r.execution_count: None if r.ranks is None else [dict(k.to_dict(), note=rank_note(k)) "
+        "for k in r.ranks] for r in ipy_gpumem.history()}))\n"
         "print(json.dumps({r.execution_count: r.to_dict()['rank_failure'] for r in ipy_gpumem.history()}))\n"
         "import pandas as pd\n"
         "print(json.dumps([[None if pd.isna(v) else int(v) if k != 1 else v for k, v in enumerate(row)] for row in "
@@ -530,7 +534,7 @@ def test_forked_ranks_are_recorded_inside_and_the_worst_is_named(nb, cell, world
     assert max(rises, key=rises.get) == big, ranks  # (a rare failure under load: every figure of each rank)
     assert all(rises[big] - v > 48 * MiB for k, v in rises.items() if k != big), rises
     for r in ranks:
-        assert set(r["host"]) >= {"rss_before", "rss_after", "rss_peak", "rss_peak_increase"}
+        assert set(r["host"]) >= {"rss_before", "rss_after", "peak_rss", "rss_peak_increase"}
         assert r["devices"] == []  # a CPU build: recorded, and no CUDA device
     text = _text(nb.cells[cell])
     assert f"{world} processes launched · worst: rank {big}" in text
@@ -543,12 +547,12 @@ def test_spawned_ranks_are_read_from_outside_and_say_what_could_not_be_seen(nb):
     ranks = _data(nb)[0][7]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["seen"] == "outside" for r in ranks), ranks
     assert all(r["devices"] is None and "device memory not visible" in r["note"] for r in ranks)
-    assert all(r["readings"] >= 1 and r["host"]["rss_peak"] > 100 * MiB for r in ranks)  # an interpreter with torch
-    rises = {r["rank"]: r["host"]["rss_peak"] for r in ranks}
+    assert all(r["readings"] >= 1 and r["host"]["peak_rss"] > 100 * MiB for r in ranks)  # an interpreter with torch
+    rises = {r["rank"]: r["host"]["peak_rss"] for r in ranks}
     assert rises[0] - rises[1] > 48 * MiB  # the high-water mark read from outside is the rank's own
     # A spawned interpreter starts from nothing: its rise is its whole peak, not the peak over its first reading
     # (which a loaded machine makes late: rank 0 read after its 64 MiB was named rank 1 the worst).
-    assert all(r["host"]["rss_before"] == 0 and r["host"]["rss_peak_increase"] == r["host"]["rss_peak"] for r in ranks)
+    assert all(r["host"]["rss_before"] == 0 and r["host"]["rss_peak_increase"] == r["host"]["peak_rss"] for r in ranks)
     assert "worst: rank 0" in _text(nb.cells[6])
 
 
@@ -607,7 +611,7 @@ def test_accelerate_notebook_launcher_on_the_cpu(nb):
         pytest.skip("accelerate is not installed")
     ranks = _data(nb)[0][11]
     assert [(r["rank"], r["seen"], r["world_size"]) for r in ranks] == [(0, "inside", 2), (1, "inside", 2)], ranks
-    assert worst_rank([RankRecord(r["rank"], r["pid"], HostRecord(r["host"]["rss_before"], None, r["host"]["rss_peak"]))
+    assert worst_rank([RankRecord(r["rank"], r["pid"], HostRecord(r["host"]["rss_before"], None, r["host"]["peak_rss"]))
                        for r in ranks]).rank == 1
     errors = outputs(nb.cells[11], "error")
     assert [e.ename for e in errors] == ["ChildFailedError"]

@@ -1,13 +1,15 @@
-"""Measurement -> CellRecord arithmetic, peaks, the bounded ledger and the JSON/DataFrame forms."""
+"""Measurement -> CellRecord arithmetic, peaks, the bounded ledger and the JSON/DataFrame forms (data only, schema 1)."""
 import json
+import re
 
 import pytest
 
 from ipy_gpumem.cell.recorder import MAX_SOURCE_CHARS, Ledger, Measurement
-from ipy_gpumem.core.records import ROW_FIELDS, CellRecord, DeviceRecord, HostRecord, records_frame, write_csv
+from ipy_gpumem.core.records import (ROW_FIELDS, SCHEMA, CellRecord, DeviceRecord, HostRecord, records_frame,
+                                     write_csv)
 from ipy_gpumem.core.units import GiB, MiB
 
-from conftest import dev_sample, make_sample
+from conftest import dev_sample, make_sample, run
 
 
 def test_deltas_and_per_cell_peak_from_scripted_allocator(fake_gpu):
@@ -22,8 +24,8 @@ def test_deltas_and_per_cell_peak_from_scripted_allocator(fake_gpu):
     rec = m.finish(execution_count=7).record()
     dev = rec.devices[0]
     assert rec.execution_count == 7
-    assert (dev.allocated_before, dev.allocated_after, dev.allocated_peak) == (1 * GiB, 2 * GiB, 4 * GiB)
-    assert (dev.reserved_before, dev.reserved_after, dev.reserved_peak) == (2 * GiB, 6 * GiB, 6 * GiB)
+    assert (dev.allocated_before, dev.allocated_after, dev.peak_allocated) == (1 * GiB, 2 * GiB, 4 * GiB)
+    assert (dev.reserved_before, dev.reserved_after, dev.peak_reserved) == (2 * GiB, 6 * GiB, 6 * GiB)
     assert dev.allocated_delta == 1 * GiB and dev.peak_increase == 3 * GiB and dev.reserved_delta == 4 * GiB
     assert dev.used_after == 6 * GiB + 512 * MiB and dev.total == 16 * GiB
     assert dev.name == "Fake GPU (test)"
@@ -39,7 +41,7 @@ def test_without_peak_reset_peaks_are_sampled_and_counters_untouched(fake_gpu):
     fake.advance()
     rec = m.finish().record()
     assert fake.resets == 0
-    assert rec.devices[0].allocated_peak == 4 * GiB  # sampled, not the stale 9 GiB lifetime peak
+    assert rec.devices[0].peak_allocated == 4 * GiB  # sampled, not the stale 9 GiB lifetime peak
     assert rec.peaks == "sampled"
 
 
@@ -52,7 +54,7 @@ def test_device_initialized_during_the_cell_starts_at_zero(fake_gpu):
     fake.advance()
     rec = m.finish().record()
     dev = rec.devices[0]
-    assert (dev.allocated_before, dev.allocated_after, dev.allocated_peak) == (0, 3 * GiB, 3 * GiB)
+    assert (dev.allocated_before, dev.allocated_after, dev.peak_allocated) == (0, 3 * GiB, 3 * GiB)
     assert dev.used_before is None and rec.devices_note is None
 
 
@@ -64,7 +66,7 @@ def test_cpu_only_record_carries_host_memory(fake_gpu):
     rec = m.finish().record()
     assert rec.devices == () and rec.devices_note == "CUDA not initialized yet"
     assert 63 * MiB <= rec.host.rss_delta <= 66 * MiB  # the kernel's per-CPU RSS counters lag a little
-    assert rec.host.rss_peak >= rec.host.rss_after
+    assert rec.host.peak_rss >= rec.host.rss_after
     del buf
 
 
@@ -72,7 +74,8 @@ def test_records_hold_only_plain_values_and_serialise():
     rec = CellRecord(3, "cell-1", "x = 1", 1.5e9, 0.25, "ValueError", "bad <value>",
                      HostRecord(100, 200, 300), (DeviceRecord(0, "GPU", 1, 2, 3, 4, 5, 6, 7, 8, 9),))
     data = json.loads(json.dumps(rec.to_dict()))
-    assert data["host"] == {"rss_before": 100, "rss_after": 200, "rss_peak": 300, "rss_delta": 100, "rss_peak_increase": 200}
+    assert data["schema"] == SCHEMA == 1 and list(data)[0] == "schema"
+    assert data["host"] == {"rss_before": 100, "rss_after": 200, "peak_rss": 300, "rss_delta": 100, "rss_peak_increase": 200}
     assert data["devices"][0]["allocated_delta"] == 1 and data["devices"][0]["device"] == "cuda:0"
     assert set(data) >= {"execution_count", "cell_id", "source", "duration_s", "error", "host", "devices"}
     assert "lines" not in data
@@ -148,5 +151,75 @@ def test_csv_and_dataframe_share_one_row_schema(tmp_path):
     write_csv(str(path), recs)
     rows = list(csv.DictReader(path.open()))
     assert list(rows[0]) == list(ROW_FIELDS)
+    assert [r["schema"] for r in rows] == [str(SCHEMA)] * 2  # a CSV file says its version on every row
     assert [r["device"] for r in rows] == ["host", "cuda:0"]
     assert rows[1]["delta"] == str(2**40) and rows[0]["delta"] == "10" and rows[1]["rss_after"] == "30"
+
+
+# -- to_dict() is data: numbers and names, never a sentence ---------------------------------------------
+
+
+#: The keys whose strings are text kept as it came, not made from the record: the user's code (a cell's,
+#: a line's), an error's message (the cell's, a failed rank's), and what the probe and the count said they
+#: could not measure (their own messages, as an error's). Every other string of a record is a name.
+KEPT_TEXT = {"source", "error_message", "message", "devices_note", "left_out"}
+#: The keys that held the views' sentences before schema 1.
+SENTENCE_KEYS = {"reason", "note", "causes", "warning", "causes_new"}
+#: A size as the words write it (``+64.00 MiB``): the mark of a sentence about memory.
+WRITTEN_SIZE = re.compile(r"\d (bytes|KiB|MiB|GiB|TiB|PiB)\b")
+
+
+def _strings(obj, path=()):
+    """``(keys on the way, string)`` for every string value in a ``to_dict()``, and the keys it uses."""
+    if isinstance(obj, str):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield path + (key,), None
+            yield from _strings(value, path + (key,))
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from _strings(value, path)
+
+
+@pytest.mark.slow
+def test_a_real_cells_to_dict_holds_numbers_and_names_never_a_sentence(ip, gpumem, restore_user_ns):
+    """Cells recorded for real (a ``--lines`` training step with its roles, a re-run that keeps memory, a
+    failed cell): the views have words for each, and ``to_dict()`` has none of them. A name is at most
+    three words (``per cell``, ``start order``, ``lin hook``) and writes no size; a sentence fails both."""
+    pytest.importorskip("torch")
+    from ipy_gpumem.display.words import cell_reason, line_reason, rerun_warning
+
+    before = gpumem.threshold
+    gpumem.threshold = 0  # every cell looked at (on the CPU a re-run is checked when RSS moved)
+    try:
+        run(ip, "import torch\nsw_keep = []")
+        run(ip, "%%gpumem --lines -o sw_rec\n"
+                "sw_model = torch.nn.Linear(1024, 1024)\n"
+                "sw_opt = torch.optim.Adam(sw_model.parameters())\n"
+                "sw_loss = sw_model(torch.randn(64, 1024)).square().mean()\n"
+                "sw_loss.backward()\n"
+                "sw_opt.step()\n")
+        lines = ip.user_ns["sw_rec"]
+        warned = []
+        for _ in range(3):  # 64 MiB a run, kept by `sw_keep`: the run that first names it warns
+            run(ip, "sw_keep.append(torch.ones(2**24) * 1)")
+            warned += [rec for rec in [gpumem.ledger.last()] if rec.rerun is not None and rec.rerun.warns]
+        rerun = warned[0] if warned else gpumem.ledger.last()
+        run(ip, "raise ValueError('a message: with words, 64.00 MiB of them')")
+        failed = gpumem.ledger.last()
+    finally:
+        gpumem.threshold = before
+    # The views have words for these cells (until schema 1, to_dict() carried them too).
+    assert cell_reason(lines) and any(line_reason(line) for line in lines.lines)
+    assert rerun.rerun is not None and rerun.rerun.suspects and rerun_warning(rerun.rerun), rerun.rerun
+    assert failed.error == "ValueError"
+    for rec in (lines, rerun, failed):
+        data = json.loads(json.dumps(rec.to_dict()))
+        assert data["schema"] == SCHEMA
+        found = list(_strings(data))
+        assert not SENTENCE_KEYS & {path[-1] for path, value in found if value is None and path}
+        for path, value in found:
+            if value is None or KEPT_TEXT & set(path):
+                continue
+            assert len(value.split()) <= 3 and not WRITTEN_SIZE.search(value), (path, value)

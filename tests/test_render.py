@@ -3,6 +3,7 @@ from ipy_gpumem.core.records import CellRecord, DeviceRecord, HostRecord, LineRe
 from ipy_gpumem.core.memory import DeviceMemory
 from ipy_gpumem.display.status import status_view
 from ipy_gpumem.display.view import View, text_table
+from ipy_gpumem.display import words
 from ipy_gpumem.cell.view import cell_report_view, cell_view, history_view
 
 
@@ -18,8 +19,8 @@ def gpu_record(**kw):
     dev = DeviceRecord(
         0, "Tesla P100-PCIE-16GB",
         allocated_before=before, allocated_after=before + parse_bytes("2.81 GiB"),
-        allocated_peak=before + parse_bytes("5.62 GiB"),
-        reserved_before=2 * GiB, reserved_after=parse_bytes("9.53 GiB"), reserved_peak=parse_bytes("9.53 GiB"),
+        peak_allocated=before + parse_bytes("5.62 GiB"),
+        reserved_before=2 * GiB, reserved_after=parse_bytes("9.53 GiB"), peak_reserved=parse_bytes("9.53 GiB"),
         used_before=3 * GiB, used_after=parse_bytes("10.00 GiB"), total=parse_bytes("15.78 GiB"),
     )
     args = dict(execution_count=7, cell_id="c7", source="output = model(input, comb)", started_at=0.0,
@@ -139,16 +140,18 @@ def test_the_second_line_is_made_from_the_records_data_when_shown():
     # The biggest two clauses of what the cell kept (temporaries are the report's, not the line's).
     assert lines[1] == ("  +2.54 GiB activations saved for backward, kept by `output`; +64.00 MiB tensors held by "
                         "`output`; …")
-    assert rec.reason.endswith("+8.00 MiB parameters of `model` (Sequential)") and "temporaries" in rec.reason
-    data = rec.to_dict()
-    assert data["reason"] == rec.reason and data["why"]["owners"]["model"]["class"] == "Sequential"
+    reason = words.cell_reason(rec)
+    assert reason.endswith("+8.00 MiB parameters of `model` (Sequential)") and "temporaries" in reason
+    data = rec.to_dict()  # the data the sentence is made from, and no sentence
+    assert "reason" not in data and data["why"]["owners"]["model"]["class"] == "Sequential"
     assert data["why"]["parts"][0] == {"device": "cuda:0", "role": "activations", "owner": "output",
                                        "bytes": 2600 * MiB}
     partial = gpu_record(why=_why(complete=False, left_out=("stopped after 0.01 s (the time budget)",)))
     assert cell_line(partial).splitlines()[1].endswith("… (at least)")
-    assert partial.reason.endswith("(at least: the count of tensors stopped early, stopped after 0.01 s (the time "
-                                   "budget))")
-    assert gpu_record().reason is None and gpu_record(why=_why(parts=(), temporaries=None)).reason is None
+    assert words.cell_reason(partial).endswith("(at least: the count of tensors stopped early, stopped after 0.01 s "
+                                               "(the time budget))")
+    assert words.cell_reason(gpu_record()) is None
+    assert words.cell_reason(gpu_record(why=_why(parts=(), temporaries=None))) is None
 
 
 def test_a_reruns_warning_is_made_from_its_suspects():
@@ -162,12 +165,15 @@ def test_a_reruns_warning_is_made_from_its_suspects():
     # Only what this run names for the first time is said under the line.
     assert "`losses.append(loss)` keeps each run's graph (32.00 MiB): append `loss.item()`" in " ".join(text.split())
     assert "`opt`" not in text
-    data = rec.to_dict()["rerun"]
-    assert data["suspects"] == ["opt", "losses"] and len(data["causes"]) == 2 and len(data["causes_new"]) == 1
-    assert data["causes"][0] == "`opt` (built in [4]) still holds the old `model`'s parameters (96.00 MiB): re-run [4] after this cell"
+    assert len(words.causes(rec.rerun)) == 2 and len(words.causes(rec.rerun, new_only=True)) == 1
+    assert words.causes(rec.rerun)[0] == ("`opt` (built in [4]) still holds the old `model`'s parameters (96.00 MiB): "
+                                          "re-run [4] after this cell")
+    data = rec.to_dict()["rerun"]  # the suspects as data: the words are the view's
+    assert data == {"of": 3, "runs": 3, "previous": 5, "growth": 128 * MiB, "suspects": ["opt", "losses"],
+                    "holders": [s.to_dict() for s in (said, new)]}
     assert data["holders"][1]["fix"] == "append_item" and data["holders"][1]["item"] == "loss"
     quiet = gpu_record(rerun=Rerun(3, 4, 6, 128 * MiB, (said,)))
-    assert "Re-run" not in cell_line(quiet) and quiet.to_dict()["rerun"]["warning"] is None
+    assert "Re-run" not in cell_line(quiet) and words.rerun_warning(quiet.rerun) is None
     assert "↻[3] +128.00 MiB" in history_view([rec]).text
 
 

@@ -7,6 +7,7 @@ tensor accounting (RSS only triggers the check).
 import pytest
 
 from conftest import run, texts
+from ipy_gpumem.display.words import causes, rerun_warning
 from kernel_helpers import execute, plain
 
 # Names a test makes in the suite's shared shell are removed after it.
@@ -56,7 +57,7 @@ def test_a_rerun_is_recognised_by_its_source_and_counted(ip, gpumem):
     assert second.rerun.of == first.execution_count
     assert second.rerun.runs == 2 and second.rerun.previous == first.execution_count
     assert second.rerun.suspects == () and second.rerun.growth is None  # kept nothing: never measured
-    assert second.to_dict()["rerun"]["runs"] == 2 and second.to_dict()["rerun"]["warning"] is None
+    assert second.to_dict()["rerun"]["runs"] == 2 and rerun_warning(second.rerun) is None
 
 
 def test_no_walk_for_cells_that_keep_nothing(ip, gpumem, monkeypatch):
@@ -92,8 +93,9 @@ def test_optimizer_from_another_cell_is_named_with_the_cell_to_rerun(ip, gpumem)
     assert f"re-run [{built}] after this cell" in warning
     data = rec.to_dict()["rerun"]
     assert data["holders"][0]["kind"] == "optimizer" and data["holders"][0]["cell"] == built
-    assert data["warning"].startswith("Re-run of [") and data["causes_new"] == data["causes"]
-    assert f"re-run [{built}] after this cell" in data["causes"][0]
+    assert set(data) == {"of", "runs", "previous", "growth", "suspects", "holders"}  # data: the words are the view's
+    assert rerun_warning(rec.rerun).startswith("Re-run of [") and causes(rec.rerun, new_only=True) == causes(rec.rerun)
+    assert f"re-run [{built}] after this cell" in causes(rec.rerun)[0]
     _, cap = run(ip, cell)  # the third run keeps nothing more: no second warning
     assert _warnings(cap) == [] and _rec(gpumem).rerun.growth < 16 * MiB
     run(ip, "del rr_model, rr_opt")

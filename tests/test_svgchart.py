@@ -21,6 +21,8 @@ from ipy_gpumem.chart.timeline import Timeline
 from ipy_gpumem.core.roles import ROLE_WORDS, ROLES
 from ipy_gpumem.core.text import clip
 from ipy_gpumem.core.units import GiB, MiB, format_bytes, format_delta, parse_bytes
+from ipy_gpumem.core.why import OwnerInfo, Why
+from ipy_gpumem.display.words import line_reason
 from tests.conftest import touched
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -444,9 +446,15 @@ def _height(attrs) -> float:
     return float(attrs["height"])
 
 
-def _gpu_line(no, src, d, pk, roles=None, reason=None, temporaries=None):
+def _gpu_line(no, src, d, pk, roles=None, why=None, temporaries=None):
     dev = DeviceRecord(0, allocated_delta_sum=d, peak_increase_max=pk)
-    return LineRecord(no, src, 1, HostRecord(), (dev,), 0.01, roles=roles, temporaries=temporaries, reason=reason)
+    return LineRecord(no, src, 1, HostRecord(), (dev,), 0.01, roles=roles, temporaries=temporaries, why=why)
+
+
+def _why(*parts, **owners):
+    """What a line's change is made of, as a record keeps it: ``(device, role, owner, bytes)`` parts, and the
+    owners' info by name (the hover's sentence is made from it)."""
+    return Why(parts=parts, owners=owners)
 
 
 def _training_record(extra_line=None):
@@ -455,16 +463,17 @@ def _training_record(extra_line=None):
     lines = [
         _gpu_line(1, "model = Net().cuda()", 400 * MiB, 400 * MiB,
                   {"cuda:0": {"parameters": 400 * MiB, "allocator_cache": 112 * MiB, "outside_pytorch": 300 * MiB}},
-                  "+400.00 MiB parameters of `model` (Net)"),
+                  _why(("cuda:0", "parameters", "model", 400 * MiB), model=OwnerInfo("module", "Net", 400 * MiB))),
         _gpu_line(2, "out = model(x)", 900 * MiB, 1200 * MiB,
                   {"cuda:0": {"activations": 880 * MiB, "other_tensors": 20 * MiB}},
-                  "+880.00 MiB activations saved for backward, kept by `out`", {"cuda:0": 300 * MiB}),
+                  _why(("cuda:0", "activations", "out", 880 * MiB)), {"cuda:0": 300 * MiB}),
         _gpu_line(3, "out.sum().backward()", -480 * MiB, 500 * MiB,
                   {"cuda:0": {"gradients": 400 * MiB, "activations": -880 * MiB}},
-                  "+400.00 MiB gradients for `model`; -880.00 MiB activations released"),
+                  _why(("cuda:0", "gradients", "model", 400 * MiB), ("cuda:0", "activations", "out", -880 * MiB))),
         _gpu_line(4, "print('<done>')", 0, 0, {}),
         _gpu_line(5, "opt.step()", 800 * MiB, 800 * MiB, {"cuda:0": {"optimizer_state": 800 * MiB}},
-                  "+800.00 MiB Adam state (exp_avg, exp_avg_sq) in `opt`"),
+                  _why(("cuda:0", "optimizer_state", "opt", 800 * MiB),
+                       opt=OwnerInfo("optimizer", "Adam", 0, ("exp_avg", "exp_avg_sq", "step")))),
     ]
     if extra_line is not None:
         lines.append(extra_line)
@@ -503,11 +512,13 @@ def test_lines_with_roles_are_stacked_by_role_with_one_colour_each_a_legend_and_
     swatches = {r.get("fill") for r in root.iter(SVG + "rect") if r.get("width") == "14"}
     assert {ROLE_COLORS[r] for r in ("parameters", "gradients", "optimizer_state", "activations",
                                      "other_tensors")} <= swatches
-    # each segment's hover: the role and its exact bytes, the line, and the line's reason
+    # each segment's hover: the role and its exact bytes, the line, and why the line moved (made from its data)
     hover = groups[4][2].splitlines()
     assert hover[0] == "gradients +400.00 MiB"
     assert hover[1] == "line 3 ×1: out.sum().backward()"
-    assert "  +400.00 MiB gradients for `model`; -880.00 MiB activations released" in hover
+    assert ("  -880.00 MiB activations released (saved in the graph of `out`); +400.00 MiB gradients for `model` "
+            "(first backward; zero_grad(set_to_none=True) frees them between steps)") in hover
+    assert "  +400.00 MiB parameters of `model` (Net)" in groups[0][2].splitlines()
     assert groups[3][2].splitlines()[0] == "activations -880.00 MiB"
     first = groups[0][2]
     assert "beside allocated: reserved but unallocated +112.00 MiB, outside PyTorch +300.00 MiB" in first
@@ -530,7 +541,7 @@ def test_a_line_without_roles_beside_lines_with_roles_is_drawn_as_before():
 def test_roles_of_another_device_change_nothing():
     def strip(rec, roles):
         lines = tuple(LineRecord(ln.lineno, ln.source, ln.hits, ln.host, ln.devices, ln.duration_s, roles=roles(ln),
-                                 reason=ln.reason) for ln in rec.lines)
+                                 why=ln.why) for ln in rec.lines)
         return CellRecord(rec.execution_count, None, rec.source, rec.started_at, 1.0, devices=rec.devices, lines=lines)
 
     rec = _training_record()
@@ -540,15 +551,16 @@ def test_roles_of_another_device_change_nothing():
 
 
 def test_host_rss_chart_scales_exact_role_bytes_to_the_rss_change_and_says_so():
-    def line(no, src, rss, roles, reason):
+    def line(no, src, rss, roles, owner):
+        why = _why(*(("cpu", role, owner, value) for role, value in roles.items()))
         return LineRecord(no, src, 1, HostRecord(rss_delta_sum=rss, rss_peak_increase_max=max(rss, 0)), (), 0.01,
-                          roles={"cpu": roles}, reason=reason)
+                          roles={"cpu": roles}, why=why)
 
-    lines = (line(1, "model = make()", 12 * MiB, {"parameters": 8 * MiB}, "+8.00 MiB parameters of `model`"),
-             line(2, "loss.backward()", 6 * MiB, {"gradients": 8 * MiB, "activations": -4 * MiB}, "grads; acts freed"),
-             line(3, "del out", 0, {"activations": -2 * MiB}, "-2.00 MiB activations released"),  # RSS kept its pages
-             line(4, "torch.cuda.empty_cache()", 2 * MiB, {"activations": -1 * MiB}, "odd"),  # opposite ways
-             line(5, "import scipy; t = torch.ones(1)", 64 * MiB, {"other_tensors": 4}, "+4 bytes in `t`"))  # not it
+    lines = (line(1, "model = make()", 12 * MiB, {"parameters": 8 * MiB}, "model"),
+             line(2, "loss.backward()", 6 * MiB, {"gradients": 8 * MiB, "activations": -4 * MiB}, "out"),
+             line(3, "del out", 0, {"activations": -2 * MiB}, "out"),  # RSS kept its pages
+             line(4, "torch.cuda.empty_cache()", 2 * MiB, {"activations": -1 * MiB}, "out"),  # opposite ways
+             line(5, "import scipy; t = torch.ones(1)", 64 * MiB, {"other_tensors": 4}, "t"))  # not it
     rec = CellRecord(3, None, "x", time.time(), 1.0, host=HostRecord(GiB, GiB + 84 * MiB, GiB + 84 * MiB), lines=lines)
     root = parse(cell_svg(rec, width=640))
     groups = role_groups(root)
@@ -565,7 +577,8 @@ def test_host_rss_chart_scales_exact_role_bytes_to_the_rss_change_and_says_so():
     assert "+8.00 MiB parameters of `model`" in groups[0][2]
     # lines whose roles cannot fill their bar are plain, with the roles in their hover
     hover = next(t for t in titles(root) if t.startswith("line 3"))
-    assert "roles (exact tensor bytes): activations -2.00 MiB" in hover and "-2.00 MiB activations released" in hover
+    assert "roles (exact tensor bytes): activations -2.00 MiB" in hover
+    assert "-2.00 MiB activations released (saved in the graph of `out`)" in hover
     hover = next(t for t in titles(root) if t.startswith("line 5"))
     assert "roles (exact tensor bytes): other tensors +4 bytes" in hover  # too small to be what moved RSS
     assert len([r for r in root.iter(SVG + "rect") if r.get("fill") == UP_COLOR]) == 2  # lines 4 and 5, as before
@@ -582,13 +595,13 @@ def test_any_role_table_renders_valid_xml(roles, deltas, on_device, width):
     label = "cuda:0" if on_device else "cpu"
     lines = tuple(LineRecord(i + 1, "x", 1, HostRecord(rss_delta_sum=d),
                              (DeviceRecord(0, allocated_delta_sum=d),) if on_device else (), 0.0,
-                             roles={label: row}, reason="<why>")
+                             roles={label: row}, why=_why((label, "other_tensors", "<why>", MiB)))
                   for i, (row, d) in enumerate(zip(roles, deltas)))
     devices = (DeviceRecord(0, None, 2**40, 2**41, None),) if on_device else ()
     rec = CellRecord(1, None, "x", 0.0, 0.1, devices=devices, host=HostRecord(2**40, 2**41, None), lines=lines)
     root = parse(cell_svg(rec, width=width))
     for role, attrs, title in role_groups(root):
-        assert attrs["fill"] == ROLE_COLORS.get(role, "#999999") and title.endswith("<why>")
+        assert attrs["fill"] == ROLE_COLORS.get(role, "#999999") and title.endswith("tensors held by `<why>`")
 
 
 @pytest.mark.slow
@@ -639,7 +652,7 @@ def test_a_real_training_cell_is_stacked_by_role(ip, gpumem):
         exact = by[lineno].roles["cpu"][role]
         # "(exact tensor bytes; drawn as ...)" follows when the segment was scaled to the RSS change.
         assert title.startswith(f"{ROLE_WORDS[role]} {format_delta(exact)}")
-        assert by[lineno].reason and clip(by[lineno].reason, 400) in title
+        assert line_reason(by[lineno]) and clip(line_reason(by[lineno]), 400) in title
 
 
 def _legend_swatches(root, height):

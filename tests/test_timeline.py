@@ -37,8 +37,8 @@ def gpu(t, allocated, reserved=None, used=None, total=16 * GiB, index=0, rss=GiB
 
 
 def device_record(n=7, source="y = model(x)\nloss = y.sum()", error=None, duration=1.25):
-    dev = DeviceRecord(0, "GPU", allocated_before=2 * GiB, allocated_after=3 * GiB, allocated_peak=4 * GiB,
-                       reserved_before=2 * GiB, reserved_after=4 * GiB, reserved_peak=4 * GiB, total=16 * GiB)
+    dev = DeviceRecord(0, "GPU", allocated_before=2 * GiB, allocated_after=3 * GiB, peak_allocated=4 * GiB,
+                       reserved_before=2 * GiB, reserved_after=4 * GiB, peak_reserved=4 * GiB, total=16 * GiB)
     return CellRecord(n, None, source, time.time(), duration, error=error, devices=(dev,),
                       host=HostRecord(GiB, GiB, GiB))
 

@@ -7,7 +7,7 @@ parameter bytes, an optimizer's class and state names, and what a rebound name h
 model's parameters now kept by the graph ``loss`` holds), what only a graph keeps, the
 temporaries and the GPU-only roles, and whether both counts were complete. Only what explains
 the parts is kept (a record must stay small). The sentence is made from it by the views
-(``ipy_gpumem.core.words``), never here.
+(``ipy_gpumem.display.words``), never here.
 """
 from __future__ import annotations
 

@@ -262,12 +262,12 @@ class CellAnatomy:
                                    reserved_after=dev.reserved, used_before=None if b is None else b.used,
                                    used_after=dev.used)
                 extras[rec.label] = gpu_extras(rec, change.parts)
-                peak = measurement.device_peak(dev, b)
+                peak = measurement.peak_allocated(dev, b)
                 if peak is not None:
                     temporaries = max(temporaries, peak - max(rec.allocated_before, dev.allocated))
             untensored = None
             if not measurement.end.devices:
-                rss0, rss1, peak = measurement.start.host.rss, measurement.end.host.rss, measurement.host_peak()
+                rss0, rss1, peak = measurement.start.host.rss, measurement.end.host.rss, measurement.peak_rss()
                 if None not in (rss0, rss1, peak):
                     temporaries = max(0, peak - max(rss0, rss1))
                 if None not in (rss0, rss1):

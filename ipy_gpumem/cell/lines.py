@@ -162,14 +162,14 @@ class LineTracer:
         # access per line instead of two, which is most of a marker's cost on some kernels.
         self._resets = include_host and track_peaks and host.can_reset_peak
         self._rss = host.rss if include_host else None
-        self._peak_rss = host.peak_rss if self._resets else None
+        self._read_peak_rss = host.peak_rss if self._resets else None
         self._reset_peak = host.reset_peak
         self._rss_after_reset = host.rss_after_reset
         # A CPU-only build never brings CUDA up: no need to ask at every marker.
         self._no_cuda = probe.cuda.device_count() == 0
         self._active = False
         self.reason: Optional[str] = None
-        self.host_peak = None
+        self.peak_rss = None
         self.device_peaks: dict = {}
         self.loops: tuple = ()  # LoopSpans of the marked code (its own line numbers)
 
@@ -194,11 +194,11 @@ class LineTracer:
 
     def _read(self, next_line: bool = True) -> _Reading:
         if self._resets and next_line:
-            peak = self._peak_rss()
+            peak = self._read_peak_rss()
             rss = self._rss_after_reset() if self._reset_peak() else self._rss()
         else:
             rss = self._rss() if self._rss is not None else None
-            peak = self._peak_rss() if self._peak_rss is not None else None
+            peak = self._read_peak_rss() if self._read_peak_rss is not None else None
         indices = self._devices if self._devices is not None else self._resolve_devices()
         devices = {}
         if indices:
@@ -234,8 +234,8 @@ class LineTracer:
                 stats.temporaries["cpu"] = temporary
         host = stats.host
         host.fold(start.rss, end.rss, hit_peak)
-        if host.peak is not None and (self.host_peak is None or host.peak > self.host_peak):
-            self.host_peak = host.peak
+        if host.peak is not None and (self.peak_rss is None or host.peak > self.peak_rss):
+            self.peak_rss = host.peak
         if not end.devices:
             return
         for index, (a1, r1, pa1, pr1) in end.devices.items():
@@ -375,8 +375,8 @@ class LineTracer:
                 devs.append(DeviceRecord(
                     index=index, type=self.probe.cuda.device_type,
                     name=(names or {}).get(index),
-                    allocated_before=a.before, allocated_after=a.after, allocated_peak=a.peak,
-                    reserved_before=r.before, reserved_after=r.after, reserved_peak=r.peak,
+                    allocated_before=a.before, allocated_after=a.after, peak_allocated=a.peak,
+                    reserved_before=r.before, reserved_after=r.after, peak_reserved=r.peak,
                     allocated_delta_sum=a.net, reserved_delta_sum=r.net, peak_increase_max=a.rise,
                 ))
             roles = first = last = None

@@ -49,7 +49,7 @@ def phase_reader(probe, measurement) -> Callable[[], tuple]:
     back from it (one ``/proc`` access per boundary).
     """
     host = probe.host
-    resets = measurement.host_peak_reset and host.can_reset_peak
+    resets = measurement.peak_rss_reset and host.can_reset_peak
     counters = probe.cuda.counters
     indices = [d.index for d in measurement.start.devices]
     # No device at the start: on a machine with CUDA one may come up during the cell (read the
@@ -58,16 +58,16 @@ def phase_reader(probe, measurement) -> Callable[[], tuple]:
 
     def read():
         t = time.perf_counter()
-        out, device_peaks, host_peak = {}, {}, None
+        out, device_peaks, peak_rss = {}, {}, None
         if resets:
             peak = host.peak_rss()
             rss = host.rss_after_reset() if host.reset_peak() else host.rss()
-            host_peak = _max2(peak, rss)
+            peak_rss = _max2(peak, rss)
         else:
             rss = host.rss()
-            host_peak = rss
+            peak_rss = rss
         if rss is not None:
-            out["cpu"] = (rss, host_peak)
+            out["cpu"] = (rss, peak_rss)
         for index in ([d.index for d in probe.sample(measurement.devices).devices] if look else indices):
             try:
                 allocated, reserved, peak_a, peak_r = counters(index)
@@ -82,7 +82,7 @@ def phase_reader(probe, measurement) -> Callable[[], tuple]:
                     probe.cuda.reset_peak(index)
                 except Exception:  # noqa: BLE001
                     pass
-        measurement.observe_peaks(host_peak, device_peaks)
+        measurement.observe_peaks(peak_rss, device_peaks)
         return t, out
 
     return read

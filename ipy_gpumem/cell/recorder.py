@@ -40,7 +40,7 @@ class Measurement:
     Args:
         probe: where the end reading comes from (and device names).
         start: the reading that opens the cell (see ``MemoryProbe.start``).
-        host_peak_reset: the kernel's RSS high-water mark measures from ``start`` (it was reset,
+        peak_rss_reset: the kernel's RSS high-water mark measures from ``start`` (it was reset,
             or it already stood at the RSS), so the end's peak RSS is this cell's peak.
         reset_devices: CUDA devices whose peak counters measure from ``start``.
         devices: CUDA device indices to read at the end; None means every initialized device.
@@ -83,7 +83,7 @@ class Measurement:
     #: when full, so a long cell keeps its whole span at a coarser step).
     MAX_SAMPLES = 2000
 
-    def __init__(self, probe: MemoryProbe, start: Sample, host_peak_reset: bool = False,
+    def __init__(self, probe: MemoryProbe, start: Sample, peak_rss_reset: bool = False,
                  reset_devices: frozenset = frozenset(), *, cell_id: Optional[str] = None, source: str = "",
                  devices: Optional[Sequence[int]] = None, track_peaks: bool = True, detailed: bool = False,
                  include_host: bool = True):
@@ -96,7 +96,7 @@ class Measurement:
         self.include_host = include_host
         self.start = start
         self.track_peaks = track_peaks
-        self.host_peak_reset = host_peak_reset
+        self.peak_rss_reset = peak_rss_reset
         self.reset_devices = reset_devices
         self.started_at = time.time()
         self.t0 = time.perf_counter()  # not start.t: a start reading may be the previous cell's end
@@ -146,16 +146,16 @@ class Measurement:
                     alloc[dev.index] = _max(alloc.get(dev.index), dev.allocated, dev.peak_allocated if own else None)
                     reserved[dev.index] = _max(reserved.get(dev.index), dev.reserved, dev.peak_reserved if own else None)
 
-    def observe_peaks(self, host_peak=None, device_peaks=None) -> None:
+    def observe_peaks(self, peak_rss=None, device_peaks=None) -> None:
         """Fold peaks measured elsewhere (per-line peaks) into the cell's peaks."""
         with self._lock:
-            self._seen_host = _max(self._seen_host, host_peak)
+            self._seen_host = _max(self._seen_host, peak_rss)
             if device_peaks:
                 alloc = self._seen_alloc = self._seen_alloc or {}
                 reserved = self._seen_reserved = self._seen_reserved or {}
-                for index, (alloc_peak, reserved_peak) in device_peaks.items():
-                    alloc[index] = _max(alloc.get(index), alloc_peak)
-                    reserved[index] = _max(reserved.get(index), reserved_peak)
+                for index, (peak_alloc, peak_reserved) in device_peaks.items():
+                    alloc[index] = _max(alloc.get(index), peak_alloc)
+                    reserved[index] = _max(reserved.get(index), peak_reserved)
 
     # -- at the end ------------------------------------------------------------------------------
 
@@ -186,30 +186,30 @@ class Measurement:
                 return False
             if rss1 - rss0 >= threshold or rss0 - rss1 >= threshold:
                 return True
-            peak = self.host_peak()
+            peak = self.peak_rss()
             return peak is not None and peak - rss0 >= threshold
         before = {d.index: d for d in start.devices}
         changes = []
         for dev in end.devices:
             b = before.get(dev.index)
             a0, r0 = (0, 0) if b is None else (b.allocated, b.reserved)
-            peak = self.device_peak(dev, b)
+            peak = self.peak_allocated(dev, b)
             changes.append((_sub(dev.allocated, a0), _sub(dev.reserved, r0), _sub(peak, a0)))
         rss0 = start.host.rss
         from ..core.records import largest_change  # noqa: PLC0415 - records load with the first GPU cell, not at load
 
-        return largest_change(changes, _sub(end.host.rss, rss0), _sub(self.host_peak(), rss0)) >= threshold
+        return largest_change(changes, _sub(end.host.rss, rss0), _sub(self.peak_rss(), rss0)) >= threshold
 
-    def host_peak(self):
+    def peak_rss(self):
         """The host's peak RSS during the cell: the highest of the readings, what was sampled, and the
         kernel's high-water mark when it was reset at the start."""
         peak = self.start.host.rss
-        for value in (self.end.host.rss, self._seen_host, self.end.host.peak_rss if self.host_peak_reset else None):
+        for value in (self.end.host.rss, self._seen_host, self.end.host.peak_rss if self.peak_rss_reset else None):
             if value is not None and (peak is None or value > peak):
                 peak = value
         return peak
 
-    def device_peak(self, dev, before):
+    def peak_allocated(self, dev, before):
         """Device ``dev``'s peak allocated bytes during the cell (``before``: its reading at the start, None
         for a device CUDA initialized during the cell)."""
         # A device that CUDA initialized during the cell started at zero: torch had allocated
@@ -231,7 +231,7 @@ class Measurement:
 
         start, end = self.start, self.end
         if self.include_host:
-            host = HostRecord(start.host.rss, end.host.rss, self.host_peak())
+            host = HostRecord(start.host.rss, end.host.rss, self.peak_rss())
         else:
             host = HostRecord()
         before = {d.index: d for d in start.devices}
@@ -242,7 +242,7 @@ class Measurement:
             own = fresh or dev.index in self.reset_devices
             alloc_before = 0 if fresh else b.allocated
             reserved_before = 0 if fresh else b.reserved
-            reserved_peak = _max(reserved_before, dev.reserved, (self._seen_reserved or {}).get(dev.index),
+            peak_reserved = _max(reserved_before, dev.reserved, (self._seen_reserved or {}).get(dev.index),
                                  dev.peak_reserved if own else None)
             name = None
             try:
@@ -251,11 +251,11 @@ class Measurement:
                 pass
             devices.append(DeviceRecord(
                 index=dev.index, name=name, type=dev.type,
-                allocated_before=alloc_before, allocated_after=dev.allocated, allocated_peak=self.device_peak(dev, b),
-                reserved_before=reserved_before, reserved_after=dev.reserved, reserved_peak=reserved_peak,
+                allocated_before=alloc_before, allocated_after=dev.allocated, peak_allocated=self.peak_allocated(dev, b),
+                reserved_before=reserved_before, reserved_after=dev.reserved, peak_reserved=peak_reserved,
                 used_before=None if fresh else b.used, used_after=dev.used, total=dev.total,
             ))
-        peaks = "per cell" if (self.track_peaks and (self.host_peak_reset or self.reset_devices)) else "sampled"
+        peaks = "per cell" if (self.track_peaks and (self.peak_rss_reset or self.reset_devices)) else "sampled"
         return CellRecord(
             execution_count=self.execution_count, cell_id=self.cell_id, source=self.source,
             started_at=self.started_at, duration_s=self.duration or 0.0, error=self.error,

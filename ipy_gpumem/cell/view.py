@@ -2,14 +2,13 @@
 
 Each view is built once as parts (display/parts.py) and rendered to text and HTML from them, and
 keeps the record(s) it shows as ``View.data``. The records keep numbers and typed explanations;
-the sentences are made here, when the view is drawn (``core.words``), and the report's tables are
-the ones the estimated report draws too (``display.tables``).
+the sentences are made here, when the view is drawn (``display.words``), and the report's tables
+are the ones the estimated report draws too (``display.tables``).
 """
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from ..core import words
 from ..core.devices import cuda
 from ..core.records import CellRecord, DeviceRecord, LineRecord
 from ..core.text import cell_name
@@ -17,6 +16,7 @@ from ..core.units import format_bytes, format_delta, format_seconds
 from ..display.parts import Blank, Line, Para, Raw, Span, Table, render
 from ..display.tables import (Column, as_modules, bytes_table, delta_cell, heaviest, line_table, peak_cell, phase_table,
                               roles_cell, summarize_phases)
+from ..display import words
 from ..display.view import View, delta_class, format_of
 from ..ranks.view import rank_line_parts, rank_report_parts
 
@@ -118,17 +118,17 @@ def _span_rows(record: CellRecord) -> List[Tuple[str, tuple]]:
     rows = []
     for dev in record.devices:
         name = dev.label + (f" ({dev.name})" if dev.name else "")
-        reserved_rise = (None if dev.reserved_peak is None or dev.reserved_before is None
-                         else dev.reserved_peak - dev.reserved_before)
+        reserved_rise = (None if dev.peak_reserved is None or dev.reserved_before is None
+                         else dev.peak_reserved - dev.reserved_before)
         rows.append((f"{name} allocated", (dev.allocated_before, dev.allocated_after, dev.allocated_delta,
-                                           dev.allocated_peak, dev.peak_increase)))
+                                           dev.peak_allocated, dev.peak_increase)))
         rows.append((f"{dev.label} reserved", (dev.reserved_before, dev.reserved_after, dev.reserved_delta,
-                                               dev.reserved_peak, reserved_rise)))
+                                               dev.peak_reserved, reserved_rise)))
         if dev.used_after is not None:
             rows.append((f"{dev.label} device used", (dev.used_before, dev.used_after, dev.used_delta, None, None)))
     host = record.host
     if host.rss_after is not None:
-        rows.append(("host RSS", (host.rss_before, host.rss_after, host.rss_delta, host.rss_peak,
+        rows.append(("host RSS", (host.rss_before, host.rss_after, host.rss_delta, host.peak_rss,
                                   host.rss_peak_increase)))
     return rows
 
@@ -177,11 +177,11 @@ def _reasons(record: CellRecord) -> List[str]:
     """``line N: why`` for each line that moved memory, and for lines counted together."""
     out = []
     for line in record.lines or ():
-        text = line.reason
+        text = words.line_reason(line)
         if text:
             out.append(f"line {line.lineno}: {text}")
     for span in record.joined or ():
-        text = words.line_sentence(span.why, span.why_last, span.hits)
+        text = words.line_reason(span)
         if text:
             times = f", {span.hits} times" if span.hits > 1 else ""
             out.append(f"lines {_line_list(span.lines)} (counted together{times}): {text}")
@@ -292,7 +292,7 @@ def _report_parts(record: CellRecord, source_lines, stopped, counted) -> Tuple[l
         if summaries:
             parts.append(Para("A loop's lines sum their changes over every iteration; what each loop kept:", "dim"))
             parts.extend(Para(text, "dim", indent="  ") for text in summaries)
-    reason = words.sentence(record.why)
+    reason = words.cell_reason(record)
     if reason:
         parts.append(Para(f"The cell: {reason}."))
     parts.extend(_phase_parts(record))

@@ -377,7 +377,7 @@ class CellWatcher:
 
     def _line_records(self, measurement: Measurement, tracer, header: CellHeader) -> None:
         """A ``--lines`` cell's rows, loops and lines counted together, numbered as the user typed them."""
-        measurement.observe_peaks(tracer.host_peak, tracer.device_peaks)
+        measurement.observe_peaks(tracer.peak_rss, tracer.device_peaks)
         names = {}
         for index in tracer.device_peaks:
             try:

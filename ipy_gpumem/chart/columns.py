@@ -231,9 +231,9 @@ def _subject(record) -> _Subject:
     if devices:
         dev = max(devices, key=lambda d: max(abs(d.allocated_delta or 0), d.peak_increase or 0))
         return _Subject(SeriesKey(cuda(dev.index), "allocated"), dev.allocated_before, dev.allocated_after,
-                        dev.allocated_peak, (dev.reserved_before, dev.reserved_after), dev.total)
+                        dev.peak_allocated, (dev.reserved_before, dev.reserved_after), dev.total)
     host = record.host
-    return _Subject(HOST_RSS, host.rss_before, host.rss_after, host.rss_peak, (None, None), None)
+    return _Subject(HOST_RSS, host.rss_before, host.rss_after, host.peak_rss, (None, None), None)
 
 
 def subject_key(record) -> SeriesKey:
@@ -377,10 +377,10 @@ def sample_points(samples) -> list:
 
 def _record_peak(record, key: SeriesKey) -> Optional[int]:
     if key.device.is_host:
-        return record.host.rss_peak
+        return record.host.peak_rss
     for dev in record.devices:
         if dev.index == key.device.index:
-            return dev.allocated_peak
+            return dev.peak_allocated
     return None
 
 
@@ -425,10 +425,10 @@ def _history_values(rec, key: SeriesKey) -> tuple:
     """``(before, after, peak, reserved after)`` of one record for the charted series (None where unknown)."""
     if key.device.is_host:
         host = rec.host
-        return host.rss_before, host.rss_after, host.rss_peak, None
+        return host.rss_before, host.rss_after, host.peak_rss, None
     for dev in rec.devices:
         if dev.index == key.device.index:
-            return dev.allocated_before, dev.allocated_after, dev.allocated_peak, dev.reserved_after
+            return dev.allocated_before, dev.allocated_after, dev.peak_allocated, dev.reserved_after
     return None, None, None, None
 
 

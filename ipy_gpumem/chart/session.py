@@ -145,7 +145,7 @@ def _ranks(spans) -> Tuple[RankSeries, ...]:
         mid = (span.start + span.end) / 2
         for r in span.ranks:
             xs, ys = series.setdefault(r.label, ([], []))
-            for t, v in ((span.start, r.rss_before), (mid, r.rss_peak), (span.end, r.rss_after)):
+            for t, v in ((span.start, r.rss_before), (mid, r.peak_rss), (span.end, r.rss_after)):
                 if v is not None:
                     xs.append(round(t, 3))
                     ys.append(v)

@@ -101,7 +101,7 @@ class RankChange(NamedTuple):
     rank: Optional[int]
     pid: int
     rss_before: Optional[int]
-    rss_peak: Optional[int]
+    peak_rss: Optional[int]
     rss_after: Optional[int]
 
     @property
@@ -218,12 +218,12 @@ class TimelineSnapshot:
 def _changes(record) -> Tuple[Change, ...]:
     """Per device what ``record`` did: allocated (and reserved) per CUDA device, else host RSS."""
     if record.devices:
-        return tuple(Change(device(getattr(d, "type", "cuda"), d.index), d.allocated_delta, d.allocated_peak,
+        return tuple(Change(device(getattr(d, "type", "cuda"), d.index), d.allocated_delta, d.peak_allocated,
                             d.peak_increase, d.reserved_delta) for d in record.devices)
     host = record.host
     if host.rss_before is None and host.rss_after is None:
         return ()
-    return (Change(HOST, host.rss_delta, host.rss_peak, host.rss_peak_increase),)
+    return (Change(HOST, host.rss_delta, host.peak_rss, host.rss_peak_increase),)
 
 
 def _rank_changes(record) -> Tuple[RankChange, ...]:
@@ -231,9 +231,9 @@ def _rank_changes(record) -> Tuple[RankChange, ...]:
     out = []
     for rank in getattr(record, "ranks", None) or ():
         host = rank.host
-        if host.rss_before is None and host.rss_peak is None and host.rss_after is None:
+        if host.rss_before is None and host.peak_rss is None and host.rss_after is None:
             continue
-        out.append(RankChange(rank.rank, rank.pid, host.rss_before, host.rss_peak, host.rss_after))
+        out.append(RankChange(rank.rank, rank.pid, host.rss_before, host.peak_rss, host.rss_after))
     return tuple(out)
 
 

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 from ..core.roles import ROLE_WORDS
 from ..core.text import cell_name, clip
 from ..core.units import format_bytes, format_delta, format_seconds
+from ..display.words import line_reason
 from .timeline import HOST_RSS, Change, SeriesKey, Span, TimelineSnapshot
 
 __all__ = ["series_name", "quantity_name", "change_text", "span_hover", "record_title", "status_line",
@@ -168,8 +169,9 @@ def line_hover(line, name: str, delta: Optional[int], peak: Optional[int], roles
         text += f"\n  beside allocated: {role_list(beside)}"
     if isinstance(temporaries, int) and temporaries > 0:
         text += f"\n  temporaries: {format_bytes(temporaries)} came and went"
-    if getattr(line, "reason", None):
-        text += f"\n  {clip(line.reason, 400)}"
+    reason = line_reason(line)  # why the line moved memory, made from its data now
+    if reason:
+        text += f"\n  {clip(reason, 400)}"
     return text
 
 

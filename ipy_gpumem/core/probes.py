@@ -817,7 +817,7 @@ class MemoryProbe:
     def start(self, devices: Sequence[int] | None = None, reset_peaks: bool = True):
         """The sample that opens a span (a cell, a line), resetting the peak counters if asked.
 
-        Returns ``(sample, host_peak_reset, reset_device_indices)``. Runs before every cell, so
+        Returns ``(sample, peak_rss_reset, reset_device_indices)``. Runs before every cell, so
         it does the fewest reads: the host reset is skipped when the last reading found the
         high-water mark at the current RSS (the mark then already counts from here, give or take
         ``PEAK_SLACK``), and after a reset one ``getrusage`` gives the RSS.

@@ -1,24 +1,27 @@
 """Frozen records of what a cell (and each of its lines) did to memory: numbers, names and typed explanations only.
 
 A record never holds the exception, the ``ExecutionResult``, a frame or a tensor: holding an OOM
-exception would pin the very tensors being explained. Nor does it hold a sentence: why memory
-moved is kept as data (:class:`~.why.Why`, :class:`~.why.Rerun`), and the words (``reason``,
-the re-run warning) are made from it by :mod:`.words` each time someone reads them. ``to_dict()``
-is the stable, JSON-ready form that ``export`` writes and other tools read: the data under
-``why`` (and ``rerun["holders"]``), the words under the documented ``reason`` keys.
+exception would pin the very tensors being explained. Nor does it hold or make a sentence: why
+memory moved is kept as data (:class:`~.why.Why`, :class:`~.why.Rerun`), and the views make the
+words from it when they draw (``ipy_gpumem.display.words``). ``to_dict()`` is the stable,
+JSON-ready form that ``export`` writes and other tools read: data only, versioned by
+:data:`SCHEMA` (docs/api.md has a table per record).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Optional, Tuple
 
-from . import words as _words
 from .devices import Device, device as _device
 from .text import first_line as _first_line
 from .why import Rerun, Why
 
-__all__ = ["HostRecord", "DeviceRecord", "LineRecord", "LoopSpan", "RankRecord", "RankFailure", "CellRecord",
-           "largest_change", "worst_rank", "ROW_FIELDS", "record_rows", "records_frame", "write_csv"]
+__all__ = ["SCHEMA", "HostRecord", "DeviceRecord", "LineRecord", "JoinedLines", "LoopSpan", "RankRecord", "RankFailure",
+           "CellRecord", "largest_change", "worst_rank", "ROW_FIELDS", "record_rows", "records_frame", "write_csv"]
+
+#: The version of ``CellRecord.to_dict()``'s keys and of the rows of ``history_frame()`` and the CSV
+#: export (their ``"schema"``): raised when a key is renamed, removed or changes its meaning.
+SCHEMA = 1
 
 
 def _delta(after, before):
@@ -47,7 +50,7 @@ class HostRecord:
     rss_after: Optional[int] = None
     #: Highest RSS during the span: the kernel's high-water mark when it can be reset per
     #: cell (Linux), else the highest value sampled.
-    rss_peak: Optional[int] = None
+    peak_rss: Optional[int] = None
     #: Lines only: the changes summed over every execution of the line, and the largest rise
     #: above the starting value within any single execution.
     rss_delta_sum: Optional[int] = None
@@ -64,13 +67,13 @@ class HostRecord:
         """How far RSS rose above its starting value at the worst moment."""
         if self.rss_peak_increase_max is not None:
             return self.rss_peak_increase_max
-        return _delta(self.rss_peak, self.rss_before)
+        return _delta(self.peak_rss, self.rss_before)
 
     def to_dict(self) -> dict:
         return {
             "rss_before": self.rss_before,
             "rss_after": self.rss_after,
-            "rss_peak": self.rss_peak,
+            "peak_rss": self.peak_rss,
             "rss_delta": self.rss_delta,
             "rss_peak_increase": self.rss_peak_increase,
         }
@@ -92,10 +95,10 @@ class DeviceRecord:
     name: Optional[str] = None
     allocated_before: Optional[int] = None
     allocated_after: Optional[int] = None
-    allocated_peak: Optional[int] = None
+    peak_allocated: Optional[int] = None
     reserved_before: Optional[int] = None
     reserved_after: Optional[int] = None
-    reserved_peak: Optional[int] = None
+    peak_reserved: Optional[int] = None
     used_before: Optional[int] = None
     used_after: Optional[int] = None
     total: Optional[int] = None
@@ -131,7 +134,7 @@ class DeviceRecord:
         """How far allocated memory rose above its starting value at the worst moment."""
         if self.peak_increase_max is not None:
             return self.peak_increase_max
-        return _delta(self.allocated_peak, self.allocated_before)
+        return _delta(self.peak_allocated, self.allocated_before)
 
     @property
     def used_delta(self) -> Optional[int]:
@@ -144,10 +147,10 @@ class DeviceRecord:
             "name": self.name,
             "allocated_before": self.allocated_before,
             "allocated_after": self.allocated_after,
-            "allocated_peak": self.allocated_peak,
+            "peak_allocated": self.peak_allocated,
             "reserved_before": self.reserved_before,
             "reserved_after": self.reserved_after,
-            "reserved_peak": self.reserved_peak,
+            "peak_reserved": self.peak_reserved,
             "used_before": self.used_before,
             "used_after": self.used_after,
             "total": self.total,
@@ -157,12 +160,12 @@ class DeviceRecord:
         }
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class LineRecord:
     """One source line of a ``%%gpumem --lines`` cell, aggregated over all its executions.
 
     ``*_before`` is the value when the line first started, ``*_after`` when it last finished,
-    ``*_peak`` the highest value while it ran, and the deltas are summed over its ``hits``, so a
+    ``peak_*`` the highest value while it ran, and the deltas are summed over its ``hits``, so a
     loop body line that keeps 10 MiB per iteration shows ``+100.00 MiB`` after ten iterations.
     The peak increase is the worst single execution: how much more the line needed, at its
     highest, than it started with.
@@ -187,26 +190,6 @@ class LineRecord:
     #: Hits whose roles were counted together with other lines (the count between them was skipped
     #: to keep its cost under its share of the cell): their change is in the record's ``joined``.
     joined: int = 0
-    #: A sentence written by whoever built the record by hand (tests, other tools); ipy_gpumem's
-    #: own records keep ``why`` and leave this None.
-    given_reason: Optional[str] = field(default=None, repr=False, init=False)
-
-    def __init__(self, lineno: int, source: str, hits: int, host: HostRecord, devices: tuple = (),
-                 duration_s: float = 0.0, roles: Optional[dict] = None, temporaries: Optional[dict] = None,
-                 why: Optional[Why] = None, why_last: Optional[Why] = None, joined: int = 0,
-                 reason: Optional[str] = None):
-        for name, value in (("lineno", lineno), ("source", source), ("hits", hits), ("host", host),
-                            ("devices", devices), ("duration_s", duration_s), ("roles", roles),
-                            ("temporaries", temporaries), ("why", why), ("why_last", why_last), ("joined", joined),
-                            ("given_reason", reason)):
-            object.__setattr__(self, name, value)
-
-    @property
-    def reason(self) -> Optional[str]:
-        """Why the line moved memory, in the user's names (made from ``why`` now); None when nothing moved."""
-        if self.given_reason is not None:
-            return self.given_reason
-        return _words.line_sentence(self.why, self.why_last, self.hits)
 
     def device(self, index: int) -> Optional[DeviceRecord]:
         for dev in self.devices:
@@ -224,7 +207,6 @@ class LineRecord:
             "devices": [d.to_dict() for d in self.devices],
             "roles": self.roles,
             "temporaries": self.temporaries,
-            "reason": self.reason,
             "why": None if self.why is None else self.why.to_dict(),
             "why_last": None if self.why_last is None else self.why_last.to_dict(),
             "joined": self.joined,
@@ -242,12 +224,8 @@ class JoinedLines(NamedTuple):
     why: Optional[Why] = None
     why_last: Optional[Why] = None
 
-    @property
-    def reason(self) -> Optional[str]:
-        return _words.line_sentence(self.why, self.why_last, self.hits)
-
     def to_dict(self) -> dict:
-        return {"lines": list(self.lines), "hits": self.hits, "roles": self.roles, "reason": self.reason,
+        return {"lines": list(self.lines), "hits": self.hits, "roles": self.roles,
                 "why": None if self.why is None else self.why.to_dict(),
                 "why_last": None if self.why_last is None else self.why_last.to_dict()}
 
@@ -270,7 +248,7 @@ class RankRecord:
 
     ``host`` and ``devices`` mean what they mean on the cell: ``rss_before`` is the process's RSS
     when it started (a forked rank: right after the fork; a rank seen from outside: its first
-    reading), ``rss_peak`` its high-water mark (``VmHWM``: exact when recorded inside, the highest
+    reading), ``peak_rss`` its high-water mark (``VmHWM``: exact when recorded inside, the highest
     of the readings taken from outside otherwise). ``devices`` is None when they cannot be seen.
     """
 
@@ -313,11 +291,6 @@ class RankRecord:
     def label(self) -> str:
         return f"rank {self.rank}" if self.rank is not None else f"pid {self.pid}"
 
-    @property
-    def note(self) -> Optional[str]:
-        """What could not be seen, and how it ended (made now, from the fields)."""
-        return _words.rank_note(self)
-
     def to_dict(self) -> dict:
         return {
             "rank": self.rank, "pid": self.pid, "local_rank": self.local_rank, "world_size": self.world_size,
@@ -326,7 +299,6 @@ class RankRecord:
             "host": self.host.to_dict(),
             "devices": None if self.devices is None else [d.to_dict() for d in self.devices],
             "devices_note": self.devices_note,
-            "note": self.note,
         }
 
 
@@ -412,12 +384,6 @@ class CellRecord:
         return self.error is not None
 
     @property
-    def reason(self) -> Optional[str]:
-        """What the cell's change is made of, in the user's names (made from ``why`` now); None when
-        nothing moved or the cell was not analysed."""
-        return _words.sentence(self.why)
-
-    @property
     def moved_bytes(self) -> int:
         """The largest change the cell made (see :func:`largest_change`)."""
         return largest_change(((d.allocated_delta, d.reserved_delta, d.peak_increase) for d in self.devices),
@@ -438,7 +404,10 @@ class CellRecord:
         return _first_line(self.source)
 
     def to_dict(self) -> dict:
+        """The record as JSON-ready data (numbers, names, the cell's source and error), keyed as
+        docs/api.md's tables say; ``"schema"`` is :data:`SCHEMA`."""
         out = {
+            "schema": SCHEMA,
             "execution_count": self.execution_count,
             "cell_id": self.cell_id,
             "source": self.source,
@@ -451,7 +420,6 @@ class CellRecord:
             "host": self.host.to_dict(),
             "devices": [d.to_dict() for d in self.devices],
             "roles": self.roles,
-            "reason": self.reason,
             "why": None if self.why is None else self.why.to_dict(),
             "phases": None if self.phases is None else [dict(p) for p in self.phases],
             "phase_summary": self.phase_summary,
@@ -468,25 +436,24 @@ class CellRecord:
 
 
 def _rerun_dict(rerun: Optional[Rerun]) -> Optional[dict]:
-    """The documented ``rerun`` keys (the sentences made now) and the suspects as data (``holders``)."""
+    """The documented ``rerun`` keys: the counts, the suspects' names and each suspect as data (``holders``)."""
     if rerun is None:
         return None
     return {"of": rerun.of, "runs": rerun.runs, "previous": rerun.previous, "growth": rerun.growth,
-            "suspects": rerun.names, "causes": _words.causes(rerun), "warning": _words.rerun_warning(rerun),
-            "causes_new": _words.causes(rerun, new_only=True), "holders": [s.to_dict() for s in rerun.suspects]}
+            "suspects": rerun.names, "holders": [s.to_dict() for s in rerun.suspects]}
 
 
 #: The flat form of a record, shared by ``history_frame()`` (pandas) and ``%gpumem export x.csv``:
 #: one row per cell and device, a ``host`` row for every cell. ``before``/``after``/``peak``/
 #: ``delta``/``peak_increase`` are allocated bytes on a CUDA row and RSS on the host row, so one
-#: column can be plotted across both; the other columns keep their ``to_dict()`` names. A cell
-#: that launched processes adds the same rows for each of them, with its ``rank`` and ``pid``
-#: (the kernel's own rows have both empty).
+#: column can be plotted across both; the other columns keep their ``to_dict()`` names (``schema``
+#: on every row, so a CSV file says its version). A cell that launched processes adds the same rows
+#: for each of them, with its ``rank`` and ``pid`` (the kernel's own rows have both empty).
 ROW_FIELDS = (
-    "execution_count", "cell_id", "first_line", "started_at", "duration_s", "error", "device", "name",
+    "schema", "execution_count", "cell_id", "first_line", "started_at", "duration_s", "error", "device", "name",
     "before", "after", "peak", "delta", "peak_increase",
-    "reserved_before", "reserved_after", "reserved_peak", "reserved_delta", "used_before", "used_after", "total",
-    "rss_before", "rss_after", "rss_peak", "rss_delta", "source", "rank", "pid",
+    "reserved_before", "reserved_after", "peak_reserved", "reserved_delta", "used_before", "used_after", "total",
+    "rss_before", "rss_after", "peak_rss", "rss_delta", "source", "rank", "pid",
 )
 _BYTE_FIELDS = tuple(f for f in ROW_FIELDS if f.startswith(("before", "after", "peak", "delta", "reserved", "used",
                                                                "total", "rss")))
@@ -502,20 +469,20 @@ def record_rows(records):
 
 def _rows(rec, host, devices, **who):
     base = {
-        "execution_count": rec.execution_count, "cell_id": rec.cell_id, "first_line": rec.first_line,
+        "schema": SCHEMA, "execution_count": rec.execution_count, "cell_id": rec.cell_id, "first_line": rec.first_line,
         "started_at": rec.started_at, "duration_s": rec.duration_s, "error": rec.error,
-        "rss_before": host.rss_before, "rss_after": host.rss_after, "rss_peak": host.rss_peak,
+        "rss_before": host.rss_before, "rss_after": host.rss_after, "peak_rss": host.peak_rss,
         "rss_delta": host.rss_delta, "source": rec.source, **who,
     }
     empty = dict.fromkeys(ROW_FIELDS)
     yield {**empty, **base, "device": "host", "before": host.rss_before, "after": host.rss_after,
-           "peak": host.rss_peak, "delta": host.rss_delta, "peak_increase": host.rss_peak_increase}
+           "peak": host.peak_rss, "delta": host.rss_delta, "peak_increase": host.rss_peak_increase}
     for dev in devices:
         yield {**empty, **base, "device": dev.label, "name": dev.name,
-               "before": dev.allocated_before, "after": dev.allocated_after, "peak": dev.allocated_peak,
+               "before": dev.allocated_before, "after": dev.allocated_after, "peak": dev.peak_allocated,
                "delta": dev.allocated_delta, "peak_increase": dev.peak_increase,
                "reserved_before": dev.reserved_before, "reserved_after": dev.reserved_after,
-               "reserved_peak": dev.reserved_peak, "reserved_delta": dev.reserved_delta,
+               "peak_reserved": dev.peak_reserved, "reserved_delta": dev.reserved_delta,
                "used_before": dev.used_before, "used_after": dev.used_after, "total": dev.total}
 
 
@@ -531,7 +498,7 @@ def records_frame(records):
         raise ImportError("history_frame() needs pandas: pip install pandas") from None
     frame = pd.DataFrame(list(record_rows(records)), columns=list(ROW_FIELDS))
     frame["started_at"] = pd.to_datetime(frame["started_at"], unit="s")
-    for col in _BYTE_FIELDS + ("rank", "pid"):
+    for col in _BYTE_FIELDS + ("schema", "rank", "pid"):
         frame[col] = frame[col].astype("Int64")  # nullable: None stays missing, bytes stay exact
     return frame
 

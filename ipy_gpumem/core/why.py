@@ -1,16 +1,25 @@
 """Why memory moved, as typed data: what a change is made of (:class:`Why`) and what keeps a re-run's memory (:class:`Rerun`).
 
-Records keep these values, never sentences: the sentence a view shows (``record.reason``, the
-re-run warning) is made from them on demand by :mod:`.words`, so a view never has to split a
-sentence back into its parts, and an API user reads the numbers themselves (``to_dict()``).
-Everything here is numbers, names and plain strings: no tensor, module or frame is held.
+Records keep these values, never sentences: the sentence a view shows (why a cell moved memory,
+the re-run warning) is made from them when it is shown, by ``ipy_gpumem.display.words``, so a view
+never has to split a sentence back into its parts, and an API user reads the numbers themselves
+(``to_dict()``). Everything here is numbers, names and plain strings: no tensor, module or frame
+is held.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Mapping, NamedTuple, Optional, Tuple
 
-__all__ = ["Why", "OwnerInfo", "Moved", "Imports", "Suspect", "Rerun", "owner_module"]
+__all__ = ["Why", "OwnerInfo", "Moved", "Imports", "Suspect", "Rerun", "owner_module", "SUSPECT_KINDS",
+           "SUSPECT_FIXES"]
+
+#: How a suspect holds an earlier run's tensors (``Suspect.kind``).
+SUSPECT_KINDS = ("output_cache", "traceback", "hook", "optimizer", "appended_graph", "appended", "graph", "reassigned",
+                 "class_attribute", "module_global", "default_argument", "closure", "variable")
+#: What frees them (``Suspect.fix``).
+SUSPECT_FIXES = ("free_or_semicolon", "free", "remove_handle", "rerun_cell", "recreate", "append_item",
+                 "append_detached", "clear_or_del", "detach", "del_before_rerun", "clear", "default_none", "del")
 
 
 def owner_module(owner: str) -> str:
@@ -132,13 +141,13 @@ class Why:
 class Suspect(NamedTuple):
     """One holder of an earlier run's tensors, and what frees them.
 
-    ``kind`` says how it holds them and ``fix`` what to do (:data:`KINDS` and :data:`FIXES` of
-    :mod:`.words` name them all); the other fields are what the fix names, when known.
+    ``kind`` says how it holds them and ``fix`` what to do (:data:`SUSPECT_KINDS` and
+    :data:`SUSPECT_FIXES` name them all); the other fields are what the fix names, when known.
     """
 
     name: str                   # who holds it, as the user knows it: `opt`, `Out[3]`, `traceback`, `lin hook`
     kind: str                   # output_cache, traceback, hook, optimizer, appended_graph, appended, graph, reassigned, class_attribute, module_global, default_argument, closure, variable
-    fix: str                    # what frees them: one of words.FIXES (append_item, append_detached, del...)
+    fix: str                    # what frees them: one of SUSPECT_FIXES (append_item, append_detached, del...)
     bytes: int                  # what it gained since the previous run
     new: bool = True            # this run is the first to name it (a cell says so once per suspect)
     exprs: Tuple[str, ...] = ()  # the expressions that hold it (``Out[3]``, ``_``), or a traceback's locals

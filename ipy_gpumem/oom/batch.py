@@ -396,7 +396,7 @@ def _start_peak(record: Any, memory: DeviceMemory) -> Tuple[Optional[int], Optio
         return None, None
     if memory.is_host:
         host = getattr(record, "host", None)
-        start, peak = getattr(host, "rss_before", None), getattr(host, "rss_peak", None)
+        start, peak = getattr(host, "rss_before", None), getattr(host, "peak_rss", None)
         return start, (peak - start if start is not None and peak is not None else None)
     device = memory.device
     for dev in getattr(record, "devices", ()) or ():

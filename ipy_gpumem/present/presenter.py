@@ -129,7 +129,7 @@ class Presenter:
         failure, rss = record.rank_failure, None  # a launched process's out-of-memory (issue 20)
         for rank in record.ranks or ():
             if failure is not None and rank.pid == failure.pid:
-                rss = rank.host.rss_peak
+                rss = rank.host.peak_rss
         analysis = analyse(outcome.oom, record, namespace=self.shell.user_ns, records=self.ledger.tail(50),
                            probe=self._probe(), capture=outcome.capture, tb=getattr(sys, "last_traceback", None),
                            refs=self.refs(), recorded=recorded, rank=failure, rank_rss=rss)

@@ -34,8 +34,8 @@ MAX_DEVICES = 64
 MAX_DEVICE_BYTES = 1 << 50
 _NAME = re.compile(r"([1-9][0-9]{0,9})\.(start|end)\.json")
 _RANK_FROM = ("torch.distributed", "env", "launcher")
-_HOST_KEYS = ("rss_before", "rss_after", "rss_peak")
-_DEVICE_KEYS = ("allocated_after", "allocated_peak", "reserved_after", "reserved_peak", "used_after", "total")
+_HOST_KEYS = ("rss_before", "rss_after", "peak_rss")
+_DEVICE_KEYS = ("allocated_after", "peak_allocated", "reserved_after", "peak_reserved", "used_after", "total")
 _DIR_FD = os.open in os.supports_dir_fd and os.rename in os.supports_dir_fd
 
 

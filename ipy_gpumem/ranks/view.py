@@ -2,7 +2,7 @@
 
 Parts (``display.parts``) made from a record's ``ranks`` (``core.records.RankRecord``), rendered to
 text and HTML with the rest of the view; the sentences (what could not be seen, how a rank ended)
-are made here from the records' fields (``core.words.rank_note``).
+are made here from the records' fields (``display.words.rank_note``): a rank's record holds none.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ..core.records import CellRecord, RankRecord, worst_rank
 from ..core.units import format_bytes, format_delta
 from ..display.parts import Line, Para, Span
 from ..display.tables import bytes_table
+from ..display.words import rank_note
 from ..display.view import delta_class
 
 __all__ = ["rank_line_parts", "rank_report_parts"]
@@ -29,7 +30,7 @@ def _spans(rank: RankRecord) -> List[Span]:
                 spans.append(Span(f" (peak {format_delta(dev.peak_increase)})", "up"))
         spans.append(Span(" │ ", "dim"))
     host = rank.host
-    if host.rss_after is None and host.rss_peak is None:
+    if host.rss_after is None and host.peak_rss is None:
         spans.append(Span("host not read", "dim"))  # it ended before its first reading (its note says so)
         return spans
     spans.append(Span("host "))
@@ -84,7 +85,7 @@ def _notes(ranks) -> list:
     """Each distinct note once, naming the ranks it is about."""
     notes: dict = {}
     for rank in ranks:
-        note = rank.note
+        note = rank_note(rank)
         if note:
             notes.setdefault(note, []).append(rank.label)
     return [Para(f"{', '.join(labels)}: {note}.", "dim", indent="    ", hanging="      ")
@@ -100,13 +101,13 @@ def rank_report_parts(record: CellRecord) -> list:
         for dev in rank.devices or ():
             if dev.allocated_after is not None:
                 rows.append((f"{rank.label} {dev.label} allocated", (dev.allocated_before, dev.allocated_after,
-                                                                    dev.allocated_delta, dev.allocated_peak,
+                                                                    dev.allocated_delta, dev.peak_allocated,
                                                                     dev.peak_increase)))
             elif dev.used_after is not None:
                 rows.append((f"{rank.label} {dev.label} used (NVML)", (dev.used_before, dev.used_after,
                                                                       dev.used_delta, None, None)))
         host = rank.host
-        rows.append((f"{rank.label} host RSS", (host.rss_before, host.rss_after, host.rss_delta, host.rss_peak,
+        rows.append((f"{rank.label} host RSS", (host.rss_before, host.rss_after, host.rss_delta, host.peak_rss,
                                                 host.rss_peak_increase)))
     return [_title(record), bytes_table(["", "start", "end", "Δ", "peak", "peak Δ"], rows,
                                         signed=(False, False, True, False, True))] + _notes(record.ranks)

@@ -307,7 +307,7 @@ class _ChildRecorder:
             self.folder.write(f"{self.pid}.end.json", {
                 "pid": self.pid, "index": self.index, "rank": rank, "rank_from": rank_from, "world_size": world,
                 "local_rank": local, "rss_before": self.rss_before, "rss_after": rss,
-                "rss_peak": hwm, "devices": devices, "devices_note": note})
+                "peak_rss": hwm, "devices": devices, "devices_note": note})
         except Exception:  # noqa: BLE001 - never cost the rank its exit
             pass
 
@@ -326,8 +326,8 @@ class _ChildRecorder:
                     name = None
                 # CUDA came up in this process: every counter started at zero with it.
                 out.append({"index": s.index, "name": name, "allocated_after": s.allocated,
-                            "allocated_peak": s.peak_allocated, "reserved_after": s.reserved,
-                            "reserved_peak": s.peak_reserved, "used_after": s.used, "total": s.total})
+                            "peak_allocated": s.peak_allocated, "reserved_after": s.reserved,
+                            "peak_reserved": s.peak_reserved, "used_after": s.used, "total": s.total})
             return out, (reason if not out else None)
         except Exception as exc:  # noqa: BLE001
             return [], f"CUDA counters unavailable ({type(exc).__name__})"
@@ -638,11 +638,11 @@ def _ranks(seen: Dict[int, _Seen], files: Dict[int, dict], failure: Optional[Ran
         s, rec = seen.get(pid), files.get(pid, {})
         start, end = rec.get("start"), rec.get("end")
         if end is not None:
-            host = HostRecord(end["rss_before"], end["rss_after"], _max(end["rss_peak"], s.max_hwm if s else None))
+            host = HostRecord(end["rss_before"], end["rss_after"], _max(end["peak_rss"], s.max_hwm if s else None))
             devices = tuple(DeviceRecord(index=d["index"], name=d["name"], allocated_before=0,
-                                         allocated_after=d["allocated_after"], allocated_peak=d["allocated_peak"],
+                                         allocated_after=d["allocated_after"], peak_allocated=d["peak_allocated"],
                                          reserved_before=0, reserved_after=d["reserved_after"],
-                                         reserved_peak=d["reserved_peak"], used_after=d["used_after"],
+                                         peak_reserved=d["peak_reserved"], used_after=d["used_after"],
                                          total=d["total"]) for d in end["devices"])
             rank = RankRecord(end["rank"], pid, host, devices, end["local_rank"], end["world_size"],
                               "inside", end["rank_from"], "exited", devices_note=end["devices_note"],

@@ -33,7 +33,7 @@ How it works (:class:`RerunTracker`, called by the watcher once per finished out
   the memory, the fix, and the names the fix needs: the cell that built the optimizer, the item
   appended, the hook's module), and a cell names each suspect once. The sentences (``append
   `loss.item()```, ``%gpumem free``, ``handle.remove()``, ``del``) are made by the views
-  (``ipy_gpumem.core.words``).
+  (``ipy_gpumem.display.words``).
 
 Nothing here imports torch (it is read through ``sys.modules``), collects garbage, calls user
 code, or keeps a reference to a user's object.

@@ -1,37 +1,28 @@
-"""The sentences made from the records' typed explanations: why a cell or line moved memory, and why a re-run kept it.
+"""The sentences made from the records' data: why a cell or line moved memory, why a re-run kept it, what a rank hid.
 
-Records keep :class:`~.why.Why` and :class:`~.why.Rerun` values (numbers and names); these
-functions turn them into the words the views show, on demand, each time they are shown. A view
-asks for the clauses it wants (:func:`headline` picks the biggest), so nothing ever splits a
-sentence back into its parts. The words name the user's objects (``model``, ``optimizer``,
-``output``) and the mechanism torch uses: gradients appear on the first backward and after
-``zero_grad(set_to_none=True)`` freed them, Adam-like optimizers create their state on the first
-step, autograd keeps activations until backward runs or the outputs are deleted.
-
-They live in ``core`` beside the records because ``CellRecord.to_dict()`` renders ``reason`` on
-demand for API users, and a record can reach nothing above ``core``.
+Records keep :class:`~ipy_gpumem.core.why.Why` and :class:`~ipy_gpumem.core.why.Rerun` values
+and plain fields (numbers and names); these functions turn them into the words the views show,
+each time they are shown, and ``to_dict()`` never calls them. A view asks for the clauses it wants
+(:func:`headline` picks the biggest), so nothing ever splits a sentence back into its parts. The
+words name the user's objects (``model``, ``optimizer``, ``output``) and the mechanism torch uses:
+gradients appear on the first backward and after ``zero_grad(set_to_none=True)`` freed them,
+Adam-like optimizers create their state on the first step, autograd keeps activations until
+backward runs or the outputs are deleted.
 """
 from __future__ import annotations
 
 from typing import Iterable, List, NamedTuple, Optional
 
-from .roles import ROLE_WORDS, ROLES
-from .text import clip
-from .units import format_bytes, format_delta
-from .why import Rerun, Suspect, Why, owner_module
+from ..core.roles import ROLE_WORDS, ROLES
+from ..core.text import clip
+from ..core.units import format_bytes, format_delta
+from ..core.why import Rerun, Suspect, Why, owner_module
 
-__all__ = ["Clause", "clauses", "sentence", "headline", "line_sentence", "rerun_warning", "cause", "causes",
-           "MIN_BYTES", "KINDS", "FIXES", "rank_note"]
+__all__ = ["Clause", "clauses", "sentence", "headline", "line_sentence", "cell_reason", "line_reason",
+           "rerun_warning", "cause", "causes", "MIN_BYTES", "rank_note"]
 
 #: Changes smaller than this are not worth a clause (a loss scalar, a step counter).
 MIN_BYTES = 64 * 1024
-
-#: How a suspect holds an earlier run's tensors (``Suspect.kind``).
-KINDS = ("output_cache", "traceback", "hook", "optimizer", "appended_graph", "appended", "graph", "reassigned",
-         "class_attribute", "module_global", "default_argument", "closure", "variable")
-#: What frees them (``Suspect.fix``).
-FIXES = ("free_or_semicolon", "free", "remove_handle", "rerun_cell", "recreate", "append_item", "append_detached",
-         "clear_or_del", "detach", "del_before_rerun", "clear", "default_none", "del")
 
 
 class Clause(NamedTuple):
@@ -285,6 +276,18 @@ def line_sentence(first: Optional[Why], last: Optional[Why] = None, hits: int = 
     if later != text:
         return f"first hit: {text or 'nothing'}; last hit: {later or 'nothing'}"
     return None if text is None else f"each hit: {text}"
+
+
+def cell_reason(record) -> Optional[str]:
+    """What a cell's change is made of (a ``CellRecord``'s ``why``), in the user's names; None when
+    nothing moved or the cell was not analysed."""
+    return sentence(record.why)
+
+
+def line_reason(line) -> Optional[str]:
+    """Why a line of a ``--lines`` cell moved memory (a ``LineRecord``, or a ``JoinedLines``: lines
+    counted together), from its first and latest hit; None when nothing moved."""
+    return line_sentence(line.why, line.why_last, line.hits)
 
 
 # -- re-runs ---------------------------------------------------------------------------------------------
