@@ -101,7 +101,7 @@ def reach(api: Any, namespace: dict, roots: Iterable[Any] = (),
     try:
         with api.no_torch_function():
             finder.run(list(roots), list(codes))
-    except Unfollowable:
+    except Exception:  # noqa: BLE001 - Unfollowable, or code this reading did not foresee: every name, as before
         return None
     finally:
         finder.close()
