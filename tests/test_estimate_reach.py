@@ -331,3 +331,31 @@ def test_code_names_are_the_globals_code_reads_binds_and_deletes():
     # a class body binds its attributes (and __module__, __qualname__) by name too: more names, never fewer
     assert set(code_names(code)) == {"a", "b", "c", "e", "f", "g", "h", "i", "j", "K", "m", "l", "__name__",
                                      "__module__", "__qualname__"}
+
+
+@pytest.mark.slow
+def test_the_batch_search_fakes_every_name_once_a_size_used_a_tensor_reach_did_not_find(ip, gpumem):
+    run(ip, """
+import torch, weakref
+from torch import nn
+torch.manual_seed(0)
+wide = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+sgd = torch.optim.SGD(wide.parameters(), lr=0.1, momentum=0.9)
+SCALE_M = torch.full((1024,), 0.5)
+def scale_m(out):
+    return out * SCALE_M
+scale_ref = weakref.ref(scale_m)
+def direct(x):
+    sgd.zero_grad()
+    scale_m(wide(x)).pow(2).mean().backward()
+    sgd.step()
+def through_ref(x):
+    sgd.zero_grad()
+    scale_ref()(wide(x)).pow(2).mean().backward()
+    sgd.step()
+""")
+    x = torch.randn(8, 1024)  # as tests/test_estimate.py's boundary search: about 5,700 on 900 MiB
+    found = ipy_gpumem.max_batch_size(ip.user_ns["direct"], x, gpu=900 << 20)
+    again = ipy_gpumem.max_batch_size(ip.user_ns["through_ref"], x, gpu=900 << 20)
+    assert int(found) == int(again) > 8 and found.tried == again.tried
+    assert WHOLE_NOTE in again.estimate.notes and WHOLE_NOTE not in found.estimate.notes
