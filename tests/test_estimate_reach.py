@@ -299,10 +299,17 @@ def deco(fn):
 @deco
 def wrapped():
     return T9
+class Sample:
+    def __init__(self, i):
+        self.i = i
+    def weigh(self):
+        return T10 * self.i
+samples = [Sample(i) for i in range(1000)]  # proven to hold no tensor in C, a type at a time
+T10 = torch.zeros(1)
 """
-    found, ns = _names(source, "helper(); obj[0]; part(); next(g); cached(); wrapped(); p.data")
+    found, ns = _names(source, "helper(); obj[0]; part(); next(g); cached(); wrapped(); samples[0].weigh(); p.data")
     assert {"helper", "T1", "obj", "T2", "T3", "T4", "T5", "part", "T6", "g", "T7", "cached", "T8",
-            "wrapped", "T9"} <= found, sorted(found)
+            "wrapped", "T9", "samples", "T10"} <= found, sorted(found)
     assert "UNUSED" not in found and "data" not in found  # ``p.data`` is an attribute, not the name
     assert reach(api(), ns, roots=[ns["obj"]]) >= {"T2", "T3", "T4", "T5"}
 

@@ -241,6 +241,8 @@ class _Reach:
                     group = [v for v in items if type(v) is tp]
                     if len(group) > 1 and self.walk.inert(tp, group, 1):
                         stop.add(tp)
+                        if kind == OBJECT:
+                            self.klass(tp)  # proven to hold no tensor, but their methods' code reads names
         if len(stop) == len(tps):
             return
         self.stack.extend(v for v in items if type(v) not in stop)
