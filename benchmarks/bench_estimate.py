@@ -15,10 +15,12 @@ took (in the order tried) and the CPU time of the sealed copies. The estimate at
 precision on the models of tests/test_estimate_batch.py, with and without the CPU kernels' scratch; the
 caching allocator's steady state against two calls for a BERT-base-like fine-tune on an A100; and GPT-2
 small at 8 x 1024 on a T4 with the attention kernel the GPU picks against the math kernel (the CPU's
-choice, which the estimate used to inherit). Prints markdown tables.
+choice, which the estimate used to inherit). An estimate beside N unrelated tensors in its namespace,
+every name faked (as before) against what the step reaches (now). Prints markdown tables.
 
     python benchmarks/bench_estimate.py [--skip-zoo] [--skip-gpt2] [--skip-captures] [--skip-loop] [--skip-max-batch]
-        [--skip-batch] [--skip-steady] [--skip-attention] [--only NAME,...]
+        [--skip-batch] [--skip-steady] [--skip-attention] [--skip-namespace] [--only NAME,...]
+        [--namespace-sizes 0,20000,100000] [--no-namespace-big]
         [--max-batch-against OLD/batch.py] [--max-batch-gpt2-small] [--gpu A100-80]
 """
 from __future__ import annotations
@@ -354,12 +356,79 @@ def attention_table(gpu="T4"):
     print()
 
 
+STEP_SOURCE = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+opt = torch.optim.AdamW(model.parameters())
+x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+def step():
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+"""
+STEP_CELL = "opt.zero_grad()\nloss = nn.functional.cross_entropy(model(x), y)\nloss.backward()\nopt.step()\n"
+
+
+def namespace_table(sizes=(0, 20_000, 100_000), big=True):
+    """An estimate of one small MLP step beside N unrelated tensors in its namespace: faking every name (what
+    the estimate did before it followed the step's reach; ``whole=True`` now) against faking what the step
+    reaches, side by side in this process, through ``estimate()`` and the ``%%gpumem --estimate`` path."""
+    import torch
+
+    from ipy_gpumem.preflight.cell import cell_program, run_cell
+    from ipy_gpumem.preflight.child import estimate_here
+    from ipy_gpumem.preflight.run import answer_of, sealed
+
+    def timed(ns, cell, whole):
+        began = time.perf_counter()
+        if cell:
+            program = cell_program(STEP_CELL)
+            value, notes = sealed(estimate_here, run_cell, (ns, program), {}, label="cuda:0", costs={}, gpu="T4",
+                                  namespace=ns, program=program, whole=whole, timeout_s=600)
+        else:
+            value, notes = sealed(estimate_here, ns["step"], (), {}, label="cuda:0", costs={}, gpu="T4", namespace=ns,
+                                  whole=whole, timeout_s=600)
+        est, _marks, names = answer_of(value, notes)
+        return time.perf_counter() - began, est, names
+
+    print("| unrelated in the namespace | path | every name faked (before) | what the step reaches (now) | "
+          "same figures | names faked (now) |")
+    print("|---|---|---:|---:|---|---|")
+    rows = [(n, 0) for n in sizes] + ([(200_000, 2_000_000)] if big else [])
+    for tensors, dicts in rows:
+        ns = {}
+        exec(STEP_SOURCE, ns)  # noqa: S102
+        ns["junk"] = [torch.zeros(4) for _ in range(tensors)]
+        ns["records"] = [{"id": i} for i in range(dicts)]
+        label = f"{tensors:,} tensors" + (f" + {dicts:,} dicts" if dicts else "")
+        for cell in (False, True):
+            path = "%%gpumem --estimate" if cell else "estimate()"
+            now_s, now, names = timed(ns, cell, False)
+            if dicts:  # before: past the 300 s an estimate used to be given
+                before = "not run (past 300 s before)"
+                same = "-"
+            else:
+                before_s, then, _names = timed(ns, cell, True)
+                a, b = then.to_dict(), now.to_dict()
+                a.pop("seconds"), b.pop("seconds")
+                before, same = f"{before_s:.2f} s", "yes" if a == b else "NO"
+            print(f"| {label} | {path} | {before} | {now_s:.2f} s | {same} | {', '.join(names)} |", flush=True)
+        del ns
+    print()
+
+
 def main():
     parser = argparse.ArgumentParser()
-    for name in ("zoo", "gpt2", "captures", "loop", "max_batch", "batch", "steady", "attention"):
+    for name in ("zoo", "gpt2", "captures", "loop", "max_batch", "batch", "steady", "attention", "namespace"):
         parser.add_argument(f"--skip-{name.replace('_', '-')}", action="store_true")
     parser.add_argument("--only", default="", help="comma-separated tables to run (zoo, captures, loop, max_batch, "
-                                                   "gpt2, batch, steady, attention)")
+                                                   "gpt2, batch, steady, attention, namespace)")
+    parser.add_argument("--namespace-sizes", default="0,20000,100000",
+                        help="unrelated tensors in the namespace table, comma-separated")
+    parser.add_argument("--no-namespace-big", action="store_true",
+                        help="leave out the namespace table's 200k tensors + 2M dicts row")
     parser.add_argument("--max-batch-against", metavar="BATCH_PY",
                         help="another version of ipy_gpumem/preflight/batch.py, each search run with both")
     parser.add_argument("--max-batch-gpt2-small", action="store_true", help="the GPT-2-small search in that table too")
@@ -387,6 +456,8 @@ def main():
         steady_table(args.gpu)
     if wanted("attention"):
         attention_table("T4")
+    if wanted("namespace"):
+        namespace_table(tuple(int(n) for n in args.namespace_sizes.split(",")), not args.no_namespace_big)
     print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
 
 

@@ -126,7 +126,7 @@ def _search(step, args, kwargs, card, costs, base, shapes, batch_dim, limit, nam
     from ..tensors.torch_api import api
     from .child import estimate_here
     from .result import EstimateError
-    from .run import answer_of
+    from .run import WHOLE_NOTE, answer_of
 
     with unreported(), api().fake_tensor_mode()():
         # FakeTensorMode's first use costs about a second: paid here, once, for every trial (what it
@@ -137,6 +137,14 @@ def _search(step, args, kwargs, card, costs, base, shapes, batch_dim, limit, nam
     needs: Dict[int, tuple] = {}  # the least room each fits in, where asked (least_room)
     estimates: Dict[int, object] = {}
     room = card.capacity - sum(costs.values())  # what fits() gives the allocator model
+    whole = []  # set once a size's step used a tensor the reach did not find: every name is faked from then on
+
+    def trial(batch: dict):
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise EstimateError(f"the batch search ran out of time after trying {sorted(tried)}")
+        return run_sealed(estimate_here, step, args, kwargs, label="cuda:0", costs=costs, gpu=card.name,
+                          namespace=namespace, batch=batch, deadline_s=left, whole=bool(whole))
 
     def at(n: int):
         if n not in tried:
@@ -145,18 +153,17 @@ def _search(step, args, kwargs, card, costs, base, shapes, batch_dim, limit, nam
                 new = list(shape)
                 new[batch_dim] = n
                 batch[key] = tuple(new)
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                raise EstimateError(f"the batch search ran out of time after trying {sorted(tried)}")
-            outcome = run_sealed(estimate_here, step, args, kwargs, label="cuda:0", costs=costs, gpu=card.name,
-                                 namespace=namespace, batch=batch, deadline_s=left)
+            outcome = trial(batch)
+            if not whole and outcome.error is not None and outcome.error.attrs.get("reach_missed") is True:
+                whole.append(True)
+                outcome = trial(batch)
             if not outcome.ok:
                 if outcome.error is not None:
                     raise EstimateError(outcome.error.message, outcome.error.attrs.get("line"))
                 why = outcome.exit or outcome.broken or ("it waited forever on a lock" if outcome.stuck else
                                                          "out of time")
                 raise EstimateError(f"the estimate at batch {n} did not finish ({why})")
-            est, _marks, _names = answer_of(outcome.value, [])
+            est, _marks, _names = answer_of(outcome.value, [WHOLE_NOTE] if whole else [])
             fit = est.fits(card)
             tried[n] = (bool(fit), est.total_needed)
             events[n] = est.events

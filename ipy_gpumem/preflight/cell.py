@@ -20,7 +20,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .child import RUNNERS, estimate_here
+from .child import RUNNERS
 from .result import Estimate, EstimateError, Fit
 
 __all__ = ["CellProgram", "CellEstimate", "LineEstimate", "cell_program", "run_cell", "estimate_cell",
@@ -285,16 +285,16 @@ def estimate_cell(source: str, namespace: Dict[str, Any], gpu: Any = None, first
         ValueError: ``gpu`` names no known card.
     """
     from .gpus import fixed_costs
-    from .run import TIMEOUT_S, answer_of, check_timeout, device_label, sealed
+    from .run import TIMEOUT_S, answer_of, check_timeout, device_label, sealed_estimate
 
     card, note = _card(gpu)
     program = cell_program(source, first_line)
     label = device_label(device)
     cuda = label.startswith("cuda")
     costs = fixed_costs(card) if cuda else {}
-    value, notes = sealed(estimate_here, run_cell, (namespace, program), {}, label=label, costs=costs,
-                          gpu=card.name if cuda else None, namespace=namespace, program=program,
-                          timeout_s=TIMEOUT_S if budget_s is None else check_timeout(budget_s, "budget_s"))
+    value, notes = sealed_estimate(run_cell, (namespace, program), {}, label=label, costs=costs,
+                                   gpu=card.name if cuda else None, namespace=namespace, program=program,
+                                   timeout_s=TIMEOUT_S if budget_s is None else check_timeout(budget_s, "budget_s"))
     est, marks, names = answer_of(value, notes)
     lines = line_estimates(est, marks)
     fit = est.fits(card) if card is not None and cuda else None

@@ -30,10 +30,14 @@ __all__ = ["estimate_here", "RUNNERS"]
 
 def estimate_here(step: Any, args: tuple, kwargs: dict, *, label: str, costs: Dict[str, int], gpu: Optional[str],
                   namespace: Optional[dict] = None, batch: Optional[Dict[int, tuple]] = None,
-                  program: Any = None, notes: Tuple[str, ...] = ()) -> Tuple[dict, list, list]:
+                  program: Any = None, notes: Tuple[str, ...] = (), whole: bool = False) -> Tuple[dict, list, list]:
     """Estimate ``step(*args, **kwargs)`` here (in the sealed child), as plain data: ``(the estimate's
     to_plain(), the markers' (event, line, call) of a cell as one flat list of ints, the namespace's
-    names that held tensors)``; ``run.answer_of`` rebuilds them in the parent. Raises :class:`EstimateError`."""
+    names that held tensors)``; ``run.answer_of`` rebuilds them in the parent. Raises :class:`EstimateError`.
+
+    The names of ``namespace`` faked are those the step (a cell: ``program``'s code) can reach
+    (``tensors.reach``); ``whole``: every name. A step that then uses a real tensor raises an
+    EstimateError with ``reach_missed`` set, so that the parent estimates again with ``whole``."""
     began = time.perf_counter()
     api = torch_api()
     if api is None:
@@ -56,13 +60,18 @@ def estimate_here(step: Any, args: tuple, kwargs: dict, *, label: str, costs: Di
     with unreported():
         _journals_in_memory(namespace)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    world = FakeWorld(api, fake_mode, [("step", step), ("args", args), ("kwargs", kwargs)], namespace=namespace,
-                      batch=batch)
+    names = None if whole or namespace is None else _reached(api, namespace, step, args, kwargs, program)
+    # A cell's step is run_cell(namespace, program): the namespace is faked name by name, never again as
+    # an argument (that faked each of its tensors a second time, and the first fakes, dropped when the
+    # run began, counted in the peak until then: every tensor a name held, used or not).
+    roots = [] if program is not None else [("step", step), ("args", args), ("kwargs", kwargs)]
+    world = FakeWorld(api, fake_mode, roots, namespace=namespace, batch=batch, names=names)
     try:
         world.substitute()
     except SubstitutionError as exc:
         raise EstimateError(str(exc)) from None
-    step, args, kwargs = world.root("step"), world.root("args"), world.root("kwargs")
+    if roots:
+        step, args, kwargs = world.root("step"), world.root("args"), world.root("kwargs")
     existing, world.existing = world.existing, []
     tracker = StorageTracker(fake=True, redirect=to_cpu)
     printed = io.StringIO()
@@ -76,7 +85,10 @@ def estimate_here(step: Any, args: tuple, kwargs: dict, *, label: str, costs: Di
         except EstimateError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported with the user's line, never a raw traceback
-            raise explain_error(exc) from None
+            err = explain_error(exc)
+            if world.partial and getattr(err, "real_tensor", False):
+                err.reach_missed = True  # read by a way its code does not show: the parent fakes every name
+            raise err from None
     notes = list(notes) + loader_notes()
     if printed.getvalue():
         notes.append(f"the step printed {len(printed.getvalue().splitlines())} line(s) on fake values; not shown")
@@ -99,6 +111,15 @@ def estimate_here(step: Any, args: tuple, kwargs: dict, *, label: str, costs: Di
                    gpu=gpu, cublas_workspaces=cuda_run.workspaces.total if cuda_run is not None else 0,
                    attention=attention, **facts)
     return est.to_plain(), marks, list(world.names)
+
+
+def _reached(api, namespace: dict, step, args, kwargs, program) -> Optional[frozenset]:
+    """The names of ``namespace`` the step can reach (a cell's: its code's), or None (all of them)."""
+    from ..tensors.reach import reach
+
+    if program is not None:
+        return reach(api, namespace, codes=[program.code])
+    return reach(api, namespace, roots=[step, args, kwargs])
 
 
 def _gpu_notes(cuda_run, gpu: Optional[str]) -> list:

@@ -14,8 +14,8 @@ from typing import Any, List, Optional, Tuple
 from .result import Estimate, EstimateError
 from .steps import line_words
 
-__all__ = ["estimate", "device_label", "sealed", "answer_of", "check_step", "check_timeout", "TIMEOUT_S",
-           "resolve_costs", "user_globals_of"]
+__all__ = ["estimate", "device_label", "sealed", "sealed_estimate", "answer_of", "WHOLE_NOTE", "check_step",
+           "check_timeout", "TIMEOUT_S", "resolve_costs", "user_globals_of"]
 
 
 def device_label(device) -> str:
@@ -91,11 +91,40 @@ def sealed(fn, *args, timeout_s: float, **kwargs) -> Tuple[Any, List[str]]:
             failure = err.attrs.get("failure")
             if isinstance(failure, dict) and outcome.refused and refusal_caused(failure):
                 raise EstimateError(refusal_message(failure, outcome.refused), line)
-            raise EstimateError(err.message, line)
+            error = EstimateError(err.message, line)
+            error.reach_missed = err.attrs.get("reach_missed") is True
+            raise error
         raise EstimateError(f"the estimate failed: {err.type_name}: {err.message}")
     if not outcome.ok:
         raise EstimateError(f"the estimate's sealed copy of this process ended without an answer ({outcome.exit})")
     return outcome.value, notes
+
+
+#: Said when a step used a tensor its code did not show the way to, and was estimated again.
+WHOLE_NOTE = ("the step used a tensor that reading its code did not lead to (a name computed when it runs?): it "
+              "was estimated again with every tensor of your namespace faked")
+
+
+def sealed_estimate(*args, timeout_s: float, **kwargs) -> Tuple[Any, List[str]]:
+    """``child.estimate_here(*args, **kwargs)`` in a sealed child, as :func:`sealed`, faking the names the
+    step reaches; once more faking every name (within what is left of ``timeout_s``, and said in a note)
+    when the step used a real tensor that reach did not find."""
+    import time
+
+    from .child import estimate_here
+
+    began = time.monotonic()
+    try:
+        return sealed(estimate_here, *args, timeout_s=timeout_s, **kwargs)
+    except EstimateError as exc:
+        if not getattr(exc, "reach_missed", False):
+            raise
+    left = timeout_s - (time.monotonic() - began)
+    if left <= 0:
+        raise EstimateError(f"the estimate took longer than {timeout_s:g} s and was stopped (nothing of it ran in "
+                            "this process); pass a larger timeout_s, or estimate a smaller step")
+    value, notes = sealed(estimate_here, *args, timeout_s=left, whole=True, **kwargs)
+    return value, notes + [WHOLE_NOTE]
 
 
 def answer_of(value, notes: List[str]) -> Tuple[Estimate, List[tuple], Tuple[str, ...]]:
@@ -185,15 +214,13 @@ def estimate(step, *args, device="cuda", gpu=None, timeout_s: float = TIMEOUT_S,
         EstimateError: the step cannot run on fake tensors (the message names the line), was
             stopped, or cannot be sealed here (no ``os.fork``).
     """
-    from .child import estimate_here
-
     timeout_s = check_timeout(timeout_s)
     check_step(step)
     label = device_label(device)
     costs, gpu_name = resolve_costs(label, gpu)
     namespace = user_globals_of(step)
-    value, notes = sealed(estimate_here, step, args, kwargs, label=label, costs=costs, gpu=gpu_name,
-                          namespace=namespace, batch=_batch, timeout_s=timeout_s)
+    value, notes = sealed_estimate(step, args, kwargs, label=label, costs=costs, gpu=gpu_name,
+                                   namespace=namespace, batch=_batch, timeout_s=timeout_s)
     return answer_of(value, notes)[0]
 
 

@@ -98,6 +98,7 @@ def explain_error(exc) -> EstimateError:
     import errno as errnos
 
     name = type(exc).__name__
+    real = False  # the step used a real tensor: one the world did not fake
     where = _where(exc)
     at = line_words((where[0], where[1], "", where[2])) if where else "the step"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else name
@@ -109,11 +110,13 @@ def explain_error(exc) -> EstimateError:
     elif "convert all Tensors to FakeTensors" in text or "non-Fake Tensor" in text or "real tensor" in text.lower():
         message = (f"{at} uses a real tensor that is not reachable from the step's arguments, globals or "
                    "closure (an attribute of a module-level object?); pass it to estimate() as an argument.")
+        real = True
     elif "out of memory" in text.lower() or "can't allocate memory" in text:
         message = f"{at} ran out of host memory on fake tensors ({text})"
     else:
         message = f"the step failed on fake tensors at {at}: {name}: {text}"
     err = EstimateError(message, where)
+    err.real_tensor = real
     number = getattr(exc, "errno", None)
     # The parent knows what the seal refused: with it, a failure that is a refusal's doing says so (run.sealed).
     err.failure = {"type": name, "text": text, "at": at,

@@ -2,9 +2,10 @@
 
 The estimate runs in a forked copy of the user's process (``ipy_gpumem.sealed``), so nothing needs
 copying: the child's own copy of each object is changed where it stands. Every tensor reachable
-from the roots (the step, its arguments, the user's namespace, the modules and classes their code
-lives in) is swapped for a ``FakeTensor`` of the same shape, dtype, strides and storage sharing,
-through the same rules as the tensors room's walk: containers, plain objects' attributes and slots,
+from the roots (the step, its arguments, the names of the user's namespace the step can reach, the
+modules and classes their code lives in) is swapped for a ``FakeTensor`` of the same shape, dtype,
+strides and storage sharing, through the same rules as the tensors room's walk: containers, plain
+objects' attributes and slots,
 nn.Modules (their ``_parameters``, ``_buffers`` and other attributes), optimizers (``state`` is
 keyed by parameters: re-keyed by their fakes), closure cells, default arguments, class and module
 globals. Immutable containers (tuples, named tuples, frozensets, partials) are rebuilt and put back
@@ -17,12 +18,18 @@ state, a previous output and its graph exist before the first call and are count
 what the step frees or replaces (``zero_grad()`` clearing the previous gradients, a buffer
 re-assigned) is freed or replaced in the estimate too. The roles of what exists come from the
 tensors room's walk of the real objects, before they are swapped.
+
+The names are those the step's code reads, followed through what they hold (``tensors.reach``):
+a tensor no reached name holds is not faked, nor walked, so an unrelated list of a hundred
+thousand tensors costs nothing, and an object that cannot be faked stops only a step that uses it.
+A tensor the step never touches would count nothing anyway (``steps.analyse`` leaves out what was
+there and never used). Where the reach cannot be told, every name is faked, as before.
 """
 from __future__ import annotations
 
 import functools
 import types
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Collection, Dict, List, Optional, Tuple
 
 from ..tensors.kinds import CLASS, DICT, FUNC, MODOBJ, MODULE, OBJECT, OPTIM, PARAM, SEQ, TENSOR
 from ..tensors.module_tables import hook_tables, submodules, tensor_tables
@@ -52,6 +59,9 @@ class FakeWorld:
             only registers what exists: how the tests count a real run the same way).
         roots: ``(name, object)`` pairs to substitute through (``args``, the step, the namespace...).
         namespace: the user's namespace (substituted in place, and the walk's roles come from it).
+        names: the names of ``namespace`` the step can reach (``tensors.reach``): only those are
+            substituted and walked for roles; None: every name (the step reads names in a way that
+            cannot be followed, or the world is registered whole, as the tests count it).
         batch: ``{id(real tensor): new shape}``: those are faked at another shape (the batch search).
         cpu: make every fake a CPU fake (a CUDA run is computed on the CPU; its fakes stand for CUDA ones).
 
@@ -61,12 +71,13 @@ class FakeWorld:
     """
 
     def __init__(self, api: Any, fake_mode: Any, roots: List[Tuple[str, Any]], namespace: Optional[dict] = None,
-                 batch: Optional[Dict[int, tuple]] = None, cpu: bool = True):
+                 batch: Optional[Dict[int, tuple]] = None, cpu: bool = True, names: Optional[Collection[str]] = None):
         self.api = api
         self.torch = api.torch
         self.mode = fake_mode
         self.roots = roots
         self.namespace = namespace
+        self.only = None if names is None or namespace is None else frozenset(names)
         self.batch = batch or {}
         self.cpu = cpu
         self.existing: List[Tuple[Any, str]] = []
@@ -82,9 +93,19 @@ class FakeWorld:
         self._path: List[str] = []
 
     # -- roles, from the walk of the real world ------------------------------------------------------
+    @property
+    def partial(self) -> bool:
+        """Only the names the step reaches are faked (not the whole namespace)."""
+        return self.only is not None
+
     def _walk_roles(self) -> None:
-        walk = Walk(self.api, self.namespace, extra=[(name, obj) for name, obj in self.roots], budget_s=5.0,
-                    caches=False)
+        namespace, whole = self.namespace, None
+        if self.only is not None:
+            # The reached names only (their roles cannot come from a name the step does not use,
+            # nor their cost from the rest): the namespace itself is never walked as a value.
+            namespace, whole = dict(self._items(self.namespace)), self.namespace
+        walk = Walk(self.api, namespace, extra=[(name, obj) for name, obj in self.roots], budget_s=5.0,
+                    caches=False, whole=whole)
         walk.run()
         from ..tensors.claims import ROLE_ORDER
 
@@ -118,9 +139,21 @@ class FakeWorld:
         self._bases = {}
         self._fakes = {}  # the fakes must not be kept alive by us: a step that frees one frees it
 
+    def _items(self, ns: dict) -> List[Tuple[Any, Any]]:
+        """The namespace's (name, value) pairs to substitute, in its order: the reached ones, or all."""
+        only = self.only
+        if only is None:
+            return list(dict.items(ns))
+        keys = list(dict.keys(ns))
+        if set(map(type, keys)) <= {str}:  # str hashes in C: the filter runs no code of the user's
+            keys = list(filter(only.__contains__, keys))
+        else:
+            keys = [k for k in keys if type(k) is str and k in only]
+        return [(k, v) for k in keys for v in (dict.get(ns, k, _SAME),) if v is not _SAME]
+
     def _namespace(self, ns: dict) -> None:
         """The user's names in place, remembering which held tensors (for the report)."""
-        for name, value in list(dict.items(ns)):
+        for name, value in self._items(ns):
             before = self.reached
             self._path = [str(name)]
             new = self._replace(value, 0)
@@ -336,8 +369,8 @@ class FakeWorld:
             fake = self._make(real)
         except Exception as exc:  # noqa: BLE001
             where = ".".join(self._path) or "an object the step reaches"
-            raise SubstitutionError(f"a tensor held by {where} ({type(real).__name__}, shape "
-                                    f"{tuple(getattr(real, 'shape', ()))}) could not be faked: "
+            raise SubstitutionError(f"a tensor held by {where} ({type(real).__name__}, {_shape_words(real)}) "
+                                    "could not be faked: "
                                     f"{type(exc).__name__}: {exc}") from None
         self._fakes[id(real)] = fake
         self.faked += 1
@@ -389,3 +422,11 @@ class FakeWorld:
             if real_grad is not None:
                 fake.grad = torch.empty(tuple(fake.shape), dtype=real_grad.dtype, device="cpu")
         return fake
+
+
+def _shape_words(real: Any) -> str:
+    """``shape (2, 3)``, or what the tensor says instead (a nested tensor has no one shape)."""
+    try:
+        return f"shape {tuple(real.shape)}"
+    except Exception:  # noqa: BLE001
+        return "of no single shape"

@@ -152,9 +152,9 @@ class _Tier:
     """One pass of attribution: the user's names, or IPython's references. Each has its own
     seen-set, levels to open, graph roots and graph nodes."""
 
-    def __init__(self, level: int, namespace_id: int):
+    def __init__(self, level: int, namespace_ids: Iterable[int]):
         self.level = level  # USER or IPYTHON
-        self.seen: Dict[int, int] = {namespace_id: -1}  # id -> depth it was opened at
+        self.seen: Dict[int, int] = dict.fromkeys(namespace_ids, -1)  # id -> depth it was opened at
         self.levels: List[List[Tuple[int, Any, int]]] = [[] for _ in range(MAX_DEPTH + 1)]
         self.roots: List[GraphRoot] = []  # tensors with a graph
         self.spread = 0  # roots[:spread] are in ``nodes``
@@ -179,6 +179,9 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
         user_modules: walk the globals of the modules the user wrote that the names reach (through
             their functions and classes, or bound by name).
         shared_owners: name every root that shares a graph (``who()``); False: the first only.
+        whole: the namespace ``namespace`` is a part of (the estimate walks only the names a step
+            reaches): it is never walked itself, as a value or as the globals of its module, which
+            would walk every name the caller left out.
 
     After :meth:`run` the results are plain values: :attr:`claims` (storage key -> winning claim,
     whose last two fields are its bytes and Device), :attr:`info` (per owner: a module's class and
@@ -188,10 +191,13 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
     def __init__(self, api: Any, namespace: Optional[dict], *, wanted: Optional[Device] = None,
                  ipython_names: Iterable[str] = (), extra: Iterable[Tuple[str, Any]] = (), budget_s: float = 0.75,
                  max_visits: int = MAX_VISITS, start: Optional[float] = None, errors: Tuple[Any, ...] = (),
-                 caches: bool = True, user_modules: bool = True, shared_owners: bool = True):
+                 caches: bool = True, user_modules: bool = True, shared_owners: bool = True,
+                 whole: Optional[dict] = None):
         self.api = api
         self.shared_owners = shared_owners
         self.namespace = namespace if isinstance(namespace, dict) else {}
+        # the namespaces never walked as values: this one, and the one it is a part of
+        self.namespace_ids = frozenset((id(self.namespace),) + ((id(whole),) if isinstance(whole, dict) else ()))
         self.ipython_names = frozenset(ipython_names)
         self.extra = list(extra)
         self.errors_kept = errors
@@ -219,7 +225,7 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
         self._exprs: Dict[int, Tuple[int, str]] = {}
         self.order = 0
         self.visits = 0
-        self.tiers = (_Tier(USER, id(self.namespace)), _Tier(IPYTHON, id(self.namespace)))
+        self.tiers = (_Tier(USER, self.namespace_ids), _Tier(IPYTHON, self.namespace_ids))
         self.local_orders: set = set()  # orders of traceback locals, walked one level deep by design
         self.modules_to_walk: Dict[int, Tuple[str, Any]] = {}  # user modules met through functions' globals
         self.stopped: Optional[str] = None  # why a budget stopped the walk, in words
@@ -428,13 +434,13 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
     def top_modules(self, tier: _Tier) -> None:
         """The globals of the modules the user wrote that the names reach without holding them: the
         module of a function or class of theirs (``from helpers import train`` reaches ``helpers``)."""
-        ns_id = id(self.namespace)
+        own = self.namespace_ids
         for name, module in list(self.modules_to_walk.values()):
             try:
                 attrs = _MODULE_DICT.__get__(module)
             except Exception:  # noqa: BLE001
                 continue
-            if id(attrs) == ns_id or tier.seen.get(id(module), MAX_DEPTH + 1) <= 0:
+            if id(attrs) in own or tier.seen.get(id(module), MAX_DEPTH + 1) <= 0:
                 continue  # the notebook's own module is the namespace; a module a name holds is walked there
             tier.seen[id(module)] = 0
             self.order += 1
@@ -583,12 +589,12 @@ class Walk(HoldingMixin, KindsMixin, PathsMixin, GraphWalk):
         ids = list(map(id, funcs))
         library = {key: _library_function(fn) for key, fn in dict(zip(ids, funcs)).items()}  # a few functions
         # A library's own finalizers (torch registers one per operator library) are passed over in C.
-        ns_id = id(self.namespace)
+        own = self.namespace_ids
         for index in compress(range(len(infos)), map(not_, map(library.__getitem__, ids))):
             info = infos[index]
             for _step, key, value in info_parts(info, f"._registry[{index}]"):
                 kind = self.kind_of(value)
-                if not kind or id(value) == ns_id or (DICT <= kind <= OBJECT and self.scalars_only(value, kind)):
+                if not kind or id(value) in own or (DICT <= kind <= OBJECT and self.scalars_only(value, kind)):
                     continue
                 self.order += 1
                 root = self.path(-1, MODROOT, "weakref.finalize", self.order)
