@@ -128,7 +128,7 @@ class _PinsCheck:
 #: Test files whose tests each set up all they use (a kernel or a notebook of their own), spread test by
 #: test over the pytest-xdist workers; every other file runs whole on one worker, in its own order, as
 #: without xdist (module fixtures made once, tests that share artifacts/browser/ one after the other).
-SPREAD_TEST_BY_TEST = ("test_kernel_chart.py", "test_notebooks.py")
+SPREAD_TEST_BY_TEST = ("test_chart_in_kernel.py", "test_notebooks.py")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -26,7 +26,7 @@ from ipy_gpumem.attribution.who import WhoReport, who  # noqa: E402
 from ipy_gpumem.attribution.holders import Holder  # noqa: E402
 from tests.conftest import EXACT_S  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, above this room's folder
 
 # The Colab P100 user's error (seeds/000 and 001), verbatim.
 SEED = ("RuntimeError: CUDA out of memory. Tried to allocate 2.32 GiB (GPU 0; 15.78 GiB total capacity; "
@@ -522,7 +522,7 @@ def test_activations_in_a_real_forward_pass_suggest_a_batch_size():
     f = training.activations(facts_for(SMALL, who_report=report, failing_source=source, frames=frames))
     acts = report.categories["retained_graphs"]
     assert acts > 0 and f.title == f"Activations of the forward pass: {format_bytes(acts)}"
-    assert "test_diagnose.py forward()" in f.detail  # the real innermost frame
+    assert "test_oom_rules.py forward()" in f.detail  # the real innermost frame
     assert f"frees about {format_bytes(acts // 2)}" in f.detail and "batch_size=64" in f.detail
     assert "torch.autocast" in f.snippet and "checkpoint(" in f.snippet
     assert f.frees == acts // 2

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, where backend_fakes.py is
 
 from backend_fakes import (  # noqa: E402
     Calls, FakeAccelerator, FakeAmdsmi, FakeCudaModule, FakeMps, FakeXpu, Refused, RefusingNvml, fake_torch,

@@ -18,7 +18,7 @@ from ipy_gpumem.core.probes import HostSample, MemoryProbe, Sample
 from ipy_gpumem.core.units import MiB
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact RSS needs procfs")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/chart/ -> the checkout
 
 
 class ExplodingProbe:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import EXACT_S
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/whole/ -> the checkout
 DOCS = os.path.join(ROOT, "docs")
 SNAPSHOTS = os.path.join(ROOT, "tests", "fixtures", "snapshots")
 PAGES = ["README.md"] + sorted(os.path.join("docs", n) for n in os.listdir(DOCS) if n.endswith(".md"))

@@ -12,7 +12,7 @@ import tarfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/whole/ -> the checkout
 
 
 def _setup_module():

@@ -15,7 +15,7 @@ from ipy_gpumem.snapshots.report import SnapshotReport
 from ipy_gpumem.snapshots.schema import parse
 from ipy_gpumem.snapshots.trace import Trace
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "snapshots")
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "snapshots")
 CAPTURES = sorted(f for f in os.listdir(HERE) if f.endswith(".pickle.gz"))
 
 

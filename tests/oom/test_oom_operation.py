@@ -30,7 +30,7 @@ from ipy_gpumem.oom.parse import parse_oom  # noqa: E402
 from ipy_gpumem.oom.parse.report import OomReport  # noqa: E402
 from ipy_gpumem.oom.stack import phase_of, recorded_stack  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, above this room's folder
 with open(os.path.join(HERE, "fixtures", "oom_stacks.json"), encoding="utf-8") as _f:
     STACKS = json.load(_f)["stacks"]
 
@@ -302,7 +302,7 @@ def test_a_snapshots_oom_with_no_python_frame_is_named_by_what_made_it():
     """The snapshot report's OOM lines for an allocation on autograd's device thread (C++ frames only): built from
     the test fixture of the real Constructor-Sun snapshot, its OOM event given the C++ frames of JasperSolt's real
     CudnnBatchNormBackward0 allocation (a CONSTRUCTED pairing of two real captures)."""
-    from test_snapshots import raw
+    from tests.snapshots.test_snapshots import raw
 
     from ipy_gpumem.snapshots.view import open_snapshot
 

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import run  # noqa: E402
-from test_diagnose import V5  # noqa: E402
+from test_oom_rules import V5  # noqa: E402
 
 import ipy_gpumem  # noqa: E402
 from ipy_gpumem.core.devices import cuda  # noqa: E402
@@ -385,4 +385,4 @@ def test_the_analysis_never_calls_preflight_code_that_runs_a_step(monkeypatch):
     a = analyse(parse_oom(str(exc)), failing, namespace=ns, records=[failing], tb=exc.__traceback__, env={},
                 modules=())
     assert a.errors == () and a.batch is not None and a.batch.size == 32
-    assert not os.path.exists(os.path.join(os.path.dirname(__file__), "..", "ipy_gpumem", "oom", "fitting.py"))
+    assert not os.path.exists(os.path.join(os.path.dirname(__file__), "..", "..", "ipy_gpumem", "oom", "fitting.py"))

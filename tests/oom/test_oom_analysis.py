@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import FakeCuda, ScriptedCudaProbe  # noqa: E402
-from test_diagnose import SEED, V5, Seed  # noqa: E402
+from test_oom_rules import SEED, V5, Seed  # noqa: E402
 
 from ipy_gpumem.core.devices import HOST, cuda  # noqa: E402
 from ipy_gpumem.core.memory import DeviceMemory  # noqa: E402

@@ -32,7 +32,7 @@ import sys
 
 import pytest
 
-PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ipy_gpumem")
+PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ipy_gpumem")
 
 #: Each room and its level; a module may import rooms at a lower level, or its own room.
 LEVELS = {"core": 0, "tensors": 1, "display": 1, "sealed": 1, "attribution": 2, "chart": 2, "anatomy": 3,

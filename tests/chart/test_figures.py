@@ -352,7 +352,7 @@ def test_plotly_stays_off_the_figure_path():
 
 
 def test_cell_waterfall_has_a_bar_per_line_stacked_by_role_with_hovers():
-    from test_svgchart import _training_record
+    from test_svg import _training_record
 
     from ipy_gpumem.chart.figures.cell import cell_figure
     from ipy_gpumem.chart.style import ROLE_COLORS

@@ -20,7 +20,7 @@ from ipy_gpumem.snapshots.replay import rounder
 from ipy_gpumem.snapshots.sites import site_of
 from ipy_gpumem.snapshots.view import open_snapshot
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "snapshots")
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "snapshots")
 CAPTURES = sorted(f for f in os.listdir(HERE) if f.endswith(".pickle.gz"))
 MiB, GiB = 2**20, 2**30
 

@@ -36,7 +36,7 @@ from ipy_gpumem.preflight.gpus import GPUS, CONTEXT_BYTES, cublas_workspace, fix
 from ipy_gpumem.tensors.torch_api import api  # noqa: E402
 from ipy_gpumem.tensors.tracker import StorageTracker  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, above this room's folder
 FIXTURE = os.path.join(HERE, "fixtures", "sil_captures.json")
 CAPTURES = os.path.join(os.path.dirname(HERE), "..", "shared", "gpu-captures")
 MiB = 1 << 20

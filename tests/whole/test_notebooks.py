@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, needs_nbclient,
               pytest.mark.skipif(importlib.util.find_spec("nbconvert") is None, reason="nbconvert is not installed")]
 
-NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "notebooks")
 
 
 def readme_demo_args():

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ipy_gpumem.oom.parse import CONFIDENCES, KINDS, SIZE_FIELDS, OomReport, parse_oom
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, above this room's folder
 SAMPLES_PATH = os.path.join(HERE, "fixtures", "oom-samples.jsonl")
 
 NUMBER_FIELDS = SIZE_FIELDS + ("gpu_index",)

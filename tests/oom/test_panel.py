@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from test_diagnose import SEED, SEED_FRAMES, SEED_SOURCE, V5, Seed  # noqa: E402
+from test_oom_rules import SEED, SEED_FRAMES, SEED_SOURCE, V5, Seed  # noqa: E402
 
 from ipy_gpumem.core.devices import HOST, Device, cuda  # noqa: E402
 from ipy_gpumem.core.memory import DeviceMemory  # noqa: E402

@@ -8,7 +8,7 @@ from kernel_helpers import execute, needs_nbclient, outputs, plain
 
 pytestmark = [pytest.mark.slow, pytest.mark.compat, needs_nbclient]
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "snapshots")
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "snapshots")
 OOM = os.path.join(HERE, "Constructor-Sun_memory_snapshot.pickle.gz")  # an OOM on cuda:1, 3 devices
 TIMED = os.path.join(HERE, "magma27.pickle.gz")
 PLOTLY = "application/vnd.plotly.v1+json"
