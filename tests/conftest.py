@@ -177,6 +177,22 @@ def restore_user_ns(ip):
 
 
 @pytest.fixture
+def default_threshold(request):
+    """The tests that use ``gpumem`` run at the default threshold whatever earlier tests configured on the shared
+    shell (a module applies it to all its tests: ``pytestmark = pytest.mark.usefixtures("default_threshold")``)."""
+    if "gpumem" not in request.fixturenames:
+        yield
+        return
+    magics = request.getfixturevalue("gpumem")
+    before = magics.threshold
+    magics.threshold = "16 MiB"
+    try:
+        yield
+    finally:
+        magics.threshold = before
+
+
+@pytest.fixture
 def gpumem(ip):
     """The extension loaded on the test shell; unloaded (and checked clean) afterwards."""
     ip.run_line_magic("load_ext", "ipy_gpumem")

@@ -7,23 +7,8 @@ import pytest
 
 from conftest import run, texts
 
-# Names a test makes in the suite's shared shell are removed after it.
-pytestmark = pytest.mark.usefixtures("restore_user_ns")
-
-
-@pytest.fixture(autouse=True)
-def _default_threshold(request):
-    """Shell tests run at the default threshold whatever earlier tests configured on the shared shell."""
-    if "gpumem" not in request.fixturenames:
-        yield
-        return
-    magics = request.getfixturevalue("gpumem")
-    before = magics.threshold
-    magics.threshold = "16 MiB"
-    try:
-        yield
-    finally:
-        magics.threshold = before
+# Each test runs at the default threshold, and the names it makes in the suite's shared shell are removed after it.
+pytestmark = pytest.mark.usefixtures("default_threshold", "restore_user_ns")
 
 
 @pytest.mark.parametrize("size", ["0", "-5", "0MiB", "-1.5GiB", "0.4"])

@@ -9,27 +9,12 @@ import pytest
 from conftest import run, texts
 from kernel_helpers import execute, plain
 
-# Names a test makes in the suite's shared shell are removed after it.
-pytestmark = pytest.mark.usefixtures("restore_user_ns")
+# Each test runs at the default threshold, and the names it makes in the suite's shared shell are removed after it.
+pytestmark = pytest.mark.usefixtures("default_threshold", "restore_user_ns")
 
 torch = pytest.importorskip("torch")
 
 MiB = 2**20
-
-
-@pytest.fixture(autouse=True)
-def _default_threshold(request):
-    """Shell tests run at the default threshold whatever earlier tests configured on the shared shell."""
-    if "gpumem" not in request.fixturenames:
-        yield
-        return
-    magics = request.getfixturevalue("gpumem")
-    before = magics.threshold
-    magics.threshold = "16 MiB"
-    try:
-        yield
-    finally:
-        magics.threshold = before
 
 
 def _rec(gpumem):
