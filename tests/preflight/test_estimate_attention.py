@@ -3,7 +3,7 @@
 The rules are torch 2.13's (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``,
 ``sdp_utils_cpp.h``, ``attention.cpp``); the table below restates them case by case, each row naming
 the check that decides it. The model tests build GPT-2 from a config (``transformers``, no
-download), as ``tests/test_real_models.py`` does, and estimate a training step at 8 x 1024 tokens,
+download), as ``tests/whole/test_real_models.py`` does, and estimate a training step at 8 x 1024 tokens,
 with one layer (what a kernel keeps is per layer; a second layer doubled the time and proved nothing
 more), the estimates the tests share made once.
 """

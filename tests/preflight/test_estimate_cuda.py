@@ -16,7 +16,7 @@ below is that code with the edits the snapshot's frames show (positions computed
 each block's output kept in a second name, a dict returned), einops spelled as the torch calls it
 makes. It allocates the capture's 1,362 (fp32) and 1,874 (bf16) events, size for size, in order.
 
-Rebuild the fixture from the pickles: ``python tests/test_estimate_cuda.py ../shared/gpu-captures``.
+Rebuild the fixture from the pickles: ``python tests/preflight/test_estimate_cuda.py ../shared/gpu-captures``.
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ print("THIS MUST NOT APPEAR")
 """
 
 
-#: The usual training loop (tests/test_estimate_loop.py has the same in the shared shell).
+#: The usual training loop (tests/preflight/test_estimate_loop.py has the same in the shared shell).
 LOOP_SETUP = """
 import torch
 from torch import nn

@@ -212,7 +212,7 @@ SCENARIOS = {
 
 #: Room for each cell end's count in the kernel (the per-cell budget's floor and ceiling at 5 s): a count its budget
 #: stopped names no growth, by design, and a loaded machine stopped the out_cache scenario's three times in a CI
-#: dry run. The leaks are what these tests are about, not the budget (tests/test_anatomy.py tests that).
+#: dry run. The leaks are what these tests are about, not the budget (tests/anatomy/test_anatomy.py tests that).
 ROOM = "import ipy_gpumem.cell.budget as _room\n_room.FLOOR_S = _room.CEILING_S = 5.0\ndel _room"
 
 

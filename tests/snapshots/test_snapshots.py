@@ -245,7 +245,7 @@ def test_magic_unknown_device(ip, gpumem):
 class RecorderReplay:
     """A stand-in for torch's CUDA history recorder (no GPU here), labelled as such: it hands back a
     real capture (bcrafton's, recorded on a GPU) and notes every call, so the start/stop protocol of
-    ``%%gpumem --trace`` is checked; tests/test_gpu.py runs the real recorder."""
+    ``%%gpumem --trace`` is checked; tests/whole/test_gpu.py runs the real recorder."""
 
     def __init__(self, users_on):
         self.on = users_on

@@ -17,7 +17,7 @@ shows no widget error and a figure where each live one was, at the output's widt
 sidebar`` shows the chart inline within 2 s, where it moves, and the line says why. In both: no error,
 traceback or widget error in any output.
 
-Run with ``IPY_GPUMEM_BROWSER=1 python -m pytest tests/test_browser.py -q``. Screenshots, the browser
+Run with ``IPY_GPUMEM_BROWSER=1 python -m pytest tests/whole/test_browser.py -q``. Screenshots, the browser
 console, the server log and every observation land in ``artifacts/browser/``; ``IPY_GPUMEM_UPDATE_DOCS=1``
 also copies the JupyterLab page with the sidebar to ``docs/chart-jupyterlab.png``.
 """

@@ -184,7 +184,7 @@ def test_trace_records_the_cell_and_names_its_lines(ip, gpumem):
 
 
 def test_a_traced_out_of_memory_gets_one_panel_from_the_recording(ip, gpumem):
-    """The real path of what tests/test_snapshots.py checks with a stand-in recorder: a cell that
+    """The real path of what tests/snapshots/test_snapshots.py checks with a stand-in recorder: a cell that
     asks for more than the card under ``--trace``: one panel, its numbers the recorded ones."""
     import torch
 
