@@ -16,8 +16,6 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from ipy_gpumem.core.devices import HOST, Device, cuda  # noqa: E402
 from ipy_gpumem.attribution.who import CATEGORIES, WhoReport, who  # noqa: E402
@@ -29,6 +27,7 @@ who_module = importlib.import_module("ipy_gpumem.attribution.who")
 storage_module = importlib.import_module("ipy_gpumem.tensors.storage")
 from ipy_gpumem.tensors.torch_api import api as torch_api  # noqa: E402
 from tests.conftest import EXACT_S  # noqa: E402
+from live_storages import LiveStorages  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -67,41 +66,6 @@ def holder(report, name):
     rows = [row for row in report.holders if row.name == name]
     assert len(rows) == 1, (name, report.holders)
     return rows[0]
-
-
-class LiveStorages(TorchDispatchMode):
-    """Exact live-byte accounting: a ``weakref.finalize`` on every storage an op returns.
-
-    Storage Python objects are preserved for as long as the C++ storage lives, so the
-    finalizer runs exactly when the memory is released.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.freed = 0
-        self.ops = 0
-        self._nbytes = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.ops += 1
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
-
-    def _track(self, t):
-        try:
-            st = t.untyped_storage()
-        except Exception:
-            return
-        key = id(st)
-        if key not in self._nbytes:
-            weakref.finalize(st, self._release, key)
-        self._nbytes[key] = st.nbytes()  # latest size: some ops resize their outputs
-
-    def _release(self, key):
-        self.freed += self._nbytes.pop(key, 0)
 
 
 def really_freed(ns, *names):

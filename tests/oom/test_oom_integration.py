@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from conftest import run
 from kernel_helpers import execute, outputs  # noqa: E402
-from tests.attribution.test_who import LiveStorages  # noqa: E402 - exact live-byte accounting, shared with test_who
+from live_storages import LiveStorages  # noqa: E402 - exact live-byte accounting, shared with test_who
 
 CPU_OOM = "torch.empty(2**60)"
 
@@ -91,7 +91,7 @@ def test_user_text_is_escaped_in_the_panel(ip, gpumem):
 def test_seed_scenario_who_in_the_shell(ip, gpumem):
     """The seed at CPU scale: a model, Adam, one step, then the next forward keeping output and loss."""
     setup = (
-        "from tests.attribution.test_who import LiveStorages\n"
+        "from live_storages import LiveStorages\n"
         "model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),\n"
         "                            torch.nn.ReLU(), torch.nn.Linear(2048, 10))\n"
         "optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)\n"

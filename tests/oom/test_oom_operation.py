@@ -302,7 +302,7 @@ def test_a_snapshots_oom_with_no_python_frame_is_named_by_what_made_it():
     """The snapshot report's OOM lines for an allocation on autograd's device thread (C++ frames only): built from
     the test fixture of the real Constructor-Sun snapshot, its OOM event given the C++ frames of JasperSolt's real
     CudnnBatchNormBackward0 allocation (a CONSTRUCTED pairing of two real captures)."""
-    from tests.snapshots.test_snapshots import raw
+    from snapshot_fixtures import raw
 
     from ipy_gpumem.snapshots.view import open_snapshot
 

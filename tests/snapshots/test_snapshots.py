@@ -20,18 +20,11 @@ from ipy_gpumem.snapshots.replay import rounder
 from ipy_gpumem.snapshots.sites import site_of
 from ipy_gpumem.snapshots.view import open_snapshot
 
+from snapshot_fixtures import path, raw
+
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "snapshots")
 CAPTURES = sorted(f for f in os.listdir(HERE) if f.endswith(".pickle.gz"))
 MiB, GiB = 2**20, 2**30
-
-
-def path(name):
-    return os.path.join(HERE, name + ".pickle.gz")
-
-
-def raw(name):
-    with gzip.open(path(name), "rb") as fh:
-        return pickle.load(fh)  # our own fixture; the library's loader is tested below
 
 
 @pytest.mark.slow
