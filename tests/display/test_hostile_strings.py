@@ -442,6 +442,7 @@ def _hostile_snapshot(folder) -> str:
     return path
 
 
+@pytest.mark.slow
 def test_a_snapshot_with_hostile_file_frame_and_annotation_names(tmp_path, ip, gpumem, monkeypatch):
     import ipy_gpumem
     from ipy_gpumem.snapshots.view import figure_bundle

@@ -217,6 +217,7 @@ def test_hooks_never_collect_garbage_or_empty_caches(ip, gpumem, monkeypatch):
     assert calls == []
 
 
+@pytest.mark.slow
 def test_history_frame_and_export(ip, gpumem, tmp_path):
     pd = pytest.importorskip("pandas")
     run(ip, "%gpumem clear")  # the suite's shell is shared: a test that launched ranks left rows of them
@@ -491,6 +492,7 @@ def test_the_extension_never_imports_torch_itself():
     assert result == ["RESULT False 2 torch is not imported"], out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_terminal_ipython_prints_the_line():
     script = "%load_ext ipy_gpumem\nbuf = bytearray(2**26)\n%gpumem history\nexit\n"
     env = dict(os.environ, PYTHONWARNINGS="ignore")

@@ -762,6 +762,7 @@ def test_host_memory_records_read_rss():
     assert "[2] `a = torch.rand(8192, 8192)` +256.00 MiB" in f.detail and "host RSS" in f.title
 
 
+@pytest.mark.slow
 def test_rules_import_nothing_heavy():
     code = ("import sys, ipy_gpumem.oom.rules, ipy_gpumem.oom.analysis, ipy_gpumem.oom.panel\n"
             "print(sorted(m for m in ('IPython', 'torch', 'plotly', 'ipywidgets') if m in sys.modules))")

@@ -56,6 +56,7 @@ def _same(a, b):
     return a == b
 
 
+@pytest.mark.slow
 def test_the_users_objects_are_bitwise_unchanged(capsys):
     model, opt, x, y = _mlp()
     step(model, opt, x, y)  # real state: grads and optimizer state exist
@@ -96,6 +97,7 @@ def test_globals_and_closures_are_faked_not_used():
     assert all(p.grad is None for p in model.parameters()) and not opt.state
 
 
+@pytest.mark.slow
 def test_a_data_dependent_shape_is_an_estimate_error_naming_the_line():
     model, opt, x, y = _mlp()
 
@@ -114,6 +116,7 @@ def _helper(x):
     return x * HIDDEN.sum()  # a tensor of this module, reached through the step's function
 
 
+@pytest.mark.slow
 def test_tensors_of_the_users_modules_are_reached():
     def uses_helper(x):
         return _helper(x)
@@ -121,6 +124,7 @@ def test_tensors_of_the_users_modules_are_reached():
     assert est.start_allocated >= 2 * 16 and torch.equal(HIDDEN, torch.ones(4))
 
 
+@pytest.mark.slow
 def test_a_real_tensor_out_of_reach_is_reported_with_its_line_not_mixed_in():
     import logging
 
@@ -136,6 +140,7 @@ def test_a_real_tensor_out_of_reach_is_reported_with_its_line_not_mixed_in():
         del logging.getLogger("ipg-test").hidden
 
 
+@pytest.mark.slow
 def test_phases_roles_and_dict():
     model, opt, x, y = _mlp()
     est = ipy_gpumem.estimate(step, model, opt, x, y, device="cuda", gpu="T4")

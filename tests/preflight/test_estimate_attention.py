@@ -243,6 +243,7 @@ def test_max_batch_size_is_no_longer_bounded_by_the_scores():
 
 # -- the fused kernels' backward scratch and CUDA's dropout ----------------------------------------
 
+@pytest.mark.slow
 def test_a_fused_backward_takes_its_scratch_for_the_call():
     """flash's ``dq_accum`` (fp32; queries rounded up to 128, head size to 32) and ``softmax_d``, taken
     after the gradients and given back before the next op: a transient pair in the events."""
@@ -264,6 +265,7 @@ def test_a_fused_backward_takes_its_scratch_for_the_call():
     assert len(pairs) == 2  # one backward per call of the step
 
 
+@pytest.mark.slow
 def test_cuda_dropout_keeps_a_one_byte_mask():
     """On CUDA ``dropout`` is the fused ``native_dropout`` (a bool mask for backward); the CPU keeps a
     mask of the input's dtype. The CUDA estimate keeps CUDA's."""
@@ -280,6 +282,7 @@ def test_cuda_dropout_keeps_a_one_byte_mask():
     assert on_cpu.count(4 * n) - on_cuda.count(4 * n) == 2          # the CPU's fp32 mask, once per call
 
 
+@pytest.mark.slow
 def test_a_cuda_estimate_names_cudnns_convolution_workspaces():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3))
     x = torch.randn(4, 3, 32, 32)

@@ -154,6 +154,7 @@ def _forward_step(model, x):
         return model(x)
 
 
+@pytest.mark.slow
 def test_cublas_workspace_is_pytorch_memory_once_per_thread():
     """The forward's first GEMM takes one workspace; backward, on the autograd engine's thread with its
     own handle, a second (the capture ``sil_mem_snapshot.pickle`` shows both: the fixture's
@@ -200,6 +201,7 @@ def test_optimizers_left_to_choose_take_foreach_where_cuda_would():
 
 # -- one set of fixed costs, naming the GPU -------------------------------------------------------
 
+@pytest.mark.slow
 def test_estimate_and_the_cell_assume_the_same_named_card():
     from ipy_gpumem.preflight.cell import estimate_cell
     from ipy_gpumem.preflight.view import estimate_view
@@ -218,6 +220,7 @@ def test_estimate_and_the_cell_assume_the_same_named_card():
     assert ipy_gpumem.estimate(_forward_step, model, x, device="cpu").gpu is None
 
 
+@pytest.mark.slow
 def test_each_vendors_card_names_its_own_driver_context():
     """An AMD card's fixed cost is a HIP context and an Intel one's a Level Zero context, in the record
     and in the words; Apple silicon has none (issue 32). Assumed sizes, and said to be."""
@@ -593,6 +596,7 @@ def _attention_step(Q, K, V):
     loss.backward()
 
 
+@pytest.mark.slow
 def test_a_training_step_takes_a_workspace_per_thread_as_on_the_gpu():
     """The capture the workspace rule rests on: a forward and backward from an empty allocator, whose
     first GEMMs took a workspace each (the first under Python frames, on the calling thread; the

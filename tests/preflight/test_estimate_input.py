@@ -28,6 +28,7 @@ def test_an_unparsable_size_is_a_one_line_usage_error(ip, gpumem):
     assert type(result.error_in_exec).__name__ == "UsageError" and "\n" not in str(result.error_in_exec)
 
 
+@pytest.mark.slow
 def test_without_torch_installed_estimate_is_one_line(tmp_path):
     code = textwrap.dedent("""
         import sys
@@ -50,6 +51,7 @@ def test_without_torch_installed_estimate_is_one_line(tmp_path):
     assert "Traceback" not in out.stdout + out.stderr and "ModuleNotFoundError" not in out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_an_estimate_is_remembered_for_the_oom_panel(ip, gpumem):
     pytest.importorskip("torch")
     from ipy_gpumem.preflight import known

@@ -111,6 +111,7 @@ def _step(m, x):
     return m(x).sum()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", [math.inf, 1e7, 30])
 def test_a_large_or_infinite_timeout_is_accepted(value):
     est = ipy_gpumem.estimate(_step, torch.nn.Linear(8, 8), torch.randn(4, 8), device="cpu", timeout_s=value)
@@ -131,6 +132,7 @@ def test_a_bad_timeout_is_a_one_line_error_before_anything_runs(value):
 # --- what the step writes: pretended, and listed (C code's refusals too) --------------------------------
 
 
+@pytest.mark.slow
 def test_files_databases_and_c_code_are_listed_in_the_notes_not_failures(ip, gpumem, tmp_path):
     db, log, new_db, cdir = (str(tmp_path / n) for n in ("old.db", "log.txt", "new.db", "cdir"))
     con = sqlite3.connect(db)
@@ -214,6 +216,7 @@ def _forger(payload, marker):
     return step
 
 
+@pytest.mark.slow
 def test_a_forged_pickle_or_a_3_gib_header_from_the_step_runs_nothing_and_is_one_line(tmp_path, ip, gpumem):
     import pickle
 

@@ -78,6 +78,7 @@ def server():
     listener.close()
 
 
+@pytest.mark.slow
 def test_no_side_effect_of_the_step_reaches_the_user(tmp_path, server):
     address, connections = server
     model, opt, x, y = _mlp()
@@ -186,6 +187,7 @@ def train(model, opt, x, y):
     opt.step()
 
 
+@pytest.mark.slow
 def test_the_estimate_starts_from_the_state_that_is_there():
     """After one real step (gradients and Adam's state exist), zero_grad() frees the old gradients in
     the estimate too: it matches the real next steps' peak within 1% instead of counting them twice."""
@@ -200,6 +202,7 @@ def test_the_estimate_starts_from_the_state_that_is_there():
     assert est.start_allocated >= 4 * params  # parameters, gradients and both Adam moments exist
 
 
+@pytest.mark.slow
 def test_an_inference_step_called_twice_peaks_where_it_really_peaks():
     model, _opt, x, _y = _mlp()
     holder = {}

@@ -128,6 +128,7 @@ def test_a_cell_that_cannot_be_estimated_names_its_line():
         estimate_cell("get_ipython().run_line_magic('time', 'x = 1')\n", ns)
 
 
+@pytest.mark.slow
 def test_estimate_in_a_shell(ip, gpumem):
     run(ip, SETUP)
     ns = ip.user_ns

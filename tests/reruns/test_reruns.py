@@ -56,6 +56,7 @@ def test_no_walk_for_cells_that_keep_nothing(ip, gpumem, monkeypatch):
     assert calls == []
 
 
+@pytest.mark.slow
 def test_optimizer_from_another_cell_is_named_with_the_cell_to_rerun(ip, gpumem):
     run(ip, "import torch")
     # 64 MiB: above glibc's largest mmap threshold, so RSS (the trigger) grows even in a long-lived shell
@@ -84,6 +85,7 @@ def test_optimizer_from_another_cell_is_named_with_the_cell_to_rerun(ip, gpumem)
     run(ip, "del rr_model, rr_opt")
 
 
+@pytest.mark.slow
 def test_rebinding_frees_the_old_object_and_says_nothing(ip, gpumem):
     run(ip, "import torch")
     for cell in ("rr_net = torch.nn.Linear(2048, 2048)",
@@ -111,6 +113,7 @@ def test_history_marks_reruns_and_their_growth(ip, gpumem):
     run(ip, "del rr_keep")
 
 
+@pytest.mark.slow
 def test_appending_a_tensor_with_its_graph_is_fixed_without_item_unless_it_is_a_scalar(ip, gpumem):
     """``.item()`` raises on a tensor of more than one element (issue 29): `rr_outs.append(rr_out)` of a
     1024 x 4096 output is told to append `rr_out.detach()`; a scalar loss may become a number. (Every

@@ -451,6 +451,7 @@ def test_torch_global_settings_are_unchanged():
     assert torch.get_num_threads() == threads
 
 
+@pytest.mark.slow
 def test_a_torch_op_after_the_parent_used_its_thread_pool_completes():
     torch = pytest.importorskip("torch")
     a = torch.randn(2048, 2048)
@@ -486,6 +487,7 @@ def test_input_raises():
     assert outcome.error.type_name == "EOFError"
 
 
+@pytest.mark.slow
 def test_a_20_mb_value_arrives_intact():
     def step():
         data = os.urandom(20 * 2**20)
@@ -496,6 +498,7 @@ def test_a_20_mb_value_arrives_intact():
     assert len(data) == 20 * 2**20 and hashlib.sha256(data).hexdigest() == digest
 
 
+@pytest.mark.slow
 def test_the_parents_memory_does_not_stay_higher():
     def rss():
         with open("/proc/self/statm") as f:
@@ -728,6 +731,7 @@ def _dead(pid, started, within=30):
     return False
 
 
+@pytest.mark.slow
 def test_a_zygote_runs_each_trial_from_its_own_pristine_copy():
     def trial(i):
         COUNTER["n"] += 1  # a trial changes the world it runs in
@@ -1144,6 +1148,7 @@ def test_python_code_cannot_write_on_dup_or_close_the_answer_pipe():
     assert sum("the sealed run's own pipe" in line for line in outcome.refused) == 8
 
 
+@pytest.mark.slow
 def test_plain_data_is_bounded_by_the_bytes_received():
     from ipy_gpumem.sealed import plain
 

@@ -270,6 +270,7 @@ def test_event_times_are_offsets_until_one_does_not_fit(late):
     assert untimed.time.typecode == "I" and all("time_us" not in e for e in untimed)
 
 
+@pytest.mark.slow
 def test_values_every_event_had_until_one_differs():
     """The fast path writes a value every event of a run had into its template (torch's stream, its fresh "N/A"
     strings); events that differ, one or a run of them, and a stack shared by an allocation and its free, read as
@@ -323,6 +324,7 @@ def test_addresses_and_times_of_every_width():
     assert any(moved) and not all(moved)
 
 
+@pytest.mark.slow
 def test_dicts_in_lists_the_fast_way(monkeypatch):
     """With the fast way for dicts in lists from the first one (a big snapshot's blocks and frames), the segments
     read as plain unpickling reads them, and what shared stacks stand for is still counted."""

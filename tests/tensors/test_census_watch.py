@@ -259,6 +259,7 @@ def test_the_snapshot_of_many_holders_is_linear_in_them():
     assert large < 8 * small, (small, large)
 
 
+@pytest.mark.slow
 def test_the_snapshot_keeps_to_its_budget_when_the_walk_stops():
     """A cell's re-run snapshot shares the cell's budget: with a list of 300,000 tensors a 0.2 s budget stops
     the walk, and the holders it reached are not named after it (that took 0.7 s more here, and 3 s after a

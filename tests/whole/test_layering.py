@@ -481,6 +481,7 @@ def _private_uses(module):
             yield line, f'"{name}"', "foreign"
 
 
+@pytest.mark.slow
 def test_no_module_uses_another_modules_private_names():
     """An underscore name is its module's own: imported from another module, read as another module's
     attribute (``other._name``, ``obj._method`` of a class defined elsewhere) or spelled as a string,
@@ -490,6 +491,7 @@ def test_no_module_uses_another_modules_private_names():
     assert not found, "\n".join(found)
 
 
+@pytest.mark.slow
 def test_torch_private_names_are_spelled_in_tensors_only():
     """``tensors/`` is the one room that names torch's internals. Elsewhere, a private name of another
     library (an attribute, a string for getattr or a dict's key, a private module) fails unless

@@ -98,6 +98,7 @@ def test_the_build_prints_no_warning(sdist):
     assert not re.search(r"(?i)warning", printed), printed
 
 
+@pytest.mark.slow
 def test_the_built_metadata(sdist):
     _, info, _ = sdist
     assert "a %%gpumem magic" in info["Summary"]  # configparser's interpolation keeps both signs
@@ -114,6 +115,7 @@ def test_the_built_metadata(sdist):
     assert "(https://github.com/ipy-gpumem/ipy_gpumem/raw/main/docs/chart-jupyterlab.png)" in description
 
 
+@pytest.mark.slow
 def test_the_sdist_ships_everything_the_tests_need(sdist):
     unpacked, _, _ = sdist
     for needed in ("conftest.py", "kernel_helpers.py", "browser_helpers.py", "thread_fixtures.py", "fixtures"):

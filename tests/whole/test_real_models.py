@@ -72,6 +72,7 @@ class Live:
         return sum(n for ref, n in self.refs.values() if ref() is not None)
 
 
+@pytest.mark.slow
 def test_a_model_outputs_cache_objects_are_counted_exactly():
     model = gpt2()
     with torch.no_grad():
