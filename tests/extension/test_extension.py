@@ -17,6 +17,10 @@ from ipy_gpumem.core.units import GiB, MiB
 from conftest import htmls, run, texts
 
 torch = pytest.importorskip("torch")
+# Names a test makes in the suite's shared shell are removed after it (left there, these tests' 26 names made
+# the shell's namespace larger than the census watch reads at every cell, and tensors/test_census_watch.py,
+# which runs after this file now, compared a quiet cell's count with a fresh one that saw more).
+pytestmark = pytest.mark.usefixtures("restore_user_ns")
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="exact RSS needs procfs")
 #: What a record says about CUDA on this machine's CPU-only torch (a CUDA build says "not initialized yet").
 NO_CUDA = "this torch build has no CUDA (a CPU-only build)" if torch.version.cuda is None else "CUDA not initialized yet"
