@@ -1,6 +1,6 @@
 """The pre-flight estimate: accuracy on the zoo against real CPU runs, and the time of a GPT-2-small estimate and of a max-batch search.
 
-Accuracy: each member of tests/test_estimate_zoo.py runs twice for real on the CPU under the exact
+Accuracy: each member of tests/preflight/test_estimate_zoo.py runs twice for real on the CPU under the exact
 storage tracker (the ground truth) and is estimated on fake tensors with ``device="cpu"``.
 Speed: a GPT-2-small-sized model (124 M parameters, nanoGPT's layout, tied embedding and head)
 with AdamW, batch 8 x 1024 tokens, estimated with ``device="cuda"`` (in its sealed copy of the
@@ -12,7 +12,7 @@ against the estimate of the same step with ``device="cuda"``. The usual training
 workers, side by side, times and peaks. The max-batch searches of the tests, with the estimates each
 took (in the order tried) and the CPU time of the sealed copies. The estimate at every batch size
 (issue 29): its error against what the process really allocated (torch's profiler) by batch size and
-precision on the models of tests/test_estimate_batch.py, with and without the CPU kernels' scratch; the
+precision on the models of tests/preflight/test_estimate_batch.py, with and without the CPU kernels' scratch; the
 caching allocator's steady state against two calls for a BERT-base-like fine-tune on an A100; and GPT-2
 small at 8 x 1024 on a T4 with the attention kernel the GPU picks against the math kernel (the CPU's
 choice, which the estimate used to inherit). An estimate beside N unrelated tensors in its namespace,
@@ -30,7 +30,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+# the estimate's test modules (tests/preflight/), whose models and steps the tables measure
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "preflight"))
 
 
 def zoo_table():
@@ -118,7 +119,7 @@ def children_cpu() -> float:
 
 
 def max_batch_table(against=None, gpt2_small=False):
-    """The searches of the tests (tests/test_estimate.py, test_estimate_attention.py): how many estimates each
+    """The searches of the tests (tests/preflight/test_estimate.py, test_estimate_attention.py): how many estimates each
     takes. With ``against`` (the path of another version of ipy_gpumem/preflight/batch.py, loaded beside this
     one), each search runs with both, one after the other, in this process."""
     import torch

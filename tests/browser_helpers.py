@@ -1,4 +1,4 @@
-"""Drive JupyterLab in headless Chromium (Playwright) for tests/test_browser.py.
+"""Drive JupyterLab in headless Chromium (Playwright) for tests/whole/test_browser.py.
 
 The recipe is the one in the project notes (NOTES §9): the Debian ``chromium`` binary (no
 ``playwright install``), a JupyterLab server started from this interpreter on a port it picks

@@ -128,7 +128,7 @@ class _PinsCheck:
 #: Test files whose tests each set up all they use (a kernel or a notebook of their own), spread test by
 #: test over the pytest-xdist workers; every other file runs whole on one worker, in its own order, as
 #: without xdist (module fixtures made once, tests that share artifacts/browser/ one after the other).
-SPREAD_TEST_BY_TEST = ("test_kernel_chart.py", "test_notebooks.py")
+SPREAD_TEST_BY_TEST = ("test_chart_in_kernel.py", "test_notebooks.py")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -174,6 +174,22 @@ def restore_user_ns(ip):
     for name, value in before.items():
         if ip.user_ns.get(name, value) is not value:
             ip.user_ns[name] = value
+
+
+@pytest.fixture
+def default_threshold(request):
+    """The tests that use ``gpumem`` run at the default threshold whatever earlier tests configured on the shared
+    shell (a module applies it to all its tests: ``pytestmark = pytest.mark.usefixtures("default_threshold")``)."""
+    if "gpumem" not in request.fixturenames:
+        yield
+        return
+    magics = request.getfixturevalue("gpumem")
+    before = magics.threshold
+    magics.threshold = "16 MiB"
+    try:
+        yield
+    finally:
+        magics.threshold = before
 
 
 @pytest.fixture

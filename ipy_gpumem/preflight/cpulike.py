@@ -8,7 +8,7 @@ batched one (``bmm``, ``baddbmm``: attention scores, ``einsum``) takes that buff
 of the batch at a time. fp32 and fp16 multiplies take none. oneDNN's convolutions take a scratchpad
 per intra-op thread (tens of KiB a thread, the same at every batch size), which is not counted. Without it, a bf16 step whose peak falls inside its largest linear
 layer (an MLP's, at a large batch) was estimated 18% under what the process allocated at 8x the
-batch, while exact at 1x: the buffer grows with the batch (``tests/test_estimate_batch.py``).
+batch, while exact at 1x: the buffer grows with the batch (``tests/preflight/test_estimate_batch.py``).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ layout of cached segments, and until that layout repeats a step may find no free
 enough and reserve a new segment. With small tensors (batch 1) the layout settles at once; with
 large ones it can take a few more steps, and the reserved bytes an estimate of two calls gives
 were up to 8% under the steady state's for a BERT-base fine-tune at batch 2 to 4
-(``tests/test_estimate_batch.py``): the "right at batch 1, under at batch 4" of a table measured
+(``tests/preflight/test_estimate_batch.py``): the "right at batch 1, under at batch 4" of a table measured
 after a whole training run (nvidia-smi reads reserved bytes).
 
 The estimate runs the step twice; the last call is the steady step. :func:`repeat` appends copies

@@ -19,6 +19,6 @@
     spawn.py       the index torch.multiprocessing gave a process it started
 
 The census, ``who()``, re-runs, phases, the estimate and the OOM analysis count through this room
-and nowhere else; no other module names a private torch attribute (``tests/test_layering.py`` checks it).
+and nowhere else; no other module names a private torch attribute (``tests/whole/test_layering.py`` checks it).
 Importing it imports nothing heavy: torch is read from ``sys.modules`` when the user imported it.
 """

@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 __all__ = ["Api", "api", "Dependency", "DEPENDENCIES", "CHECKED_ON"]
 
 #: The torch releases every entry of :data:`DEPENDENCIES` was checked on (the CPU build here; the
-#: CUDA names on a CUDA build through ``tests/test_gpu.py`` when a GPU is lent).
+#: CUDA names on a CUDA build through ``tests/whole/test_gpu.py`` when a GPU is lent).
 CHECKED_ON = ("2.13.0",)
 
 
