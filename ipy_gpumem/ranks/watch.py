@@ -73,6 +73,8 @@ NVML_EVERY_S = 1.0
 MAX_CHILD_MESSAGE = 8000
 #: Processes of one cell read from outside, at most (a launch of thousands is read in part).
 MAX_SEEN = 4096
+#: A process that looked like a copy of the kernel is read again for its first readings (it may have exec'd).
+RECHECK_READINGS = 3
 
 
 class _Cell:
@@ -543,6 +545,12 @@ class RankWatch:
                 if info is None:
                     continue
                 seen = cell.seen[pid] = _Seen(info)
+            elif seen.readings < RECHECK_READINGS and not _children.is_fresh_program(seen.info):
+                # First read between its fork and its exec, a spawned interpreter looked like a copy of the
+                # kernel (whose memory it started from): read who it is again while it is young.
+                info = _children.child_info(pid)
+                if info is not None:
+                    seen.info = info
             if not seen.labelled and pid in cell.indices:
                 seen.labelled, seen.index = True, cell.indices[pid]
             current.add(pid)

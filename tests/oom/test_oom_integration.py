@@ -1,5 +1,6 @@
 """Out-of-memory in a real shell and kernel: the user's error unchanged, then the panel; who; free."""
 import gc
+import re
 import sys
 
 import pytest
@@ -171,10 +172,15 @@ def test_who_and_free_bad_arguments(ip, gpumem):
 @pytest.mark.compat
 def test_kernel_cpu_oom_error_then_panel():
     nb = execute(["%load_ext ipy_gpumem", "import torch", CPU_OOM, "1/0", "%%time\n" + CPU_OOM])
-    kinds = [o.output_type for o in nb.cells[2].outputs]
-    assert kinds == ["error", "display_data"]
-    assert nb.cells[2].outputs[0].ename == "RuntimeError"
-    panel = nb.cells[2].outputs[1]["data"]
+    shown = [(o.output_type, o.get("data", {}).get("text/plain", o.get("ename", ""))[:300]) for o in nb.cells[2].outputs]
+    assert shown[0][0] == "error" and nb.cells[2].outputs[0].ename == "RuntimeError", shown
+    panels = [o for o in nb.cells[2].outputs[1:] if o.get("data", {}).get("text/plain", "").startswith("Out of memory")]
+    assert len(panels) == 1, shown  # the panel, once
+    # Anything else is the cell's own line (a busy machine's kernel may move RSS past the threshold while the
+    # traceback is formatted), never a second panel or an error of ours.
+    assert all(kind == "display_data" and re.match(r"\[\d+\] ", text) for kind, text in shown[1:]
+               if not text.startswith("Out of memory")), shown
+    panel = panels[0]["data"]
     assert panel["text/plain"].startswith("Out of memory on the host (cpu)") and "<div" in panel["text/html"]
     assert [o.output_type for o in nb.cells[3].outputs] == ["error"]  # a plain error: no panel
     assert any(o["data"]["text/plain"].startswith("Out of memory") for o in outputs(nb.cells[4], "display_data"))
