@@ -1,8 +1,10 @@
 """Real CUDA: exact allocator deltas through the extension, and fixture capture for the CPU tests.
 
 Marked ``gpu``: skipped without a CUDA device. With ``IPY_GPUMEM_CAPTURE=path`` set they also
-write what they saw (memory_stats dicts, device names, timings) to ``path`` for
-``tests/fixtures/gpu/`` and the CPU tests that replay it (test_gpu_replay.py).
+write what they saw (memory_stats dicts, device names, timings) to ``path``, to be committed as a
+fixture when a GPU is lent; the CPU tests check the CUDA paths against the real captures already in
+``tests/fixtures/`` (allocator snapshots under ``snapshots/``, OOM threads and NVML readings under
+``threads/``, each with its source).
 """
 import json
 import os
