@@ -42,6 +42,11 @@ class CellBudget:
             return None
 
     @property
+    def ceiling(self) -> float:
+        """The most any cell's end may spend (read when asked: a test may raise it)."""
+        return CEILING_S
+
+    @property
     def allowed(self) -> float:
         """The seconds this cell's end may spend in all."""
         seconds = self.cell_seconds

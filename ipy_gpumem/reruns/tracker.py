@@ -21,7 +21,7 @@ How it works (:class:`RerunTracker`, called by the watcher once per finished out
 * **Snapshots** (:mod:`.kept`: a walk within the cell end's budget, ``cell.budget.CellBudget``) are
   taken only after a run that kept memory (first run: kept at least the threshold; re-run: grew
   by it). A snapshot the budget stopped names no suspect, and that cell's next run may walk four
-  times as long (up to ``who()``'s budget). A snapshot keeps, per
+  times as long (up to the most a cell's end may spend, ``CellBudget.ceiling``). A snapshot keeps, per
   holder group (a variable and what hangs off it, IPython's output cache, the last traceback, the
   closures of a module's hooks), the bytes and the identities (address, size) of its storages:
   plain ints, never a tensor.
@@ -209,11 +209,13 @@ class RerunTracker:
         if snap is None:
             return None
         if not snap.complete and budget is not None:
-            # The next run of this cell gets four times as long, up to who()'s budget: a leak that
-            # grows run after run is then named on a later run instead of never.
+            # The next run of this cell gets four times as long, up to the most a cell's end may spend
+            # (who()'s budget without one): a leak that grows run after run is then named on a later run
+            # instead of never, and no cell's end spends more than the ceiling on it whatever the namespace
+            # holds (the census after it gets what is left, at least a moment).
             from ..attribution.who import BUDGET_S
 
-            cell.walk_s = min(4 * budget, BUDGET_S)
+            cell.walk_s = min(4 * budget, self._budget.ceiling if self._budget is not None else BUDGET_S)
         cell.snapshot = snap
         self._snapshots.append(cell)
         if len(self._snapshots) > MAX_SNAPSHOTS:

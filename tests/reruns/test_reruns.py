@@ -332,3 +332,23 @@ def test_code_that_keeps_tensors_is_told_apart_without_running_any_of_it():
     assert classify(["helper.seen[2]"]) == ("module_global", "helper.seen", None)
     assert classify(["loud.cache[0]", "loud.__defaults__[0]", "loud.__closure__[0]"]) is None
     assert calls == []
+
+
+@pytest.mark.slow
+def test_a_stopped_snapshot_grows_the_next_walk_only_up_to_the_most_a_cells_end_may_spend(ip, gpumem, monkeypatch):
+    """Beside a list of 300,000 tensors the re-run snapshot's walk stops on its budget. The next run of that cell
+    may walk longer (a leak is then named on a later run instead of never), but never longer than a cell's end may
+    spend in all (``CellBudget.ceiling``), whatever the namespace holds: the code before let it grow to who()'s
+    0.75 s, beside the census's own walk (0.92 s of CPU in the hooks of a cell beside 1M tensors)."""
+    import ipy_gpumem.cell.budget as budget
+    from ipy_gpumem.reruns import tracker as reruns
+
+    monkeypatch.setattr(budget, "CEILING_S", 0.3)
+    budgets = []
+    real = reruns.take_snapshot
+    monkeypatch.setattr(reruns, "take_snapshot", lambda ns, refs, b: budgets.append(b) or real(ns, refs, b))
+    run(ip, "import torch\nrr_data = [torch.zeros(1) for _ in range(300_000)]")
+    for _ in range(4):
+        run(ip, "rr_keep = torch.zeros(8_000_000)")
+    assert len(budgets) >= 3, budgets
+    assert max(budgets) > budgets[0] and max(budgets) <= 0.3 + 1e-9, budgets  # it grew, to the ceiling at most
