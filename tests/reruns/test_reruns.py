@@ -347,8 +347,10 @@ def test_a_stopped_snapshot_grows_the_next_walk_only_up_to_the_most_a_cells_end_
     budgets = []
     real = reruns.take_snapshot
     monkeypatch.setattr(reruns, "take_snapshot", lambda ns, refs, b: budgets.append(b) or real(ns, refs, b))
-    run(ip, "import torch\nrr_data = [torch.zeros(1) for _ in range(300_000)]")
+    # Each run keeps 64 MiB more (above glibc's largest mmap threshold, so RSS rises whatever the heap has free
+    # from earlier tests): every run kept memory, and each one is snapshotted.
+    run(ip, "import torch\nrr_data = [torch.zeros(1) for _ in range(300_000)]\nrr_kept = []")
     for _ in range(4):
-        run(ip, "rr_keep = torch.zeros(8_000_000)")
+        run(ip, "rr_kept.append(torch.zeros(16_000_000))")
     assert len(budgets) >= 3, budgets
     assert max(budgets) > budgets[0] and max(budgets) <= 0.3 + 1e-9, budgets  # it grew, to the ceiling at most
