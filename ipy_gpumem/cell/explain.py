@@ -70,7 +70,7 @@ class CellAnatomy:
         self._counters = None  # the reading (a Sample) when the baseline was marked stale
         #: Why the last cell's end took (or did not take) a new count: None for a quiet cell.
         self.recount_reason: Optional[str] = None
-        self._modules: Optional[int] = None  # len(sys.modules) when the recorded cell in flight started
+        self._modules: Optional[int] = None  # len(sys.modules) when the last recorded cell ended
 
     @property
     def baseline(self):
@@ -108,6 +108,7 @@ class CellAnatomy:
         the fingerprint. ``recount``: count again whatever the fingerprint says (our own magics ran:
         ``%gpumem free`` frees the user's tensors through IPython's caches). Without torch nothing holds a tensor: the empty census is exact and costs nothing.
         """
+        self._modules = len(sys.modules)
         if "torch" not in sys.modules:
             from ..tensors.census import EMPTY
 
@@ -150,6 +151,7 @@ class CellAnatomy:
     def adopt(self, snapshot, sample=None) -> None:
         """Use ``snapshot`` (a census taken at the end of a cell, whose closing reading is ``sample``)
         as the baseline."""
+        self._modules = len(sys.modules)
         if snapshot is not None:
             self.baseline = snapshot
             self._after(not snapshot.stopped)
